@@ -1,0 +1,72 @@
+/* CPU reference of decode attention fused with LongFlow scoring and eviction, prefill attention
+ * with SnapKV compression, and the other eviction policies (DESIGN §3, normative).
+ *
+ * All fp32 with exact softmax. These functions are the oracle for every backend's kernels.
+ */
+#ifndef LF_ATTENTION_H
+#define LF_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lfserve.h"
+#include "memory/pool.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lf_attn_params {
+  lf_policy policy;
+  int sink;       /* slots 0..sink-1 are never evicted */
+  int window;     /* prefill: last W prompt tokens always kept (SnapKV observation window) */
+  int h2o_recent; /* h2o: the most recent slots (by position) that are never evicted */
+  int group;      /* query heads per KV head */
+  int head_dim;
+  float scale;    /* 1/sqrt(head_dim) */
+} lf_attn_params;
+
+/* Checks a policy/budget/sink/window combination; names the problem on failure. */
+lf_status lf_attn_params_check(const lf_attn_params *p, int budget);
+
+/* The slot a new token is written to: n < budget ? n : next. */
+int lf_kv_write_slot(const lf_kv_head *h);
+
+/* One decode step of one sequence for one (layer, KV head):
+ *   1. write k_new/v_new (post-RoPE) at w = (n < B) ? n++ : next  (full policy: n == B is
+ *      LF_ERR_CONTEXT_FULL, nothing written);
+ *   2. for each of the group's query heads: alpha = softmax(q.k_i * scale) over the n filled
+ *      slots, out = sum alpha_i v_i;
+ *   3. score s_i = ||v_i||_1 * sum_h alpha_h,i (longflow), or the policy's own score;
+ *   4. next = argmin s_i over filled slots except w and slots < sink; lowest index on ties.
+ * q: [group][head_dim]; out: [group][head_dim]. *evicted (may be NULL) is set to 1 when a
+ * filled slot was overwritten. scores (may be NULL): [budget], receives s_i for filled slots. */
+lf_status lf_attn_decode_ref(const lf_attn_params *p, lf_kv_head *h, const float *q,
+                             const float *k_new, const float *v_new, int32_t pos_new, float *out,
+                             int *evicted, float *scores);
+
+/* Attention for a chunk of n_tok tokens at positions pos0.. of one sequence, for one KV head,
+ * followed by writing the chunk into the pool.
+ *   q:   token t, group head j at q[t*q_stride + j*head_dim]      (post-RoPE)
+ *   k,v: token t at k[t*kv_stride], v[t*kv_stride]                 (post-RoPE k)
+ *   out: token t, group head j at out[t*out_stride + j*head_dim]
+ * Each query attends causally to the pool's filled slots and the chunk's tokens up to itself.
+ * Pool empty and n_tok <= B-1: all tokens go to slots 0..n_tok-1.
+ * Pool empty and n_tok  > B-1 (evicting policies): SnapKV compression keeps the first sink
+ * tokens, the last W, and the B-1-sink-W others with the highest score (softmax of the last W
+ * queries over their causal keys, summed over the group's heads and the W queries, then a
+ * width-5 zero-padded average pool), ties to the lower position; kept tokens fill slots
+ * 0..B-2 in position order. Afterwards n <= B-1.
+ * Pool not empty and the chunk fits (n + n_tok <= B-1): appended in order.
+ * Pool not empty and it does not fit: the full policy returns LF_ERR_CONTEXT_FULL; the others
+ * process the chunk token by token as decode steps (step semantics above).
+ * *evictions (may be NULL) is increased by the number of filled slots overwritten. */
+lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok, int32_t pos0,
+                              const float *q, size_t q_stride, const float *k, const float *v,
+                              size_t kv_stride, float *out, size_t out_stride,
+                              uint64_t *evictions);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

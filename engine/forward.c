@@ -1,0 +1,217 @@
+#include "forward.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+
+void lf_rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
+  float ss = 0.0f;
+  for (int i = 0; i < n; i++) ss += x[i] * x[i];
+  const float r = 1.0f / sqrtf(ss / (float)n + eps);
+  for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* Eight independent partial sums: vectorisable without -ffast-math, and the summation order
+ * depends only on n, so a token's result never depends on what else is in the batch. */
+static float dot(const float *a, const float *b, int n) {
+  float s[8] = {0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; j++) s[j] += a[i + j] * b[i + j];
+  float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; i < n; i++) r += a[i] * b[i];
+  return r;
+}
+
+void lf_matmul(float *y, const float *x, const float *W, const float *b, int n_tok, int n_in,
+               int n_out) {
+#ifdef LF_HAVE_OPENMP
+#pragma omp parallel for schedule(static) if ((long)n_out * n_in * n_tok > 65536)
+#endif
+  for (int o = 0; o < n_out; o++) {
+    const float *wr = W + (size_t)o * n_in;
+    const float bo = b ? b[o] : 0.0f;
+    for (int t = 0; t < n_tok; t++) y[(size_t)t * n_out + o] = dot(wr, x + (size_t)t * n_in, n_in) + bo;
+  }
+}
+
+void lf_rope_freqs(const lf_model_config *cfg, float *inv_freq) {
+  const int half = cfg->head_dim / 2;
+  for (int i = 0; i < half; i++) {
+    /* fp32 like the reference implementations, so positions rotate identically */
+    float f = 1.0f / powf(cfg->rope_theta, (float)(2 * i) / (float)cfg->head_dim);
+    if (cfg->rope_scaling == LF_ROPE_SCALING_LLAMA3) {
+      const float old = (float)cfg->rope_original_max_pos;
+      const float low_wl = old / cfg->rope_low_freq_factor;
+      const float high_wl = old / cfg->rope_high_freq_factor;
+      const float wl = 2.0f * (float)M_PI / f;
+      if (wl > low_wl) {
+        f = f / cfg->rope_factor;
+      } else if (wl >= high_wl) {
+        const float smooth = (old / wl - cfg->rope_low_freq_factor) /
+                             (cfg->rope_high_freq_factor - cfg->rope_low_freq_factor);
+        f = (1.0f - smooth) * f / cfg->rope_factor + smooth * f;
+      }
+    }
+    inv_freq[i] = f;
+  }
+}
+
+void lf_rope_apply(float *x, int n_heads, int head_dim, int32_t pos, const float *inv_freq,
+                   lf_rope_style style) {
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; i++) {
+    const float ang = (float)pos * inv_freq[i];
+    const float c = cosf(ang), s = sinf(ang);
+    for (int h = 0; h < n_heads; h++) {
+      float *xh = x + (size_t)h * head_dim;
+      const int i0 = style == LF_ROPE_INTERLEAVED ? 2 * i : i;
+      const int i1 = style == LF_ROPE_INTERLEAVED ? 2 * i + 1 : i + half;
+      const float a = xh[i0], b = xh[i1];
+      xh[i0] = a * c - b * s;
+      xh[i1] = b * c + a * s;
+    }
+  }
+}
+
+static void free_scratch(lf_cpu_forward *f) {
+  free(f->x);
+  free(f->xb);
+  free(f->q);
+  free(f->k);
+  free(f->v);
+  free(f->att);
+  free(f->hb);
+  free(f->hb2);
+  f->x = f->xb = f->q = f->k = f->v = f->att = f->hb = f->hb2 = NULL;
+  f->cap_tok = 0;
+}
+
+static lf_status grow_scratch(lf_cpu_forward *f, int n_tok) {
+  if (n_tok <= f->cap_tok) return LF_OK;
+  const lf_model_config *c = f->cfg;
+  free_scratch(f);
+  const size_t t = (size_t)n_tok;
+  const size_t qd = (size_t)c->n_heads * c->head_dim, kd = (size_t)c->n_kv_heads * c->head_dim;
+  f->x = malloc(t * c->dim * sizeof(float));
+  f->xb = malloc(t * (c->dim > (int)qd ? (size_t)c->dim : qd) * sizeof(float));
+  f->q = malloc(t * qd * sizeof(float));
+  f->k = malloc(t * kd * sizeof(float));
+  f->v = malloc(t * kd * sizeof(float));
+  f->att = malloc(t * qd * sizeof(float));
+  f->hb = malloc(t * c->hidden_dim * sizeof(float));
+  f->hb2 = malloc(t * c->hidden_dim * sizeof(float));
+  if (!f->x || !f->xb || !f->q || !f->k || !f->v || !f->att || !f->hb || !f->hb2) {
+    free_scratch(f);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "forward scratch for %d tokens", n_tok);
+  }
+  f->cap_tok = n_tok;
+  return LF_OK;
+}
+
+lf_status lf_cpu_forward_init(lf_cpu_forward *f, const lf_model_config *cfg, const lf_weights *w,
+                              lf_kv_arena *arena, const lf_attn_params *ap) {
+  memset(f, 0, sizeof *f);
+  f->cfg = cfg;
+  f->w = w;
+  f->arena = arena;
+  f->ap = *ap;
+  f->inv_freq = malloc(sizeof(float) * (size_t)(cfg->head_dim / 2));
+  if (!f->inv_freq) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
+  lf_rope_freqs(cfg, f->inv_freq);
+  lf_status s = grow_scratch(f, 1);
+  if (s != LF_OK) lf_cpu_forward_free(f);
+  return s;
+}
+
+void lf_cpu_forward_free(lf_cpu_forward *f) {
+  free_scratch(f);
+  free(f->inv_freq);
+  f->inv_freq = NULL;
+}
+
+lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_tok,
+                             const int32_t *tokens, float *logits, float *logits_all,
+                             uint64_t *evictions) {
+  const lf_model_config *c = f->cfg;
+  const lf_weights *w = f->w;
+  if (n_tok < 1) return lf_error(LF_ERR_INVALID_ARG, "forward: n_tok %d < 1", n_tok);
+  if (pool < 0 || pool >= f->arena->shape.n_pools)
+    return lf_error(LF_ERR_INVALID_ARG, "forward: pool %d out of range", pool);
+  for (int t = 0; t < n_tok; t++)
+    if (tokens[t] < 0 || tokens[t] >= c->vocab_size)
+      return lf_error(LF_ERR_INVALID_ARG, "token id %d out of range [0, %d)", tokens[t],
+                      c->vocab_size);
+  LF_TRY(grow_scratch(f, n_tok));
+
+  const int dim = c->dim, hd = c->head_dim, hq = c->n_heads, hkv = c->n_kv_heads;
+  const int qd = hq * hd, kd = hkv * hd, group = hq / hkv;
+  float *x = f->x;   /* [n_tok][dim] */
+  float *xb = f->xb; /* [n_tok][max(dim, qd)] */
+
+  for (int t = 0; t < n_tok; t++)
+    memcpy(x + (size_t)t * dim, w->embed + (size_t)tokens[t] * dim, sizeof(float) * dim);
+
+  for (int l = 0; l < c->n_layers; l++) {
+    const lf_layer_weights *L = &w->layers[l];
+    for (int t = 0; t < n_tok; t++)
+      lf_rmsnorm(xb + (size_t)t * dim, x + (size_t)t * dim, L->rms_att, dim, c->norm_eps);
+    lf_matmul(f->q, xb, L->wq, L->bq, n_tok, dim, qd);
+    lf_matmul(f->k, xb, L->wk, L->bk, n_tok, dim, kd);
+    lf_matmul(f->v, xb, L->wv, L->bv, n_tok, dim, kd);
+    for (int t = 0; t < n_tok; t++) {
+      float *qt = f->q + (size_t)t * qd, *kt = f->k + (size_t)t * kd;
+      if (c->qk_norm) {
+        for (int h = 0; h < hq; h++) lf_rmsnorm(qt + h * hd, qt + h * hd, L->q_norm, hd, c->norm_eps);
+        for (int h = 0; h < hkv; h++) lf_rmsnorm(kt + h * hd, kt + h * hd, L->k_norm, hd, c->norm_eps);
+      }
+      lf_rope_apply(qt, hq, hd, pos0 + t, f->inv_freq, c->rope_style);
+      lf_rope_apply(kt, hkv, hd, pos0 + t, f->inv_freq, c->rope_style);
+    }
+    /* Attention per KV head over this sequence's pool; eviction is local to the head. */
+    for (int g = 0; g < hkv; g++) {
+      lf_kv_head kh = lf_kv_arena_head(f->arena, pool, l, g);
+      lf_status s;
+      if (n_tok == 1) {
+        int ev = 0;
+        s = lf_attn_decode_ref(&f->ap, &kh, f->q + (size_t)g * group * hd, f->k + (size_t)g * hd,
+                               f->v + (size_t)g * hd, pos0, f->att + (size_t)g * group * hd, &ev,
+                               NULL);
+        if (evictions) *evictions += (uint64_t)ev;
+      } else {
+        s = lf_attn_prefill_ref(&f->ap, &kh, n_tok, pos0, f->q + (size_t)g * group * hd, qd,
+                                f->k + (size_t)g * hd, f->v + (size_t)g * hd, kd,
+                                f->att + (size_t)g * group * hd, qd, evictions);
+      }
+      if (s != LF_OK) return s;
+    }
+    lf_matmul(xb, f->att, L->wo, NULL, n_tok, qd, dim);
+    for (size_t i = 0; i < (size_t)n_tok * dim; i++) x[i] += xb[i];
+
+    for (int t = 0; t < n_tok; t++)
+      lf_rmsnorm(xb + (size_t)t * dim, x + (size_t)t * dim, L->rms_ffn, dim, c->norm_eps);
+    lf_matmul(f->hb, xb, L->w_gate, NULL, n_tok, dim, c->hidden_dim);
+    lf_matmul(f->hb2, xb, L->w_up, NULL, n_tok, dim, c->hidden_dim);
+    for (size_t i = 0; i < (size_t)n_tok * c->hidden_dim; i++) {
+      const float g = f->hb[i];
+      f->hb[i] = g / (1.0f + expf(-g)) * f->hb2[i];
+    }
+    lf_matmul(xb, f->hb, L->w_down, NULL, n_tok, c->hidden_dim, dim);
+    for (size_t i = 0; i < (size_t)n_tok * dim; i++) x[i] += xb[i];
+  }
+
+  if (logits_all) {
+    for (int t = 0; t < n_tok; t++)
+      lf_rmsnorm(xb + (size_t)t * dim, x + (size_t)t * dim, w->rms_final, dim, c->norm_eps);
+    lf_matmul(logits_all, xb, w->lm_head, NULL, n_tok, dim, c->vocab_size);
+    if (logits)
+      memcpy(logits, logits_all + (size_t)(n_tok - 1) * c->vocab_size,
+             sizeof(float) * c->vocab_size);
+  } else if (logits) {
+    lf_rmsnorm(xb, x + (size_t)(n_tok - 1) * dim, w->rms_final, dim, c->norm_eps);
+    lf_matmul(logits, xb, w->lm_head, NULL, 1, dim, c->vocab_size);
+  }
+  return LF_OK;
+}

@@ -1,0 +1,64 @@
+/* The forward pass of the CPU backend (fp32): one sequence chunk at a time.
+ *
+ * embed -> per layer [RMSNorm -> QKV (+bias) (-> q/k RMSNorm) -> RoPE -> attention over the
+ * sequence's pool with LongFlow eviction -> O-proj -> residual -> RMSNorm -> gate/up -> SiLU*up
+ * -> down -> residual] -> final RMSNorm -> LM head.
+ */
+#ifndef LF_FORWARD_H
+#define LF_FORWARD_H
+
+#include <stdint.h>
+
+#include "attention/attention.h"
+#include "memory/pool.h"
+#include "model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lf_cpu_forward {
+  const lf_model_config *cfg;
+  const lf_weights *w;
+  lf_kv_arena *arena;
+  lf_attn_params ap;
+  float *inv_freq; /* [head_dim/2] RoPE frequencies (after llama3 scaling) */
+  /* scratch for up to cap_tok tokens, grown on demand */
+  int cap_tok;
+  float *x;   /* [tok][dim] residual stream */
+  float *xb;  /* [tok][dim] normed input / O-proj output */
+  float *q;   /* [tok][n_heads*head_dim] */
+  float *k;   /* [tok][n_kv_heads*head_dim] */
+  float *v;   /* [tok][n_kv_heads*head_dim] */
+  float *att; /* [tok][n_heads*head_dim] attention output */
+  float *hb;  /* [tok][hidden] gate, then SiLU(gate)*up */
+  float *hb2; /* [tok][hidden] up */
+} lf_cpu_forward;
+
+lf_status lf_cpu_forward_init(lf_cpu_forward *f, const lf_model_config *cfg, const lf_weights *w,
+                              lf_kv_arena *arena, const lf_attn_params *ap);
+void lf_cpu_forward_free(lf_cpu_forward *f);
+
+/* Runs n_tok tokens at positions pos0.. of the sequence that owns `pool` through the model,
+ * writing their K/V into the pool (with the policy's eviction).
+ * logits: [vocab] for the last token, or NULL. logits_all: [n_tok][vocab] or NULL.
+ * *evictions (may be NULL) grows by the slots overwritten. */
+lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_tok,
+                             const int32_t *tokens, float *logits, float *logits_all,
+                             uint64_t *evictions);
+
+/* Pieces shared with other backends' tests. */
+void lf_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
+/* y[t][o] = sum_i W[o][i] x[t][i] (+ b[o]); W: [n_out][n_in], x: [n_tok][n_in]. */
+void lf_matmul(float *y, const float *x, const float *W, const float *b, int n_tok, int n_in,
+               int n_out);
+/* Fills inv_freq[head_dim/2] (with llama3 scaling if configured). */
+void lf_rope_freqs(const lf_model_config *cfg, float *inv_freq);
+/* Rotates n_heads heads of x [n_heads][head_dim] in place for position pos. */
+void lf_rope_apply(float *x, int n_heads, int head_dim, int32_t pos, const float *inv_freq,
+                   lf_rope_style style);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,95 @@
+/* Model configuration and fp32 weights (CPU backend; the CUDA backend converts from these
+ * sources to bf16 itself). */
+#ifndef LF_MODEL_H
+#define LF_MODEL_H
+
+#include <stdint.h>
+
+#include "lfserve.h"
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum lf_rope_style {
+  LF_ROPE_HALF = 0,    /* HF rotate_half: pairs (x[i], x[i + hd/2]) */
+  LF_ROPE_INTERLEAVED, /* llama2.c: pairs (x[2i], x[2i+1]) */
+} lf_rope_style;
+
+typedef enum lf_rope_scaling { LF_ROPE_SCALING_NONE = 0, LF_ROPE_SCALING_LLAMA3 } lf_rope_scaling;
+
+typedef struct lf_model_config {
+  char model_type[32]; /* "llama", "qwen2", "qwen3", "llama2c" */
+  int dim;             /* hidden_size */
+  int hidden_dim;      /* intermediate_size */
+  int n_layers;
+  int n_heads;         /* query heads */
+  int n_kv_heads;
+  int head_dim;        /* may differ from dim / n_heads (qwen3) */
+  int vocab_size;
+  int max_seq_len;
+  float rope_theta;
+  float norm_eps;
+  lf_rope_style rope_style;
+  lf_rope_scaling rope_scaling;
+  float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
+  int rope_original_max_pos;
+  int qkv_bias;       /* qwen2: q/k/v projections have biases */
+  int qk_norm;        /* qwen3: RMSNorm over head_dim on q and k before RoPE */
+  int tie_embeddings; /* lm_head shares the embedding matrix */
+  int bos_id;         /* -1 when unknown */
+  int eos_ids[8];
+  int n_eos;
+} lf_model_config;
+
+/* Shapes are [out][in], row-major, as in the checkpoints. */
+typedef struct lf_layer_weights {
+  float *rms_att;          /* [dim] */
+  float *wq;               /* [n_heads*head_dim][dim] */
+  float *wk, *wv;          /* [n_kv_heads*head_dim][dim] */
+  float *bq;               /* [n_heads*head_dim] or NULL */
+  float *bk, *bv;          /* [n_kv_heads*head_dim] or NULL */
+  float *q_norm, *k_norm;  /* [head_dim] or NULL */
+  float *wo;               /* [dim][n_heads*head_dim] */
+  float *rms_ffn;          /* [dim] */
+  float *w_gate, *w_up;    /* [hidden_dim][dim] */
+  float *w_down;           /* [dim][hidden_dim] */
+} lf_layer_weights;
+
+typedef struct lf_weights {
+  float *embed;     /* [vocab][dim] */
+  float *rms_final; /* [dim] */
+  float *lm_head;   /* [vocab][dim]; == embed when tied */
+  lf_layer_weights *layers; /* [n_layers] */
+} lf_weights;
+
+/* An opened checkpoint: config plus mapped tensors (not yet converted). */
+typedef struct lf_checkpoint {
+  lf_model_config cfg;
+  lf_tensor_set tensors;
+} lf_checkpoint;
+
+/* Opens a HF model directory (config.json + model.safetensors or model.safetensors.index.json)
+ * or a llama2.c legacy .bin file, chosen by what path is. Validates the config. */
+lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out);
+void lf_checkpoint_close(lf_checkpoint *ck);
+
+/* Format-specific openers used by lf_checkpoint_open. */
+lf_status lf_checkpoint_open_hf(const char *dir, lf_checkpoint *out);
+lf_status lf_checkpoint_open_llama2c(const char *file, lf_checkpoint *out);
+
+/* Parses a HF config.json text into cfg (model_type llama, qwen2, qwen3). path names the file in
+ * messages. */
+lf_status lf_config_parse_hf(const char *json, size_t len, const char *path, lf_model_config *cfg);
+/* Consistency checks shared by all formats. */
+lf_status lf_config_validate(const lf_model_config *cfg, const char *path);
+
+/* Validates every tensor's presence, shape and dtype and converts to fp32 (full model). */
+lf_status lf_weights_load_f32(const lf_checkpoint *ck, lf_weights *w);
+void lf_weights_free(const lf_model_config *cfg, lf_weights *w);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

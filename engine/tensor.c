@@ -1,0 +1,416 @@
+/* O_CLOEXEC, mmap, fstat: POSIX.1-2008, also under -std=c11. */
+#define _POSIX_C_SOURCE 200809L
+
+#include "tensor.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "error.h"
+#include "json.h"
+
+/* Checkpoint files are little-endian and read by memcpy of their bytes. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "lfserve's checkpoint readers assume a little-endian host"
+#endif
+
+const char *lf_dtype_str(lf_dtype t) {
+  switch (t) {
+  case LF_DTYPE_F32:
+    return "F32";
+  case LF_DTYPE_F16:
+    return "F16";
+  case LF_DTYPE_BF16:
+    return "BF16";
+  }
+  return "?";
+}
+
+size_t lf_dtype_size(lf_dtype t) {
+  switch (t) {
+  case LF_DTYPE_F32:
+    return 4;
+  case LF_DTYPE_F16:
+    return 2;
+  case LF_DTYPE_BF16:
+    return 2;
+  }
+  return 0;
+}
+
+static float bits_to_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float lf_bf16_to_f32(uint16_t h) {
+  return bits_to_f32((uint32_t)h << 16);
+}
+
+uint16_t lf_f32_to_bf16(float f) {
+  uint32_t u = f32_to_bits(f);
+  /* Rounding a NaN's mantissa could carry it into infinity; keep it a (quiet) NaN instead. */
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)(u >> 16 | 0x0040u);
+  /* Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit. Overflow of the
+   * largest finite values correctly rounds to infinity. */
+  u += 0x7FFFu + (u >> 16 & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+float lf_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = h >> 10 & 0x1Fu;
+  uint32_t man = h & 0x3FFu;
+  if (exp == 0x1F) return bits_to_f32(sign | 0x7F800000u | man << 13); /* inf, nan (payload kept) */
+  if (exp == 0) {
+    if (man == 0) return bits_to_f32(sign); /* +-0 */
+    /* Subnormal: man * 2^-24, exact in fp32. */
+    float v = (float)man * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  return bits_to_f32(sign | (exp + 112) << 23 | man << 13); /* rebias 15 -> 127 */
+}
+
+void lf_tensor_set_free(lf_tensor_set *s) {
+  if (!s) return;
+  for (int i = 0; i < s->n_maps; i++) {
+    if (s->maps[i].addr) munmap(s->maps[i].addr, s->maps[i].size);
+    free(s->maps[i].path);
+  }
+  free(s->maps);
+  free(s->t);
+  memset(s, 0, sizeof *s);
+}
+
+lf_status lf_tensor_set_map_file(lf_tensor_set *s, const char *path, int *idx) {
+  if (!s || !path) return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_set_map_file: NULL argument");
+  if (s->n_maps == s->cap_maps) {
+    int nc = s->cap_maps ? s->cap_maps * 2 : 4;
+    lf_mapping *nm = realloc(s->maps, (size_t)nc * sizeof *nm);
+    if (!nm) return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    s->maps = nm;
+    s->cap_maps = nc;
+  }
+  size_t plen = strlen(path);
+  char *pcopy = malloc(plen + 1);
+  if (!pcopy) return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+  memcpy(pcopy, path, plen + 1);
+
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    free(pcopy);
+    return lf_error(LF_ERR_IO, "%s: cannot open: %s", path, strerror(e));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    close(fd);
+    free(pcopy);
+    return lf_error(LF_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    free(pcopy);
+    return lf_error(LF_ERR_IO, "%s: not a regular file", path);
+  }
+  if ((uint64_t)st.st_size > (uint64_t)SIZE_MAX) {
+    close(fd);
+    free(pcopy);
+    return lf_error(LF_ERR_IO, "%s: too large to map", path);
+  }
+  size_t size = (size_t)st.st_size;
+  void *addr = NULL;
+  /* mmap of length 0 is an error; an empty file is mapped as (NULL, 0) and rejected by the
+   * format readers with a better message than EINVAL. */
+  if (size > 0) {
+    addr = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (addr == MAP_FAILED) {
+      int e = errno;
+      close(fd);
+      free(pcopy);
+      return lf_error(LF_ERR_IO, "%s: cannot mmap %zu bytes: %s", path, size, strerror(e));
+    }
+  }
+  close(fd); /* the mapping keeps the file alive */
+  s->maps[s->n_maps] = (lf_mapping){.path = pcopy, .addr = addr, .size = size};
+  if (idx) *idx = s->n_maps;
+  s->n_maps++;
+  return LF_OK;
+}
+
+const lf_tensor_src *lf_tensor_set_find(const lf_tensor_set *s, const char *name) {
+  if (!s || !name) return NULL;
+  for (int i = 0; i < s->n; i++)
+    if (strcmp(s->t[i].name, name) == 0) return &s->t[i];
+  return NULL;
+}
+
+lf_status lf_tensor_set_add(lf_tensor_set *s, const lf_tensor_src *t) {
+  if (!s || !t) return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_set_add: NULL argument");
+  if (memchr(t->name, '\0', sizeof t->name) == NULL || t->name[0] == '\0')
+    return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_set_add: bad tensor name");
+  if (t->ndim < 0 || t->ndim > LF_TENSOR_MAX_DIMS)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_set_add: %s has rank %d", t->name, t->ndim);
+  for (int d = 0; d < t->ndim; d++)
+    if (t->shape[d] < 0)
+      return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_set_add: %s has a negative dimension",
+                      t->name);
+  const lf_tensor_src *old = lf_tensor_set_find(s, t->name);
+  if (old) {
+    return lf_error(LF_ERR_FORMAT, "%s: duplicate tensor %s (also in %s)", t->file ? t->file : "?",
+                    t->name, old->file ? old->file : "?");
+  }
+  if (s->n == s->cap) {
+    if (s->cap > INT_MAX / 2) return lf_error(LF_ERR_OUT_OF_MEMORY, "too many tensors");
+    int nc = s->cap ? s->cap * 2 : 64;
+    lf_tensor_src *nt = realloc(s->t, (size_t)nc * sizeof *nt);
+    if (!nt) return lf_error(LF_ERR_OUT_OF_MEMORY, "out of memory adding tensor %s", t->name);
+    s->t = nt;
+    s->cap = nc;
+  }
+  s->t[s->n++] = *t;
+  return LF_OK;
+}
+
+int64_t lf_tensor_numel(const lf_tensor_src *t) {
+  int64_t n = 1;
+  for (int d = 0; d < t->ndim; d++)
+    n *= t->shape[d];
+  return n;
+}
+
+lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
+                             int64_t ncols, float *dst) {
+  if (!t) return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_read_f32: NULL tensor");
+  int64_t rows, cols;
+  if (t->ndim == 1) {
+    rows = 1;
+    cols = t->shape[0];
+  } else if (t->ndim == 2) {
+    rows = t->shape[0];
+    cols = t->shape[1];
+  } else {
+    return lf_error(LF_ERR_SHAPE, "%s: cannot read a rank-%d tensor as a matrix", t->name, t->ndim);
+  }
+  /* Written as differences so that huge arguments cannot overflow the sums. */
+  if (row0 < 0 || nrows < 0 || row0 > rows || nrows > rows - row0 || col0 < 0 || ncols < 0 ||
+      col0 > cols || ncols > cols - col0)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "%s: slice rows [%lld, +%lld) cols [%lld, +%lld) is outside [%lld][%lld]",
+                    t->name, (long long)row0, (long long)nrows, (long long)col0, (long long)ncols,
+                    (long long)rows, (long long)cols);
+  if (nrows == 0 || ncols == 0) return LF_OK;
+  if (!dst || !t->data)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_read_f32: %s: NULL buffer", t->name);
+
+  const unsigned char *base = t->data;
+  size_t es = lf_dtype_size(t->dtype);
+  for (int64_t r = 0; r < nrows; r++) {
+    const unsigned char *src = base + ((size_t)(row0 + r) * (size_t)cols + (size_t)col0) * es;
+    float *out = dst + (size_t)r * (size_t)ncols; /* [ncols] */
+    /* Safetensors data need not be aligned (the header length is arbitrary): memcpy loads. */
+    switch (t->dtype) {
+    case LF_DTYPE_F32:
+      memcpy(out, src, (size_t)ncols * 4);
+      break;
+    case LF_DTYPE_F16:
+      for (int64_t c = 0; c < ncols; c++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * c, 2);
+        out[c] = lf_f16_to_f32(h);
+      }
+      break;
+    case LF_DTYPE_BF16:
+      for (int64_t c = 0; c < ncols; c++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * c, 2);
+        out[c] = lf_bf16_to_f32(h);
+      }
+      break;
+    default:
+      return lf_error(LF_ERR_INTERNAL, "%s: bad dtype %d", t->name, (int)t->dtype);
+    }
+  }
+  return LF_OK;
+}
+
+/* ---- safetensors ---------------------------------------------------------------------------
+ * [u64 N little-endian][N bytes JSON header][data]. The header maps each tensor name to
+ * {"dtype", "shape", "data_offsets": [begin, end]} with offsets relative to the data section;
+ * "__metadata__" holds free-form strings. */
+
+/* The reference implementation refuses headers above 100 MB; so do we, before parsing. */
+#define LF_SAFETENSORS_MAX_HEADER 100000000ull
+
+static int st_parse_dtype(const char *s, lf_dtype *out) {
+  if (strcmp(s, "F32") == 0)
+    *out = LF_DTYPE_F32;
+  else if (strcmp(s, "F16") == 0)
+    *out = LF_DTYPE_F16;
+  else if (strcmp(s, "BF16") == 0)
+    *out = LF_DTYPE_BF16;
+  else
+    return 0;
+  return 1;
+}
+
+/* Reads one header entry into t (data left NULL); its data starts at byte *begin of the data
+ * section. */
+static lf_status st_parse_entry(const char *path, const char *name, const lf_json *e,
+                                uint64_t data_size, lf_tensor_src *t, uint64_t *begin) {
+  if (lf_json_typeof(e) != LF_JSON_OBJECT)
+    return lf_error(LF_ERR_FORMAT, "%s: tensor %s: header entry is not an object", path, name);
+  if (strlen(name) >= LF_TENSOR_NAME_MAX)
+    return lf_error(LF_ERR_FORMAT, "%s: tensor name longer than %d bytes: %.60s...", path,
+                    LF_TENSOR_NAME_MAX - 1, name);
+  memset(t, 0, sizeof *t);
+  memcpy(t->name, name, strlen(name) + 1);
+
+  const char *dt = lf_json_str(lf_json_get(e, "dtype"), NULL);
+  if (!dt) return lf_error(LF_ERR_FORMAT, "%s: tensor %s: missing or non-string dtype", path, name);
+  if (!st_parse_dtype(dt, &t->dtype))
+    return lf_error(LF_ERR_UNSUPPORTED, "%s: tensor %s has dtype %s (supported: F32, F16, BF16)",
+                    path, name, dt);
+
+  const lf_json *shape = lf_json_get(e, "shape");
+  if (lf_json_typeof(shape) != LF_JSON_ARRAY)
+    return lf_error(LF_ERR_FORMAT, "%s: tensor %s: missing or non-array shape", path, name);
+  size_t rank = lf_json_len(shape);
+  if (rank > LF_TENSOR_MAX_DIMS)
+    return lf_error(LF_ERR_UNSUPPORTED, "%s: tensor %s has rank %zu (at most %d supported)", path,
+                    name, rank, LF_TENSOR_MAX_DIMS);
+  t->ndim = (int)rank;
+  /* numel * size must equal end - begin <= data_size, so bounding the running product by
+   * data_size keeps it from overflowing and loses no valid tensor. */
+  uint64_t numel = 1;
+  int zero = 0, too_big = 0;
+  for (size_t d = 0; d < rank; d++) {
+    int64_t v;
+    if (!lf_json_int(lf_json_at(shape, d), &v) || v < 0)
+      return lf_error(LF_ERR_FORMAT, "%s: tensor %s: shape[%zu] is not a non-negative integer",
+                      path, name, d);
+    t->shape[d] = v;
+    if (v == 0)
+      zero = 1;
+    else if (numel > data_size / (uint64_t)v)
+      too_big = 1; /* numel * v > data_size */
+    else
+      numel *= (uint64_t)v;
+  }
+  if (zero) {
+    numel = 0;
+    too_big = 0;
+  }
+
+  const lf_json *off = lf_json_get(e, "data_offsets");
+  int64_t b, en;
+  if (lf_json_typeof(off) != LF_JSON_ARRAY || lf_json_len(off) != 2 ||
+      !lf_json_int(lf_json_at(off, 0), &b) || !lf_json_int(lf_json_at(off, 1), &en) || b < 0 ||
+      en < 0)
+    return lf_error(LF_ERR_FORMAT, "%s: tensor %s: data_offsets must be two non-negative integers",
+                    path, name);
+  if (b > en || (uint64_t)en > data_size)
+    return lf_error(LF_ERR_FORMAT,
+                    "%s: tensor %s: data_offsets [%lld, %lld] outside the data section of %llu "
+                    "bytes (file truncated?)",
+                    path, name, (long long)b, (long long)en, (unsigned long long)data_size);
+  uint64_t nbytes = too_big ? UINT64_MAX : numel * lf_dtype_size(t->dtype);
+  if ((uint64_t)(en - b) != nbytes)
+    return lf_error(LF_ERR_FORMAT,
+                    "%s: tensor %s: data_offsets [%lld, %lld] span %lld bytes but shape and dtype "
+                    "%s need %s%llu",
+                    path, name, (long long)b, (long long)en, (long long)(en - b), dt,
+                    nbytes == UINT64_MAX ? "more than " : "",
+                    nbytes == UINT64_MAX ? (unsigned long long)data_size
+                                         : (unsigned long long)nbytes);
+  *begin = (uint64_t)b;
+  return LF_OK;
+}
+
+lf_status lf_safetensors_load(lf_tensor_set *s, const char *path) {
+  if (!s || !path) return lf_error(LF_ERR_INVALID_ARG, "lf_safetensors_load: NULL argument");
+  int idx;
+  LF_TRY(lf_tensor_set_map_file(s, path, &idx));
+  const int n0 = s->n;
+  const lf_mapping *m = &s->maps[idx];
+  const unsigned char *base = m->addr;
+  const size_t size = m->size;
+  const char *file = m->path; /* owned by the set: tensors point at it */
+  lf_status st = LF_OK;
+  lf_json *hdr = NULL;
+
+  if (size < 8) {
+    st = lf_error(LF_ERR_FORMAT, "%s: %zu bytes is too short for a safetensors file", path, size);
+    goto fail;
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; i--)
+    n = n << 8 | base[i];
+  if (n > size - 8) {
+    st = lf_error(LF_ERR_FORMAT,
+                  "%s: header length %llu runs past the end of the file (%zu bytes; truncated "
+                  "or not safetensors)",
+                  path, (unsigned long long)n, size);
+    goto fail;
+  }
+  if (n > LF_SAFETENSORS_MAX_HEADER) {
+    st = lf_error(LF_ERR_FORMAT, "%s: header length %llu is larger than the 100 MB limit", path,
+                  (unsigned long long)n);
+    goto fail;
+  }
+  char jerr[200];
+  st = lf_json_parse((const char *)base + 8, (size_t)n, &hdr, jerr, sizeof jerr);
+  if (st != LF_OK) {
+    st = lf_error(st, "%s: bad JSON header: %s", path, jerr);
+    goto fail;
+  }
+  if (lf_json_typeof(hdr) != LF_JSON_OBJECT) {
+    st = lf_error(LF_ERR_FORMAT, "%s: JSON header is not an object", path);
+    goto fail;
+  }
+  const unsigned char *data = base + 8 + n;
+  const uint64_t data_size = size - 8 - n;
+  for (size_t i = 0; i < lf_json_len(hdr); i++) {
+    const char *name = lf_json_key_at(hdr, i);
+    const lf_json *e = lf_json_at(hdr, i);
+    if (strcmp(name, "__metadata__") == 0) continue;
+    size_t name_len = hdr->items[i].key_len;
+    if (name_len == 0 || name_len != strlen(name)) {
+      st = lf_error(LF_ERR_FORMAT, "%s: empty or NUL-containing tensor name in header", path);
+      goto fail;
+    }
+    lf_tensor_src t;
+    uint64_t b = 0;
+    st = st_parse_entry(path, name, e, data_size, &t, &b);
+    if (st != LF_OK) goto fail;
+    t.data = data + b;
+    t.file = file;
+    st = lf_tensor_set_add(s, &t);
+    if (st != LF_OK) goto fail;
+  }
+  lf_json_free(hdr);
+  return LF_OK;
+
+fail:
+  /* Leave the set as it was: drop this file's tensors and mapping (the last one). */
+  lf_json_free(hdr);
+  s->n = n0;
+  if (s->maps[idx].addr) munmap(s->maps[idx].addr, s->maps[idx].size);
+  free(s->maps[idx].path);
+  s->n_maps = idx;
+  return st;
+}

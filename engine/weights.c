@@ -1,0 +1,196 @@
+/* Checking a checkpoint's tensors against its config and converting them to fp32.
+ *
+ * Both checkpoint formats arrive here as an lf_tensor_set with Hugging Face names, so presence,
+ * shape and the conversion are checked once. Every tensor goes through wt_load_slice, which
+ * reads any [rows x cols] block of a tensor after checking its full shape: a tensor-parallel
+ * loader takes its heads (rows) or its columns with the same call. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "model.h"
+
+/* Where the checkpoint lives, for messages: the file, or the directory of the shards. */
+static void wt_where(const lf_checkpoint *ck, char *buf, size_t cap) {
+  const lf_tensor_set *s = &ck->tensors;
+  if (s->n_maps <= 0) {
+    snprintf(buf, cap, "the checkpoint");
+  } else if (s->n_maps == 1) {
+    snprintf(buf, cap, "%s", s->maps[0].path);
+  } else {
+    const char *p = s->maps[0].path, *slash = strrchr(p, '/');
+    int dl = slash ? (int)(slash - p) : 1;
+    snprintf(buf, cap, "%.*s (%d shards)", dl, slash ? p : ".", s->n_maps);
+  }
+}
+
+static void wt_shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
+  size_t n = (size_t)snprintf(buf, cap, "[");
+  for (int d = 0; d < ndim && n < cap; d++)
+    n += (size_t)snprintf(buf + n, cap - n, d ? ", %lld" : "%lld", (long long)shape[d]);
+  if (n < cap) snprintf(buf + n, cap - n, "]");
+}
+
+/* The tensor `name` must exist with shape [rows][cols] (cols == 0: a vector [rows]). Reads the
+ * block rows [row0, row0 + nrows) x cols [col0, col0 + ncols) into a fresh buffer
+ * *out [nrows][ncols] (for a vector the block is elements [col0, col0 + ncols), row0 = 0,
+ * nrows = 1). */
+static lf_status wt_load_slice(const lf_checkpoint *ck, const char *name, int64_t rows,
+                               int64_t cols, int64_t row0, int64_t nrows, int64_t col0,
+                               int64_t ncols, float **out) {
+  *out = NULL;
+  char where[320];
+  const lf_tensor_src *t = lf_tensor_set_find(&ck->tensors, name);
+  if (!t) {
+    wt_where(ck, where, sizeof where);
+    return lf_error(LF_ERR_MISSING_TENSOR, "tensor %s is missing from %s", name, where);
+  }
+  const int ndim = cols > 0 ? 2 : 1;
+  const int64_t want[2] = {rows, cols};
+  if (t->ndim != ndim || t->shape[0] != rows || (ndim == 2 && t->shape[1] != cols)) {
+    char a[64], b[120];
+    wt_shape_str(a, sizeof a, ndim, want);
+    wt_shape_str(b, sizeof b, t->ndim, t->shape);
+    return lf_error(LF_ERR_SHAPE, "tensor %s in %s: expected shape %s, found %s", name,
+                    t->file ? t->file : "the checkpoint", a, b);
+  }
+  if (nrows <= 0 || ncols <= 0 || (uint64_t)nrows > SIZE_MAX / sizeof(float) / (uint64_t)ncols)
+    return lf_error(LF_ERR_INVALID_ARG, "tensor %s: bad slice %lld x %lld", name, (long long)nrows,
+                    (long long)ncols);
+  size_t bytes = (size_t)nrows * (size_t)ncols * sizeof(float);
+  float *buf = malloc(bytes); /* [nrows][ncols] */
+  if (!buf)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "tensor %s: cannot allocate %zu bytes", name, bytes);
+  lf_status st = lf_tensor_read_f32(t, row0, nrows, col0, ncols, buf);
+  if (st != LF_OK) {
+    free(buf);
+    return st;
+  }
+  *out = buf;
+  return LF_OK;
+}
+
+/* A whole matrix [rows][cols], or a whole vector [rows] when cols == 0. */
+static lf_status wt_load(const lf_checkpoint *ck, const char *name, int64_t rows, int64_t cols,
+                         float **out) {
+  if (cols > 0) return wt_load_slice(ck, name, rows, cols, 0, rows, 0, cols, out);
+  return wt_load_slice(ck, name, rows, 0, 0, 1, 0, rows, out);
+}
+
+/* Tensors the forward pass has no slot for: loading the rest would compute another model. */
+static lf_status wt_check_unused(const lf_checkpoint *ck, int l) {
+  const lf_model_config *c = &ck->cfg;
+  static const char *const never[] = {"self_attn.o_proj.bias", "mlp.gate_proj.bias",
+                                      "mlp.up_proj.bias", "mlp.down_proj.bias"};
+  static const char *const bias[] = {"self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                     "self_attn.v_proj.bias"};
+  static const char *const norm[] = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"};
+  char nm[LF_TENSOR_NAME_MAX];
+  for (size_t i = 0; i < sizeof never / sizeof never[0]; i++) {
+    snprintf(nm, sizeof nm, "model.layers.%d.%s", l, never[i]);
+    const lf_tensor_src *t = lf_tensor_set_find(&ck->tensors, nm);
+    if (t)
+      return lf_error(LF_ERR_UNSUPPORTED, "tensor %s in %s: this bias is not supported", nm,
+                      t->file ? t->file : "the checkpoint");
+  }
+  for (size_t i = 0; !c->qkv_bias && i < sizeof bias / sizeof bias[0]; i++) {
+    snprintf(nm, sizeof nm, "model.layers.%d.%s", l, bias[i]);
+    const lf_tensor_src *t = lf_tensor_set_find(&ck->tensors, nm);
+    if (t)
+      return lf_error(LF_ERR_FORMAT,
+                      "tensor %s in %s: the config (%s) has no q/k/v biases (attention_bias)", nm,
+                      t->file ? t->file : "the checkpoint", c->model_type);
+  }
+  for (size_t i = 0; !c->qk_norm && i < sizeof norm / sizeof norm[0]; i++) {
+    snprintf(nm, sizeof nm, "model.layers.%d.%s", l, norm[i]);
+    const lf_tensor_src *t = lf_tensor_set_find(&ck->tensors, nm);
+    if (t)
+      return lf_error(LF_ERR_FORMAT, "tensor %s in %s: the config (%s) has no q/k norms", nm,
+                      t->file ? t->file : "the checkpoint", c->model_type);
+  }
+  return LF_OK;
+}
+
+static lf_status wt_load_layer(const lf_checkpoint *ck, int l, lf_layer_weights *lw) {
+  const lf_model_config *c = &ck->cfg;
+  const int64_t dim = c->dim, hid = c->hidden_dim, hd = c->head_dim;
+  const int64_t q_dim = (int64_t)c->n_heads * hd, kv_dim = (int64_t)c->n_kv_heads * hd;
+  char nm[LF_TENSOR_NAME_MAX];
+#define WT_NAME(suffix) (snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix), nm)
+  LF_TRY(wt_check_unused(ck, l));
+  LF_TRY(wt_load(ck, WT_NAME("input_layernorm.weight"), dim, 0, &lw->rms_att));
+  LF_TRY(wt_load(ck, WT_NAME("self_attn.q_proj.weight"), q_dim, dim, &lw->wq));
+  LF_TRY(wt_load(ck, WT_NAME("self_attn.k_proj.weight"), kv_dim, dim, &lw->wk));
+  LF_TRY(wt_load(ck, WT_NAME("self_attn.v_proj.weight"), kv_dim, dim, &lw->wv));
+  if (c->qkv_bias) {
+    LF_TRY(wt_load(ck, WT_NAME("self_attn.q_proj.bias"), q_dim, 0, &lw->bq));
+    LF_TRY(wt_load(ck, WT_NAME("self_attn.k_proj.bias"), kv_dim, 0, &lw->bk));
+    LF_TRY(wt_load(ck, WT_NAME("self_attn.v_proj.bias"), kv_dim, 0, &lw->bv));
+  }
+  if (c->qk_norm) {
+    LF_TRY(wt_load(ck, WT_NAME("self_attn.q_norm.weight"), hd, 0, &lw->q_norm));
+    LF_TRY(wt_load(ck, WT_NAME("self_attn.k_norm.weight"), hd, 0, &lw->k_norm));
+  }
+  LF_TRY(wt_load(ck, WT_NAME("self_attn.o_proj.weight"), dim, q_dim, &lw->wo));
+  LF_TRY(wt_load(ck, WT_NAME("post_attention_layernorm.weight"), dim, 0, &lw->rms_ffn));
+  LF_TRY(wt_load(ck, WT_NAME("mlp.gate_proj.weight"), hid, dim, &lw->w_gate));
+  LF_TRY(wt_load(ck, WT_NAME("mlp.up_proj.weight"), hid, dim, &lw->w_up));
+  LF_TRY(wt_load(ck, WT_NAME("mlp.down_proj.weight"), dim, hid, &lw->w_down));
+#undef WT_NAME
+  return LF_OK;
+}
+
+static lf_status wt_load_all(const lf_checkpoint *ck, lf_weights *w) {
+  const lf_model_config *c = &ck->cfg;
+  LF_TRY(lf_config_validate(c, NULL));
+  w->layers = calloc((size_t)c->n_layers, sizeof *w->layers);
+  if (!w->layers) return lf_error(LF_ERR_OUT_OF_MEMORY, "out of memory (%d layers)", c->n_layers);
+  LF_TRY(wt_load(ck, "model.embed_tokens.weight", c->vocab_size, c->dim, &w->embed));
+  for (int l = 0; l < c->n_layers; l++)
+    LF_TRY(wt_load_layer(ck, l, &w->layers[l]));
+  LF_TRY(wt_load(ck, "model.norm.weight", c->dim, 0, &w->rms_final));
+  /* Some tied checkpoints still ship lm_head.weight; when present it is what transformers
+   * would have saved as the head, so use it rather than assume it equals the embedding. */
+  if (lf_tensor_set_find(&ck->tensors, "lm_head.weight") || !c->tie_embeddings)
+    LF_TRY(wt_load(ck, "lm_head.weight", c->vocab_size, c->dim, &w->lm_head));
+  else
+    w->lm_head = w->embed;
+  return LF_OK;
+}
+
+lf_status lf_weights_load_f32(const lf_checkpoint *ck, lf_weights *w) {
+  if (!ck || !w) return lf_error(LF_ERR_INVALID_ARG, "lf_weights_load_f32: NULL argument");
+  memset(w, 0, sizeof *w);
+  lf_status st = wt_load_all(ck, w);
+  if (st != LF_OK) lf_weights_free(&ck->cfg, w);
+  return st;
+}
+
+void lf_weights_free(const lf_model_config *cfg, lf_weights *w) {
+  if (!w) return;
+  if (w->layers && cfg) {
+    for (int l = 0; l < cfg->n_layers; l++) {
+      lf_layer_weights *lw = &w->layers[l];
+      free(lw->rms_att);
+      free(lw->wq);
+      free(lw->wk);
+      free(lw->wv);
+      free(lw->bq);
+      free(lw->bk);
+      free(lw->bv);
+      free(lw->q_norm);
+      free(lw->k_norm);
+      free(lw->wo);
+      free(lw->rms_ffn);
+      free(lw->w_gate);
+      free(lw->w_up);
+      free(lw->w_down);
+    }
+  }
+  free(w->layers);
+  if (w->lm_head != w->embed) free(w->lm_head);
+  free(w->embed);
+  free(w->rms_final);
+  memset(w, 0, sizeof *w);
+}

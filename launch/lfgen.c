@@ -1,0 +1,279 @@
+/* lfgen: generate from the command line.
+ *
+ *   lfgen --model PATH --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P] [--sink S]
+ *         [--temperature T] [--top-p P] [--top-k K] [--seed X] [--backend auto|cpu|cuda]
+ *         [--ignore-eos] [--print-ids]
+ *
+ * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "lfserve.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: lfgen --model PATH (--prompt-ids 1,2,3 | --prompt TEXT) [options]\n"
+          "  --model PATH        HF model directory (config.json + safetensors) or llama2.c .bin\n"
+          "  --prompt-ids LIST   comma-separated prompt token ids\n"
+          "  --prompt TEXT       prompt text (needs a model with a tokenizer)\n"
+          "  --max-tokens N      tokens to generate (default 256)\n"
+          "  --budget B          KV slots per sequence (default: the model's context)\n"
+          "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
+          "  --sink S            never-evicted first slots (default 4)\n"
+          "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
+          "  --temperature T     0 = greedy (default 0)\n"
+          "  --top-k K           sample among the K most likely (default 0 = off)\n"
+          "  --top-p P           nucleus sampling mass (default 1 = off)\n"
+          "  --seed X            sampling seed (default 0)\n"
+          "  --backend B         auto | cpu | cuda (default auto)\n"
+          "  --ignore-eos        keep generating past end-of-sequence tokens\n"
+          "  --print-ids         print generated token ids (the default without a tokenizer)\n");
+}
+
+static int parse_int(const char *s, long lo, long hi, long *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > hi) return -1;
+  *out = v;
+  return 0;
+}
+
+static int parse_float(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno || end == s || *end) return -1;
+  *out = v;
+  return 0;
+}
+
+static int parse_ids(const char *s, int32_t **ids, int *n) {
+  int cap = 16, k = 0;
+  int32_t *a = malloc(sizeof(int32_t) * (size_t)cap);
+  if (!a) return -1;
+  const char *p = s;
+  while (*p) {
+    char *end;
+    errno = 0;
+    long v = strtol(p, &end, 10);
+    if (errno || end == p || v < 0 || v > INT32_MAX || (*end && *end != ',')) {
+      free(a);
+      return -1;
+    }
+    if (k == cap) {
+      int32_t *b = realloc(a, sizeof(int32_t) * (size_t)(cap *= 2));
+      if (!b) {
+        free(a);
+        return -1;
+      }
+      a = b;
+    }
+    a[k++] = (int32_t)v;
+    p = *end ? end + 1 : end;
+  }
+  if (k == 0) {
+    free(a);
+    return -1;
+  }
+  *ids = a;
+  *n = k;
+  return 0;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int main(int argc, char **argv) {
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  lf_request rq;
+  memset(&rq, 0, sizeof rq);
+  rq.max_tokens = 256;
+  rq.sampling.top_p = 1.0f;
+  int32_t *ids = NULL;
+  const char *prompt_text = NULL;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    long n;
+    double d;
+#define NEED_VALUE                                                                                 \
+  if (!v) {                                                                                        \
+    fprintf(stderr, "lfgen: %s needs a value\n", a);                                              \
+    return 2;                                                                                      \
+  }                                                                                                \
+  i++
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "--model")) {
+      NEED_VALUE;
+      cfg.model_path = v;
+    } else if (!strcmp(a, "--prompt-ids")) {
+      NEED_VALUE;
+      free(ids);
+      ids = NULL;
+      if (parse_ids(v, &ids, &rq.n_prompt)) {
+        fprintf(stderr, "lfgen: --prompt-ids wants comma-separated non-negative ids, got '%s'\n", v);
+        return 2;
+      }
+    } else if (!strcmp(a, "--prompt")) {
+      NEED_VALUE;
+      prompt_text = v;
+    } else if (!strcmp(a, "--max-tokens")) {
+      NEED_VALUE;
+      if (parse_int(v, 1, INT_MAX, &n)) goto bad;
+      rq.max_tokens = (int)n;
+    } else if (!strcmp(a, "--budget")) {
+      NEED_VALUE;
+      if (parse_int(v, 1, INT_MAX, &n)) goto bad;
+      cfg.budget = (int)n;
+    } else if (!strcmp(a, "--sink")) {
+      NEED_VALUE;
+      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
+      cfg.sink = (int)n;
+    } else if (!strcmp(a, "--window")) {
+      NEED_VALUE;
+      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
+      cfg.window = (int)n;
+    } else if (!strcmp(a, "--policy")) {
+      NEED_VALUE;
+      if (lf_policy_parse(v, &cfg.policy) != LF_OK) {
+        fprintf(stderr, "lfgen: %s\n", lf_last_error());
+        return 2;
+      }
+    } else if (!strcmp(a, "--temperature")) {
+      NEED_VALUE;
+      if (parse_float(v, &d) || d < 0) goto bad;
+      rq.sampling.temperature = (float)d;
+    } else if (!strcmp(a, "--top-p")) {
+      NEED_VALUE;
+      if (parse_float(v, &d) || d <= 0 || d > 1) goto bad;
+      rq.sampling.top_p = (float)d;
+    } else if (!strcmp(a, "--top-k")) {
+      NEED_VALUE;
+      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
+      rq.sampling.top_k = (int)n;
+    } else if (!strcmp(a, "--seed")) {
+      NEED_VALUE;
+      char *end;
+      errno = 0;
+      rq.sampling.seed = strtoull(v, &end, 10);
+      if (errno || *end || end == v) goto bad;
+    } else if (!strcmp(a, "--backend")) {
+      NEED_VALUE;
+      if (!strcmp(v, "auto")) cfg.backend = LF_BACKEND_AUTO;
+      else if (!strcmp(v, "cpu")) cfg.backend = LF_BACKEND_CPU;
+      else if (!strcmp(v, "cuda")) cfg.backend = LF_BACKEND_CUDA;
+      else goto bad;
+    } else if (!strcmp(a, "--ignore-eos")) {
+      rq.ignore_eos = 1;
+    } else if (!strcmp(a, "--print-ids")) {
+      /* ids are what lfgen prints until the tokenizer lands */
+    } else {
+      fprintf(stderr, "lfgen: unknown option '%s'\n", a);
+      usage(stderr);
+      return 2;
+    }
+    continue;
+  bad:
+    fprintf(stderr, "lfgen: bad value '%s' for %s\n", v, a);
+    return 2;
+#undef NEED_VALUE
+  }
+  if (!cfg.model_path) {
+    fprintf(stderr, "lfgen: --model is required\n");
+    usage(stderr);
+    return 2;
+  }
+  if (prompt_text && !ids) {
+    fprintf(stderr, "lfgen: --prompt needs a tokenizer, which this build does not have yet; "
+                    "use --prompt-ids\n");
+    return 2;
+  }
+  if (!ids) {
+    fprintf(stderr, "lfgen: give --prompt-ids\n");
+    return 2;
+  }
+  rq.prompt = ids;
+
+  const double t_load = now_s();
+  lf_engine_t e;
+  lf_status s = lf_engine_init(&cfg, NULL, &e);
+  if (s != LF_OK) {
+    fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
+    free(ids);
+    return 1;
+  }
+  lf_model_info mi;
+  lf_engine_model_info(e, &mi);
+  fprintf(stderr, "lfgen: %s model, %d layers, %d/%d heads, vocab %d; policy %s, budget %d, "
+                  "loaded in %.2f s\n",
+          mi.model_type, mi.n_layers, mi.n_heads, mi.n_kv_heads, mi.vocab_size,
+          lf_policy_str(cfg.policy), cfg.budget ? cfg.budget : mi.max_seq_len,
+          now_s() - t_load);
+
+  uint64_t id;
+  s = lf_engine_submit(e, &rq, &id);
+  if (s != LF_OK) {
+    fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
+    lf_engine_free(e);
+    free(ids);
+    return 1;
+  }
+  const double t0 = now_s();
+  double t_first = 0;
+  int n_out = 0, rc = 0;
+  lf_finish_reason why = LF_FINISH_NONE;
+  lf_event ev[16];
+  while (lf_engine_busy(e)) {
+    int n;
+    s = lf_engine_step(e, ev, 16, &n);
+    if (s != LF_OK) {
+      fprintf(stderr, "\nlfgen: step failed: %s: %s\n", lf_status_str(s), lf_last_error());
+      rc = 1;
+      break;
+    }
+    for (int i = 0; i < n; i++) {
+      if (ev[i].type == LF_EVENT_TOKEN) {
+        if (n_out == 0) t_first = now_s();
+        printf(n_out ? " %d" : "%d", ev[i].token);
+        fflush(stdout);
+        n_out++;
+      } else {
+        why = ev[i].reason;
+        if (why == LF_FINISH_ERROR) {
+          fprintf(stderr, "\nlfgen: generation failed: %s: %s\n", lf_status_str(ev[i].status),
+                  lf_last_error());
+          rc = 1;
+        }
+      }
+    }
+  }
+  printf("\n");
+  const double t1 = now_s();
+  lf_request_stats st;
+  if (lf_engine_request_stats(e, id, &st) == LF_OK) {
+    const double dec = t1 - (t_first ? t_first : t1);
+    fprintf(stderr,
+            "lfgen: %d prompt + %d generated tokens, finish %s; prefill+first token %.3f s, "
+            "%.1f tokens/s decode; slots filled %d of %d; evictions %llu (slot overwrites over "
+            "all layers and KV heads)\n",
+            st.prompt_tokens, st.generated_tokens, lf_finish_reason_str(why),
+            (t_first ? t_first : t1) - t0, n_out > 1 && dec > 0 ? (n_out - 1) / dec : 0.0,
+            st.slots_filled, cfg.budget ? cfg.budget : mi.max_seq_len,
+            (unsigned long long)st.evictions);
+  }
+  lf_engine_free(e);
+  free(ids);
+  return rc;
+}

@@ -1,0 +1,166 @@
+/* The static KV slot pools of one rank: one fp32 arena, a LIFO free list (DESIGN §3, §5).
+ *
+ * Every array is allocated once at init; take/give only move pool ids on the free list and reset
+ * per-pool metadata, so admission never allocates and never fragments.
+ */
+#include "memory/pool.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+
+/* a * b into *out; 0 on overflow of size_t. */
+static int mul_size(size_t a, size_t b, size_t *out) {
+  if (a != 0 && b > SIZE_MAX / a) return 0;
+  *out = a * b;
+  return 1;
+}
+
+static int shape_valid(const lf_pool_shape *s) {
+  return s && s->n_pools >= 1 && s->n_layers >= 1 && s->n_kv_heads >= 1 && s->budget >= 1 &&
+         s->head_dim >= 1;
+}
+
+/* Bytes of every per-pool array of the arena for one pool, so n_pools * lf_pool_bytes() is the
+ * arena's whole footprint (the scheduler sizes n_pools from it, DESIGN §5). 0 when the shape is
+ * invalid or the size does not fit in 64 bits. n_pools is not used. */
+uint64_t lf_pool_bytes(const lf_pool_shape *s) {
+  if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
+  /* Each factor is < 2^31, so the products below are checked in steps. */
+  uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
+  uint64_t slot_bytes = 2u * (uint64_t)s->head_dim * sizeof(float) /* k, v */
+                        + sizeof(int32_t) + 2u * sizeof(float);    /* pos, vnorm, acc */
+  uint64_t head_bytes;
+  if ((uint64_t)s->budget > UINT64_MAX / slot_bytes) return 0;
+  head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t); /* + n, next */
+  if (head_bytes > (UINT64_MAX - 64u) / heads) return 0;
+  return heads * head_bytes + sizeof(uint64_t) /* evictions */ + sizeof(int) /* free_list */ +
+         sizeof(uint8_t) /* in_use */;
+}
+
+lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
+  if (!a) return lf_error(LF_ERR_INVALID_ARG, "lf_kv_arena_init: arena is NULL");
+  memset(a, 0, sizeof *a);
+  if (!shape_valid(s))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_kv_arena_init: every shape field must be >= 1 (pools %d, layers %d, "
+                    "kv heads %d, budget %d, head_dim %d)",
+                    s ? s->n_pools : 0, s ? s->n_layers : 0, s ? s->n_kv_heads : 0,
+                    s ? s->budget : 0, s ? s->head_dim : 0);
+  size_t n_heads, n_slots, n_vals; /* element counts: (pool, layer, head), slots, floats of K */
+  if (!mul_size((size_t)s->n_pools, (size_t)s->n_layers, &n_heads) ||
+      !mul_size(n_heads, (size_t)s->n_kv_heads, &n_heads) ||
+      !mul_size(n_heads, (size_t)s->budget, &n_slots) ||
+      !mul_size(n_slots, (size_t)s->head_dim, &n_vals) || n_vals > SIZE_MAX / sizeof(float))
+    return lf_error(LF_ERR_OUT_OF_MEMORY,
+                    "lf_kv_arena_init: arena of %d pools x %d layers x %d heads x %d slots x %d "
+                    "dims overflows the address space",
+                    s->n_pools, s->n_layers, s->n_kv_heads, s->budget, s->head_dim);
+
+  a->shape = *s;
+  a->k = calloc(n_vals, sizeof(float));
+  a->v = calloc(n_vals, sizeof(float));
+  a->pos = calloc(n_slots, sizeof(int32_t));
+  a->vnorm = calloc(n_slots, sizeof(float));
+  a->acc = calloc(n_slots, sizeof(float));
+  a->n = calloc(n_heads, sizeof(int32_t));
+  a->next = calloc(n_heads, sizeof(int32_t));
+  a->evictions = calloc((size_t)s->n_pools, sizeof(uint64_t));
+  a->free_list = calloc((size_t)s->n_pools, sizeof(int));
+  a->in_use = calloc((size_t)s->n_pools, sizeof(uint8_t));
+  if (!a->k || !a->v || !a->pos || !a->vnorm || !a->acc || !a->n || !a->next || !a->evictions ||
+      !a->free_list || !a->in_use) {
+    lf_kv_arena_free(a);
+    return lf_error(LF_ERR_OUT_OF_MEMORY,
+                    "lf_kv_arena_init: cannot allocate %d pools of %llu bytes", s->n_pools,
+                    (unsigned long long)lf_pool_bytes(s));
+  }
+  /* Stack order: pool 0 on top, so pools are handed out 0, 1, 2, ... from a fresh arena. */
+  for (int i = 0; i < s->n_pools; i++)
+    a->free_list[i] = s->n_pools - 1 - i;
+  a->n_free = s->n_pools;
+  for (int p = 0; p < s->n_pools; p++)
+    lf_kv_arena_reset_pool(a, p);
+  return LF_OK;
+}
+
+void lf_kv_arena_free(lf_kv_arena *a) {
+  if (!a) return;
+  free(a->k);
+  free(a->v);
+  free(a->pos);
+  free(a->vnorm);
+  free(a->acc);
+  free(a->n);
+  free(a->next);
+  free(a->evictions);
+  free(a->free_list);
+  free(a->in_use);
+  memset(a, 0, sizeof *a);
+}
+
+lf_status lf_kv_arena_take(lf_kv_arena *a, int *pool) {
+  if (!a || !pool) return lf_error(LF_ERR_INVALID_ARG, "lf_kv_arena_take: NULL argument");
+  if (a->n_free <= 0)
+    return lf_error(LF_ERR_STATE, "lf_kv_arena_take: all %d pools are in use", a->shape.n_pools);
+  int p = a->free_list[--a->n_free];
+  a->in_use[p] = 1;
+  lf_kv_arena_reset_pool(a, p);
+  *pool = p;
+  return LF_OK;
+}
+
+lf_status lf_kv_arena_give(lf_kv_arena *a, int pool) {
+  if (!a) return lf_error(LF_ERR_INVALID_ARG, "lf_kv_arena_give: arena is NULL");
+  if (pool < 0 || pool >= a->shape.n_pools)
+    return lf_error(LF_ERR_STATE, "lf_kv_arena_give: pool %d is not in [0, %d)", pool,
+                    a->shape.n_pools);
+  if (!a->in_use[pool])
+    return lf_error(LF_ERR_STATE, "lf_kv_arena_give: pool %d is already free", pool);
+  a->in_use[pool] = 0;
+  a->free_list[a->n_free++] = pool;
+  return LF_OK;
+}
+
+/* Metadata only: K/V keep stale values, which is safe because every reader stops at n. */
+void lf_kv_arena_reset_pool(lf_kv_arena *a, int pool) {
+  if (!a || pool < 0 || pool >= a->shape.n_pools) return;
+  const lf_pool_shape *s = &a->shape;
+  size_t heads = (size_t)s->n_layers * (size_t)s->n_kv_heads;
+  size_t h0 = (size_t)pool * heads; /* first (layer, head) of the pool */
+  size_t slot0 = h0 * (size_t)s->budget, n_slots = heads * (size_t)s->budget;
+  for (size_t i = 0; i < heads; i++) {
+    a->n[h0 + i] = 0;
+    a->next[h0 + i] = -1;
+  }
+  for (size_t i = 0; i < n_slots; i++) {
+    a->pos[slot0 + i] = -1;
+    a->vnorm[slot0 + i] = 0.0f;
+    a->acc[slot0 + i] = 0.0f;
+  }
+  a->evictions[pool] = 0;
+}
+
+/* An out-of-range index gives an all-NULL view (budget 0) rather than a wild pointer. */
+lf_kv_head lf_kv_arena_head(const lf_kv_arena *a, int pool, int layer, int kv_head) {
+  lf_kv_head h;
+  memset(&h, 0, sizeof h);
+  if (!a || !a->k || pool < 0 || pool >= a->shape.n_pools || layer < 0 ||
+      layer >= a->shape.n_layers || kv_head < 0 || kv_head >= a->shape.n_kv_heads)
+    return h;
+  const lf_pool_shape *s = &a->shape;
+  size_t idx = ((size_t)pool * (size_t)s->n_layers + (size_t)layer) * (size_t)s->n_kv_heads +
+               (size_t)kv_head; /* index of the (pool, layer, head) */
+  size_t slot0 = idx * (size_t)s->budget;
+  h.k = a->k + slot0 * (size_t)s->head_dim;
+  h.v = a->v + slot0 * (size_t)s->head_dim;
+  h.pos = a->pos + slot0;
+  h.vnorm = a->vnorm + slot0;
+  h.acc = a->acc + slot0;
+  h.n = a->n + idx;
+  h.next = a->next + idx;
+  h.budget = s->budget;
+  h.head_dim = s->head_dim;
+  return h;
+}

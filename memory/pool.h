@@ -1,0 +1,66 @@
+/* The static KV slot pools of one rank (DESIGN §3), CPU (fp32) arena.
+ *
+ * One allocation per array; a pool belongs to one sequence at a time and holds, for every layer
+ * and every KV head this rank owns, `budget` slots of (k, v). One (pool, layer, head) is a
+ * contiguous [budget][head_dim] block, so the attention kernel streams it in one pass.
+ * Pools are taken and returned through a LIFO free list; nothing is allocated after init.
+ */
+#ifndef LF_POOL_H
+#define LF_POOL_H
+
+#include <stdint.h>
+
+#include "lfserve.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lf_pool_shape {
+  int n_pools;
+  int n_layers;
+  int n_kv_heads; /* heads this rank owns */
+  int budget;     /* slots per (pool, layer, head) */
+  int head_dim;
+} lf_pool_shape;
+
+/* A view of one (pool, layer, kv head): everything the attention step reads and writes. */
+typedef struct lf_kv_head {
+  float *k, *v;    /* [budget][head_dim] */
+  int32_t *pos;    /* [budget] position of the token in each slot (-1: empty) */
+  float *vnorm;    /* [budget] ||v_slot||_1, cached when the slot is written */
+  float *acc;      /* [budget] h2o: attention mass accumulated since the slot was written */
+  int32_t *n;      /* filled slots */
+  int32_t *next;   /* slot the next token overwrites once n == budget (-1: none yet) */
+  int budget;
+  int head_dim;
+} lf_kv_head;
+
+typedef struct lf_kv_arena {
+  lf_pool_shape shape;
+  float *k, *v;       /* [pool][layer][kv_head][slot][dim] */
+  int32_t *pos;       /* [pool][layer][kv_head][slot] */
+  float *vnorm;       /* [pool][layer][kv_head][slot] */
+  float *acc;         /* [pool][layer][kv_head][slot] */
+  int32_t *n, *next;  /* [pool][layer][kv_head] */
+  uint64_t *evictions; /* [pool] slot overwrites since the pool was taken */
+  int *free_list;     /* [n_pools] stack of free pool ids */
+  int n_free;
+  uint8_t *in_use;    /* [n_pools] */
+} lf_kv_arena;
+
+/* Bytes one pool needs in this arena (K, V and per-slot metadata). */
+uint64_t lf_pool_bytes(const lf_pool_shape *s);
+lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s);
+void lf_kv_arena_free(lf_kv_arena *a);
+/* Pops a free pool, resets its metadata (n = 0, next = -1, pos = -1). LF_ERR_STATE if none. */
+lf_status lf_kv_arena_take(lf_kv_arena *a, int *pool);
+/* Returns a pool to the free list; returning a free or unknown pool is LF_ERR_STATE. */
+lf_status lf_kv_arena_give(lf_kv_arena *a, int pool);
+void lf_kv_arena_reset_pool(lf_kv_arena *a, int pool);
+lf_kv_head lf_kv_arena_head(const lf_kv_arena *a, int pool, int layer, int kv_head);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

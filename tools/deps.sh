@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs the build and test dependencies from Debian/Ubuntu packages (idempotent).
+set -euo pipefail
+need=()
+for p in build-essential cmake ninja-build libgtest-dev openmpi-bin libopenmpi-dev; do
+  dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+fi

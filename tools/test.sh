@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds lfserve and runs every test this machine can run:
+#  1. release build (CUDA sources compiled and linked wherever nvcc exists), CPU + MPI tests,
+#     plus the GPU tests when a GPU is present;
+#  2. an AddressSanitizer + UndefinedBehaviorSanitizer build of the CPU tests.
+# Test data: $LF_TEST_DATA (default ../shared) for stories260K; tests that need it skip without.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/deps.sh
+[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+jobs=$(nproc)
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build build -j "$jobs"
+labels="cpu|mpi"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then labels="cpu|mpi|gpu"; fi
+ctest --test-dir build -L "$labels" --output-on-failure -j "$jobs"
+
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DLF_SANITIZE=ON -DLF_CUDA=OFF -DLF_OPENMP=OFF
+cmake --build build-asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build-asan -L cpu --output-on-failure -j "$jobs"
