@@ -12,10 +12,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "attention/attention.h"
+#include "backend.h"
 #include "error.h"
-#include "forward.h"
-#include "memory/pool.h"
 #include "model.h"
 #include "sample.h"
 
@@ -44,12 +42,7 @@ typedef struct lf_finished {
 struct lf_engine {
   lf_engine_config cfg;
   lf_checkpoint ck;
-  lf_weights w;
-  lf_kv_arena arena;
-  lf_attn_params ap;
-  lf_cpu_forward fwd;
-  lf_sampler sampler;
-  float *logits; /* [vocab] */
+  lf_backend *be;
 
   pthread_mutex_t mu;
   int stepping;
@@ -127,11 +120,7 @@ void lf_engine_free(lf_engine_t e) {
   free(e->waiting);
   free(e->running);
   free(e->ev);
-  free(e->logits);
-  lf_sampler_free(&e->sampler);
-  lf_cpu_forward_free(&e->fwd);
-  lf_kv_arena_free(&e->arena);
-  lf_weights_free(&e->ck.cfg, &e->w);
+  if (e->be) e->be->free(e->be);
   lf_checkpoint_close(&e->ck);
   pthread_mutex_destroy(&e->mu);
   free(e);
@@ -142,8 +131,6 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   *out = NULL;
   if (comm) return lf_error(LF_ERR_UNAVAILABLE, "tensor parallelism is not built in yet");
   if (!cfg_in->model_path) return lf_error(LF_ERR_INVALID_ARG, "no model path given");
-  if (cfg_in->backend == LF_BACKEND_CUDA)
-    return lf_error(LF_ERR_UNAVAILABLE, "the cuda engine backend is not available in this build");
   if (cfg_in->budget < 0 || cfg_in->sink < 0 || cfg_in->window < 0 || cfg_in->n_pools < 0 ||
       cfg_in->max_queue < 0)
     return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools or max_queue");
@@ -159,32 +146,20 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   if (e->cfg.budget == 0) e->cfg.budget = mc->max_seq_len;
   if (e->cfg.n_pools == 0) e->cfg.n_pools = 1;
 
-  e->ap.policy = e->cfg.policy;
-  e->ap.sink = e->cfg.sink;
-  e->ap.window = e->cfg.window;
-  e->ap.h2o_recent = e->cfg.window;
-  e->ap.group = mc->n_heads / mc->n_kv_heads;
-  e->ap.head_dim = mc->head_dim;
-  e->ap.scale = 1.0f / sqrtf((float)mc->head_dim);
-  s = lf_attn_params_check(&e->ap, e->cfg.budget);
+  lf_backend_params bp = {.policy = e->cfg.policy,
+                          .budget = e->cfg.budget,
+                          .sink = e->cfg.sink,
+                          .window = e->cfg.window,
+                          .n_pools = e->cfg.n_pools,
+                          .n_threads = e->cfg.n_threads};
+  s = lf_backend_create(e->cfg.backend, &e->ck, &bp, &e->be);
   if (s != LF_OK) goto fail;
-
-  s = lf_weights_load_f32(&e->ck, &e->w);
-  if (s != LF_OK) goto fail;
-  lf_pool_shape ps = {e->cfg.n_pools, mc->n_layers, mc->n_kv_heads, e->cfg.budget, mc->head_dim};
-  s = lf_kv_arena_init(&e->arena, &ps);
-  if (s != LF_OK) goto fail;
-  s = lf_cpu_forward_init(&e->fwd, mc, &e->w, &e->arena, &e->ap);
-  if (s != LF_OK) goto fail;
-  s = lf_sampler_init(&e->sampler, mc->vocab_size);
-  if (s != LF_OK) goto fail;
-  e->logits = malloc(sizeof(float) * (size_t)mc->vocab_size);
   e->cap_q = 16;
   e->waiting = malloc(sizeof(lf_req *) * (size_t)e->cap_q);
   e->running = malloc(sizeof(lf_req *) * (size_t)e->cfg.n_pools);
   e->ev_cap = 64;
   e->ev = malloc(sizeof(lf_event) * (size_t)e->ev_cap);
-  if (!e->logits || !e->waiting || !e->running || !e->ev) {
+  if (!e->waiting || !e->running || !e->ev) {
     s = lf_error(LF_ERR_OUT_OF_MEMORY, "engine queues");
     goto fail;
   }
@@ -323,8 +298,8 @@ static lf_status finish(lf_engine_t e, lf_req *r, lf_finish_reason why, lf_statu
   f->st.evictions = r->evictions;
   f->st.slots_filled = 0;
   if (r->pool >= 0) {
-    f->st.slots_filled = *lf_kv_arena_head(&e->arena, r->pool, 0, 0).n;
-    lf_kv_arena_give(&e->arena, r->pool);
+    f->st.slots_filled = e->be->pool_slots_filled(e->be, r->pool);
+    e->be->pool_give(e->be, r->pool);
   }
   e->fin_next = (e->fin_next + 1) % LF_FINISHED_KEEP;
   if (e->fin_len < LF_FINISHED_KEEP) e->fin_len++;
@@ -346,20 +321,25 @@ static int is_stop(const lf_engine_t e, const lf_req *r, int32_t tok) {
  * Returns 1 when the request ended (FINISH queued, r freed), 0 when it goes on; *st receives an
  * engine-level failure (the event queue could not grow), which ends the step. */
 static int advance(lf_engine_t e, lf_req *r, lf_status *st) {
-  const int pos0 = r->prefilled ? r->n_prompt + r->n_gen - 1 : 0;
-  const int n_tok = r->prefilled ? 1 : r->n_prompt;
-  uint64_t ev = 0;
-  lf_status s = lf_cpu_forward_run(&e->fwd, r->pool, pos0, n_tok, r->tokens + pos0, e->logits,
-                                   NULL, &ev);
-  r->evictions += ev;
+  lf_batch_item it;
+  it.pos0 = r->prefilled ? r->n_prompt + r->n_gen - 1 : 0;
+  it.n_tok = r->prefilled ? 1 : r->n_prompt;
+  it.tokens = r->tokens + it.pos0;
+  it.pool = r->pool;
+  it.sampling = r->sp;
+  it.u = r->sp.temperature > 0.0f ? lf_rng_float(&r->rng) : 0.0f;
+  lf_batch_result res;
+  lf_status s = e->be->forward(e->be, &it, 1, &res, NULL);
+  if (s == LF_OK) s = res.status;
+  r->evictions += res.evictions;
   r->prefilled = 1;
   pthread_mutex_lock(&e->mu);
-  e->evictions += ev;
+  e->evictions += res.evictions;
   int done = 1;
   if (s != LF_OK) {
     *st = finish(e, r, LF_FINISH_ERROR, s, -1);
   } else {
-    const int32_t tok = lf_sample(&e->sampler, e->logits, &r->sp, &r->rng);
+    const int32_t tok = res.token;
     if (is_stop(e, r, tok)) {
       *st = finish(e, r, LF_FINISH_EOS, LF_OK, tok);
     } else {
@@ -414,14 +394,14 @@ lf_status lf_engine_step(lf_engine_t e, lf_event *events, int cap, int *n) {
   /* FCFS admission: a waiting request gets a pool as soon as one is free. */
   while (e->q_len > 0) {
     lf_req *r = e->waiting[e->q_head];
-    if (!r->cancelled && e->arena.n_free == 0) break;
+    if (!r->cancelled && e->be->pools_free(e->be) == 0) break;
     e->q_head = (e->q_head + 1) % e->cap_q;
     e->q_len--;
     if (r->cancelled) {
       if ((st = finish(e, r, LF_FINISH_CANCELLED, LF_OK, -1)) != LF_OK) goto out;
       continue;
     }
-    lf_kv_arena_take(&e->arena, &r->pool);
+    if ((st = e->be->pool_take(e->be, &r->pool)) != LF_OK) goto out;
     e->running[e->n_running++] = r;
   }
   /* One token for every running request: decode for the old ones, prefill for the new. */
@@ -474,8 +454,8 @@ lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m) {
   memset(m, 0, sizeof *m);
   m->running = e->n_running;
   m->waiting = e->q_len;
-  m->pools_total = e->arena.shape.n_pools;
-  m->pools_used = m->pools_total - e->arena.n_free;
+  m->pools_total = e->cfg.n_pools;
+  m->pools_used = m->pools_total - e->be->pools_free(e->be);
   m->tokens_generated = e->tokens_generated;
   m->evictions = e->evictions;
   m->decode_seconds = e->step_seconds;

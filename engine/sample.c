@@ -71,7 +71,7 @@ static int cmp_desc(const void *a, const void *b) {
   return (i > j) - (i < j);
 }
 
-int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, lf_rng *rng) {
+int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, float u) {
   const int n = s->n;
   if (p->temperature <= 0.0f) return lf_argmax(logits, n);
   const float mx = logits[lf_argmax(logits, n)];
@@ -106,11 +106,11 @@ int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, lf_rng *
     sum = 0.0;
     for (int i = 0; i < m; i++) sum += s->prob[s->idx[i]];
   }
-  const double u = (double)lf_rng_float(rng) * sum;
+  const double target = (double)u * sum;
   double c = 0.0;
   for (int i = 0; i < m; i++) {
     c += s->prob[s->idx[i]];
-    if (u < c) return s->idx[i];
+    if (target < c) return s->idx[i];
   }
   return s->idx[m - 1];
 }

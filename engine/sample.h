@@ -34,8 +34,9 @@ lf_status lf_sampler_init(lf_sampler *s, int vocab);
 void lf_sampler_free(lf_sampler *s);
 
 /* Picks a token from logits [vocab] (not modified). temperature <= 0 is greedy. top_k keeps the
- * k most likely, top_p the smallest prefix (by descending probability) whose mass reaches p. */
-int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, lf_rng *rng);
+ * k most likely, top_p the smallest prefix (by descending probability) whose mass reaches p;
+ * u in [0, 1) is the uniform draw that picks within what is kept. */
+int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, float u);
 
 #ifdef __cplusplus
 }

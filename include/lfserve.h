@@ -42,11 +42,11 @@ const char *lf_status_str(lf_status s);
 /* The message of the last failure on this thread ("" if none). */
 const char *lf_last_error(void);
 
-typedef enum lf_backend {
+typedef enum lf_backend_kind {
   LF_BACKEND_AUTO = 0, /* cuda when built in and a device is present, else cpu */
   LF_BACKEND_CPU,
   LF_BACKEND_CUDA,
-} lf_backend;
+} lf_backend_kind;
 
 /* What happens when a pool is full. DESIGN §3. */
 typedef enum lf_policy {
@@ -62,7 +62,7 @@ lf_status lf_policy_parse(const char *s, lf_policy *out);
 
 typedef struct lf_engine_config {
   const char *model_path; /* HF model dir (config.json + safetensors) or llama2.c .bin */
-  lf_backend backend;     /* default LF_BACKEND_AUTO */
+  lf_backend_kind backend; /* default LF_BACKEND_AUTO */
   lf_policy policy;       /* default LF_POLICY_LONGFLOW */
   int budget;             /* KV slots per pool (B); 0: the model's max context */
   int sink;               /* slots never evicted (positions 0..sink-1); default 4 */

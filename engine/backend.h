@@ -1,0 +1,77 @@
+/* A backend runs the model over a batch of sequence chunks and owns the KV pools' storage.
+ *
+ * The engine (and the scheduler) decide which sequences run and where their tokens go; the
+ * backend only computes. Two implementations: cpu (fp32 reference, engine/backend_cpu.c) and
+ * cuda (bf16, engine/backend_cuda.*). Sampling is part of the forward so a GPU backend can
+ * sample on the device: the engine draws each item's uniform random number on the host, so the
+ * same seed gives the same token on every backend.
+ */
+#ifndef LF_BACKEND_H
+#define LF_BACKEND_H
+
+#include <stdint.h>
+
+#include "lfserve.h"
+#include "model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lf_batch_item {
+  int pool;              /* the sequence's pool */
+  int32_t pos0;          /* position of tokens[0] */
+  int n_tok;             /* 1 for a decode step, more for a prompt chunk */
+  const int32_t *tokens; /* [n_tok] */
+  lf_sampling sampling;  /* how to pick the token after the chunk's last position */
+  float u;               /* uniform [0,1) random draw used when sampling is not greedy */
+} lf_batch_item;
+
+typedef struct lf_batch_result {
+  int32_t token;      /* sampled next token */
+  uint64_t evictions; /* slot overwrites this forward caused (all layers and KV heads) */
+  lf_status status;   /* LF_OK, or this item's own failure (e.g. LF_ERR_CONTEXT_FULL); the
+                         other items are unaffected */
+} lf_batch_result;
+
+typedef struct lf_backend_params {
+  lf_policy policy;
+  int budget, sink, window;
+  int n_pools;
+  int n_threads;
+} lf_backend_params;
+
+typedef struct lf_backend lf_backend;
+struct lf_backend {
+  const char *name;
+  /* Runs every item and fills res[i]. A non-OK return is a backend-wide failure (device error);
+   * per-item failures go to res[i].status. logits (may be NULL): [n][vocab] of each item's last
+   * position, for tests. */
+  lf_status (*forward)(lf_backend *b, const lf_batch_item *items, int n, lf_batch_result *res,
+                       float *logits);
+  /* Pool lifecycle: take a free pool (metadata reset), give it back, query fill. */
+  lf_status (*pool_take)(lf_backend *b, int *pool);
+  lf_status (*pool_give)(lf_backend *b, int pool);
+  int (*pools_free)(lf_backend *b);
+  int (*pool_slots_filled)(lf_backend *b, int pool); /* layer 0, KV head 0 */
+  void (*free)(lf_backend *b);
+};
+
+/* Creates the backend `which` names (LF_BACKEND_AUTO: cuda when built in and a device is
+ * present, else cpu) over an opened checkpoint, which must outlive the backend. */
+lf_status lf_backend_create(lf_backend_kind which, const lf_checkpoint *ck,
+                            const lf_backend_params *p, lf_backend **out);
+
+lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params *p,
+                                lf_backend **out);
+#ifdef LF_HAVE_CUDA_BACKEND
+lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_backend_params *p,
+                                 lf_backend **out);
+/* Nonzero when a CUDA device is usable. */
+int lf_cuda_device_present(void);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif
