@@ -71,6 +71,11 @@ static int cmp_desc(const void *a, const void *b) {
   return (i > j) - (i < j);
 }
 
+static int cmp_id(const void *a, const void *b) {
+  const int i = *(const int *)a, j = *(const int *)b;
+  return (i > j) - (i < j);
+}
+
 int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, float u) {
   const int n = s->n;
   if (p->temperature <= 0.0f) return lf_argmax(logits, n);
@@ -103,6 +108,9 @@ int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, float u)
       }
       m = cut;
     }
+    /* The draw walks the kept tokens in id order, like the unfiltered case, so every backend
+     * can reproduce it with a prefix sum over ids. */
+    qsort(s->idx, (size_t)m, sizeof(int), cmp_id);
     sum = 0.0;
     for (int i = 0; i < m; i++) sum += s->prob[s->idx[i]];
   }

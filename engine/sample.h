@@ -35,7 +35,8 @@ void lf_sampler_free(lf_sampler *s);
 
 /* Picks a token from logits [vocab] (not modified). temperature <= 0 is greedy. top_k keeps the
  * k most likely, top_p the smallest prefix (by descending probability) whose mass reaches p;
- * u in [0, 1) is the uniform draw that picks within what is kept. */
+ * u in [0, 1) picks within what is kept: the first kept token, in increasing id order, whose
+ * cumulative probability exceeds u. */
 int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, float u);
 
 #ifdef __cplusplus
