@@ -1,0 +1,127 @@
+/* The MPI communicator (CPU ranks). bf16 sums go through a user-defined MPI op that adds in
+ * fp32 and rounds once per element, so every rank gets bit-identical results. */
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "comm.h"
+#include "engine/error.h"
+#include "engine/tensor.h"
+
+typedef struct mpi_impl {
+  MPI_Comm comm;
+  MPI_Op bf16_sum;
+} mpi_impl;
+
+/* Logs rank, file:line and the statement, then returns the error up. */
+#define LF_MPI_CHECK(c, stmt)                                                                      \
+  do {                                                                                             \
+    int lf_mpi_rc_ = (stmt);                                                                       \
+    if (lf_mpi_rc_ != MPI_SUCCESS) {                                                               \
+      char lf_mpi_msg_[MPI_MAX_ERROR_STRING];                                                      \
+      int lf_mpi_len_ = 0;                                                                         \
+      MPI_Error_string(lf_mpi_rc_, lf_mpi_msg_, &lf_mpi_len_);                                     \
+      return lf_error(LF_ERR_BACKEND, "rank %d: %s:%d: %s: %s", (c)->rank, __FILE__, __LINE__,    \
+                      #stmt, lf_mpi_msg_);                                                         \
+    }                                                                                              \
+  } while (0)
+
+static void bf16_sum_op(void *in, void *inout, int *len, MPI_Datatype *dt) {
+  (void)dt;
+  const uint16_t *a = in;
+  uint16_t *b = inout;
+  for (int i = 0; i < *len; i++) b[i] = lf_f32_to_bf16(lf_bf16_to_f32(a[i]) + lf_bf16_to_f32(b[i]));
+}
+
+static MPI_Datatype mpi_type(lf_comm_dtype t) {
+  switch (t) {
+  case LF_COMM_F32: return MPI_FLOAT;
+  case LF_COMM_BF16: return MPI_UINT16_T;
+  case LF_COMM_I32: return MPI_INT32_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+static lf_status check_count(lf_comm_t c, size_t n) {
+  if (n > (size_t)INT32_MAX)
+    return lf_error(LF_ERR_INVALID_ARG, "rank %d: collective of %zu elements exceeds MPI's int "
+                                        "count", c->rank, n);
+  return LF_OK;
+}
+
+static lf_status mpi_allreduce(lf_comm_t c, void *buf, size_t n, lf_comm_dtype t, void *stream) {
+  (void)stream;
+  mpi_impl *m = c->impl;
+  LF_TRY(check_count(c, n));
+  MPI_Op op = t == LF_COMM_BF16 ? m->bf16_sum : MPI_SUM;
+  LF_MPI_CHECK(c, MPI_Allreduce(MPI_IN_PLACE, buf, (int)n, mpi_type(t), op, m->comm));
+  return LF_OK;
+}
+
+static lf_status mpi_allgather(lf_comm_t c, const void *send, void *recv, size_t n,
+                               lf_comm_dtype t, void *stream) {
+  (void)stream;
+  mpi_impl *m = c->impl;
+  LF_TRY(check_count(c, n));
+  LF_MPI_CHECK(c, MPI_Allgather(send, (int)n, mpi_type(t), recv, (int)n, mpi_type(t), m->comm));
+  return LF_OK;
+}
+
+static lf_status mpi_bcast(lf_comm_t c, void *buf, size_t bytes, int root, void *stream) {
+  (void)stream;
+  mpi_impl *m = c->impl;
+  LF_TRY(check_count(c, bytes));
+  if (root < 0 || root >= c->size)
+    return lf_error(LF_ERR_INVALID_ARG, "rank %d: bcast root %d of %d ranks", c->rank, root,
+                    c->size);
+  LF_MPI_CHECK(c, MPI_Bcast(buf, (int)bytes, MPI_BYTE, root, m->comm));
+  return LF_OK;
+}
+
+static lf_status mpi_barrier(lf_comm_t c) {
+  LF_MPI_CHECK(c, MPI_Barrier(((mpi_impl *)c->impl)->comm));
+  return LF_OK;
+}
+
+static void mpi_destroy(lf_comm_t c) {
+  mpi_impl *m = c->impl;
+  if (m) {
+    MPI_Op_free(&m->bf16_sum);
+    MPI_Comm_free(&m->comm);
+    free(m);
+  }
+  free(c);
+}
+
+lf_status lf_comm_init_mpi(lf_comm_t *out) {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) return lf_error(LF_ERR_STATE, "lf_comm_init_mpi: MPI_Init has not been called");
+  lf_comm_t c = calloc(1, sizeof *c);
+  mpi_impl *m = calloc(1, sizeof *m);
+  if (!c || !m) {
+    free(c);
+    free(m);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "communicator");
+  }
+  c->impl = m;
+  c->kind = "mpi";
+  c->allreduce_sum = mpi_allreduce;
+  c->allgather = mpi_allgather;
+  c->bcast = mpi_bcast;
+  c->barrier = mpi_barrier;
+  c->destroy = mpi_destroy;
+  /* Errors come back as codes so a failing collective becomes an lf_status, not an abort. */
+  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(m->comm, &c->rank);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(m->comm, &c->size);
+  if (rc == MPI_SUCCESS) rc = MPI_Op_create(bf16_sum_op, 1, &m->bf16_sum);
+  if (rc != MPI_SUCCESS) {
+    free(m);
+    free(c);
+    return lf_error(LF_ERR_BACKEND, "MPI communicator setup failed (code %d)", rc);
+  }
+  *out = c;
+  return LF_OK;
+}
