@@ -1,0 +1,599 @@
+/* Fused LongFlow decode attention (see decode_attn.cuh; DESIGN §3 is normative).
+ *
+ * Grid [n_splits, n_kv_heads, n_seq], 4 warps per block. Block (split, g, seq) owns a contiguous
+ * run of 16-slot tiles of the pool's n filled slots and works in two passes over it:
+ *   pass 1 streams K: logits l_h,i = scale * q_h.k_i for the group's heads with one
+ *          mma.m16n8k16 per 16 slots x 16 dims (slots are the M side, the <= 8 heads the N side),
+ *          kept in shared memory; the block's max per head follows.
+ *   pass 2 streams V: p = exp(l - m) in bf16 as the B operand, V^T as the A operand (transposed
+ *          in registers with byte permutes), fp32 accumulators; sum of p per head in fp32.
+ * Both operands come straight from global memory with 16-byte loads, in a dimension order that
+ * makes each thread's loads contiguous: the dot product over dims does not care about order as
+ * long as q uses the same one, and the output rows of P.V are mapped back to dims explicitly.
+ *
+ * Exact split-K combine and argmin (the protocol DESIGN §3 asks for):
+ *   s_i = ||v_i||_1 * sum_h exp(l_h,i - M_h) / L_h needs every head's final max M_h and
+ *   normaliser L_h, which no split knows alone. Each split therefore publishes its partial
+ *   (m_h, l_h, o_h = sum p v) and its slots' fp32 logits (group floats per slot, ~3% of the K+V
+ *   bytes at group 4) to the workspace, then takes a ticket from a per-(seq, head) counter. The
+ *   block that draws the last ticket (threadfence before the ticket, so everything the others
+ *   wrote is visible to it) knows every partial: it forms M_h, L_h, the output
+ *   sum_s exp(m_s,h - M_h) o_s,h / L_h, every slot's score from the stored logits (not from K or
+ *   V, which are never read twice) and the argmin, and resets the counter for the next call.
+ *   With one split there is nothing to publish: the block scores from its shared-memory logits.
+ * The argmin is a min over 64-bit keys (score bits << 32 | slot): non-negative fp32 scores order
+ * like their bit patterns, and equal scores fall to the lowest slot, as in the CPU reference.
+ */
+#include "attention/decode_attn.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "attention/cuda_check.h"
+
+#define DA_NW 4                    /* warps per block */
+#define DA_NT (DA_NW * 32)         /* threads per block */
+#define DA_TILE 16                 /* slots per mma tile */
+#define DA_UNR 2                   /* tiles in flight per warp */
+#define DA_GMAX 8                  /* heads per KV head: the N side of the mma */
+#define DA_SPLITS_MAX 64           /* combine weights live in static shared memory */
+#define DA_LG_SMEM_MAX (64 * 1024) /* logits of one block kept in shared memory */
+#define DA_LOG2E 1.4426950408889634f
+
+/* Device pointers and shape, by value. Workspace arrays (n_splits > 1):
+ *   cnt [n_seq][n_kv]                 arrival tickets
+ *   ml  [n_seq][n_kv][n_splits][G]    (max, sum) of each split per head
+ *   po  [n_seq][n_kv][n_splits][G][D] un-normalised partial outputs
+ *   lg  [n_seq][n_kv][budget][G]      fp32 logits of every filled slot */
+typedef struct attn_params {
+  const __nv_bfloat16 *k, *v;
+  const float *vnorm;
+  const int32_t *pos, *n;
+  int32_t *next;
+  int n_layers, n_kv, budget, layer;
+  const int32_t *pool_ids, *w;
+  const __nv_bfloat16 *q;
+  size_t q_stride;
+  __nv_bfloat16 *out;
+  int group, sink, policy;
+  float scale;
+  int chunk_max; /* slots of the largest split, sizes the shared logits */
+  unsigned *cnt;
+  float2 *ml;
+  float *po, *lg;
+} attn_params;
+
+static __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+static __device__ __forceinline__ uint32_t u4_get(const uint4 &x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+/* (x.lo, y.lo) for hi == 0, (x.hi, y.hi) otherwise: the register transpose of two bf16 pairs. */
+static __device__ __forceinline__ uint32_t bf16_interleave(uint32_t x, uint32_t y, int hi) {
+  return __byte_perm(x, y, hi ? 0x7632 : 0x5410);
+}
+
+static __device__ __forceinline__ uint32_t bf16_pack(float lo, float hi) {
+  union {
+    __nv_bfloat162 h;
+    uint32_t u;
+  } x;
+  x.h = __floats2bfloat162_rn(lo, hi);
+  return x.u;
+}
+
+static __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long x) {
+  for (int o = 16; o > 0; o >>= 1) {
+    unsigned long long y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = y < x ? y : x;
+  }
+  return x;
+}
+
+/* Scores of slots [0, n) from logits lg [n][G] (shared memory, or global written by other blocks
+ * of this launch: then read through L2), the argmin over the evictable ones into next. */
+template <bool GLOBAL_LG>
+static __device__ void score_argmin(const attn_params &p, size_t hidx, int n, int wslot,
+                                    const float *lg, const float *fin_m, const float *fin_il,
+                                    unsigned long long *red_key) {
+  const int G = p.group, B = p.budget;
+  unsigned long long best = ~0ull;
+  if (p.policy != LF_POLICY_FULL) {
+    const int i0 = max(p.sink, 0);
+    /* unrolled with every load first: this loop runs after the block's streaming work, so its
+     * latency is the kernel's tail */
+#pragma unroll 4
+    for (int i = i0 + (int)threadIdx.x; i < n; i += DA_NT) {
+      uint32_t key;
+      if (p.policy == LF_POLICY_STREAMING) {
+        key = (uint32_t)p.pos[hidx * B + i];
+      } else {
+        float l[DA_GMAX];
+#pragma unroll
+        for (int h = 0; h < DA_GMAX; h++)
+          if (h < G) l[h] = GLOBAL_LG ? __ldcg(lg + (size_t)i * G + h) : lg[(size_t)i * G + h];
+        const float vn = p.vnorm[hidx * B + i];
+        float mass = 0.0f;
+#pragma unroll
+        for (int h = 0; h < DA_GMAX; h++)
+          if (h < G) mass += exp2f((l[h] - fin_m[h]) * DA_LOG2E) * fin_il[h];
+        key = __float_as_uint(vn * mass);
+      }
+      const unsigned long long kk = ((unsigned long long)key << 32) | (unsigned)i;
+      if (i != wslot) best = kk < best ? kk : best;
+    }
+  }
+  best = warp_min_u64(best);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red_key[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < DA_NW; i++)
+      best = red_key[i] < best ? red_key[i] : best;
+    p.next[hidx] = best == ~0ull ? -1 : (int32_t)(best & 0xffffffffu);
+  }
+}
+
+static __device__ __forceinline__ void prefetch_l2(const void *ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
+template <int D, int MINB>
+static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const attn_params p) {
+  constexpr int NJ = D / 32;  /* 16-byte K loads per slot per thread */
+  constexpr int NC = D / 64;  /* 16-byte V loads per slot per thread */
+  constexpr int NMT = D / 16; /* mma tiles over dims in P.V */
+  extern __shared__ float4 da_smem[];
+  __shared__ float red_m[DA_NW][DA_GMAX], red_l[DA_NW][DA_GMAX];
+  __shared__ float fin_m[DA_GMAX], fin_il[DA_GMAX];
+  __shared__ unsigned long long red_key[DA_NW];
+  __shared__ int is_last;
+
+  const int G = p.group, B = p.budget;
+  const int split = blockIdx.x, S = gridDim.x, kvh = blockIdx.y, seq = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const size_t pair = (size_t)seq * p.n_kv + kvh;
+  const size_t hidx = ((size_t)p.pool_ids[seq] * p.n_layers + p.layer) * p.n_kv + kvh;
+  const int n = p.n[hidx];
+  const int wslot = p.w[pair];
+  __nv_bfloat16 *out = p.out + (pair * G) * D; /* [G][D] of this (seq, kv head) */
+
+  if (n <= 0) { /* nothing to attend: zero output, no candidate */
+    if (split == 0) {
+      for (int i = tid; i < G * D; i += DA_NT)
+        out[i] = __float2bfloat16(0.0f);
+      if (tid == 0) p.next[hidx] = -1;
+    }
+    return;
+  }
+
+  const int chunk = ((n + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
+  const int s0 = min(split * chunk, n), s1 = min(s0 + chunk, n);
+  const int ntiles = (s1 - s0 + DA_TILE - 1) / DA_TILE;
+  const __nv_bfloat16 *K = p.k + (hidx * B) * D;
+  const __nv_bfloat16 *V = p.v + (hidx * B) * D;
+  float *lg_s = (float *)da_smem;                   /* [chunk_max][G] */
+  float *o_s = lg_s + ((p.chunk_max * G + 3) & ~3); /* [G][D] */
+  float *cw = o_s + G * D;                          /* [S][G] combine weights (last block) */
+
+  /* The tail of the kernel reads vnorm, and pass 2 starts with V of the block's first 128
+   * slots: start both on their way to L2 now, beside pass 1's K loads. */
+  for (int i = tid; i < (s1 - s0 + 31) / 32; i += DA_NT)
+    prefetch_l2(p.vnorm + hidx * B + s0 + 32 * i);
+  {
+    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * D * 2 / 128; /* 128-byte lines */
+    const char *vb = (const char *)(V + (size_t)s0 * D);
+    for (int i = tid; i < nv; i += DA_NT)
+      prefetch_l2(vb + 128 * i);
+  }
+
+  /* q as the B operand: thread (g, t) holds head g, dims 32j + 8t .. 32j + 8t + 7. */
+  uint4 qf[NJ];
+  {
+    const uint4 *qp = (const uint4 *)(p.q + seq * p.q_stride + (size_t)(kvh * G + g) * D) + t;
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+      qf[j] = g < G ? qp[4 * j] : make_uint4(0, 0, 0, 0);
+  }
+
+  /* Pass 1: logits. Tile rows are slots sb + g and sb + g + 8; the accumulator holds heads 2t and
+   * 2t + 1 of both. */
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+  for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
+    uint4 kr[DA_UNR][2][NJ];
+#pragma unroll
+    for (int u = 0; u < DA_UNR; u++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + g + 8 * r;
+        const uint4 *src = (const uint4 *)(K + (size_t)slot * D) + t;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+          kr[u][r][j] = slot < s1 ? ld_stream(src + 4 * j) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int u = 0; u < DA_UNR; u++) {
+      const int ti = ti0 + u * DA_NW;
+      if (ti >= ntiles) break;
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++)
+          mma_bf16(c, u4_get(kr[u][0][j], 2 * hf), u4_get(kr[u][1][j], 2 * hf),
+                   u4_get(kr[u][0][j], 2 * hf + 1), u4_get(kr[u][1][j], 2 * hf + 1),
+                   u4_get(qf[j], 2 * hf), u4_get(qf[j], 2 * hf + 1));
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int sl = ti * DA_TILE + g + 8 * r; /* local slot */
+        if (s0 + sl >= s1) continue;
+        const float l0 = c[2 * r] * p.scale, l1 = c[2 * r + 1] * p.scale;
+        if (2 * t < G) {
+          lg_s[sl * G + 2 * t] = l0;
+          mx0 = fmaxf(mx0, l0);
+        }
+        if (2 * t + 1 < G) {
+          lg_s[sl * G + 2 * t + 1] = l1;
+          mx1 = fmaxf(mx1, l1);
+        }
+      }
+    }
+  }
+  for (int o = 4; o < 32; o <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+  }
+  if (g == 0) {
+    red_m[warp][2 * t] = mx0;
+    red_m[warp][2 * t + 1] = mx1;
+  }
+  __syncthreads();
+  float m_g = -INFINITY; /* this block's max for head g */
+#pragma unroll
+  for (int i = 0; i < DA_NW; i++)
+    m_g = fmaxf(m_g, red_m[i][g]);
+
+  if (S > 1) { /* publish the logits for the combine; overlaps with pass 2's loads */
+    float *dst = p.lg + (pair * B + s0) * G;
+    const int cnt = (s1 - s0) * G;
+    for (int i = tid; i < cnt; i += DA_NT)
+      __stcg(dst + i, lg_s[i]);
+  }
+
+  /* Pass 2: O^T[dims][heads] += V^T[dims][slots] P^T[slots][heads]. Thread (g, t) owns dims
+   * 64c + 8g + e (e < 8) and slots 2t, 2t+1, 2t+8, 2t+9 of each tile; P column = head g. */
+  float oacc[NMT][4];
+#pragma unroll
+  for (int i = 0; i < NMT; i++)
+    oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.0f;
+  float psum = 0.0f;
+  const float mg2 = m_g * DA_LOG2E;
+  for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
+    uint4 vr[DA_UNR][4][NC];
+#pragma unroll
+    for (int u = 0; u < DA_UNR; u++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + 2 * t + (r & 1) + 8 * (r >> 1);
+        const uint4 *src = (const uint4 *)(V + (size_t)slot * D) + g;
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+          vr[u][r][c] = slot < s1 ? ld_stream(src + 8 * c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int u = 0; u < DA_UNR; u++) {
+      const int ti = ti0 + u * DA_NW;
+      if (ti >= ntiles) break;
+      float pv[4];
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        const int sl = ti * DA_TILE + 2 * t + (r & 1) + 8 * (r >> 1);
+        pv[r] = (g < G && s0 + sl < s1) ? exp2f(fmaf(lg_s[sl * G + g], DA_LOG2E, -mg2)) : 0.0f;
+      }
+      psum += (pv[0] + pv[1]) + (pv[2] + pv[3]);
+      const uint32_t b0 = bf16_pack(pv[0], pv[1]), b1 = bf16_pack(pv[2], pv[3]);
+#pragma unroll
+      for (int mt = 0; mt < NMT; mt++) {
+        const int e0 = mt, e1 = mt + NMT; /* this thread's dims of rows g and g + 8 */
+        const int c0 = e0 >> 3, w0 = (e0 & 7) >> 1, h0 = e0 & 1;
+        const int c1 = e1 >> 3, w1 = (e1 & 7) >> 1, h1 = e1 & 1;
+        mma_bf16(oacc[mt], bf16_interleave(u4_get(vr[u][0][c0], w0), u4_get(vr[u][1][c0], w0), h0),
+                 bf16_interleave(u4_get(vr[u][0][c1], w1), u4_get(vr[u][1][c1], w1), h1),
+                 bf16_interleave(u4_get(vr[u][2][c0], w0), u4_get(vr[u][3][c0], w0), h0),
+                 bf16_interleave(u4_get(vr[u][2][c1], w1), u4_get(vr[u][3][c1], w1), h1), b0, b1);
+      }
+    }
+  }
+  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+  if (t == 0) red_l[warp][g] = psum;
+  /* accumulator (mt, 0/1): dim of e0, heads 2t / 2t+1; (mt, 2/3): dim of e1. Summed over the
+   * warps in one [G][D] buffer, one warp at a time (smem is what limits blocks per SM). */
+  for (int ww = 0; ww < DA_NW; ww++) {
+    if (warp == ww) {
+#pragma unroll
+      for (int mt = 0; mt < NMT; mt++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+          const int h = 2 * t + (r & 1), e = (r < 2) ? mt : mt + NMT;
+          const int d = 64 * (e >> 3) + 8 * g + (e & 7);
+          if (h < G) o_s[h * D + d] = (ww ? o_s[h * D + d] : 0.0f) + oacc[mt][r];
+        }
+    }
+    __syncthreads();
+  }
+
+  if (S == 1) {
+    if (tid < G) {
+      float l = 0.0f, m = -INFINITY;
+      for (int i = 0; i < DA_NW; i++) {
+        l += red_l[i][tid];
+        m = fmaxf(m, red_m[i][tid]);
+      }
+      fin_m[tid] = m;
+      fin_il[tid] = 1.0f / l;
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D / 2; i += DA_NT) {
+      const int h = i / (D / 2), d = 2 * (i % (D / 2));
+      *(__nv_bfloat162 *)(out + h * D + d) =
+          __floats2bfloat162_rn(o_s[h * D + d] * fin_il[h], o_s[h * D + d + 1] * fin_il[h]);
+    }
+    score_argmin<false>(p, hidx, n, wslot, lg_s, fin_m, fin_il, red_key);
+    return;
+  }
+
+  /* Publish this split's partials, then take a ticket. */
+  float2 *ml = p.ml + pair * S * G;
+  float *po = p.po + (pair * S * G) * D;
+  if (tid < G) {
+    float l = 0.0f, m = -INFINITY;
+    for (int i = 0; i < DA_NW; i++) {
+      l += red_l[i][tid];
+      m = fmaxf(m, red_m[i][tid]);
+    }
+    __stcg(ml + split * G + tid, make_float2(m, l));
+  }
+  for (int i = tid; i < G * D; i += DA_NT)
+    __stcg(po + (size_t)split * G * D + i, o_s[i]);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(p.cnt + pair, 1u) == (unsigned)(S - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (tid == 0) p.cnt[pair] = 0;
+
+  /* The last split: combine. All (m, l) in parallel into cw, then per head
+   * M_h = max m_s,h, L_h = sum l_s,h exp(m_s,h - M_h), and cw[s][h] = exp(m_s,h - M_h) / L_h. */
+  float2 *mls = (float2 *)(cw + ((S * G + 1) & ~1)); /* [S][G] */
+  for (int i = tid; i < S * G; i += DA_NT)
+    mls[i] = __ldcg(ml + i);
+  __syncthreads();
+  if (tid < G) {
+    float m = -INFINITY, l = 0.0f;
+    for (int s = 0; s < S; s++)
+      m = fmaxf(m, mls[s * G + tid].x);
+    for (int s = 0; s < S; s++) {
+      const float2 x = mls[s * G + tid];
+      const float c = x.y > 0.0f ? exp2f((x.x - m) * DA_LOG2E) : 0.0f;
+      cw[s * G + tid] = c;
+      l += c * x.y;
+    }
+    fin_m[tid] = m;
+    fin_il[tid] = 1.0f / l;
+    for (int s = 0; s < S; s++)
+      cw[s * G + tid] *= 1.0f / l;
+  }
+  __syncthreads();
+  for (int i = tid; i < G * D / 2; i += DA_NT) {
+    const int h = i / (D / 2), d = 2 * (i % (D / 2));
+    float a = 0.0f, b = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < S; s++) {
+      const float2 x = __ldcg((const float2 *)(po + ((size_t)s * G + h) * D + d));
+      a += cw[s * G + h] * x.x;
+      b += cw[s * G + h] * x.y;
+    }
+    *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
+  }
+  score_argmin<true>(p, hidx, n, wslot, p.lg + pair * B * G, fin_m, fin_il, red_key);
+}
+
+/* Workspace layout; every array starts on a 256-byte boundary. */
+typedef struct ws_layout {
+  size_t cnt, ml, po, lg, total;
+} ws_layout;
+
+static size_t align256(size_t x) {
+  return (x + 255) & ~(size_t)255;
+}
+
+static ws_layout ws_plan(int n_seq, int n_kv, int budget, int group, int head_dim, int n_splits) {
+  ws_layout l;
+  const size_t pairs = (size_t)n_seq * (size_t)n_kv;
+  l.cnt = 0;
+  l.ml = align256(pairs * sizeof(unsigned));
+  if (n_splits <= 1) {
+    l.po = l.lg = l.total = l.ml;
+    return l;
+  }
+  l.po = l.ml + align256(pairs * n_splits * group * sizeof(float2));
+  l.lg = l.po + align256(pairs * n_splits * group * (size_t)head_dim * sizeof(float));
+  l.total = l.lg + align256(pairs * (size_t)budget * group * sizeof(float));
+  return l;
+}
+
+/* Smallest split size whose logits fit in shared memory. */
+static int min_splits_for_smem(int budget, int group) {
+  int s = 1;
+  while (s < DA_SPLITS_MAX &&
+         (size_t)((budget + s - 1) / s + DA_TILE - 1) / DA_TILE * DA_TILE * group * 4 >
+             DA_LG_SMEM_MAX)
+    s++;
+  return s;
+}
+
+extern "C" int lf_cuda_decode_attn_splits(int n_seq, int n_kv_heads, int budget, int group,
+                                          int head_dim, int n_sm) {
+  (void)head_dim;
+  const long pairs = (long)n_seq * n_kv_heads;
+  int s = 1;
+  if (pairs > 0 && pairs < n_sm) {
+    /* About two blocks per SM, at most 16 splits, none shorter than 64 slots: measured on an
+     * H200 (32/8 heads, d 128), batch 1 was fastest at 16 splits and batch 8 at 4, for budgets
+     * 1024-3200; more splits cost more in the combine than they gain in parallelism. */
+    s = (int)(2L * n_sm / pairs);
+    if (s > 16) s = 16;
+    const int by_len = (budget + 63) / 64;
+    if (s > by_len) s = by_len;
+  }
+  const int smin = min_splits_for_smem(budget, group);
+  if (s < smin) s = smin;
+  if (s > DA_SPLITS_MAX) s = DA_SPLITS_MAX;
+  if (s < 1) s = 1;
+  return s;
+}
+
+static lf_status auto_splits(int n_seq, int n_kv, int budget, int group, int head_dim, int *out) {
+  int dev = 0, n_sm = 0;
+  LF_CUDA_CHECK(cudaGetDevice(&dev));
+  LF_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+  *out = lf_cuda_decode_attn_splits(n_seq, n_kv, budget, group, head_dim, n_sm);
+  return LF_OK;
+}
+
+extern "C" size_t lf_cuda_decode_attn_workspace_bytes(int n_seq, int n_kv_heads, int budget,
+                                                      int group, int head_dim, int n_splits) {
+  if (n_seq < 1 || n_kv_heads < 1 || budget < 1 || group < 1) return 0;
+  if (n_splits <= 0 && auto_splits(n_seq, n_kv_heads, budget, group, head_dim, &n_splits) != LF_OK)
+    return 0;
+  const int smin = min_splits_for_smem(budget, group);
+  if (n_splits < smin) n_splits = smin;
+  if (n_splits > DA_SPLITS_MAX) n_splits = DA_SPLITS_MAX;
+  return ws_plan(n_seq, n_kv_heads, budget, group, head_dim, n_splits).total;
+}
+
+extern "C" lf_status lf_cuda_decode_attn_workspace_init(void *workspace, size_t workspace_bytes,
+                                                        cudaStream_t stream) {
+  if (!workspace && workspace_bytes)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_workspace_init: NULL workspace");
+  if (workspace_bytes) LF_CUDA_CHECK(cudaMemsetAsync(workspace, 0, workspace_bytes, stream));
+  return LF_OK;
+}
+
+template <int D, int MINB>
+static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
+  const int S = (int)grid.x;
+  const size_t smem =
+      (size_t)((p.chunk_max * p.group + 3) & ~3) * sizeof(float) +
+      (size_t)p.group * D * sizeof(float) +
+      (S > 1 ? (size_t)(((S * p.group + 1) & ~1) + 2 * S * p.group) * sizeof(float) : 0);
+  /* Raise the dynamic shared-memory limit once per size seen (idempotent, so a race between
+   * host threads is harmless). The carveout is left to the driver on purpose: streaming loads
+   * are staged in L1 while in flight, so the L1 left beside shared memory bounds the bytes in
+   * flight per SM (forcing the largest shared carveout cut the bandwidth by a fifth on an H200). */
+  static size_t smem_set = 0;
+  if (smem > 48 * 1024 && smem > smem_set) {
+    LF_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D, MINB>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    smem_set = smem;
+  }
+  decode_attn_kernel<D, MINB><<<grid, DA_NT, smem, stream>>>(p);
+  LF_CUDA_CHECK_LAUNCH("decode_attn_kernel");
+  return LF_OK;
+}
+
+extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStream_t stream) {
+  if (!a || !a->k || !a->v || !a->vnorm || !a->n || !a->next || !a->pool_ids || !a->w || !a->q ||
+      !a->out)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: NULL argument");
+  if (a->head_dim != 64 && a->head_dim != 128)
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: head_dim %d (64 or 128)",
+                    a->head_dim);
+  if (a->group < 1 || a->group > DA_GMAX)
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: group %d (1..%d)", a->group, DA_GMAX);
+  if (a->policy != LF_POLICY_LONGFLOW && a->policy != LF_POLICY_FULL &&
+      a->policy != LF_POLICY_STREAMING)
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
+                    (int)a->policy);
+  if (a->policy == LF_POLICY_STREAMING && !a->pos)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: streaming needs pos");
+  if (a->n_seq < 0 || a->n_seq > 65535 || a->n_kv_heads < 1 || a->n_kv_heads > 65535 ||
+      a->budget < 1 || a->n_layers < 1 || a->layer < 0 || a->layer >= a->n_layers || a->sink < 0 ||
+      !(a->scale > 0.0f))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_decode_attn: bad shape (n_seq %d, kv heads %d, budget %d, layer %d "
+                    "of %d, sink %d, scale %g)",
+                    a->n_seq, a->n_kv_heads, a->budget, a->layer, a->n_layers, a->sink,
+                    (double)a->scale);
+  if (a->q_stride % 8 || ((uintptr_t)a->q & 15) || ((uintptr_t)a->k & 15) ||
+      ((uintptr_t)a->v & 15) || ((uintptr_t)a->out & 3))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_decode_attn: q, k, v must be 16-byte aligned (q_stride a multiple "
+                    "of 8), out 4-byte aligned");
+  if (a->n_seq == 0) return LF_OK;
+
+  int S = a->n_splits;
+  if (S <= 0) LF_TRY(auto_splits(a->n_seq, a->n_kv_heads, a->budget, a->group, a->head_dim, &S));
+  const int smin = min_splits_for_smem(a->budget, a->group);
+  if (S < smin) S = smin; /* the logits of one split must fit in shared memory */
+  if (S > DA_SPLITS_MAX) S = DA_SPLITS_MAX;
+  const ws_layout wl = ws_plan(a->n_seq, a->n_kv_heads, a->budget, a->group, a->head_dim, S);
+  if (S > 1 && (!a->workspace || a->workspace_bytes < wl.total))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_decode_attn: workspace of %zu bytes, %zu needed for %d splits",
+                    a->workspace_bytes, wl.total, S);
+
+  attn_params p;
+  p.k = (const __nv_bfloat16 *)a->k;
+  p.v = (const __nv_bfloat16 *)a->v;
+  p.vnorm = a->vnorm;
+  p.pos = a->pos;
+  p.n = a->n;
+  p.next = a->next;
+  p.n_layers = a->n_layers;
+  p.n_kv = a->n_kv_heads;
+  p.budget = a->budget;
+  p.layer = a->layer;
+  p.pool_ids = a->pool_ids;
+  p.w = a->w;
+  p.q = (const __nv_bfloat16 *)a->q;
+  p.q_stride = a->q_stride ? a->q_stride : (size_t)a->n_kv_heads * a->group * a->head_dim;
+  p.out = (__nv_bfloat16 *)a->out;
+  p.group = a->group;
+  p.sink = a->sink;
+  p.policy = (int)a->policy;
+  p.scale = a->scale;
+  p.chunk_max = ((a->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
+  char *ws = (char *)a->workspace;
+  p.cnt = S > 1 ? (unsigned *)(ws + wl.cnt) : NULL;
+  p.ml = S > 1 ? (float2 *)(ws + wl.ml) : NULL;
+  p.po = S > 1 ? (float *)(ws + wl.po) : NULL;
+  p.lg = S > 1 ? (float *)(ws + wl.lg) : NULL;
+
+  const dim3 grid(S, a->n_kv_heads, a->n_seq);
+  /* Four blocks per SM (128 registers) while four blocks' shared memory still leaves L1 room
+   * for loads in flight; past that, three blocks with the registers the compiler wants. */
+  const size_t smem_est = (size_t)p.chunk_max * p.group * 4 + (size_t)p.group * a->head_dim * 4;
+  if (smem_est > 44 * 1024)
+    return a->head_dim == 64 ? launch<64, 1>(p, grid, stream) : launch<128, 1>(p, grid, stream);
+  return a->head_dim == 64 ? launch<64, 4>(p, grid, stream) : launch<128, 4>(p, grid, stream);
+}

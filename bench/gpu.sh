@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: configure, build, run the `gpu` tests (and,
+# with SANITIZE=1, compute-sanitizer memcheck + racecheck on the kernel test), run the torch SDPA
+# peer and `lfbench kernel`, print a short table. Logs and JSON go to $OUT (default ./out).
+#
+#   bench/gpu.sh                 everything
+#   SANITIZE=1 bench/gpu.sh      also compute-sanitizer on a subset of gpu_decode_attn
+#   SWEEP="1 2 4" bench/gpu.sh   also lfbench kernel with each forced split count
+#                                (SWEEP_BATCHES=1,8 limits the batch sizes)
+#   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out
+#
+# The machine has no network: if GTest is not installed there, a googletest source tree carried
+# in build-deps/googletest is built first.
+set -u -o pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+LOG=$OUT/gpu_log.txt
+: >"$LOG"
+say() { echo "== $*" | tee -a "$LOG"; }
+rc=0
+
+say "machine"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv;
+  nvcc --version | tail -1; cmake --version | head -1; } >>"$LOG" 2>&1
+
+extra=()
+have_gtest=
+for d in /usr/lib/x86_64-linux-gnu/cmake/GTest /usr/local/lib/cmake/GTest /usr/lib/cmake/GTest \
+         /usr/local/lib64/cmake/GTest; do
+  [ -d "$d" ] && have_gtest=1
+done
+if [ -z "$have_gtest" ]; then
+  if [ -d build-deps/googletest ]; then
+    say "building googletest from build-deps/googletest"
+    cmake -S build-deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_INSTALL_PREFIX=/tmp/gtest-install -DBUILD_GMOCK=OFF >>"$LOG" 2>&1 &&
+      cmake --build /tmp/gtest-build -j16 >>"$LOG" 2>&1 &&
+      cmake --install /tmp/gtest-build >>"$LOG" 2>&1 || say "googletest build FAILED"
+    extra+=(-DCMAKE_PREFIX_PATH=/tmp/gtest-install)
+  fi
+fi
+
+say "configure + build (build-gpu, sm_90)"
+t0=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DLF_MPI=OFF "${extra[@]}" >>"$LOG" 2>&1 || { say "configure FAILED"; tail -30 "$LOG"; exit 1; }
+if ! cmake --build build-gpu -j16 >>"$LOG" 2>&1; then
+  # other parts of the tree may be mid-change: still build what this script runs
+  say "full build failed; building lfbench and the gpu tests only"
+  tgts=(lfbench)
+  for f in tests/gpu_*.cpp; do tgts+=("$(basename "$f" .cpp)"); done
+  cmake --build build-gpu -j16 --target "${tgts[@]}" >>"$LOG" 2>&1 || { say "build FAILED"; grep -E "error|Error" "$LOG" | head -30; exit 1; }
+fi
+say "build took $(( $(date +%s) - t0 )) s"
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  say "ctest -L gpu"
+  (cd build-gpu && ctest -L gpu -V) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
+  grep -E "near-ties|tests passed|FAILED|Failure" "$OUT/ctest_gpu.txt" | tail -60 | tee -a "$LOG"
+  if [ -n "${SANITIZE:-}" ]; then
+    filt='*B16_kv2_seq1*:*B1000_*:*B77_*:*B64_kv2_seq4*:*D128_G4_B3200_kv8_seq2*splits0*'
+    for tool in memcheck racecheck; do
+      say "compute-sanitizer --tool $tool (gtest_filter $filt)"
+      compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/gpu_decode_attn \
+        --gtest_filter="$filt" >"$OUT/sanitizer_$tool.txt" 2>&1 || { rc=1; say "$tool FAILED"; }
+      tail -4 "$OUT/sanitizer_$tool.txt" | tee -a "$LOG"
+    done
+  fi
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  say "torch SDPA peer"
+  python3 bench/sdpa_peer.py --json "$OUT/sdpa_peer.json" >"$OUT/sdpa_peer.txt" 2>&1 ||
+    { rc=1; say "sdpa peer FAILED"; tail -20 "$OUT/sdpa_peer.txt"; }
+  peer=()
+  [ -s "$OUT/sdpa_peer.json" ] && peer=(--peer "$OUT/sdpa_peer.json")
+  say "lfbench kernel"
+  build-gpu/lfbench kernel "${peer[@]}" --json "$OUT/lfbench_kernel.json" \
+    >"$OUT/lfbench_kernel.txt" 2>&1 || rc=1
+  for s in ${SWEEP:-}; do
+    echo "# --splits $s" >>"$OUT/sweep.txt"
+    build-gpu/lfbench kernel --splits "$s" --iters 100 --batches "${SWEEP_BATCHES:-1,8,32,128}" \
+      "${peer[@]}" >>"$OUT/sweep.txt" 2>&1
+  done
+  say "SDPA peer"; cat "$OUT/sdpa_peer.txt" | tee -a "$LOG"
+  [ -n "${SWEEP:-}" ] && { say "split sweep"; grep -v "^# [dt]" "$OUT/sweep.txt"; }
+  say "lfbench kernel"; cat "$OUT/lfbench_kernel.txt" | tee -a "$LOG"
+fi
+say "exit $rc"
+exit $rc

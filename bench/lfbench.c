@@ -1,0 +1,588 @@
+/* lfbench — lfserve benchmarks: `lfbench <subcommand> [options]`.
+ *
+ *   kernel   the fused LongFlow decode-attention kernel (attention/decode_attn.cuh) over a grid of
+ *            batch sizes and budgets, against the device-to-device copy bandwidth measured in the
+ *            same run and, with --peer, against torch SDPA (bench/sdpa_peer.py).
+ *
+ * Output is one fixed-column row per shape (nccl-tests style), ending with whether the result
+ * was checked right; --json writes the same rows for bench/results/.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lfserve.h"
+
+#ifdef LF_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "attention/decode_attn.cuh"
+#endif
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: lfbench <subcommand> [options]\n"
+             "subcommands:\n"
+             "  kernel   fused decode-attention kernel vs copy bandwidth (and torch SDPA)\n"
+             "kernel options:\n"
+             "  --batches LIST    comma list (default 1,8,32,128)\n"
+             "  --budgets LIST    comma list (default 1024,2048,3200)\n"
+             "  --heads N --kv-heads N --head-dim N   (default 32 8 128)\n"
+             "  --iters N --warmup N                  timed and warm-up calls (default 300 30)\n"
+             "  --splits N        force the split count (default 0: automatic)\n"
+             "  --no-flush        do not clear L2 before each timed call\n"
+             "  --peer FILE       sdpa_peer.py JSON: fills sdpa_ratio\n"
+             "  --json FILE       write the rows as JSON\n");
+}
+
+static int parse_list(const char *s, int *out, int cap) {
+  int n = 0;
+  while (*s && n < cap) {
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s || v <= 0) return -1;
+    out[n++] = (int)v;
+    s = *end == ',' ? end + 1 : end;
+    if (*end && *end != ',') return -1;
+  }
+  return n;
+}
+
+#ifdef LF_HAVE_CUDA
+
+#define BENCH_CUDA(stmt)                                                                           \
+  do {                                                                                             \
+    cudaError_t e_ = (stmt);                                                                       \
+    if (e_ != cudaSuccess) {                                                                       \
+      fprintf(stderr, "lfbench: %s:%d: %s: %s\n", __FILE__, __LINE__, #stmt,                       \
+              cudaGetErrorString(e_));                                                             \
+      return 1;                                                                                    \
+    }                                                                                              \
+  } while (0)
+
+#define BENCH_LF(stmt)                                                                             \
+  do {                                                                                             \
+    lf_status s_ = (stmt);                                                                         \
+    if (s_ != LF_OK) {                                                                             \
+      fprintf(stderr, "lfbench: %s:%d: %s: %s: %s\n", __FILE__, __LINE__, #stmt,                   \
+              lf_status_str(s_), lf_last_error());                                                 \
+      return 1;                                                                                    \
+    }                                                                                              \
+  } while (0)
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint64_t rng_next(void) {
+  uint64_t x = rng_state;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return rng_state = x;
+}
+/* About N(0, 1): sum of four uniforms, centred and scaled. */
+static float rng_normal(void) {
+  float s = 0.0f;
+  for (int i = 0; i < 4; i++)
+    s += (float)(rng_next() >> 40) * (1.0f / 16777216.0f);
+  return (s - 2.0f) * 1.7320508f;
+}
+static uint16_t f2bf(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static float bf2f(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static int cmp_float(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+static float median(float *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_float);
+  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Device-to-device copy bandwidth, counting bytes read plus written (GB/s). */
+static int copy_bandwidth(double *gbs) {
+  const size_t bytes = (size_t)2 << 30;
+  void *a = NULL, *b = NULL;
+  cudaEvent_t e0, e1;
+  float t[20];
+  BENCH_CUDA(cudaMalloc(&a, bytes));
+  BENCH_CUDA(cudaMalloc(&b, bytes));
+  BENCH_CUDA(cudaMemset(a, 1, bytes));
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; i++)
+    BENCH_CUDA(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  for (int i = 0; i < 20; i++) {
+    BENCH_CUDA(cudaEventRecord(e0, 0));
+    BENCH_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0));
+    BENCH_CUDA(cudaEventRecord(e1, 0));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    BENCH_CUDA(cudaEventElapsedTime(&t[i], e0, e1));
+  }
+  *gbs = 2.0 * (double)bytes / (median(t, 20) * 1e-3) / 1e9;
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 0;
+}
+
+/* Peer JSON (sdpa_peer.py): one row object per line with "batch", "budget", "time_us". */
+static double peer_time_us(const char *text, int batch, int budget) {
+  const char *line = text;
+  while (line && *line) {
+    const char *eol = strchr(line, '\n');
+    const char *b = strstr(line, "\"batch\":"), *g = strstr(line, "\"budget\":"),
+               *t = strstr(line, "\"time_us\":");
+    if (b && g && t && (!eol || (b < eol && g < eol && t < eol)) && atoi(b + 8) == batch &&
+        atoi(g + 9) == budget)
+      return atof(t + 10);
+    line = eol ? eol + 1 : NULL;
+  }
+  return -1.0;
+}
+
+static char *read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *s = malloc((size_t)n + 1);
+  if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
+    free(s);
+    s = NULL;
+  }
+  if (s) s[n] = '\0';
+  fclose(f);
+  return s;
+}
+
+typedef struct kernel_row {
+  int batch, budget, splits;
+  double kv_bytes, time_us, gbs, bw_fraction, sdpa_ratio, max_rel_err;
+  int check_ok, next_gpu, next_cpu;
+} kernel_row;
+
+/* CPU check of sequence 0 (KV heads of pool 0): output and next against a double computation.
+ * hk, hv: [n_kv][B][D] bf16 of the pool; hq: [n_heads][D]; hout: [n_heads][D] from the GPU;
+ * w: slot excluded; next_gpu: [n_kv]. Returns 1 when right. */
+static int check_seq0(int n_kv, int group, int B, int D, int sink, const uint16_t *hk,
+                      const uint16_t *hv, const uint16_t *hq, const uint16_t *hout, int w,
+                      const int32_t *next_gpu, double *max_rel, int *ng, int *nc) {
+  double *alpha = malloc(sizeof(double) * (size_t)B), *mass = malloc(sizeof(double) * (size_t)B);
+  int ok = 1;
+  *max_rel = 0.0;
+  for (int g = 0; g < n_kv; g++) {
+    const uint16_t *K = hk + (size_t)g * B * D, *V = hv + (size_t)g * B * D;
+    for (int i = 0; i < B; i++)
+      mass[i] = 0.0;
+    for (int j = 0; j < group; j++) {
+      const int h = g * group + j;
+      double m = -INFINITY, sum = 0.0, num = 0.0, den = 0.0;
+      for (int i = 0; i < B; i++) {
+        double s = 0.0;
+        for (int d = 0; d < D; d++)
+          s += (double)bf2f(hq[(size_t)h * D + d]) * bf2f(K[(size_t)i * D + d]);
+        alpha[i] = s / sqrt((double)D);
+        if (alpha[i] > m) m = alpha[i];
+      }
+      for (int i = 0; i < B; i++)
+        sum += (alpha[i] = exp(alpha[i] - m));
+      for (int i = 0; i < B; i++)
+        mass[i] += (alpha[i] /= sum);
+      for (int d = 0; d < D; d++) {
+        double o = 0.0;
+        for (int i = 0; i < B; i++)
+          o += alpha[i] * bf2f(V[(size_t)i * D + d]);
+        const double e = bf2f(hout[(size_t)h * D + d]) - o;
+        if (!isfinite(e)) ok = 0;
+        num += e * e;
+        den += o * o;
+      }
+      const double rel = sqrt(num / (den > 0 ? den : 1e-30));
+      if (rel > *max_rel) *max_rel = rel;
+    }
+    int best = -1;
+    double bs = 0.0;
+    for (int i = sink; i < B; i++) {
+      if (i == w) continue;
+      double l1 = 0.0;
+      for (int d = 0; d < D; d++)
+        l1 += fabs((double)bf2f(V[(size_t)i * D + d]));
+      const double s = (double)(float)l1 * mass[i];
+      if (best < 0 || s < bs) best = i, bs = s;
+    }
+    if (g == 0) *ng = next_gpu[0], *nc = best;
+    if (next_gpu[g] != best) {
+      /* a near-tie is no error: recompute the GPU choice's score */
+      const int j = next_gpu[g];
+      if (j < sink || j >= B || j == w) {
+        ok = 0;
+      } else {
+        double l1 = 0.0;
+        for (int d = 0; d < D; d++)
+          l1 += fabs((double)bf2f(V[(size_t)j * D + d]));
+        if ((double)(float)l1 * mass[j] - bs > 1e-4 * bs) ok = 0;
+      }
+    }
+  }
+  if (*max_rel > 1e-2) ok = 0;
+  free(alpha);
+  free(mass);
+  return ok;
+}
+
+/* One (batch, budget) row. */
+static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int iters, int warmup,
+                      int splits_req, const uint16_t *seed, size_t seed_elems, size_t l2_bytes,
+                      void *flush, size_t flush_bytes, kernel_row *row) {
+  const int group = n_heads / n_kv, sink = 4, B = budget;
+  const size_t head_elems = (size_t)B * D;                        /* one (pool, kv head) of K */
+  const size_t pool_kv_bytes = 2 * (size_t)n_kv * head_elems * 2; /* K + V of one pool */
+  const double kv_bytes = (double)batch * (double)pool_kv_bytes;
+  /* rotate among sets of pools so the working set is >= 4x L2 */
+  int n_sets = (int)ceil(4.0 * (double)l2_bytes / kv_bytes);
+  if (n_sets < 1) n_sets = 1;
+  const int n_pools = batch * n_sets;
+  const size_t arena_elems = (size_t)n_pools * n_kv * head_elems;
+  void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *dws = NULL;
+  float *dvnorm = NULL;
+  int32_t *dn = NULL, *dnext = NULL, *dpool = NULL, *dw = NULL, *dpos = NULL;
+  BENCH_CUDA(cudaMalloc(&dk, arena_elems * 2));
+  BENCH_CUDA(cudaMalloc(&dv, arena_elems * 2));
+  {
+    /* device copies of the seed, shifted, make K and V (not zeros, not all equal) */
+    void *dseed = NULL;
+    BENCH_CUDA(cudaMalloc(&dseed, seed_elems * 2));
+    BENCH_CUDA(cudaMemcpy(dseed, seed, seed_elems * 2, cudaMemcpyHostToDevice));
+    size_t i = 0;
+    for (size_t off = 0; off < arena_elems; i++) {
+      size_t n = seed_elems / 2;
+      if (n > arena_elems - off) n = arena_elems - off;
+      const size_t sk = ((i * 7919u) % (seed_elems / 2)) & ~(size_t)7;
+      const size_t sv = ((i * 104729u + 12345u) % (seed_elems / 2)) & ~(size_t)7;
+      BENCH_CUDA(cudaMemcpy((uint16_t *)dk + off, (uint16_t *)dseed + sk, n * 2,
+                            cudaMemcpyDeviceToDevice));
+      BENCH_CUDA(cudaMemcpy((uint16_t *)dv + off, (uint16_t *)dseed + sv, n * 2,
+                            cudaMemcpyDeviceToDevice));
+      off += n;
+    }
+    cudaFree(dseed);
+  }
+  const size_t n_slots = (size_t)n_pools * n_kv * B;
+  BENCH_CUDA(cudaMalloc((void **)&dvnorm, n_slots * 4));
+  BENCH_CUDA(cudaMalloc((void **)&dpos, n_slots * 4));
+  BENCH_CUDA(cudaMalloc((void **)&dn, (size_t)n_pools * n_kv * 4));
+  BENCH_CUDA(cudaMalloc((void **)&dnext, (size_t)n_pools * n_kv * 4));
+  BENCH_CUDA(cudaMalloc((void **)&dpool, (size_t)n_pools * 4));
+  BENCH_CUDA(cudaMalloc((void **)&dw, (size_t)batch * n_kv * 4));
+  BENCH_CUDA(cudaMalloc(&dq, (size_t)batch * n_heads * D * 2));
+  BENCH_CUDA(cudaMalloc(&dout, (size_t)batch * n_heads * D * 2));
+
+  /* host: pool 0's K/V (the checked sequence), q, metadata */
+  uint16_t *hk = malloc((size_t)n_kv * head_elems * 2), *hv = malloc((size_t)n_kv * head_elems * 2);
+  uint16_t *hq = malloc((size_t)batch * n_heads * D * 2), *hout = malloc((size_t)n_heads * D * 2);
+  float *hvn = malloc(n_slots * 4);
+  int32_t *hi = malloc((n_slots > (size_t)n_pools * n_kv ? n_slots : (size_t)n_pools * n_kv) * 4);
+  if (!hk || !hv || !hq || !hout || !hvn || !hi) {
+    fprintf(stderr, "lfbench: out of host memory\n");
+    return 1;
+  }
+  BENCH_CUDA(cudaMemcpy(hk, dk, (size_t)n_kv * head_elems * 2, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(hv, dv, (size_t)n_kv * head_elems * 2, cudaMemcpyDeviceToHost));
+  /* vnorm: exact for pool 0; elsewhere a deterministic positive value (only argmin reads it) */
+  for (size_t i = 0; i < n_slots; i++)
+    hvn[i] = 50.0f + (float)(rng_next() >> 44) * 1e-4f;
+  for (int g = 0; g < n_kv; g++)
+    for (int i = 0; i < B; i++) {
+      double l1 = 0.0;
+      for (int d = 0; d < D; d++)
+        l1 += fabs((double)bf2f(hv[((size_t)g * B + i) * D + d]));
+      hvn[(size_t)g * B + i] = (float)l1;
+    }
+  BENCH_CUDA(cudaMemcpy(dvnorm, hvn, n_slots * 4, cudaMemcpyHostToDevice));
+  for (size_t i = 0; i < n_slots; i++)
+    hi[i] = (int32_t)(i % (size_t)B);
+  BENCH_CUDA(cudaMemcpy(dpos, hi, n_slots * 4, cudaMemcpyHostToDevice));
+  for (int i = 0; i < n_pools * n_kv; i++)
+    hi[i] = B; /* all pools full */
+  BENCH_CUDA(cudaMemcpy(dn, hi, (size_t)n_pools * n_kv * 4, cudaMemcpyHostToDevice));
+  for (int i = 0; i < n_pools * n_kv; i++)
+    hi[i] = sink;
+  BENCH_CUDA(cudaMemcpy(dnext, hi, (size_t)n_pools * n_kv * 4, cudaMemcpyHostToDevice));
+  for (int i = 0; i < n_pools; i++)
+    hi[i] = i; /* set r uses pools [r*batch, (r+1)*batch) */
+  BENCH_CUDA(cudaMemcpy(dpool, hi, (size_t)n_pools * 4, cudaMemcpyHostToDevice));
+  const int w = B - 1; /* the slot "written" this step */
+  for (int i = 0; i < batch * n_kv; i++)
+    hi[i] = w;
+  BENCH_CUDA(cudaMemcpy(dw, hi, (size_t)batch * n_kv * 4, cudaMemcpyHostToDevice));
+  for (size_t i = 0; i < (size_t)batch * n_heads * D; i++)
+    hq[i] = f2bf(1.5f * rng_normal());
+  BENCH_CUDA(cudaMemcpy(dq, hq, (size_t)batch * n_heads * D * 2, cudaMemcpyHostToDevice));
+
+  int S = splits_req;
+  if (S <= 0) {
+    int dev = 0, n_sm = 0;
+    BENCH_CUDA(cudaGetDevice(&dev));
+    BENCH_CUDA(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    S = lf_cuda_decode_attn_splits(batch, n_kv, B, group, D, n_sm);
+  }
+  const size_t ws_bytes = lf_cuda_decode_attn_workspace_bytes(batch, n_kv, B, group, D, S);
+  BENCH_CUDA(cudaMalloc(&dws, ws_bytes ? ws_bytes : 1));
+  BENCH_LF(lf_cuda_decode_attn_workspace_init(dws, ws_bytes, 0));
+
+  lf_decode_attn_args a;
+  memset(&a, 0, sizeof a);
+  a.k = dk;
+  a.v = dv;
+  a.vnorm = dvnorm;
+  a.pos = dpos;
+  a.n = dn;
+  a.next = dnext;
+  a.n_layers = 1;
+  a.n_kv_heads = n_kv;
+  a.budget = B;
+  a.head_dim = D;
+  a.layer = 0;
+  a.n_seq = batch;
+  a.w = dw;
+  a.q = dq;
+  a.out = dout;
+  a.group = group;
+  a.sink = sink;
+  a.policy = LF_POLICY_LONGFLOW;
+  a.scale = 1.0f / sqrtf((float)D);
+  a.n_splits = S;
+  a.workspace = dws;
+  a.workspace_bytes = ws_bytes;
+
+  cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * 2 * (size_t)iters);
+  float *t = malloc(sizeof(float) * (size_t)iters);
+  for (int i = 0; i < 2 * iters; i++)
+    BENCH_CUDA(cudaEventCreate(&ev[i]));
+  for (int i = 0; i < warmup; i++) {
+    a.pool_ids = dpool + (size_t)(i % n_sets) * batch;
+    BENCH_LF(lf_cuda_decode_attn(&a, 0));
+  }
+  for (int i = 0; i < iters; i++) {
+    a.pool_ids = dpool + (size_t)(i % n_sets) * batch;
+    /* as triton's do_bench: clear L2 before each call; it also keeps the GPU busy, so host
+     * time between the events never counts */
+    if (flush) BENCH_CUDA(cudaMemsetAsync(flush, 0, flush_bytes, 0));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i], 0));
+    BENCH_LF(lf_cuda_decode_attn(&a, 0));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], 0));
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  for (int i = 0; i < iters; i++)
+    BENCH_CUDA(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
+  const float ms = median(t, iters);
+  for (int i = 0; i < 2 * iters; i++)
+    cudaEventDestroy(ev[i]);
+  free(ev);
+  free(t);
+
+  /* the checked call: set 0, sequence 0 = pool 0 */
+  a.pool_ids = dpool;
+  BENCH_LF(lf_cuda_decode_attn(&a, 0));
+  BENCH_CUDA(cudaDeviceSynchronize());
+  BENCH_CUDA(cudaMemcpy(hout, dout, (size_t)n_heads * D * 2, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(hi, dnext, (size_t)n_kv * 4, cudaMemcpyDeviceToHost));
+  row->batch = batch;
+  row->budget = budget;
+  row->splits = S;
+  row->kv_bytes = kv_bytes;
+  row->time_us = ms * 1e3;
+  row->gbs = kv_bytes / (ms * 1e-3) / 1e9;
+  row->check_ok = check_seq0(n_kv, group, B, D, sink, hk, hv, hq, hout, w, hi, &row->max_rel_err,
+                             &row->next_gpu, &row->next_cpu);
+
+  free(hk);
+  free(hv);
+  free(hq);
+  free(hout);
+  free(hvn);
+  free(hi);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(dq);
+  cudaFree(dout);
+  cudaFree(dws);
+  cudaFree(dvnorm);
+  cudaFree(dn);
+  cudaFree(dnext);
+  cudaFree(dpool);
+  cudaFree(dw);
+  cudaFree(dpos);
+  return 0;
+}
+
+static int bench_kernel(int argc, char **argv) {
+  int batches[16] = {1, 8, 32, 128}, n_batches = 4;
+  int budgets[16] = {1024, 2048, 3200}, n_budgets = 3;
+  int n_heads = 32, n_kv = 8, D = 128, iters = 300, warmup = 30, splits = 0;
+  const char *peer = NULL, *json = NULL;
+  int no_flush = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(o, "--no-flush")) {
+      no_flush = 1;
+      continue;
+    }
+    if (!v) {
+      usage(stderr);
+      return 2;
+    }
+    if (!strcmp(o, "--batches"))
+      n_batches = parse_list(v, batches, 16);
+    else if (!strcmp(o, "--budgets"))
+      n_budgets = parse_list(v, budgets, 16);
+    else if (!strcmp(o, "--heads"))
+      n_heads = atoi(v);
+    else if (!strcmp(o, "--kv-heads"))
+      n_kv = atoi(v);
+    else if (!strcmp(o, "--head-dim"))
+      D = atoi(v);
+    else if (!strcmp(o, "--iters"))
+      iters = atoi(v);
+    else if (!strcmp(o, "--warmup"))
+      warmup = atoi(v);
+    else if (!strcmp(o, "--splits"))
+      splits = atoi(v);
+    else if (!strcmp(o, "--peer"))
+      peer = v;
+    else if (!strcmp(o, "--json"))
+      json = v;
+    else {
+      usage(stderr);
+      return 2;
+    }
+    i++;
+  }
+  if (n_batches < 1 || n_budgets < 1 || n_kv < 1 || n_heads % n_kv || iters < 1 || warmup < 0) {
+    usage(stderr);
+    return 2;
+  }
+  char *peer_text = NULL;
+  if (peer && !(peer_text = read_file(peer))) {
+    fprintf(stderr, "lfbench: cannot read peer file %s\n", peer);
+    return 1;
+  }
+
+  int dev = 0;
+  struct cudaDeviceProp prop;
+  BENCH_CUDA(cudaGetDevice(&dev));
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, dev));
+  double copy_gbs = 0.0;
+  if (copy_bandwidth(&copy_gbs)) return 1;
+
+  const size_t flush_bytes = (size_t)256 << 20; /* > 4x L2 */
+  void *flush = NULL;
+  if (!no_flush) BENCH_CUDA(cudaMalloc(&flush, flush_bytes));
+
+  /* random bf16 seed: 32 Mi values */
+  const size_t seed_elems = (size_t)32 << 20;
+  uint16_t *seed = malloc(seed_elems * 2);
+  if (!seed) return 1;
+  for (size_t i = 0; i < seed_elems; i++)
+    seed[i] = f2bf(rng_normal());
+
+  printf("# lfbench kernel: fused LongFlow decode attention, %d query heads, %d KV heads, "
+         "head_dim %d, all pools full, sink 4\n",
+         n_heads, n_kv, D);
+  printf("# device %s (%d SMs, L2 %d MB); copy bandwidth (read+write) %.1f GB/s\n", prop.name,
+         prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_gbs);
+  printf("# time: median of %d calls after %d warm-up, CUDA events, %s, pools rotated past 4x L2\n",
+         iters, warmup, flush ? "L2 cleared before each call" : "L2 not cleared");
+  printf("#%6s %7s %13s %10s %9s %8s %10s %6s %9s %6s\n", "batch", "budget", "kv_bytes", "time_us",
+         "GB/s", "bw_frac", "sdpa_ratio", "splits", "rel_err", "check");
+  kernel_row rows[256];
+  int n_rows = 0, all_ok = 1;
+  for (int bi = 0; bi < n_budgets; bi++)
+    for (int ba = 0; ba < n_batches && n_rows < 256; ba++) {
+      kernel_row *r = &rows[n_rows];
+      memset(r, 0, sizeof *r);
+      if (kernel_one(batches[ba], budgets[bi], n_heads, n_kv, D, iters, warmup, splits, seed,
+                     seed_elems, (size_t)prop.l2CacheSize, flush, flush_bytes, r))
+        return 1;
+      r->bw_fraction = r->gbs / copy_gbs;
+      const double pt = peer_text ? peer_time_us(peer_text, r->batch, r->budget) : -1.0;
+      r->sdpa_ratio = pt > 0 ? r->time_us / pt : -1.0;
+      char ratio[16];
+      if (r->sdpa_ratio > 0)
+        snprintf(ratio, sizeof ratio, "%.3f", r->sdpa_ratio);
+      else
+        snprintf(ratio, sizeof ratio, "-");
+      printf(" %6d %7d %13.0f %10.2f %9.1f %8.3f %10s %6d %9.2e %6s\n", r->batch, r->budget,
+             r->kv_bytes, r->time_us, r->gbs, r->bw_fraction, ratio, r->splits, r->max_rel_err,
+             r->check_ok ? "OK" : "FAIL");
+      fflush(stdout);
+      all_ok &= r->check_ok;
+      n_rows++;
+    }
+  printf("# %s\n", all_ok ? "all rows checked OK" : "SOME ROWS FAILED THE CHECK");
+
+  if (json) {
+    FILE *f = fopen(json, "w");
+    if (!f) {
+      fprintf(stderr, "lfbench: cannot write %s\n", json);
+      return 1;
+    }
+    fprintf(f,
+            "{\"bench\": \"kernel\", \"device\": \"%s\", \"n_sm\": %d, \"copy_bw_GBs\": %.1f, "
+            "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"iters\": %d,\n \"rows\": [\n",
+            prop.name, prop.multiProcessorCount, copy_gbs, n_heads, n_kv, D, iters);
+    for (int i = 0; i < n_rows; i++) {
+      const kernel_row *r = &rows[i];
+      char ratio_s[32] = "null";
+      if (r->sdpa_ratio > 0) snprintf(ratio_s, sizeof ratio_s, "%.4f", r->sdpa_ratio);
+      fprintf(f,
+              "  {\"batch\": %d, \"budget\": %d, \"kv_bytes\": %.0f, \"time_us\": %.3f, "
+              "\"GBs\": %.1f, \"bw_fraction\": %.4f, \"sdpa_ratio\": %s, \"splits\": %d, "
+              "\"rel_err\": %.3e, \"next_gpu\": %d, \"next_cpu\": %d, \"check\": %s}%s\n",
+              r->batch, r->budget, r->kv_bytes, r->time_us, r->gbs, r->bw_fraction, ratio_s,
+              r->splits, r->max_rel_err, r->next_gpu, r->next_cpu, r->check_ok ? "true" : "false",
+              i + 1 < n_rows ? "," : "");
+    }
+    fprintf(f, "]}\n");
+    fclose(f);
+  }
+  free(seed);
+  free(peer_text);
+  cudaFree(flush);
+  return all_ok ? 0 : 3;
+}
+
+#else
+
+static int bench_kernel(int argc, char **argv) {
+  (void)argc;
+  (void)argv;
+  fprintf(stderr, "lfbench kernel: this build has no CUDA backend (LF_CUDA=OFF); the kernel "
+                  "benchmark needs CUDA\n");
+  return 1;
+}
+
+#endif
+
+int main(int argc, char **argv) {
+  if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  if (!strcmp(argv[1], "kernel")) return bench_kernel(argc - 1, argv + 1);
+  fprintf(stderr, "lfbench: unknown subcommand '%s'\n", argv[1]);
+  usage(stderr);
+  return 2;
+}

@@ -1,0 +1,423 @@
+/* The CUDA decode step (lf_cuda_kv_write + lf_cuda_decode_attn) against the CPU reference
+ * lf_attn_decode_ref on freshly drawn random inputs.
+ *
+ * K/V/q are drawn, rounded to bf16, and the same rounded values go to the CPU reference (fp32
+ * arena, double math), so the only differences are the kernel's own: bf16 P in P.V, fp32
+ * accumulation order, bf16 output. next must equal the CPU's except at near-ties, judged on the
+ * CPU's own scores; the count of near-ties is printed. Unfilled slots hold NaN on the GPU, and the
+ * output and next are poisoned before every launch, so a read past n or an unwritten element
+ * fails. LF_TEST_SEED replays a run.
+ */
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/attention.h"
+#include "attention/decode_attn.cuh"
+#include "attention/kv_write.cuh"
+#include "error.h"
+#include "memory/pool.h"
+#include "tests/test_util.h"
+
+#define CUDA_OK(stmt)                                                                              \
+  do {                                                                                             \
+    cudaError_t e_ = (stmt);                                                                       \
+    ASSERT_EQ(e_, cudaSuccess) << #stmt << ": " << cudaGetErrorString(e_);                         \
+  } while (0)
+
+#define LF_OK_(stmt)                                                                               \
+  do {                                                                                             \
+    lf_status s_ = (stmt);                                                                         \
+    ASSERT_EQ(s_, LF_OK) << #stmt << ": " << lf_status_str(s_) << ": " << lf_last_error();         \
+  } while (0)
+
+namespace {
+
+uint16_t f2bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+float bf2f(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+float round_bf(float f) {
+  return bf2f(f2bf(f));
+}
+const uint16_t BF_NAN = 0x7fc0;
+
+template <typename T> struct dev_buf {
+  T *p = nullptr;
+  size_t n = 0;
+  ~dev_buf() {
+    if (p) cudaFree(p);
+  }
+  cudaError_t alloc(size_t count) {
+    n = count;
+    return cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T));
+  }
+  cudaError_t put(const std::vector<T> &h) {
+    return cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  cudaError_t get(std::vector<T> &h) const {
+    h.resize(n);
+    return cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+  }
+};
+
+struct Case {
+  int head_dim, group, budget, n_kv, n_seq;
+  int fill; /* 0: partly filled, 1: full, 2: mixed per head */
+  lf_policy policy;
+  int sink;
+  int n_splits; /* 0: auto */
+  int steps;
+};
+
+std::string case_name(const Case &c) {
+  char b[200];
+  std::snprintf(b, sizeof b, "D%d_G%d_B%d_kv%d_seq%d_fill%d_%s_sink%d_splits%d_steps%d", c.head_dim,
+                c.group, c.budget, c.n_kv, c.n_seq, c.fill,
+                c.policy == LF_POLICY_LONGFLOW ? "longflow"
+                : c.policy == LF_POLICY_FULL   ? "full"
+                                               : "streaming",
+                c.sink, c.n_splits, c.steps);
+  return b;
+}
+
+/* Runs one case: set up identical CPU and GPU pools, then `steps` decode steps on both. */
+void run_case(const Case &c) {
+  const uint64_t seed = lf_test_seed();
+  SCOPED_TRACE(case_name(c) + " seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int D = c.head_dim, G = c.group, B = c.budget, H = c.n_kv, NS = c.n_seq;
+  const int HQ = H * G, L = 2, layer = 1, NP = NS + 3;
+  const size_t n_heads_all = (size_t)NP * L * H, n_slots_all = n_heads_all * B;
+
+  lf_pool_shape shape = {NP, L, H, B, D};
+  lf_kv_arena cpu;
+  LF_OK_(lf_kv_arena_init(&cpu, &shape));
+  struct arena_guard {
+    lf_kv_arena *a;
+    ~arena_guard() {
+      lf_kv_arena_free(a);
+    }
+  } guard{&cpu};
+
+  /* Distinct pools in random order, so the kernel must follow pool_ids. */
+  std::vector<int32_t> pool_ids(NP);
+  std::iota(pool_ids.begin(), pool_ids.end(), 0);
+  std::shuffle(pool_ids.begin(), pool_ids.end(), rng);
+  pool_ids.resize(NS);
+
+  /* GPU arena: everything NaN except filled slots, metadata mirrors the CPU's. */
+  std::vector<uint16_t> hk(n_slots_all * D, BF_NAN), hv(n_slots_all * D, BF_NAN);
+  std::vector<int32_t> max_pos(NS, 0);
+  for (int s = 0; s < NS; s++) {
+    const int pool = pool_ids[s];
+    for (int l = 0; l < L; l++)
+      for (int h = 0; h < H; h++) {
+        lf_kv_head kh = lf_kv_arena_head(&cpu, pool, l, h);
+        int fill = c.fill == 2 ? (int)(rng() % 2) : c.fill;
+        if (c.policy == LF_POLICY_FULL) fill = 0; /* full never holds a full pool here */
+        /* < B: room for this token; full never outgrows its pool during the steps */
+        const int room = c.policy == LF_POLICY_FULL ? c.steps : 0;
+        const int n0 = fill ? B : (int)(rng() % (uint64_t)(B - room));
+        /* positions: sinks first, the rest distinct and shuffled */
+        std::vector<int32_t> pos(n0);
+        for (int i = 0; i < n0; i++)
+          pos[i] = i < c.sink ? i : c.sink + (int32_t)(rng() % 4) + 4 * i;
+        if (n0 > c.sink) std::shuffle(pos.begin() + c.sink, pos.end(), rng);
+        for (int i = 0; i < n0; i++) {
+          double l1 = 0.0;
+          for (int d = 0; d < D; d++) {
+            const float kx = round_bf(nd(rng)), vx = round_bf(nd(rng));
+            kh.k[(size_t)i * D + d] = kx;
+            kh.v[(size_t)i * D + d] = vx;
+            l1 += std::fabs((double)vx);
+          }
+          kh.vnorm[i] = (float)l1;
+          kh.pos[i] = pos[i];
+          if (l == layer) max_pos[s] = std::max(max_pos[s], pos[i]);
+        }
+        *kh.n = n0;
+        *kh.next = fill ? c.sink + (int)(rng() % (uint64_t)(B - c.sink)) : -1;
+        const size_t slot0 = (((size_t)pool * L + l) * H + h) * B;
+        for (int i = 0; i < n0; i++)
+          for (int d = 0; d < D; d++) {
+            hk[(slot0 + i) * D + d] = f2bf(kh.k[(size_t)i * D + d]);
+            hv[(slot0 + i) * D + d] = f2bf(kh.v[(size_t)i * D + d]);
+          }
+      }
+  }
+
+  dev_buf<uint16_t> dk, dv, dq, dkn, dvn, dout;
+  dev_buf<float> dvnorm;
+  dev_buf<int32_t> dpos, dn, dnext, dpool, dw, dposnew;
+  dev_buf<char> dws;
+  CUDA_OK(dk.alloc(hk.size()));
+  CUDA_OK(dv.alloc(hv.size()));
+  CUDA_OK(dk.put(hk));
+  CUDA_OK(dv.put(hv));
+  CUDA_OK(dvnorm.alloc(n_slots_all));
+  CUDA_OK(dpos.alloc(n_slots_all));
+  CUDA_OK(dn.alloc(n_heads_all));
+  CUDA_OK(dnext.alloc(n_heads_all));
+  CUDA_OK(cudaMemcpy(dvnorm.p, cpu.vnorm, n_slots_all * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dpos.p, cpu.pos, n_slots_all * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dn.p, cpu.n, n_heads_all * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dnext.p, cpu.next, n_heads_all * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(dpool.alloc(NS));
+  CUDA_OK(dpool.put(pool_ids));
+  CUDA_OK(dw.alloc((size_t)NS * H));
+  CUDA_OK(dposnew.alloc(NS));
+  CUDA_OK(dq.alloc((size_t)NS * HQ * D));
+  CUDA_OK(dkn.alloc((size_t)NS * H * D));
+  CUDA_OK(dvn.alloc((size_t)NS * H * D));
+  CUDA_OK(dout.alloc((size_t)NS * HQ * D));
+  const size_t ws_bytes = lf_cuda_decode_attn_workspace_bytes(NS, H, B, G, D, c.n_splits);
+  ASSERT_GT(ws_bytes, 0u) << lf_last_error();
+  CUDA_OK(dws.alloc(ws_bytes));
+  LF_OK_(lf_cuda_decode_attn_workspace_init(dws.p, ws_bytes, nullptr));
+
+  lf_attn_params prm = {};
+  prm.policy = c.policy;
+  prm.sink = c.sink;
+  prm.window = 32;
+  prm.h2o_recent = 0;
+  prm.group = G;
+  prm.head_dim = D;
+  prm.scale = 1.0f / std::sqrt((float)D);
+
+  int near_ties = 0, next_checked = 0;
+  double worst_rel = 0.0;
+  for (int step = 0; step < c.steps; step++) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    /* new token per sequence */
+    std::vector<float> q((size_t)NS * HQ * D), kn((size_t)NS * H * D), vn((size_t)NS * H * D);
+    for (auto &x : q)
+      x = round_bf(1.5f * nd(rng));
+    for (auto &x : kn)
+      x = round_bf(nd(rng));
+    for (auto &x : vn)
+      x = round_bf(nd(rng));
+    std::vector<int32_t> posnew(NS);
+    for (int s = 0; s < NS; s++)
+      posnew[s] = ++max_pos[s];
+    std::vector<uint16_t> hq(q.size()), hkn(kn.size()), hvn(vn.size());
+    for (size_t i = 0; i < q.size(); i++)
+      hq[i] = f2bf(q[i]);
+    for (size_t i = 0; i < kn.size(); i++)
+      hkn[i] = f2bf(kn[i]), hvn[i] = f2bf(vn[i]);
+    CUDA_OK(dq.put(hq));
+    CUDA_OK(dkn.put(hkn));
+    CUDA_OK(dvn.put(hvn));
+    CUDA_OK(dposnew.put(posnew));
+    CUDA_OK(cudaMemset(dw.p, 0x7f, (size_t)NS * H * 4));
+
+    /* GPU: write, poison next and out, attend */
+    lf_kv_write_args wa = {};
+    wa.k = dk.p;
+    wa.v = dv.p;
+    wa.vnorm = dvnorm.p;
+    wa.pos = dpos.p;
+    wa.n = dn.p;
+    wa.next = dnext.p;
+    wa.n_layers = L;
+    wa.n_kv_heads = H;
+    wa.budget = B;
+    wa.head_dim = D;
+    wa.layer = layer;
+    wa.n_seq = NS;
+    wa.pool_ids = dpool.p;
+    wa.k_new = dkn.p;
+    wa.v_new = dvn.p;
+    wa.pos_new = dposnew.p;
+    wa.sink = c.sink;
+    wa.policy = c.policy;
+    wa.w = dw.p;
+    LF_OK_(lf_cuda_kv_write(&wa, nullptr));
+    std::vector<int32_t> gnext;
+    CUDA_OK(dnext.get(gnext));
+    for (int s = 0; s < NS; s++)
+      for (int h = 0; h < H; h++)
+        gnext[((size_t)pool_ids[s] * L + layer) * H + h] = 0x7f7f7f7f;
+    CUDA_OK(dnext.put(gnext));
+    CUDA_OK(cudaMemset(dout.p, 0xff, dout.n * 2)); /* bf16 NaN */
+
+    lf_decode_attn_args aa = {};
+    aa.k = dk.p;
+    aa.v = dv.p;
+    aa.vnorm = dvnorm.p;
+    aa.pos = dpos.p;
+    aa.n = dn.p;
+    aa.next = dnext.p;
+    aa.n_layers = L;
+    aa.n_kv_heads = H;
+    aa.budget = B;
+    aa.head_dim = D;
+    aa.layer = layer;
+    aa.n_seq = NS;
+    aa.pool_ids = dpool.p;
+    aa.w = dw.p;
+    aa.q = dq.p;
+    aa.out = dout.p;
+    aa.group = G;
+    aa.sink = c.sink;
+    aa.policy = c.policy;
+    aa.scale = prm.scale;
+    aa.n_splits = c.n_splits;
+    aa.workspace = dws.p;
+    aa.workspace_bytes = ws_bytes;
+    LF_OK_(lf_cuda_decode_attn(&aa, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+
+    std::vector<uint16_t> gout;
+    std::vector<int32_t> gn, gw;
+    CUDA_OK(dout.get(gout));
+    CUDA_OK(dnext.get(gnext));
+    CUDA_OK(dn.get(gn));
+    CUDA_OK(dw.get(gw));
+
+    /* CPU reference, and the comparison per (sequence, KV head) */
+    std::vector<float> cout_((size_t)G * D), scores(B);
+    for (int s = 0; s < NS; s++)
+      for (int h = 0; h < H; h++) {
+        lf_kv_head kh = lf_kv_arena_head(&cpu, pool_ids[s], layer, h);
+        const size_t hidx = ((size_t)pool_ids[s] * L + layer) * H + h;
+        const int w_cpu = lf_kv_write_slot(&kh);
+        int ev = 0;
+        std::fill(scores.begin(), scores.end(), NAN);
+        LF_OK_(lf_attn_decode_ref(&prm, &kh, &q[((size_t)s * HQ + h * G) * D],
+                                  &kn[((size_t)s * H + h) * D], &vn[((size_t)s * H + h) * D],
+                                  posnew[s], cout_.data(), &ev, scores.data()));
+        ASSERT_EQ(gw[(size_t)s * H + h], w_cpu) << "slot written, seq " << s << " head " << h;
+        ASSERT_EQ(gn[hidx], *kh.n) << "n, seq " << s << " head " << h;
+        /* output */
+        double num = 0.0, den = 0.0;
+        for (int j = 0; j < G * D; j++) {
+          const float gv = bf2f(gout[((size_t)s * HQ + h * G) * D + j]);
+          ASSERT_TRUE(std::isfinite(gv))
+              << "out not written / NaN, seq " << s << " head " << h << " elem " << j;
+          const double e = (double)gv - cout_[j];
+          num += e * e;
+          den += (double)cout_[j] * cout_[j];
+        }
+        const double rel = std::sqrt(num / std::max(den, 1e-30));
+        worst_rel = std::max(worst_rel, rel);
+        EXPECT_LT(rel, 1.2e-2) << "output, seq " << s << " head " << h;
+        /* next */
+        const int gnx = gnext[hidx], cnx = *kh.next;
+        next_checked++;
+        if (gnx != cnx) {
+          const bool valid =
+              gnx >= c.sink && gnx < *kh.n && gnx != w_cpu && c.policy != LF_POLICY_FULL;
+          ASSERT_TRUE(valid) << "next " << gnx << " is not evictable (cpu " << cnx << ", n "
+                             << *kh.n << ", w " << w_cpu << "), seq " << s << " head " << h;
+          ASSERT_GE(cnx, 0);
+          const double sg = scores[gnx], sc = scores[cnx];
+          const bool near = sg - sc <= 1e-4 * std::fabs(sc) + 1e-30;
+          ASSERT_TRUE(near) << "next " << gnx << " (score " << sg << ") vs cpu " << cnx
+                            << " (score " << sc << "), seq " << s << " head " << h;
+          near_ties++;
+          *kh.next = gnx; /* follow the GPU's equally good choice so both stay in step */
+        }
+      }
+  }
+
+  /* Whole state of the attended layer after all steps: the kept positions and metadata. */
+  std::vector<int32_t> gpos, gn;
+  std::vector<float> gvn;
+  CUDA_OK(dpos.get(gpos));
+  CUDA_OK(dn.get(gn));
+  CUDA_OK(dvnorm.get(gvn));
+  std::vector<uint16_t> gk, gv;
+  CUDA_OK(dk.get(gk));
+  CUDA_OK(dv.get(gv));
+  for (int s = 0; s < NS; s++)
+    for (int h = 0; h < H; h++) {
+      lf_kv_head kh = lf_kv_arena_head(&cpu, pool_ids[s], layer, h);
+      const size_t hidx = ((size_t)pool_ids[s] * L + layer) * H + h;
+      ASSERT_EQ(gn[hidx], *kh.n);
+      for (int i = 0; i < *kh.n; i++) {
+        ASSERT_EQ(gpos[hidx * B + i], kh.pos[i])
+            << "kept position, seq " << s << " head " << h << " slot " << i;
+        EXPECT_NEAR(gvn[hidx * B + i], kh.vnorm[i], 1e-5f * kh.vnorm[i]);
+        for (int d = 0; d < D; d++) {
+          ASSERT_EQ(bf2f(gk[(hidx * B + i) * D + d]), kh.k[(size_t)i * D + d]);
+          ASSERT_EQ(bf2f(gv[(hidx * B + i) * D + d]), kh.v[(size_t)i * D + d]);
+        }
+      }
+    }
+  std::printf("[ %s ] worst output rel err %.2e, next: %d checked, %d near-ties\n",
+              case_name(c).c_str(), worst_rel, next_checked, near_ties);
+}
+
+class DecodeAttn : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeAttn, MatchesCpuReference) {
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(GetParam());
+}
+
+/* Single steps over the shape grid, each with one split and with several (exercising both the
+ * in-block finish and the cross-block combine), then multi-step runs that evict. */
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  const lf_policy LF = LF_POLICY_LONGFLOW;
+  struct S {
+    int D, G, B, kv, seq, fill;
+  } grid[] = {
+      {128, 4, 16, 2, 1, 1},   {128, 4, 4096, 8, 1, 1},  {128, 4, 3200, 8, 2, 2},
+      {128, 1, 1024, 4, 3, 0}, {128, 8, 2048, 2, 2, 1},  {128, 8, 4096, 1, 1, 0},
+      {64, 1, 16, 1, 1, 1},    {64, 4, 1000, 4, 8, 2},   {64, 8, 4096, 2, 2, 1},
+      {128, 4, 256, 2, 32, 2}, {128, 4, 128, 2, 128, 1}, {64, 8, 64, 2, 128, 0},
+      {128, 2, 77, 3, 5, 2},   {64, 3, 300, 2, 4, 1},    {128, 5, 50, 1, 7, 0},
+  };
+  for (const S &g : grid) {
+    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 1, 1});
+    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 0, 1});
+    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 7, 1});
+  }
+  /* sink 0, other policies */
+  v.push_back({128, 4, 512, 2, 3, 2, LF, 0, 5, 1});
+  v.push_back({128, 4, 512, 2, 3, 2, LF_POLICY_STREAMING, 4, 0, 3});
+  v.push_back({64, 8, 300, 2, 3, 0, LF_POLICY_FULL, 4, 3, 3});
+  /* multi-step: alternating write and attend, evicting, kept positions compared at the end */
+  v.push_back({128, 4, 16, 2, 4, 2, LF, 4, 1, 60});
+  v.push_back({128, 4, 64, 2, 4, 1, LF, 4, 3, 40});
+  v.push_back({64, 8, 100, 2, 3, 2, LF, 2, 0, 40});
+  v.push_back({128, 1, 200, 4, 2, 1, LF, 4, 9, 30});
+  v.push_back({128, 4, 40, 2, 2, 2, LF_POLICY_STREAMING, 4, 2, 40});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttn, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case> &i) {
+                           return case_name(i.param);
+                         });
+
+TEST(DecodeAttnArgs, RejectsBadArguments) {
+  lf_decode_attn_args a = {};
+  EXPECT_EQ(lf_cuda_decode_attn(&a, nullptr), LF_ERR_INVALID_ARG);
+  EXPECT_EQ(lf_cuda_decode_attn(nullptr, nullptr), LF_ERR_INVALID_ARG);
+  EXPECT_NE(std::string(lf_last_error()), "");
+}
+
+} // namespace
