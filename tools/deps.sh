@@ -2,7 +2,7 @@
 # Installs the build and test dependencies from Debian/Ubuntu packages (idempotent).
 set -euo pipefail
 need=()
-for p in build-essential cmake ninja-build libgtest-dev openmpi-bin libopenmpi-dev; do
+for p in build-essential cmake ninja-build libgtest-dev openmpi-bin libopenmpi-dev libpcre2-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
