@@ -67,13 +67,23 @@ typedef struct lf_engine_config {
   int budget;             /* KV slots per pool (B); 0: the model's max context */
   int sink;               /* slots never evicted (positions 0..sink-1); default 4 */
   int window;             /* prefill compression: last W prompt tokens always kept; default 32 */
-  int n_pools;            /* number of pools (max concurrent sequences); 0: 1 on cpu */
-  int max_batch_tokens;   /* prefill tokens per step (0: unbounded) */
-  int max_queue;          /* waiting requests beyond which submit fails (0: unbounded) */
+  int n_pools;            /* number of pools (max concurrent sequences); 0: derived from
+                             kv_memory_bytes, or 1 when that is 0 too. An explicit value wins. */
+  int max_batch_tokens;   /* prompt (prefill) tokens per step, 0: unbounded. A prompt longer than
+                             this is split into chunks of exactly this many tokens (see
+                             scheduler/README.md: such prompts are not SnapKV-compressed as a
+                             whole). Decode tokens are not counted: every running sequence
+                             decodes every step. */
+  int max_queue;          /* waiting requests beyond which submit fails with LF_ERR_QUEUE_FULL
+                             (0: unbounded) */
   int n_threads;          /* cpu backend threads (0: all cores when built with OpenMP) */
+  uint64_t kv_memory_bytes; /* memory the KV pools may use when n_pools is 0: n_pools =
+                               floor(kv_memory_bytes * mem_util / bytes of one pool) (DESIGN
+                               §5); 0: not set */
+  double mem_util;        /* fraction of kv_memory_bytes to use, in (0, 1]; default 0.9 (0: 0.9) */
 } lf_engine_config;
 
-/* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32. */
+/* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, the rest 0. */
 void lf_engine_config_default(lf_engine_config *cfg);
 
 /* Model facts the caller may need (vocabulary size, special tokens). */
@@ -94,14 +104,27 @@ typedef struct lf_sampling {
   uint64_t seed;
 } lf_sampling;
 
+/* A stop sequence: generation ends when the generated tokens end with ids[0..n_ids). */
+typedef struct lf_stop_seq {
+  const int32_t *ids; /* [n_ids], n_ids >= 1 */
+  int n_ids;
+} lf_stop_seq;
+
 typedef struct lf_request {
   const int32_t *prompt; /* token ids, copied at submit */
   int n_prompt;          /* >= 1 */
-  int max_tokens;        /* tokens to generate, >= 1 */
+  int max_tokens;        /* tokens to generate, >= 1 (capped so the last sits within context) */
   lf_sampling sampling;
   int ignore_eos;        /* 1: do not stop at the model's EOS ids */
-  const int32_t *stop_ids; /* extra ids that end generation (copied); may be NULL */
+  const int32_t *stop_ids; /* extra single ids that end generation (copied); may be NULL */
   int n_stop_ids;
+  /* Stop sequences (copied; may be NULL). A generated token that could begin one of them is
+   * held back until the sequence either completes (the request finishes with LF_FINISH_STOP and
+   * the sequence's tokens are never emitted) or breaks (the held tokens are emitted). Held tokens
+   * are also emitted when the request ends for any other reason. Matching looks at generated
+   * tokens only, not the prompt. */
+  const lf_stop_seq *stop_seqs;
+  int n_stop_seqs;
 } lf_request;
 
 typedef enum lf_event_type {
@@ -111,10 +134,11 @@ typedef enum lf_event_type {
 
 typedef enum lf_finish_reason {
   LF_FINISH_NONE = 0,
-  LF_FINISH_EOS,        /* the model produced an end-of-sequence or stop id */
-  LF_FINISH_LENGTH,     /* max_tokens reached */
+  LF_FINISH_EOS,        /* the model produced one of its end-of-sequence ids (not emitted) */
+  LF_FINISH_LENGTH,     /* max_tokens reached, or the model's context */
   LF_FINISH_CANCELLED,  /* lf_engine_cancel */
-  LF_FINISH_ERROR,      /* status says what went wrong */
+  LF_FINISH_ERROR,      /* status says what went wrong (e.g. LF_ERR_CONTEXT_FULL) */
+  LF_FINISH_STOP,       /* a stop id or stop sequence was generated (not emitted) */
 } lf_finish_reason;
 
 const char *lf_finish_reason_str(lf_finish_reason r);
@@ -122,42 +146,104 @@ const char *lf_finish_reason_str(lf_finish_reason r);
 typedef struct lf_event {
   uint64_t id;
   lf_event_type type;
-  int32_t token;          /* LF_EVENT_TOKEN */
+  int32_t token;          /* LF_EVENT_TOKEN: the token. LF_EVENT_FINISH: the last token the model
+                             sampled (the EOS / stop id for those reasons), -1 if none */
   lf_finish_reason reason; /* LF_EVENT_FINISH */
   lf_status status;       /* LF_EVENT_FINISH with LF_FINISH_ERROR */
 } lf_event;
 
-/* Per-request statistics, valid once its FINISH event has been returned. */
+/* Per-request statistics. Times are seconds on a monotonic clock, measured at step boundaries
+ * (a token counts as produced when the step that sampled it ends). */
 typedef struct lf_request_stats {
   int prompt_tokens;
-  int generated_tokens;
+  int generated_tokens; /* tokens the model sampled, including a final EOS / stop id */
   uint64_t evictions;   /* slot overwrites summed over layers and KV heads (this rank) */
-  int slots_filled;     /* filled slots of layer 0, KV head 0 at the end */
+  int slots_filled;     /* filled slots of layer 0, KV head 0 at the end (0 until finished) */
+  int output_tokens;    /* LF_EVENT_TOKEN events produced (held-back stop-sequence tokens and
+                           the final EOS / stop id are not) */
+  int prefill_chunks;   /* forward calls the prompt took (1 unless longer than max_batch_tokens) */
+  lf_finish_reason reason; /* LF_FINISH_NONE while waiting or running */
+  lf_status status;     /* with LF_FINISH_ERROR: why */
+  double queue_seconds; /* submit -> admission (a pool taken) */
+  double ttft_seconds;  /* submit -> first token sampled; 0 if none yet */
+  double tpot_seconds;  /* time per output token after the first: (last - first) /
+                           (generated_tokens - 1); 0 with fewer than 2 */
+  double total_seconds; /* submit -> finish (or -> now while running) */
 } lf_request_stats;
 
+/* Latency histograms have LF_LATENCY_BUCKETS fixed buckets; bucket i counts values v with
+ * bounds[i-1] < v <= bounds[i] (seconds; bounds[-1] = -inf, the last bound is +inf), the
+ * non-cumulative form of a Prometheus histogram. */
+#define LF_LATENCY_BUCKETS 20
+/* The upper bounds [LF_LATENCY_BUCKETS] in seconds: 0.001 0.002 0.005 ... 500 1000 +inf. */
+const double *lf_latency_bucket_bounds(void);
+
+/* A latency distribution: percentiles over the most recent finished requests (a window of at
+ * most LF_METRICS_WINDOW samples) and a histogram over all of them since init. */
+#define LF_METRICS_WINDOW 1024
+typedef struct lf_latency_summary {
+  int n_window;          /* samples in the window */
+  double p50, p90, p99;  /* over the window (nearest rank); 0 when empty */
+  double mean, max;      /* over the window */
+  uint64_t count;        /* histogram: samples since init */
+  double sum;            /* histogram: their sum, seconds */
+  uint64_t buckets[LF_LATENCY_BUCKETS];
+} lf_latency_summary;
+
 typedef struct lf_metrics {
-  int running, waiting;
+  int running, waiting;   /* running: holds a pool (prefilling or decoding) */
   int pools_used, pools_total;
-  uint64_t tokens_generated;
+  uint64_t tokens_generated; /* tokens sampled, all requests */
   uint64_t evictions;
-  double decode_seconds; /* wall time spent in steps */
+  double decode_seconds;  /* wall time spent in steps */
+  int prefilling;         /* running requests whose prompt is not complete yet */
+  uint64_t prompt_tokens; /* prompt tokens prefilled */
+  uint64_t steps;
+  uint64_t submitted;     /* accepted by submit */
+  uint64_t rejected;      /* refused by submit with LF_ERR_QUEUE_FULL */
+  uint64_t finished[LF_FINISH_STOP + 1]; /* by finish reason */
+  double tokens_per_s;    /* tokens sampled per second over the last 10 s */
+  lf_latency_summary ttft; /* time to first token (requests that produced one) */
+  lf_latency_summary tpot; /* time per output token (requests with >= 2 tokens) */
 } lf_metrics;
 
 typedef struct lf_engine *lf_engine_t;
 /* A communicator for tensor parallelism; NULL means a single rank. */
 typedef struct lf_comm *lf_comm_t;
 
+/* Threading rules (enforced, see scheduler/README.md):
+ *  - lf_engine_submit, lf_engine_cancel, lf_engine_metrics, lf_engine_request_stats,
+ *    lf_engine_busy and lf_engine_model_info may be called from any thread at any time;
+ *  - lf_engine_step from one thread at a time: a call while another is in progress returns
+ *    LF_ERR_STATE at once and changes nothing;
+ *  - lf_engine_init and lf_engine_free are not concurrent with anything on that engine.
+ * Submitters never wait for a forward pass: the queue lock is not held while the model runs. */
+
 lf_status lf_engine_init(const lf_engine_config *cfg, lf_comm_t comm, lf_engine_t *out);
 void lf_engine_free(lf_engine_t e);
 lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *out);
-/* Queues a request; *id identifies it in events. */
+/* Validates and queues a request (FCFS); *id identifies it in events. LF_ERR_QUEUE_FULL when
+ * max_queue requests are already waiting; LF_ERR_INVALID_ARG for a bad request (nothing is
+ * queued). A request that can never fit (a `full`-policy prompt longer than the pool) is
+ * accepted and ends at the next step with LF_FINISH_ERROR / LF_ERR_CONTEXT_FULL. */
 lf_status lf_engine_submit(lf_engine_t e, const lf_request *req, uint64_t *id);
-/* Runs one iteration (admission, prefill, one decode token per running sequence) and returns
- * up to cap events in events[0..*n). Events that do not fit are kept for the next call. */
+/* Runs one iteration: returns the pools of cancelled requests, admits waiting requests while
+ * pools are free, then runs ONE forward over a batch of one decode token for every running
+ * sequence plus prompt chunks up to max_batch_tokens, and turns the results into events.
+ * Returns up to cap events in events[0..*n) (a request's events are in order; every request
+ * gets exactly one LF_EVENT_FINISH, its last event). Events that do not fit are kept for the
+ * next call. A non-OK return is an engine-wide failure (the backend failed: the requests in the
+ * batch were finished with LF_FINISH_ERROR; or out of memory before anything changed). */
 lf_status lf_engine_step(lf_engine_t e, lf_event *events, int cap, int *n);
 /* Nonzero while any request is running, waiting or has undelivered events. */
 int lf_engine_busy(lf_engine_t e);
+/* Cancels a waiting or running request: a waiting one leaves the queue at once, a running one
+ * at the start of the next step (its pool is returned before admission); either way its FINISH
+ * (LF_FINISH_CANCELLED) comes from the next step. LF_ERR_NOT_FOUND once it has finished. A
+ * running request that ends in a step already in progress keeps that step's finish reason. */
 lf_status lf_engine_cancel(lf_engine_t e, uint64_t id);
+/* Statistics of a waiting, running or recently finished request (the last 4096 finished are
+ * kept); LF_ERR_NOT_FOUND otherwise. */
 lf_status lf_engine_request_stats(lf_engine_t e, uint64_t id, lf_request_stats *out);
 lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m);
 

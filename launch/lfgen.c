@@ -1,8 +1,8 @@
 /* lfgen: generate from the command line.
  *
  *   lfgen --model PATH --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P] [--sink S]
- *         [--temperature T] [--top-p P] [--top-k K] [--seed X] [--backend auto|cpu|cuda]
- *         [--ignore-eos] [--print-ids]
+ *         [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
+ *         [--backend auto|cpu|cuda] [--ignore-eos] [--print-ids]
  *
  * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.
  */
@@ -26,6 +26,8 @@ static void usage(FILE *f) {
           "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
           "  --sink S            never-evicted first slots (default 4)\n"
           "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
+          "  --max-batch-tokens N  prompt tokens per step; longer prompts are chunked (default 0 = "
+          "whole prompt)\n"
           "  --temperature T     0 = greedy (default 0)\n"
           "  --top-k K           sample among the K most likely (default 0 = off)\n"
           "  --top-p P           nucleus sampling mass (default 1 = off)\n"
@@ -137,6 +139,10 @@ int main(int argc, char **argv) {
       NEED_VALUE;
       if (parse_int(v, 1, INT_MAX, &n)) goto bad;
       cfg.budget = (int)n;
+    } else if (!strcmp(a, "--max-batch-tokens")) {
+      NEED_VALUE;
+      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
+      cfg.max_batch_tokens = (int)n;
     } else if (!strcmp(a, "--sink")) {
       NEED_VALUE;
       if (parse_int(v, 0, INT_MAX, &n)) goto bad;
@@ -230,8 +236,6 @@ int main(int argc, char **argv) {
     free(ids);
     return 1;
   }
-  const double t0 = now_s();
-  double t_first = 0;
   int n_out = 0, rc = 0;
   lf_finish_reason why = LF_FINISH_NONE;
   lf_event ev[16];
@@ -245,7 +249,6 @@ int main(int argc, char **argv) {
     }
     for (int i = 0; i < n; i++) {
       if (ev[i].type == LF_EVENT_TOKEN) {
-        if (n_out == 0) t_first = now_s();
         printf(n_out ? " %d" : "%d", ev[i].token);
         fflush(stdout);
         n_out++;
@@ -260,18 +263,15 @@ int main(int argc, char **argv) {
     }
   }
   printf("\n");
-  const double t1 = now_s();
   lf_request_stats st;
   if (lf_engine_request_stats(e, id, &st) == LF_OK) {
-    const double dec = t1 - (t_first ? t_first : t1);
     fprintf(stderr,
-            "lfgen: %d prompt + %d generated tokens, finish %s; prefill+first token %.3f s, "
+            "lfgen: %d prompt + %d generated tokens, finish %s; time to first token %.3f s, "
             "%.1f tokens/s decode; slots filled %d of %d; evictions %llu (slot overwrites over "
             "all layers and KV heads)\n",
-            st.prompt_tokens, st.generated_tokens, lf_finish_reason_str(why),
-            (t_first ? t_first : t1) - t0, n_out > 1 && dec > 0 ? (n_out - 1) / dec : 0.0,
-            st.slots_filled, cfg.budget ? cfg.budget : mi.max_seq_len,
-            (unsigned long long)st.evictions);
+            st.prompt_tokens, st.generated_tokens, lf_finish_reason_str(why), st.ttft_seconds,
+            st.tpot_seconds > 0 ? 1.0 / st.tpot_seconds : 0.0, st.slots_filled,
+            cfg.budget ? cfg.budget : mi.max_seq_len, (unsigned long long)st.evictions);
   }
   lf_engine_free(e);
   free(ids);
