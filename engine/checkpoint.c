@@ -2,6 +2,8 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -11,12 +13,98 @@
 lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out) {
   if (!path || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_checkpoint_open: NULL argument");
   memset(out, 0, sizeof *out);
+  if (!strncmp(path, "random:", 7)) return lf_checkpoint_open_random(path + 7, out);
   struct stat st;
   if (stat(path, &st) != 0)
     return lf_error(LF_ERR_IO, "%s: cannot open checkpoint: %s", path, strerror(errno));
   if (S_ISDIR(st.st_mode)) return lf_checkpoint_open_hf(path, out);
   if (S_ISREG(st.st_mode)) return lf_checkpoint_open_llama2c(path, out);
   return lf_error(LF_ERR_IO, "%s: checkpoint is neither a directory nor a regular file", path);
+}
+
+/* Shapes of the random:NAME presets (the published configs of those models). */
+lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out) {
+  if (!spec || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_checkpoint_open_random: NULL argument");
+  memset(out, 0, sizeof *out);
+  char name[64];
+  const char *colon = strchr(spec, ':');
+  size_t nl = colon ? (size_t)(colon - spec) : strlen(spec);
+  if (nl >= sizeof name) nl = sizeof name - 1;
+  memcpy(name, spec, nl);
+  name[nl] = '\0';
+  uint64_t seed = 0;
+  if (colon) {
+    char *end = NULL;
+    errno = 0;
+    seed = strtoull(colon + 1, &end, 10);
+    if (errno || !end || *end || end == colon + 1)
+      return lf_error(LF_ERR_INVALID_ARG, "random:%s: the seed after ':' must be a number", spec);
+  }
+  lf_model_config *c = &out->cfg;
+  c->norm_eps = 1e-5f;
+  c->rope_style = LF_ROPE_HALF;
+  c->bos_id = -1;
+  if (!strcmp(name, "llama3-8b") || !strcmp(name, "llama3-70b")) {
+    const int big = name[7] == '7';
+    snprintf(c->model_type, sizeof c->model_type, "llama");
+    c->dim = big ? 8192 : 4096;
+    c->hidden_dim = big ? 28672 : 14336;
+    c->n_layers = big ? 80 : 32;
+    c->n_heads = big ? 64 : 32;
+    c->n_kv_heads = 8;
+    c->head_dim = 128;
+    c->vocab_size = 128256;
+    c->max_seq_len = 131072;
+    c->rope_theta = 500000.0f;
+    c->rope_scaling = LF_ROPE_SCALING_LLAMA3;
+    c->rope_factor = 8.0f;
+    c->rope_low_freq_factor = 1.0f;
+    c->rope_high_freq_factor = 4.0f;
+    c->rope_original_max_pos = 8192;
+    c->bos_id = 128000;
+    c->eos_ids[0] = 128001;
+    c->eos_ids[1] = 128009;
+    c->n_eos = 2;
+  } else if (!strcmp(name, "qwen3-8b")) {
+    snprintf(c->model_type, sizeof c->model_type, "qwen3");
+    c->dim = 4096;
+    c->hidden_dim = 12288;
+    c->n_layers = 36;
+    c->n_heads = 32;
+    c->n_kv_heads = 8;
+    c->head_dim = 128;
+    c->vocab_size = 151936;
+    c->max_seq_len = 40960;
+    c->rope_theta = 1000000.0f;
+    c->norm_eps = 1e-6f;
+    c->qk_norm = 1;
+    c->eos_ids[0] = 151645;
+    c->eos_ids[1] = 151643;
+    c->n_eos = 2;
+  } else if (!strcmp(name, "tiny-llama") || !strcmp(name, "tiny-qwen3")) {
+    /* Small enough for the cpu backend in tests; tiny-qwen3 has head_dim 64 and group 4, the
+     * shape the fused cuda decode kernel takes. */
+    const int q3 = name[5] == 'q';
+    snprintf(c->model_type, sizeof c->model_type, q3 ? "qwen3" : "llama");
+    c->dim = 256;
+    c->hidden_dim = 768;
+    c->n_layers = 4;
+    c->n_heads = 8;
+    c->n_kv_heads = 2;
+    c->head_dim = q3 ? 64 : 32;
+    c->vocab_size = 1024;
+    c->max_seq_len = 2048;
+    c->rope_theta = q3 ? 1000000.0f : 10000.0f;
+    c->qk_norm = q3;
+  } else {
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "random:%s: unknown model (llama3-8b, qwen3-8b, llama3-70b, tiny-llama, "
+                    "tiny-qwen3)",
+                    name);
+  }
+  out->random_weights = 1;
+  out->random_seed = seed;
+  return lf_config_validate(c, "random checkpoint");
 }
 
 void lf_checkpoint_close(lf_checkpoint *ck) {

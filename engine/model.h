@@ -68,16 +68,24 @@ typedef struct lf_weights {
 typedef struct lf_checkpoint {
   lf_model_config cfg;
   lf_tensor_set tensors;
+  /* "random:NAME[:seed]": no tensors; every weight is generated from (seed, tensor, index)
+   * (engine/random_weights.h), the same on every backend. */
+  int random_weights;
+  uint64_t random_seed;
 } lf_checkpoint;
 
 /* Opens a HF model directory (config.json + model.safetensors or model.safetensors.index.json)
- * or a llama2.c legacy .bin file, chosen by what path is. Validates the config. */
+ * or a llama2.c legacy .bin file, chosen by what path is, or "random:NAME[:seed]" (NAME one of
+ * llama3-8b, qwen3-8b, llama3-70b, tiny-llama, tiny-qwen3) for seeded random weights of that
+ * shape. Validates the config. */
 lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out);
 void lf_checkpoint_close(lf_checkpoint *ck);
 
 /* Format-specific openers used by lf_checkpoint_open. */
 lf_status lf_checkpoint_open_hf(const char *dir, lf_checkpoint *out);
 lf_status lf_checkpoint_open_llama2c(const char *file, lf_checkpoint *out);
+/* spec: what follows "random:" ("NAME" or "NAME:seed"; the seed defaults to 0). */
+lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out);
 
 /* Parses a HF config.json text into cfg (model_type llama, qwen2, qwen3). path names the file in
  * messages. */

@@ -4,12 +4,14 @@
  * shape and the conversion are checked once. Every tensor goes through wt_load_slice, which
  * reads any [rows x cols] block of a tensor after checking its full shape: a tensor-parallel
  * loader takes its heads (rows) or its columns with the same call. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "error.h"
 #include "model.h"
+#include "random_weights.h"
 
 /* Where the checkpoint lives, for messages: the file, or the directory of the shards. */
 static void wt_where(const lf_checkpoint *ck, char *buf, size_t cap) {
@@ -32,6 +34,30 @@ static void wt_shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) 
   if (n < cap) snprintf(buf + n, cap - n, "]");
 }
 
+/* A random checkpoint's block (see wt_load_slice): element (r, c) of a [rows][cols] tensor is
+ * value number r * cols + c, as on the device. */
+static lf_status wt_random_slice(const lf_checkpoint *ck, const char *name, int64_t cols,
+                                 int64_t row0, int64_t nrows, int64_t col0, int64_t ncols,
+                                 float **out) {
+  uint32_t id = 0;
+  int kind = 0;
+  if (!lf_rw_tensor_of(name, &id, &kind))
+    return lf_error(LF_ERR_MISSING_TENSOR, "random checkpoint has no tensor %s", name);
+  if (nrows <= 0 || ncols <= 0 || (uint64_t)nrows > SIZE_MAX / sizeof(float) / (uint64_t)ncols)
+    return lf_error(LF_ERR_INVALID_ARG, "tensor %s: bad slice", name);
+  float *buf = malloc((size_t)nrows * (size_t)ncols * sizeof(float)); /* [nrows][ncols] */
+  if (!buf) return lf_error(LF_ERR_OUT_OF_MEMORY, "tensor %s: %lld x %lld", name,
+                            (long long)nrows, (long long)ncols);
+  const int64_t rowlen = cols > 0 ? cols : 0; /* a vector is one row */
+  const float scale = sqrtf(3.0f / (float)(cols > 0 ? cols : 1));
+  for (int64_t r = 0; r < nrows; r++)
+    for (int64_t c = 0; c < ncols; c++)
+      buf[r * ncols + c] = lf_rw_value(ck->random_seed, id, kind, scale,
+                                       (uint64_t)((row0 + r) * rowlen + col0 + c));
+  *out = buf;
+  return LF_OK;
+}
+
 /* The tensor `name` must exist with shape [rows][cols] (cols == 0: a vector [rows]). Reads the
  * block rows [row0, row0 + nrows) x cols [col0, col0 + ncols) into a fresh buffer
  * *out [nrows][ncols] (for a vector the block is elements [col0, col0 + ncols), row0 = 0,
@@ -41,6 +67,7 @@ static lf_status wt_load_slice(const lf_checkpoint *ck, const char *name, int64_
                                int64_t ncols, float **out) {
   *out = NULL;
   char where[320];
+  if (ck->random_weights) return wt_random_slice(ck, name, cols, row0, nrows, col0, ncols, out);
   const lf_tensor_src *t = lf_tensor_set_find(&ck->tensors, name);
   if (!t) {
     wt_where(ck, where, sizeof where);

@@ -1,0 +1,808 @@
+/* The cuda backend: bf16 weights and KV, fp32 accumulation (DESIGN §2).
+ *
+ * One forward, top to bottom:
+ *   prefill items (n_tok > 1), one at a time, in chunks of at most max_chunk tokens:
+ *     embed -> per layer [RMSNorm -> QKV GEMM -> bias, q/k norm, RoPE (bf16 q, k, v) -> causal
+ *     GQA attention over the pool's filled slots and the chunk -> append to the pool, or SnapKV
+ *     compression into an empty pool -> O GEMM (+= residual) -> RMSNorm -> gate|up GEMM ->
+ *     SiLU * up -> down GEMM (+= residual)] -> final RMSNorm of the last token into xf[item]
+ *   decode items (n_tok == 1), all in one batched pass: the same layers, with the new k/v
+ *     written straight into the slot w = (n < B) ? n++ : next inside the RoPE kernel, and the
+ *     fused LongFlow decode attention (attention/decode_attn.cuh; a generic kernel for shapes it
+ *     does not take) choosing every (sequence, layer, KV head)'s next slot
+ *   LM head GEMM over xf [items][dim] -> argmax / sampling on the device -> tokens to the host.
+ * Residual adds are the GEMMs' beta = 1: the fp32 residual stream x is cuBLAS's C.
+ *
+ * Pools: the device arena has the memory/pool.h layout [pool][layer][kv_head][slot][dim] (bf16
+ * K and V) with per-slot ||v||_1 and position and per-(pool, layer, head) n and next. The free
+ * list and each pool's fill count n (the same for every layer and head) are mirrored on the
+ * host, so admission, context-full checks and eviction counts never read the device.
+ * Every buffer is allocated at create for n_pools decode items and max_chunk prefill tokens; a
+ * forward allocates nothing.
+ */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention/attention.h"
+#include "attention/cuda_check.h"
+#include "attention/decode_attn.cuh"
+#include "backend.h"
+#include "cuda_attn.cuh"
+#include "cuda_misc.cuh"
+#include "cuda_norm.cuh"
+#include "cuda_rope.cuh"
+#include "cuda_sample.cuh"
+#include "error.h"
+#include "forward.h"
+#include "random_weights.h"
+
+#define LF_CUBLAS_CHECK(stmt)                                                                      \
+  do {                                                                                             \
+    cublasStatus_t lf_cublas_s_ = (stmt);                                                          \
+    if (lf_cublas_s_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      return lf_error(LF_ERR_BACKEND, "%s:%d: %s: %s", __FILE__, __LINE__, #stmt,                  \
+                      cublasGetStatusString(lf_cublas_s_));                                        \
+  } while (0)
+
+/* Allocation failures are out-of-memory, not backend errors. */
+#define CB_ALLOC(ptr, bytes)                                                                       \
+  do {                                                                                             \
+    size_t cb_b_ = (bytes);                                                                        \
+    if (cudaMalloc((void **)&(ptr), cb_b_ ? cb_b_ : 1) != cudaSuccess) {                           \
+      cudaGetLastError();                                                                          \
+      return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: cannot allocate %zu bytes for %s",     \
+                      cb_b_, #ptr);                                                                \
+    }                                                                                              \
+  } while (0)
+
+typedef __nv_bfloat16 bf16;
+
+typedef struct cuda_layer {
+  bf16 *wqkv;          /* [qd + 2 kd][dim]: q rows, k rows, v rows */
+  bf16 *wo;            /* [dim][qd] */
+  bf16 *wgu;           /* [2 hidden][dim]: gate rows, then up rows */
+  bf16 *wdown;         /* [dim][hidden] */
+  float *rms_att;      /* [dim] */
+  float *rms_ffn;      /* [dim] */
+  float *bqkv;         /* [qd + 2 kd] or NULL */
+  float *q_norm, *k_norm; /* [head_dim] or NULL */
+} cuda_layer;
+
+/* Per-forward inputs of a batched decode pass, uploaded in one copy. */
+typedef struct step_io {
+  int32_t *tok, *pool, *pos, *rows; /* [max_items] each */
+} step_io;
+
+typedef struct cuda_backend {
+  lf_backend base;
+  const lf_checkpoint *ck;
+  lf_model_config cfg;
+  lf_backend_params p;
+  lf_attn_params ap;
+  int qd, kd, qkv_dim, group;
+  int max_items, max_chunk;
+  int use_fused; /* decode attention: the fused kernel (else the generic one) */
+
+  cudaStream_t stream;
+  cublasHandle_t blas;
+
+  /* weights */
+  bf16 *embed;    /* [vocab][dim] */
+  bf16 *lm_head;  /* [vocab][dim]; == embed when tied */
+  float *rms_final; /* [dim] */
+  cuda_layer *layers; /* host array [n_layers] of device pointers */
+  float *inv_freq;    /* [head_dim / 2] */
+
+  /* pools */
+  lf_cuda_pool_view pv; /* k, v, vnorm, pos, n, next: the device arena */
+  int *free_list, n_free;
+  uint8_t *in_use;
+  int *host_n; /* [n_pools] fill count mirror */
+
+  /* activations, rows = max(max_items, max_chunk) */
+  float *x;     /* [rows][dim] residual stream */
+  bf16 *xb;     /* [rows][dim] normed input of a GEMM */
+  float *qkv;   /* [rows][qd + 2 kd] */
+  bf16 *qb;     /* [rows][qd] post-RoPE q */
+  bf16 *kb, *vb; /* [max_chunk][kd] prefill chunk k (post-RoPE), v */
+  bf16 *att;    /* [rows][qd] attention output */
+  float *gu;    /* [rows][2 hidden] gate | up */
+  bf16 *hb;     /* [rows][hidden] SiLU(gate) * up */
+  bf16 *xf;     /* [max_items][dim] final-normed last position of each item */
+  float *logits; /* [max_items][vocab] */
+  float *probs;  /* [max_items][vocab] sampling scratch */
+  int32_t *w;    /* [max_items][n_kv_heads] slot written this step */
+  float *ml;     /* [max_chunk][n_heads][2] prefill softmax (max, sum) */
+  float *snap;   /* [n_kv_heads][2][max_chunk] */
+  int32_t *slot_of; /* [n_kv_heads][max_chunk] */
+  int32_t *ptok;    /* [max_chunk] prefill tokens */
+  void *attn_ws;
+  size_t attn_ws_bytes;
+  float *simple_scratch; /* generic decode attention logits */
+  void *sort_ws;
+  size_t sort_ws_bytes;
+  int32_t *io;        /* device: step_io arrays, then sample params, then tokens */
+  int32_t *h_io;      /* host copy of the same layout */
+  step_io d_step, h_step;
+  lf_sample_params *d_sp, *h_sp; /* [max_items] */
+  int32_t *d_tok_out, *h_tok_out; /* [max_items] */
+  size_t io_bytes;
+} cuda_backend;
+
+/* ---- GEMM: Y[t][o] = sum_i W[o][i] X[t][i] (+ beta Y), bf16 in, fp32 accumulate ---------- */
+
+static lf_status gemm(cuda_backend *c, const bf16 *W, const bf16 *X, void *Y, cudaDataType yt,
+                      int n_out, int n_in, int n_tok, float beta) {
+  const float alpha = 1.0f;
+  LF_CUBLAS_CHECK(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_out, n_tok, n_in, &alpha, W,
+                               CUDA_R_16BF, n_in, X, CUDA_R_16BF, n_in, &beta, Y, yt, n_out,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return LF_OK;
+}
+
+/* ---- weights ------------------------------------------------------------------------------ */
+
+/* The tensor must exist with shape [rows][cols] (cols 0: a vector [rows]). */
+static lf_status find_tensor(const lf_checkpoint *ck, const char *name, int64_t rows, int64_t cols,
+                             const lf_tensor_src **out) {
+  const lf_tensor_src *t = lf_tensor_set_find(&ck->tensors, name);
+  if (!t) return lf_error(LF_ERR_MISSING_TENSOR, "tensor %s is missing from the checkpoint", name);
+  const int ndim = cols > 0 ? 2 : 1;
+  if (t->ndim != ndim || t->shape[0] != rows || (ndim == 2 && t->shape[1] != cols))
+    return lf_error(LF_ERR_SHAPE, "tensor %s in %s: expected [%lld%s%lld], found a %d-D tensor",
+                    name, t->file ? t->file : "the checkpoint", (long long)rows,
+                    ndim == 2 ? ", " : "", ndim == 2 ? (long long)cols : 0LL, t->ndim);
+  *out = t;
+  return LF_OK;
+}
+
+/* Matrix `name` [rows][cols] into dst (bf16), converted on the host in slices of ~4M values. */
+static lf_status upload_matrix(cuda_backend *c, const char *name, int64_t rows, int64_t cols,
+                               bf16 *dst) {
+  const lf_checkpoint *ck = c->ck;
+  if (ck->random_weights) {
+    uint32_t id = 0;
+    int kind = 0;
+    if (!lf_rw_tensor_of(name, &id, &kind))
+      return lf_error(LF_ERR_MISSING_TENSOR, "random checkpoint has no tensor %s", name);
+    return lf_cuda_random_bf16(dst, (size_t)(rows * cols), ck->random_seed, id,
+                               sqrtf(3.0f / (float)cols), 0, c->stream);
+  }
+  const lf_tensor_src *t;
+  LF_TRY(find_tensor(ck, name, rows, cols, &t));
+  int64_t chunk = ((int64_t)1 << 22) / cols;
+  if (chunk < 1) chunk = 1;
+  if (chunk > rows) chunk = rows;
+  float *f = (float *)malloc((size_t)(chunk * cols) * sizeof(float)); /* [chunk][cols] */
+  uint16_t *h = (uint16_t *)malloc((size_t)(chunk * cols) * sizeof(uint16_t));
+  lf_status s = LF_OK;
+  if (!f || !h) s = lf_error(LF_ERR_OUT_OF_MEMORY, "staging for %s", name);
+  for (int64_t r0 = 0; s == LF_OK && r0 < rows; r0 += chunk) {
+    const int64_t nr = rows - r0 < chunk ? rows - r0 : chunk;
+    s = lf_tensor_read_f32(t, r0, nr, 0, cols, f);
+    if (s != LF_OK) break;
+    for (int64_t i = 0; i < nr * cols; i++) h[i] = lf_f32_to_bf16(f[i]);
+    /* synchronous: the staging buffer is reused at once */
+    if (cudaMemcpy(dst + r0 * cols, h, (size_t)(nr * cols) * 2, cudaMemcpyHostToDevice) !=
+        cudaSuccess)
+      s = lf_error(LF_ERR_BACKEND, "%s:%d: upload of %s: %s", __FILE__, __LINE__, name,
+                   cudaGetErrorString(cudaGetLastError()));
+  }
+  free(f);
+  free(h);
+  return s;
+}
+
+/* Vector `name` [n] into dst (fp32). */
+static lf_status upload_vector(cuda_backend *c, const char *name, int64_t n, float *dst) {
+  const lf_checkpoint *ck = c->ck;
+  float *f = (float *)malloc((size_t)n * sizeof(float));
+  if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "staging for %s", name);
+  lf_status s = LF_OK;
+  if (ck->random_weights) {
+    uint32_t id = 0;
+    int kind = 0;
+    if (!lf_rw_tensor_of(name, &id, &kind))
+      s = lf_error(LF_ERR_MISSING_TENSOR, "random checkpoint has no tensor %s", name);
+    for (int64_t i = 0; s == LF_OK && i < n; i++)
+      f[i] = lf_rw_value(ck->random_seed, id, kind, 1.0f, (uint64_t)i);
+  } else {
+    const lf_tensor_src *t;
+    s = find_tensor(ck, name, n, 0, &t);
+    if (s == LF_OK) s = lf_tensor_read_f32(t, 0, 1, 0, n, f);
+  }
+  if (s == LF_OK && cudaMemcpy(dst, f, (size_t)n * sizeof(float), cudaMemcpyHostToDevice) !=
+                        cudaSuccess)
+    s = lf_error(LF_ERR_BACKEND, "%s:%d: upload of %s: %s", __FILE__, __LINE__, name,
+                 cudaGetErrorString(cudaGetLastError()));
+  free(f);
+  return s;
+}
+
+static lf_status load_weights(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const int64_t dim = m->dim, hid = m->hidden_dim, hd = m->head_dim, qd = c->qd, kd = c->kd;
+  char nm[LF_TENSOR_NAME_MAX];
+  static const char *const never[] = {"self_attn.o_proj.bias", "mlp.gate_proj.bias",
+                                      "mlp.up_proj.bias", "mlp.down_proj.bias"};
+  CB_ALLOC(c->embed, (size_t)m->vocab_size * dim * 2);
+  LF_TRY(upload_matrix(c, "model.embed_tokens.weight", m->vocab_size, dim, c->embed));
+  CB_ALLOC(c->rms_final, (size_t)dim * 4);
+  LF_TRY(upload_vector(c, "model.norm.weight", dim, c->rms_final));
+  if (c->ck->random_weights || lf_tensor_set_find(&c->ck->tensors, "lm_head.weight") ||
+      !m->tie_embeddings) {
+    CB_ALLOC(c->lm_head, (size_t)m->vocab_size * dim * 2);
+    LF_TRY(upload_matrix(c, "lm_head.weight", m->vocab_size, dim, c->lm_head));
+  } else {
+    c->lm_head = c->embed;
+  }
+  for (int l = 0; l < m->n_layers; l++) {
+    cuda_layer *L = &c->layers[l];
+#define NM(suffix) (snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix), nm)
+    for (size_t i = 0; i < sizeof never / sizeof never[0]; i++)
+      if (lf_tensor_set_find(&c->ck->tensors, NM(never[i])))
+        return lf_error(LF_ERR_UNSUPPORTED, "tensor %s: this bias is not supported", nm);
+    CB_ALLOC(L->wqkv, (size_t)(qd + 2 * kd) * dim * 2);
+    LF_TRY(upload_matrix(c, NM("self_attn.q_proj.weight"), qd, dim, L->wqkv));
+    LF_TRY(upload_matrix(c, NM("self_attn.k_proj.weight"), kd, dim, L->wqkv + qd * dim));
+    LF_TRY(upload_matrix(c, NM("self_attn.v_proj.weight"), kd, dim, L->wqkv + (qd + kd) * dim));
+    if (m->qkv_bias) {
+      CB_ALLOC(L->bqkv, (size_t)(qd + 2 * kd) * 4);
+      LF_TRY(upload_vector(c, NM("self_attn.q_proj.bias"), qd, L->bqkv));
+      LF_TRY(upload_vector(c, NM("self_attn.k_proj.bias"), kd, L->bqkv + qd));
+      LF_TRY(upload_vector(c, NM("self_attn.v_proj.bias"), kd, L->bqkv + qd + kd));
+    }
+    if (m->qk_norm) {
+      CB_ALLOC(L->q_norm, (size_t)hd * 4);
+      CB_ALLOC(L->k_norm, (size_t)hd * 4);
+      LF_TRY(upload_vector(c, NM("self_attn.q_norm.weight"), hd, L->q_norm));
+      LF_TRY(upload_vector(c, NM("self_attn.k_norm.weight"), hd, L->k_norm));
+    }
+    CB_ALLOC(L->wo, (size_t)dim * qd * 2);
+    LF_TRY(upload_matrix(c, NM("self_attn.o_proj.weight"), dim, qd, L->wo));
+    CB_ALLOC(L->rms_att, (size_t)dim * 4);
+    CB_ALLOC(L->rms_ffn, (size_t)dim * 4);
+    LF_TRY(upload_vector(c, NM("input_layernorm.weight"), dim, L->rms_att));
+    LF_TRY(upload_vector(c, NM("post_attention_layernorm.weight"), dim, L->rms_ffn));
+    CB_ALLOC(L->wgu, (size_t)2 * hid * dim * 2);
+    LF_TRY(upload_matrix(c, NM("mlp.gate_proj.weight"), hid, dim, L->wgu));
+    LF_TRY(upload_matrix(c, NM("mlp.up_proj.weight"), hid, dim, L->wgu + hid * dim));
+    CB_ALLOC(L->wdown, (size_t)dim * hid * 2);
+    LF_TRY(upload_matrix(c, NM("mlp.down_proj.weight"), dim, hid, L->wdown));
+#undef NM
+  }
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  return LF_OK;
+}
+
+/* ---- the layers ---------------------------------------------------------------------------- */
+
+/* Everything after attention of one layer: O-proj (+= x), RMSNorm, gate|up, SiLU*up, down. */
+static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows) {
+  const lf_model_config *m = &c->cfg;
+  LF_TRY(gemm(c, L->wo, c->att, c->x, CUDA_R_32F, m->dim, c->qd, rows, 1.0f));
+  LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_ffn, m->dim, m->norm_eps, rows, c->xb, m->dim, NULL,
+                         c->stream));
+  LF_TRY(gemm(c, L->wgu, c->xb, c->gu, CUDA_R_32F, 2 * m->hidden_dim, m->dim, rows, 0.0f));
+  LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
+  LF_TRY(gemm(c, L->wdown, c->hb, c->x, CUDA_R_32F, m->dim, m->hidden_dim, rows, 1.0f));
+  return LF_OK;
+}
+
+static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows) {
+  const lf_model_config *m = &c->cfg;
+  lf_qkv_rope_args a;
+  memset(&a, 0, sizeof a);
+  a.qkv = c->qkv;
+  a.qkv_stride = (size_t)c->qkv_dim;
+  a.bias = L->bqkv;
+  a.q_norm = L->q_norm;
+  a.k_norm = L->k_norm;
+  a.eps = m->norm_eps;
+  a.inv_freq = c->inv_freq;
+  a.interleaved = m->rope_style == LF_ROPE_INTERLEAVED;
+  a.n_heads = m->n_heads;
+  a.n_kv_heads = m->n_kv_heads;
+  a.head_dim = m->head_dim;
+  a.n_tok = rows;
+  a.q_out = c->qb;
+  return a;
+}
+
+/* One batched decode pass over `rows` sequences whose inputs are in d_step (device); the final
+ * normed row of sequence r goes to xf[rows_out[r]]. */
+static lf_status decode_pass(cuda_backend *c, int rows) {
+  const lf_model_config *m = &c->cfg;
+  LF_TRY(lf_cuda_embed(c->embed, m->dim, c->d_step.tok, rows, c->x, c->stream));
+  for (int l = 0; l < m->n_layers; l++) {
+    const cuda_layer *L = &c->layers[l];
+    LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_att, m->dim, m->norm_eps, rows, c->xb, m->dim,
+                           NULL, c->stream));
+    LF_TRY(gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, rows, 0.0f));
+    lf_qkv_rope_args a = rope_args(c, L, rows);
+    a.pos = c->d_step.pos;
+    a.pk = c->pv.k;
+    a.pv = c->pv.v;
+    a.pvnorm = c->pv.vnorm;
+    a.ppos = c->pv.pos;
+    a.pn = c->pv.n;
+    a.pnext = c->pv.next;
+    a.pool_ids = c->d_step.pool;
+    a.n_layers = m->n_layers;
+    a.budget = c->p.budget;
+    a.layer = l;
+    a.sink = c->p.sink;
+    a.policy = c->p.policy;
+    a.w = c->w;
+    LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
+    if (c->use_fused) {
+      lf_decode_attn_args d;
+      memset(&d, 0, sizeof d);
+      d.k = c->pv.k;
+      d.v = c->pv.v;
+      d.vnorm = c->pv.vnorm;
+      d.pos = c->pv.pos;
+      d.n = c->pv.n;
+      d.next = c->pv.next;
+      d.n_layers = m->n_layers;
+      d.n_kv_heads = m->n_kv_heads;
+      d.budget = c->p.budget;
+      d.head_dim = m->head_dim;
+      d.layer = l;
+      d.n_seq = rows;
+      d.pool_ids = c->d_step.pool;
+      d.w = c->w;
+      d.q = c->qb;
+      d.q_stride = 0;
+      d.out = c->att;
+      d.group = c->group;
+      d.sink = c->p.sink;
+      d.policy = c->p.policy;
+      d.scale = c->ap.scale;
+      d.n_splits = 0;
+      d.workspace = c->attn_ws;
+      d.workspace_bytes = c->attn_ws_bytes;
+      LF_TRY(lf_cuda_decode_attn(&d, c->stream));
+    } else {
+      LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, rows, c->d_step.pool, c->w, m->n_heads, c->qb,
+                                        c->ap.scale, c->p.sink, c->p.policy, c->att,
+                                        c->simple_scratch, c->stream));
+    }
+    LF_TRY(layer_tail(c, L, rows));
+  }
+  return lf_cuda_rmsnorm(c->x, m->dim, c->rms_final, m->dim, m->norm_eps, rows, c->xf, m->dim,
+                         c->d_step.rows, c->stream);
+}
+
+/* Uploads the first `rows` entries of the host step arrays. */
+static lf_status step_upload(cuda_backend *c, int rows) {
+  const size_t b = (size_t)rows * sizeof(int32_t);
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.tok, c->h_step.tok, b, cudaMemcpyHostToDevice, c->stream));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.pool, c->h_step.pool, b, cudaMemcpyHostToDevice, c->stream));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.pos, c->h_step.pos, b, cudaMemcpyHostToDevice, c->stream));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.rows, c->h_step.rows, b, cudaMemcpyHostToDevice, c->stream));
+  return LF_OK;
+}
+
+/* A chunk of one sequence's prompt, n0 slots already filled: attention, then the pool write
+ * (compress: SnapKV into the empty pool). last: the final normed last row goes to xf[row]. */
+static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const int32_t *tokens,
+                               int T, int n0, int compress, int last, int row) {
+  const lf_model_config *m = &c->cfg;
+  const int B = c->p.budget;
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, tokens, (size_t)T * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, c->stream));
+  LF_TRY(lf_cuda_embed(c->embed, m->dim, c->ptok, T, c->x, c->stream));
+  int w_eff = c->p.window < B - 1 - c->p.sink ? c->p.window : B - 1 - c->p.sink;
+  if (w_eff < 0) w_eff = 0;
+  for (int l = 0; l < m->n_layers; l++) {
+    const cuda_layer *L = &c->layers[l];
+    LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_att, m->dim, m->norm_eps, T, c->xb, m->dim, NULL,
+                           c->stream));
+    LF_TRY(gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, T, 0.0f));
+    lf_qkv_rope_args a = rope_args(c, L, T);
+    a.pos0 = pos0;
+    a.k_out = c->kb;
+    a.v_out = c->vb;
+    LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
+    LF_TRY(lf_cuda_prefill_attn(&c->pv, pool, l, n0, m->n_heads, T, c->qb, c->kb, c->vb,
+                                c->ap.scale, c->att, compress ? c->ml : NULL, c->stream));
+    if (compress) {
+      LF_TRY(lf_cuda_snapkv_select(m->n_heads, m->n_kv_heads, m->head_dim, T, B, c->p.sink, w_eff,
+                                   c->qb, c->kb, c->ml, c->ap.scale, c->snap, c->slot_of,
+                                   c->stream));
+      LF_TRY(lf_cuda_kv_store(&c->pv, pool, l, T, pos0, c->kb, c->vb, c->slot_of, 0, B - 1,
+                              c->stream));
+    } else {
+      LF_TRY(lf_cuda_kv_store(&c->pv, pool, l, T, pos0, c->kb, c->vb, NULL, n0, n0 + T, c->stream));
+    }
+    LF_TRY(layer_tail(c, L, T));
+  }
+  c->host_n[pool] = compress ? B - 1 : n0 + T;
+  if (!last) return LF_OK;
+  return lf_cuda_rmsnorm(c->x + (size_t)(T - 1) * m->dim, m->dim, c->rms_final, m->dim,
+                         m->norm_eps, 1, c->xf + (size_t)row * m->dim, m->dim, NULL, c->stream);
+}
+
+/* One decode step of one sequence (a prompt chunk run token by token); xf[row] when last. */
+static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok, int row,
+                            uint64_t *evictions) {
+  const int B = c->p.budget;
+  c->h_step.tok[0] = tok;
+  c->h_step.pool[0] = pool;
+  c->h_step.pos[0] = pos;
+  c->h_step.rows[0] = row;
+  LF_TRY(step_upload(c, 1));
+  /* the host arrays are reused at once: wait for the copies (pageable memory is staged, but
+   * the step arrays are pinned) */
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  LF_TRY(decode_pass(c, 1));
+  if (c->host_n[pool] == B) *evictions += (uint64_t)c->cfg.n_layers * c->cfg.n_kv_heads;
+  else c->host_n[pool]++;
+  return LF_OK;
+}
+
+/* ---- the backend interface ---------------------------------------------------------------- */
+
+static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
+                              lf_batch_result *res, float *logits_out) {
+  cuda_backend *c = (cuda_backend *)b;
+  const lf_model_config *m = &c->cfg;
+  const int B = c->p.budget, evicts = c->p.policy != LF_POLICY_FULL;
+  if (n < 0 || n > c->max_items)
+    return lf_error(LF_ERR_INVALID_ARG, "cuda forward: %d items (at most %d, one per pool)", n,
+                    c->max_items);
+  if (n == 0) return LF_OK;
+  if (!items || !res) return lf_error(LF_ERR_INVALID_ARG, "cuda forward: NULL items or results");
+
+  /* Per-item checks, as the cpu forward makes them; a pool may appear once per batch. */
+  for (int i = 0; i < n; i++) {
+    const lf_batch_item *it = &items[i];
+    lf_batch_result *r = &res[i];
+    r->token = -1;
+    r->evictions = 0;
+    r->status = LF_OK;
+    if (it->n_tok < 1 || !it->tokens) {
+      r->status = lf_error(LF_ERR_INVALID_ARG, "forward: n_tok %d < 1", it->n_tok);
+      continue;
+    }
+    if (it->pool < 0 || it->pool >= c->p.n_pools || !c->in_use[it->pool]) {
+      r->status = lf_error(LF_ERR_INVALID_ARG, "forward: pool %d is not a taken pool", it->pool);
+      continue;
+    }
+    for (int j = 0; j < i && r->status == LF_OK; j++)
+      if (items[j].pool == it->pool)
+        r->status = lf_error(LF_ERR_INVALID_ARG, "forward: pool %d appears twice in one batch",
+                             it->pool);
+    for (int t = 0; t < it->n_tok && r->status == LF_OK; t++)
+      if (it->tokens[t] < 0 || it->tokens[t] >= m->vocab_size)
+        r->status = lf_error(LF_ERR_INVALID_ARG, "token id %d out of range [0, %d)",
+                             it->tokens[t], m->vocab_size);
+    if (r->status != LF_OK) continue;
+    const int n0 = c->host_n[it->pool];
+    if (!evicts && n0 + it->n_tok > B)
+      r->status = lf_error(LF_ERR_CONTEXT_FULL,
+                           "full policy: %d filled + %d new tokens exceed the budget of %d slots",
+                           n0, it->n_tok, B);
+    else if (evicts && it->n_tok > 1 && n0 == 0 && it->n_tok > B - 1 && it->n_tok > c->max_chunk)
+      r->status = lf_error(LF_ERR_UNSUPPORTED,
+                           "cuda: a %d-token prompt needs SnapKV compression over more than the "
+                           "%d-token prefill chunk",
+                           it->n_tok, c->max_chunk);
+  }
+
+  /* Prefill items, one at a time. */
+  for (int i = 0; i < n; i++) {
+    const lf_batch_item *it = &items[i];
+    if (res[i].status != LF_OK || it->n_tok == 1) continue;
+    const int n0 = c->host_n[it->pool];
+    if (evicts && n0 > 0 && n0 + it->n_tok > B - 1) {
+      /* does not leave a free slot: a run of decode steps (attention.h) */
+      for (int t = 0; t < it->n_tok; t++)
+        LF_TRY(decode_one(c, it->pool, it->pos0 + t, it->tokens[t], i, &res[i].evictions));
+      continue;
+    }
+    const int compress = evicts && n0 == 0 && it->n_tok > B - 1;
+    for (int off = 0; off < it->n_tok; off += c->max_chunk) {
+      const int T = it->n_tok - off < c->max_chunk ? it->n_tok - off : c->max_chunk;
+      LF_TRY(prefill_chunk(c, it->pool, it->pos0 + off, it->tokens + off, T, c->host_n[it->pool],
+                           compress, off + T == it->n_tok, i));
+    }
+  }
+
+  /* Decode items, one batched pass. */
+  int nd = 0;
+  for (int i = 0; i < n; i++) {
+    const lf_batch_item *it = &items[i];
+    if (res[i].status != LF_OK || it->n_tok != 1) continue;
+    c->h_step.tok[nd] = it->tokens[0];
+    c->h_step.pool[nd] = it->pool;
+    c->h_step.pos[nd] = it->pos0;
+    c->h_step.rows[nd] = i;
+    nd++;
+    if (c->host_n[it->pool] == B) res[i].evictions += (uint64_t)m->n_layers * m->n_kv_heads;
+    else c->host_n[it->pool]++;
+  }
+  if (nd > 0) {
+    LF_TRY(step_upload(c, nd));
+    LF_TRY(decode_pass(c, nd));
+  }
+
+  /* LM head and token selection for every item (failed items' rows are ignored). */
+  LF_TRY(gemm(c, c->lm_head, c->xf, c->logits, CUDA_R_32F, m->vocab_size, m->dim, n, 0.0f));
+  for (int i = 0; i < n; i++) {
+    lf_sample_params *sp = &c->h_sp[i];
+    sp->temperature = items[i].sampling.temperature;
+    sp->top_k = items[i].sampling.top_k;
+    sp->top_p = items[i].sampling.top_p;
+    sp->u = items[i].u;
+  }
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_sp, c->h_sp, (size_t)n * sizeof *c->h_sp,
+                                cudaMemcpyHostToDevice, c->stream));
+  LF_TRY(lf_cuda_sample(c->logits, m->vocab_size, n, c->d_sp, c->d_tok_out, c->probs, c->stream));
+  for (int i = 0; i < n; i++)
+    if (res[i].status == LF_OK && lf_sample_needs_sort(&c->h_sp[i], m->vocab_size))
+      LF_TRY(lf_cuda_sample_sorted(c->logits + (size_t)i * m->vocab_size, m->vocab_size,
+                                   &c->h_sp[i], c->d_tok_out + i, c->sort_ws, c->sort_ws_bytes,
+                                   c->stream));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->h_tok_out, c->d_tok_out, (size_t)n * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, c->stream));
+  if (logits_out)
+    LF_CUDA_CHECK(cudaMemcpyAsync(logits_out, c->logits, (size_t)n * m->vocab_size * sizeof(float),
+                                  cudaMemcpyDeviceToHost, c->stream));
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  for (int i = 0; i < n; i++)
+    if (res[i].status == LF_OK) res[i].token = c->h_tok_out[i];
+  return LF_OK;
+}
+
+static lf_status cuda_pool_take(lf_backend *b, int *pool) {
+  cuda_backend *c = (cuda_backend *)b;
+  if (!pool) return lf_error(LF_ERR_INVALID_ARG, "pool_take: NULL argument");
+  if (c->n_free <= 0)
+    return lf_error(LF_ERR_STATE, "pool_take: all %d pools are in use", c->p.n_pools);
+  const int p = c->free_list[--c->n_free];
+  const size_t heads = (size_t)c->cfg.n_layers * c->cfg.n_kv_heads;
+  /* metadata only (n = 0, next = -1, pos = -1); K/V keep stale values below n */
+  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.n + p * heads, 0, heads * sizeof(int32_t), c->stream));
+  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.next + p * heads, 0xff, heads * sizeof(int32_t), c->stream));
+  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.pos + p * heads * c->p.budget, 0xff,
+                                heads * c->p.budget * sizeof(int32_t), c->stream));
+  c->in_use[p] = 1;
+  c->host_n[p] = 0;
+  *pool = p;
+  return LF_OK;
+}
+
+static lf_status cuda_pool_give(lf_backend *b, int pool) {
+  cuda_backend *c = (cuda_backend *)b;
+  if (pool < 0 || pool >= c->p.n_pools)
+    return lf_error(LF_ERR_STATE, "pool_give: pool %d is not in [0, %d)", pool, c->p.n_pools);
+  if (!c->in_use[pool]) return lf_error(LF_ERR_STATE, "pool_give: pool %d is already free", pool);
+  c->in_use[pool] = 0;
+  c->free_list[c->n_free++] = pool;
+  return LF_OK;
+}
+
+static int cuda_pools_free(lf_backend *b) {
+  return ((cuda_backend *)b)->n_free;
+}
+
+static int cuda_pool_slots_filled(lf_backend *b, int pool) {
+  cuda_backend *c = (cuda_backend *)b;
+  return pool >= 0 && pool < c->p.n_pools ? c->host_n[pool] : 0;
+}
+
+static void cuda_free(lf_backend *b) {
+  cuda_backend *c = (cuda_backend *)b;
+  if (!c) return;
+  if (c->stream) cudaStreamSynchronize(c->stream);
+  if (c->layers) {
+    for (int l = 0; l < c->cfg.n_layers; l++) {
+      cuda_layer *L = &c->layers[l];
+      cudaFree(L->wqkv);
+      cudaFree(L->wo);
+      cudaFree(L->wgu);
+      cudaFree(L->wdown);
+      cudaFree(L->rms_att);
+      cudaFree(L->rms_ffn);
+      cudaFree(L->bqkv);
+      cudaFree(L->q_norm);
+      cudaFree(L->k_norm);
+    }
+    free(c->layers);
+  }
+  if (c->lm_head != c->embed) cudaFree(c->lm_head);
+  cudaFree(c->embed);
+  cudaFree(c->rms_final);
+  cudaFree(c->inv_freq);
+  cudaFree(c->pv.k);
+  cudaFree(c->pv.v);
+  cudaFree(c->pv.vnorm);
+  cudaFree(c->pv.pos);
+  cudaFree(c->pv.n);
+  cudaFree(c->pv.next);
+  void *bufs[] = {c->x,     c->xb,    c->qkv,  c->qb,      c->kb,       c->vb,
+                  c->att,   c->gu,    c->hb,   c->xf,      c->logits,   c->probs,
+                  c->w,     c->ml,    c->snap, c->slot_of, c->ptok,     c->attn_ws,
+                  c->simple_scratch, c->sort_ws, c->io};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+  cudaFreeHost(c->h_io);
+  if (c->blas) cublasDestroy(c->blas);
+  if (c->stream) cudaStreamDestroy(c->stream);
+  free(c->free_list);
+  free(c->in_use);
+  free(c->host_n);
+  free(c);
+}
+
+static lf_status create(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const lf_backend_params *p = &c->p;
+  const int hkv = m->n_kv_heads, D = m->head_dim;
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
+    cudaGetLastError();
+    return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
+  }
+  if (p->policy == LF_POLICY_H2O)
+    return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: the h2o policy is not implemented on cuda "
+                                        "(longflow, full, streaming are)");
+  if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
+  LF_TRY(lf_attn_params_check(&c->ap, p->budget));
+  if (p->n_pools < 1) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
+
+  LF_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  LF_CUBLAS_CHECK(cublasCreate(&c->blas));
+  LF_CUBLAS_CHECK(cublasSetStream(c->blas, c->stream));
+
+  c->layers = (cuda_layer *)calloc((size_t)m->n_layers, sizeof *c->layers);
+  c->free_list = (int *)malloc((size_t)p->n_pools * sizeof(int));
+  c->in_use = (uint8_t *)calloc((size_t)p->n_pools, 1);
+  c->host_n = (int *)calloc((size_t)p->n_pools, sizeof(int));
+  if (!c->layers || !c->free_list || !c->in_use || !c->host_n)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
+  for (int i = 0; i < p->n_pools; i++) c->free_list[i] = p->n_pools - 1 - i;
+  c->n_free = p->n_pools;
+
+  LF_TRY(load_weights(c));
+  {
+    float *f = (float *)malloc(sizeof(float) * (size_t)(D / 2));
+    if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
+    lf_rope_freqs(m, f);
+    CB_ALLOC(c->inv_freq, sizeof(float) * (size_t)(D / 2));
+    cudaError_t e = cudaMemcpy(c->inv_freq, f, sizeof(float) * (size_t)(D / 2),
+                               cudaMemcpyHostToDevice);
+    free(f);
+    LF_CUDA_CHECK(e);
+  }
+
+  /* The arena. */
+  const size_t heads = (size_t)p->n_pools * m->n_layers * hkv, slots = heads * p->budget;
+  c->pv.n_layers = m->n_layers;
+  c->pv.n_kv_heads = hkv;
+  c->pv.budget = p->budget;
+  c->pv.head_dim = D;
+  CB_ALLOC(c->pv.k, slots * D * 2);
+  CB_ALLOC(c->pv.v, slots * D * 2);
+  CB_ALLOC(c->pv.vnorm, slots * 4);
+  CB_ALLOC(c->pv.pos, slots * 4);
+  CB_ALLOC(c->pv.n, heads * 4);
+  CB_ALLOC(c->pv.next, heads * 4);
+  LF_CUDA_CHECK(cudaMemset(c->pv.n, 0, heads * 4));
+  LF_CUDA_CHECK(cudaMemset(c->pv.next, 0xff, heads * 4));
+  LF_CUDA_CHECK(cudaMemset(c->pv.pos, 0xff, slots * 4));
+  LF_CUDA_CHECK(cudaMemset(c->pv.vnorm, 0, slots * 4));
+
+  /* Workspaces. */
+  const size_t rows = (size_t)(c->max_items > c->max_chunk ? c->max_items : c->max_chunk);
+  const size_t V = (size_t)m->vocab_size, T = (size_t)c->max_chunk;
+  CB_ALLOC(c->x, rows * m->dim * 4);
+  CB_ALLOC(c->xb, rows * m->dim * 2);
+  CB_ALLOC(c->qkv, rows * c->qkv_dim * 4);
+  CB_ALLOC(c->qb, rows * c->qd * 2);
+  CB_ALLOC(c->kb, T * c->kd * 2);
+  CB_ALLOC(c->vb, T * c->kd * 2);
+  CB_ALLOC(c->att, rows * c->qd * 2);
+  CB_ALLOC(c->gu, rows * 2 * m->hidden_dim * 4);
+  CB_ALLOC(c->hb, rows * m->hidden_dim * 2);
+  CB_ALLOC(c->xf, (size_t)c->max_items * m->dim * 2);
+  CB_ALLOC(c->logits, (size_t)c->max_items * V * 4);
+  CB_ALLOC(c->probs, (size_t)c->max_items * V * 4);
+  CB_ALLOC(c->w, (size_t)c->max_items * hkv * 4);
+  CB_ALLOC(c->ml, T * m->n_heads * 2 * 4);
+  CB_ALLOC(c->snap, (size_t)hkv * 2 * T * 4);
+  CB_ALLOC(c->slot_of, (size_t)hkv * T * 4);
+  CB_ALLOC(c->ptok, T * 4);
+  /* xf rows of failed items are read by the LM head: keep them finite */
+  LF_CUDA_CHECK(cudaMemset(c->xf, 0, (size_t)c->max_items * m->dim * 2));
+
+  c->use_fused = (D == 64 || D == 128) && c->group <= 8 && !getenv("LF_CUDA_SIMPLE_ATTN");
+  if (c->use_fused) {
+    for (int ns = 1; ns <= c->max_items; ns++) {
+      const size_t wb = lf_cuda_decode_attn_workspace_bytes(ns, hkv, p->budget, c->group, D, 0);
+      if (wb > c->attn_ws_bytes) c->attn_ws_bytes = wb;
+    }
+    CB_ALLOC(c->attn_ws, c->attn_ws_bytes);
+    LF_TRY(lf_cuda_decode_attn_workspace_init(c->attn_ws, c->attn_ws_bytes, c->stream));
+  } else {
+    CB_ALLOC(c->simple_scratch,
+             lf_cuda_decode_attn_simple_scratch(c->max_items, m->n_heads, p->budget) * 4);
+  }
+  c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
+  CB_ALLOC(c->sort_ws, c->sort_ws_bytes);
+
+  /* Step I/O: 4 int arrays, sample params, tokens; pinned on the host. */
+  const size_t mi = (size_t)c->max_items;
+  c->io_bytes = 5 * mi * 4 + mi * sizeof(lf_sample_params);
+  CB_ALLOC(c->io, c->io_bytes);
+  if (cudaMallocHost((void **)&c->h_io, c->io_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: pinned step buffers");
+  }
+  int32_t *d = c->io, *h = c->h_io;
+  c->d_step.tok = d, c->h_step.tok = h;
+  c->d_step.pool = d + mi, c->h_step.pool = h + mi;
+  c->d_step.pos = d + 2 * mi, c->h_step.pos = h + 2 * mi;
+  c->d_step.rows = d + 3 * mi, c->h_step.rows = h + 3 * mi;
+  c->d_tok_out = d + 4 * mi, c->h_tok_out = h + 4 * mi;
+  c->d_sp = (lf_sample_params *)(d + 5 * mi), c->h_sp = (lf_sample_params *)(h + 5 * mi);
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  return LF_OK;
+}
+
+extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_backend_params *p,
+                                            lf_backend **out) {
+  if (!ck || !p || !out) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: NULL argument");
+  *out = NULL;
+  const lf_model_config *m = &ck->cfg;
+  cuda_backend *c = (cuda_backend *)calloc(1, sizeof *c);
+  if (!c) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend");
+  c->ck = ck;
+  c->cfg = *m;
+  c->p = *p;
+  c->base.name = "cuda";
+  c->base.forward = cuda_forward;
+  c->base.pool_take = cuda_pool_take;
+  c->base.pool_give = cuda_pool_give;
+  c->base.pools_free = cuda_pools_free;
+  c->base.pool_slots_filled = cuda_pool_slots_filled;
+  c->base.free = cuda_free;
+  c->qd = m->n_heads * m->head_dim;
+  c->kd = m->n_kv_heads * m->head_dim;
+  c->qkv_dim = c->qd + 2 * c->kd;
+  c->group = m->n_heads / m->n_kv_heads;
+  c->ap.policy = p->policy;
+  c->ap.sink = p->sink;
+  c->ap.window = p->window;
+  c->ap.h2o_recent = p->window;
+  c->ap.group = c->group;
+  c->ap.head_dim = m->head_dim;
+  c->ap.scale = 1.0f / sqrtf((float)m->head_dim);
+  c->max_items = p->n_pools;
+  /* Prefill chunk: LF_CUDA_PREFILL_CHUNK tokens, default min(max_seq_len, 2048). */
+  c->max_chunk = m->max_seq_len < 2048 ? m->max_seq_len : 2048;
+  const char *e = getenv("LF_CUDA_PREFILL_CHUNK");
+  if (e && atoi(e) > 0) c->max_chunk = atoi(e);
+  lf_status s = create(c);
+  if (s != LF_OK) {
+    cuda_free(&c->base);
+    return s;
+  }
+  *out = &c->base;
+  return LF_OK;
+}
+
+extern "C" int lf_cuda_device_present(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n > 0;
+}

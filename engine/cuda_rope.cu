@@ -1,0 +1,106 @@
+/* Bias, q/k norm, RoPE and the decode-step pool write (see cuda_rope.cuh). */
+#include "cuda_rope.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "attention/cuda_check.h"
+
+#define ROPE_DMAX 256
+
+/* One warp per (head, token): grid [n_heads + n_kv_heads, n_tok]. Block x < n_heads is a query
+ * head; the others are KV head g = x - n_heads and do both k and v. */
+static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
+  __shared__ float buf[ROPE_DMAX];
+  const int t = blockIdx.y, lane = threadIdx.x, D = a.head_dim, half = D / 2;
+  const int is_q = (int)blockIdx.x < a.n_heads;
+  const int g = is_q ? 0 : (int)blockIdx.x - a.n_heads;
+  const int qd = a.n_heads * D, kd = a.n_kv_heads * D;
+  const int off = is_q ? (int)blockIdx.x * D : qd + g * D; /* column of this head in qkv */
+  const float *src = a.qkv + (size_t)t * a.qkv_stride;
+  const int32_t pos = a.pos ? a.pos[t] : a.pos0 + t;
+
+  for (int d = lane; d < D; d += 32) buf[d] = src[off + d] + (a.bias ? a.bias[off + d] : 0.0f);
+  __syncwarp();
+  const float *nw = is_q ? a.q_norm : a.k_norm;
+  if (nw) {
+    float ss = 0.0f;
+    for (int d = lane; d < D; d += 32) ss += buf[d] * buf[d];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float r = 1.0f / sqrtf(ss / (float)D + a.eps);
+    __syncwarp();
+    for (int d = lane; d < D; d += 32) buf[d] = nw[d] * (buf[d] * r);
+    __syncwarp();
+  }
+  /* rotate pairs; each lane owns whole pairs so no other lane reads what it writes */
+  for (int i = lane; i < half; i += 32) {
+    float s, c;
+    sincosf((float)pos * a.inv_freq[i], &s, &c);
+    const int i0 = a.interleaved ? 2 * i : i, i1 = a.interleaved ? 2 * i + 1 : i + half;
+    const float x0 = buf[i0], x1 = buf[i1];
+    buf[i0] = x0 * c - x1 * s;
+    buf[i1] = x1 * c + x0 * s;
+  }
+  __syncwarp();
+
+  if (is_q) {
+    __nv_bfloat16 *q = (__nv_bfloat16 *)a.q_out + (size_t)t * qd + (size_t)blockIdx.x * D;
+    for (int d = lane; d < D; d += 32) q[d] = __float2bfloat16(buf[d]);
+    return;
+  }
+  const float *vsrc = src + qd + kd + g * D;
+  const float *vb = a.bias ? a.bias + qd + kd + g * D : NULL;
+  if (a.k_out) {
+    __nv_bfloat16 *k = (__nv_bfloat16 *)a.k_out + (size_t)t * kd + (size_t)g * D;
+    __nv_bfloat16 *v = (__nv_bfloat16 *)a.v_out + (size_t)t * kd + (size_t)g * D;
+    for (int d = lane; d < D; d += 32) {
+      k[d] = __float2bfloat16(buf[d]);
+      v[d] = __float2bfloat16(vsrc[d] + (vb ? vb[d] : 0.0f));
+    }
+  }
+  if (!a.pk) return;
+  const int B = a.budget;
+  const size_t hidx = ((size_t)a.pool_ids[t] * a.n_layers + a.layer) * a.n_kv_heads + g;
+  const int n = a.pn[hidx];
+  int w;
+  if (n < B)
+    w = n;
+  else if (a.policy == LF_POLICY_FULL)
+    w = -1;
+  else
+    w = a.pnext[hidx] >= a.sink && a.pnext[hidx] < B ? a.pnext[hidx] : -1;
+  if (w >= 0) {
+    __nv_bfloat16 *kd_ = (__nv_bfloat16 *)a.pk + (hidx * B + w) * D;
+    __nv_bfloat16 *vd_ = (__nv_bfloat16 *)a.pv + (hidx * B + w) * D;
+    float l1 = 0.0f;
+    for (int d = lane; d < D; d += 32) {
+      const __nv_bfloat16 vv = __float2bfloat16(vsrc[d] + (vb ? vb[d] : 0.0f));
+      kd_[d] = __float2bfloat16(buf[d]);
+      vd_[d] = vv;
+      l1 += fabsf(__bfloat162float(vv));
+    }
+    for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    if (lane == 0) {
+      a.pvnorm[hidx * B + w] = l1;
+      a.ppos[hidx * B + w] = pos;
+      if (n < B) a.pn[hidx] = n + 1;
+    }
+  }
+  if (lane == 0) a.w[(size_t)t * a.n_kv_heads + g] = w;
+}
+
+extern "C" lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, cudaStream_t stream) {
+  if (!a || !a->qkv || !a->inv_freq || !a->q_out || (!a->k_out != !a->v_out))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: NULL argument");
+  if (a->head_dim < 2 || a->head_dim > ROPE_DMAX || a->head_dim % 2 || a->n_heads < 1 ||
+      a->n_kv_heads < 1 || a->n_tok < 0 || a->n_tok > 65535)
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_qkv_rope: head_dim %d (even, <= %d), %d tokens",
+                    a->head_dim, ROPE_DMAX, a->n_tok);
+  if (a->pk && (!a->pv || !a->pvnorm || !a->ppos || !a->pn || !a->pnext || !a->pool_ids || !a->w ||
+                a->layer < 0 || a->layer >= a->n_layers || a->budget < 1))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: incomplete pool write");
+  if (a->n_tok == 0) return LF_OK;
+  qkv_rope_kernel<<<dim3(a->n_heads + a->n_kv_heads, a->n_tok), 32, 0, stream>>>(*a);
+  LF_CUDA_CHECK_LAUNCH("qkv_rope_kernel");
+  return LF_OK;
+}
