@@ -36,6 +36,7 @@ static void usage(FILE *f) {
              "  --json FILE       write the rows as JSON\n");
 }
 
+#ifdef LF_HAVE_CUDA
 static int parse_list(const char *s, int *out, int cap) {
   int n = 0;
   while (*s && n < cap) {
@@ -48,8 +49,6 @@ static int parse_list(const char *s, int *out, int cap) {
   }
   return n;
 }
-
-#ifdef LF_HAVE_CUDA
 
 #define BENCH_CUDA(stmt)                                                                           \
   do {                                                                                             \
