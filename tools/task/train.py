@@ -1,0 +1,454 @@
+#!/usr/bin/env python3
+"""Train a small Llama (GQA, RoPE, SwiGLU: transformers' LlamaForCausalLM, so the export is the
+exact model our engine loads) on the `trace` task, and export it as a Hugging Face directory:
+config.json + model.safetensors + tokenizer.json (+ tokenizer_config.json, task.json).
+
+    # GPU (H200), about ten minutes:
+    python tools/task/train.py --out out/trace-model --minutes 9
+    # CPU smoke test, seconds:
+    python tools/task/train.py --out /tmp/tm --tiny --max-steps 5
+
+Training data are generated on the fly by tools/task/gen.py in worker processes, packed into
+rows of --seq-len tokens (several problems per row, each with its own positions 0.. and attending
+only to itself: transformers builds the block-diagonal mask from the position ids), with the loss
+on the output only (trace, answer and <eos>), never on the prompt. bf16 autocast on the GPU, fp32
+on the CPU. Reproducible: the data are a pure function of --seed and the problem index, the
+initialisation of --seed; with a time budget the schedule's length is fixed after the first
+steps and logged (a rerun with --max-steps that number repeats the run up to GPU
+non-determinism). Checkpoints (model + optimizer + data position) every --ckpt-minutes into
+OUT/ckpt; --resume continues from there.
+
+Held-out evaluation (test split, outputs >= --eval-min-len tokens) is teacher-forced: a problem
+counts as solved when the argmax at every output position is the target token, which is exactly
+the condition for greedy decoding to reproduce the whole trace, so `tf_exact` is greedy exact-match
+accuracy under full KV (up to numerics) without running generation.
+"""
+import argparse
+import copy
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gen  # noqa: E402
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+_TASK_KW = None
+
+
+def _init_worker(task_kw):
+    global _TASK_KW
+    _TASK_KW = task_kw
+    torch.set_num_threads(1)
+
+
+def _make_doc(args):
+    """(split, seed, index, short_max) -> (ids int16 array, number of prompt tokens)."""
+    split, seed, index, short_max = args
+    kw = dict(_TASK_KW)
+    if short_max:
+        kw["max_len"] = min(kw["max_len"], short_max)
+        kw["min_len"] = min(kw["min_len"], kw["max_len"])
+    p = gen.make_problem(gen.problem_seed(split, seed, index), **kw)
+    ids = gen.encode(p["prompt"]) + gen.encode(p["output"], bos=False) + [gen.EOS_ID]
+    return np.asarray(ids, dtype=np.int16), p["prompt_tokens"]
+
+
+class Packer:
+    """Deterministic stream of packed batches: problems in index order, placed first-fit into
+    `rows` rows of `seq_len`; a problem that fits in no row starts the next batch. Padding is a
+    pseudo-document of <pad> with labels ignored."""
+
+    def __init__(self, pool, seed, seq_len, rows, start_index=0, short_first=0, short_max=1500):
+        self.pool, self.seed, self.seq_len, self.rows = pool, seed, seq_len, rows
+        self.index = start_index
+        self.short_first, self.short_max = short_first, short_max
+        self.pending = None
+        self.skipped = 0
+        self.it = None
+        self._restart()
+
+    def _restart(self):
+        def jobs(i):
+            while True:
+                yield ("train", self.seed, i, self.short_max if i < self.short_first else 0)
+                i += 1
+        self.it = self.pool.imap(_make_doc, jobs(self.index), chunksize=8) if self.pool else \
+            map(_make_doc, jobs(self.index))
+        self.consumed = self.index
+
+    def _next_doc(self):
+        doc = next(self.it)
+        self.consumed += 1
+        return doc
+
+    def next_batch(self):
+        """-> input_ids, position_ids, labels (int64 [rows, seq_len]), number of problems."""
+        rows = [[] for _ in range(self.rows)]
+        fill = [0] * self.rows
+        n = 0
+        while True:
+            doc = self.pending if self.pending is not None else self._next_doc()
+            self.pending = None
+            ids, n_prompt = doc
+            if len(ids) > self.seq_len:
+                self.skipped += 1
+                continue
+            r = next((r for r in range(self.rows) if fill[r] + len(ids) <= self.seq_len), None)
+            if r is None:
+                self.pending = doc
+                break
+            rows[r].append(doc)
+            fill[r] += len(ids)
+            n += 1
+        inp = np.zeros((self.rows, self.seq_len), np.int64)
+        pos = np.zeros((self.rows, self.seq_len), np.int64)
+        lab = np.full((self.rows, self.seq_len), IGNORE, np.int64)
+        for r, docs in enumerate(rows):
+            o = 0
+            for ids, n_prompt in docs:
+                L = len(ids)
+                inp[r, o:o + L] = ids
+                pos[r, o:o + L] = np.arange(L)
+                lab[r, o + n_prompt:o + L] = ids[n_prompt:]
+                o += L
+            pos[r, o:] = np.arange(self.seq_len - o)  # padding: its own pseudo-document
+        # the data position to resume from: the first problem not yet in a batch
+        self.index = self.consumed - (1 if self.pending is not None else 0)
+        return torch.from_numpy(inp), torch.from_numpy(pos), torch.from_numpy(lab), n
+
+
+def heldout(n, seed, task_kw, min_len):
+    kw = dict(task_kw)
+    kw["min_len"] = max(kw["min_len"], min_len)
+    kw["max_len"] = max(kw["max_len"], kw["min_len"])
+    return list(gen.problems(n, "test", seed, **kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+def build_config(args):
+    import transformers
+    return transformers.LlamaConfig(
+        vocab_size=gen.VOCAB_SIZE, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        max_position_embeddings=args.max_pos, rms_norm_eps=1e-5,
+        tie_word_embeddings=args.tie, bos_token_id=gen.BOS_ID, eos_token_id=gen.EOS_ID,
+        pad_token_id=gen.PAD_ID, attention_bias=False, mlp_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        use_cache=False)
+
+
+def lr_at(step, total, args):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = min(1.0, (step - args.warmup) / max(1, total - args.warmup))
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@torch.no_grad()
+def evaluate(model, probs, device, amp, batch=8):
+    """Teacher-forced: per-token accuracy on outputs, and the share of problems whose every
+    output token is the argmax (= greedy reproduces the trace)."""
+    model.eval()
+    exact = ans_ok = tok_ok = tok_n = 0
+    firsts = []
+    for b in range(0, len(probs), batch):
+        chunk = probs[b:b + batch]
+        seqs = [gen.encode(p["prompt"]) + gen.encode(p["output"], bos=False) + [gen.EOS_ID]
+                for p in chunk]
+        L = max(map(len, seqs))
+        inp = torch.zeros((len(seqs), L), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            inp[i, :len(s)] = torch.tensor(s)
+        inp = inp.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(input_ids=inp).logits
+        pred = logits.argmax(-1).cpu()
+        for i, (p, s) in enumerate(zip(chunk, seqs)):
+            n_p = p["prompt_tokens"]
+            want = torch.tensor(s[n_p:])
+            got = pred[i, n_p - 1:len(s) - 1]
+            ok = got == want
+            tok_ok += int(ok.sum())
+            tok_n += len(want)
+            bad = (~ok).nonzero()
+            exact += int(len(bad) == 0)
+            firsts.append(int(bad[0]) if len(bad) else len(want))
+            a = p["output"].rindex("ans ")  # answer tokens: output index a .. end
+            ans_ok += int(ok[a:].all())
+    model.train()
+    n = len(probs)
+    return {"tf_exact": exact / n, "tf_answer_tokens_ok": ans_ok / n,
+            "tf_token_acc": tok_ok / max(1, tok_n),
+            "median_first_error": sorted(firsts)[n // 2] if n else 0}
+
+
+@torch.no_grad()
+def check_packing(model, task_kw, device):
+    """The packed row's logits must equal each problem's own (fp32, no autocast): proof that
+    problems in a row do not see each other and restart their positions."""
+    model.eval()
+    kw = dict(task_kw, min_len=200, max_len=400)
+    _init_worker(kw)
+    inp, pos, _, n = Packer(None, 12345, 1500, 1).next_batch()
+    inp, pos = inp.to(device), pos.to(device)
+    packed = model(input_ids=inp, position_ids=pos, use_cache=False).logits[0].float()
+    starts = [0] + [i + 1 for i in range(inp.shape[1] - 1) if pos[0, i + 1] != pos[0, i] + 1]
+    worst = 0.0
+    for a, b in zip(starts, starts[1:] + [inp.shape[1]]):
+        own = model(input_ids=inp[:, a:b], use_cache=False).logits[0].float()
+        worst = max(worst, float((own - packed[a:b]).abs().max()))
+    model.train()
+    if worst > 1e-3:
+        raise SystemExit(f"packing check failed: packed logits differ from per-problem logits by "
+                         f"{worst:.3g} (attention implementation ignores packed position ids?)")
+    print(f"packing check ok: {n} problems + padding in one row, max |packed - separate| "
+          f"{worst:.2e}", flush=True)
+
+
+def export(model, args, out, log):
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.export_dtype]
+    m = copy.deepcopy(model._orig_mod if hasattr(model, "_orig_mod") else model)
+    m.config.use_cache = True
+    m.to("cpu", dtype).save_pretrained(tmp, safe_serialization=True)
+    del m
+    gc = os.path.join(tmp, "generation_config.json")
+    if os.path.exists(gc):
+        os.remove(gc)
+    gen.write_tokenizer(os.path.join(tmp, "tokenizer.json"))
+    with open(os.path.join(tmp, "task.json"), "w") as f:
+        json.dump({"task": "trace", "generator": "tools/task/gen.py", "task_args": log["task"],
+                   "train": {k: v for k, v in log.items() if k != "task"}}, f, indent=1)
+        f.write("\n")
+    # swap in place (keep ckpt/ if it lives under out)
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(out, name))
+    shutil.rmtree(tmp)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="export directory")
+    ap.add_argument("--ckpt", help="checkpoint directory (default OUT/ckpt)")
+    ap.add_argument("--resume", action="store_true", help="continue from CKPT/last.pt")
+    ap.add_argument("--minutes", type=float, default=0, help="wall-clock budget for training")
+    ap.add_argument("--max-steps", type=int, default=0, help="optimizer steps (fixes the schedule)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU smoke-test sizes: 2 layers, hidden 64, rows of 2 x 2048, short tasks")
+    m = ap.add_argument_group("model")
+    m.add_argument("--hidden", type=int, default=256)
+    m.add_argument("--layers", type=int, default=6)
+    m.add_argument("--heads", type=int, default=8)
+    m.add_argument("--kv-heads", type=int, default=2)
+    m.add_argument("--intermediate", type=int, default=768)
+    m.add_argument("--rope-theta", type=float, default=10000.0)
+    m.add_argument("--max-pos", type=int, default=10240)
+    m.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    d = ap.add_argument_group("data")
+    gen.add_task_args(ap)
+    d.add_argument("--seq-len", type=int, default=8704, help="packed row length")
+    d.add_argument("--rows", type=int, default=16, help="rows per optimizer step")
+    d.add_argument("--workers", type=int, default=max(1, min(4, (os.cpu_count() or 2) - 1)),
+                   help="data-generating processes (one makes ~8M tokens/s)")
+    d.add_argument("--short-first", type=int, default=20000,
+                   help="the first N problems have outputs of at most --short-max tokens")
+    d.add_argument("--short-max", type=int, default=1500)
+    o = ap.add_argument_group("optimizer")
+    o.add_argument("--lr", type=float, default=2e-3)
+    o.add_argument("--min-lr-frac", type=float, default=0.05)
+    o.add_argument("--warmup", type=int, default=50)
+    o.add_argument("--wd", type=float, default=0.05)
+    o.add_argument("--clip", type=float, default=1.0)
+    e = ap.add_argument_group("logging and export")
+    e.add_argument("--log-every", type=int, default=10)
+    e.add_argument("--eval-every", type=int, default=200, help="steps between held-out evals")
+    e.add_argument("--eval-n", type=int, default=32, help="held-out problems per eval")
+    e.add_argument("--eval-min-len", type=int, default=2000)
+    e.add_argument("--final-eval-n", type=int, default=128)
+    e.add_argument("--ckpt-minutes", type=float, default=3.0)
+    e.add_argument("--export-dtype", default="bf16", choices=["bf16", "fp32"])
+    args = ap.parse_args()
+    if args.tiny:
+        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 2, 4, 2, 128
+        args.seq_len, args.rows, args.min_len, args.max_len = 2048, 2, 300, 1500
+        args.max_pos, args.short_first, args.eval_n, args.final_eval_n = 2048, 0, 4, 4
+        args.eval_min_len, args.workers, args.warmup = 600, 1, 2
+    if not args.minutes and not args.max_steps:
+        ap.error("give --minutes or --max-steps")
+    task_kw = gen.gen_kwargs(args)
+    ckpt_dir = args.ckpt or os.path.join(args.out, "ckpt")
+    os.makedirs(ckpt_dir, exist_ok=True)
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    amp = device.type == "cuda"
+    if amp:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    import transformers
+    cfg = build_config(args)
+    cfg._attn_implementation = args.attn
+    model = transformers.LlamaForCausalLM(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+    step, data_index, total = 0, 0, args.max_steps
+    history = []
+    if args.resume and os.path.exists(os.path.join(ckpt_dir, "last.pt")):
+        ck = torch.load(os.path.join(ckpt_dir, "last.pt"), map_location=device, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, data_index, history = ck["step"], ck["data_index"], ck["history"]
+        total = args.max_steps or ck["total"]
+        print(f"resumed at step {step}, problem {data_index}")
+    fwd = torch.compile(model) if args.compile else model
+
+    print(f"model: {n_params / 1e6:.2f} M parameters, {args.layers} layers, hidden {args.hidden}, "
+          f"{args.heads}/{args.kv_heads} heads, vocab {gen.VOCAB_SIZE}; device {device}, "
+          f"attention {args.attn}, rows {args.rows} x {args.seq_len}", flush=True)
+    if not args.resume:
+        check_packing(model, task_kw, device)
+    held = heldout(args.eval_n, args.seed, task_kw, args.eval_min_len)
+    pool = mp.get_context("fork").Pool(args.workers, _init_worker, (task_kw,)) \
+        if args.workers > 1 else None
+    if pool is None:
+        _init_worker(task_kw)
+    packer = Packer(pool, args.seed, args.seq_len, args.rows, data_index, args.short_first,
+                    args.short_max)
+    log = {"task": {**task_kw, "periods": list(task_kw["periods"])}, "args": vars(args),
+           "params": n_params, "device": str(device)}
+
+    t_start = time.time()
+    t_ckpt = t_start
+    t_data = 0.0
+    tokens = labeled = 0
+    budget_s = args.minutes * 60 if args.minutes else float("inf")
+    model.train()
+    while True:
+        if total and step >= total:
+            break
+        if time.time() - t_start > budget_s:
+            print(f"time budget reached at step {step}")
+            break
+        t0 = time.time()
+        inp, pos, lab, n_docs = packer.next_batch()
+        t_data += time.time() - t0
+        inp, pos, lab = (x.to(device, non_blocking=True) for x in (inp, pos, lab))
+        lr = lr_at(step, total or 10 ** 9, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                logits = fwd(input_ids=inp, position_ids=pos, use_cache=False).logits
+            # labels[t] is predicted at t-1
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                   lab[:, 1:].reshape(-1), ignore_index=IGNORE)
+            loss.backward()
+        except torch.cuda.OutOfMemoryError:
+            if step > 0 or args.rows == 1:
+                raise
+            # first step only: halve the rows and start the data over (logged)
+            logits = loss = None
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            args.rows //= 2
+            print(f"out of memory at the first step: --rows {args.rows}", flush=True)
+            packer = Packer(pool, args.seed, args.seq_len, args.rows, data_index,
+                            args.short_first, args.short_max)
+            continue
+        if step == 0 and amp:
+            print(f"first step: peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} "
+                  f"GiB", flush=True)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        step += 1
+        tokens += inp.numel()
+        labeled += int((lab != IGNORE).sum())
+        if not total and step == 20 and args.minutes:
+            # fix the schedule: steps that fit the budget at the speed of steps 1..20
+            per_step = (time.time() - t_start) / step
+            total = max(step + 1, int(budget_s / per_step * 0.97))
+            print(f"schedule fixed: {total} steps ({per_step:.3f} s/step); rerun with "
+                  f"--max-steps {total} to repeat", flush=True)
+        if step % args.log_every == 0 or step == 1:
+            el = time.time() - t_start
+            with torch.no_grad():
+                m = lab[:, 1:] != IGNORE
+                acc = float((logits[:, :-1].argmax(-1) == lab[:, 1:])[m].float().mean())
+            rec = {"step": step, "loss": round(float(loss.detach()), 5), "tok_acc": round(acc, 5),
+                   "lr": lr, "gnorm": round(float(gnorm), 3), "elapsed_s": round(el, 1),
+                   "tokens": tokens, "problems": packer.index, "docs_in_batch": n_docs}
+            history.append(rec)
+            print(f"step {step:6d}/{total or '?'} loss {float(loss.detach()):.4f} acc {acc:.4f} "
+                  f"lr {lr:.2e} gnorm {float(gnorm):.2f} | {tokens / el / 1e3:.0f}k tok/s "
+                  f"({labeled / max(1, tokens):.0%} labeled), data {t_data / el:.0%} of time, "
+                  f"{el:.0f}s", flush=True)
+        if args.eval_every and step % args.eval_every == 0:
+            r = evaluate(model, held, device, amp)
+            history.append({"step": step, "eval": r})
+            print(f"eval @ {step}: {json.dumps(r)}", flush=True)
+        if time.time() - t_ckpt > args.ckpt_minutes * 60:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "data_index": packer.index, "total": total, "history": history,
+                        "args": vars(args)}, os.path.join(ckpt_dir, "last.pt.tmp"))
+            os.replace(os.path.join(ckpt_dir, "last.pt.tmp"), os.path.join(ckpt_dir, "last.pt"))
+            # a usable export too, in case the run is killed before the end
+            export(model, args, args.out, {**{k: v for k, v in log.items()}, "steps": step,
+                                           "partial": True})
+            t_ckpt = time.time()
+    train_s = time.time() - t_start
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                "data_index": packer.index, "total": total, "history": history,
+                "args": vars(args)}, os.path.join(ckpt_dir, "last.pt"))
+    if pool:
+        pool.terminate()
+    final = evaluate(model, heldout(args.final_eval_n, args.seed + 1000, task_kw,
+                                    args.eval_min_len), device, amp)
+    print(f"final held-out eval ({args.final_eval_n} problems, outputs >= {args.eval_min_len} "
+          f"tokens, teacher-forced): {json.dumps(final)}", flush=True)
+    log.update({"steps": step, "schedule_steps": total, "train_seconds": round(train_s, 1),
+                "tokens": tokens, "skipped_too_long": packer.skipped, "final_eval": final,
+                "history": history})
+    with open(os.path.join(ckpt_dir, "train_log.json"), "w") as f:
+        json.dump(log, f, indent=1)
+    export(model, args, args.out, {k: v for k, v in log.items() if k != "history"})
+    print(f"exported {args.out}: " + ", ".join(
+        f"{n} ({os.path.getsize(os.path.join(args.out, n))} B)" for n in sorted(os.listdir(args.out))
+        if os.path.isfile(os.path.join(args.out, n))))
+
+
+if __name__ == "__main__":
+    main()
