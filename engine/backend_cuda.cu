@@ -173,7 +173,7 @@ static lf_status upload_matrix(cuda_backend *c, const char *name, int64_t rows, 
     return lf_cuda_random_bf16(dst, (size_t)(rows * cols), ck->random_seed, id,
                                sqrtf(3.0f / (float)cols), 0, c->stream);
   }
-  const lf_tensor_src *t;
+  const lf_tensor_src *t = NULL;
   LF_TRY(find_tensor(ck, name, rows, cols, &t));
   int64_t chunk = ((int64_t)1 << 22) / cols;
   if (chunk < 1) chunk = 1;
@@ -212,7 +212,7 @@ static lf_status upload_vector(cuda_backend *c, const char *name, int64_t n, flo
     for (int64_t i = 0; s == LF_OK && i < n; i++)
       f[i] = lf_rw_value(ck->random_seed, id, kind, 1.0f, (uint64_t)i);
   } else {
-    const lf_tensor_src *t;
+    const lf_tensor_src *t = NULL;
     s = find_tensor(ck, name, n, 0, &t);
     if (s == LF_OK) s = lf_tensor_read_f32(t, 0, 1, 0, n, f);
   }

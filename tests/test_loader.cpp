@@ -3,6 +3,8 @@
 // fresh random values (seed printed; replay with LF_TEST_SEED).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -144,12 +146,13 @@ std::string shape_json(const std::vector<int64_t> &shape) {
 
 // [u64 N][header][data]; the header is padded with spaces to pad_to bytes (1: no padding).
 std::vector<uint8_t> st_raw(const std::string &header, const std::vector<uint8_t> &data) {
-  std::vector<uint8_t> out(8);
+  // Sized once and filled with std::copy: GCC 12's -Warray-bounds misfires on vector::insert.
+  std::vector<uint8_t> out(8 + header.size() + data.size());
   uint64_t n = header.size();
   for (int i = 0; i < 8; i++)
     out[i] = uint8_t(n >> (8 * i));
-  out.insert(out.end(), header.begin(), header.end());
-  out.insert(out.end(), data.begin(), data.end());
+  std::copy(header.begin(), header.end(), out.begin() + 8);
+  std::copy(data.begin(), data.end(), out.begin() + 8 + header.size());
   return out;
 }
 
