@@ -24,21 +24,6 @@ static int policy_evicts(lf_policy p) {
   return p != LF_POLICY_FULL;
 }
 
-/* Local names so this file does not depend on where lf_policy_str lives. */
-static const char *policy_name(lf_policy p) {
-  switch (p) {
-  case LF_POLICY_LONGFLOW:
-    return "longflow";
-  case LF_POLICY_FULL:
-    return "full";
-  case LF_POLICY_STREAMING:
-    return "streaming";
-  case LF_POLICY_H2O:
-    return "h2o";
-  }
-  return "?";
-}
-
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
   if (!p) return lf_error(LF_ERR_INVALID_ARG, "attention params are NULL");
   if ((int)p->policy < (int)LF_POLICY_LONGFLOW || (int)p->policy > (int)LF_POLICY_H2O)
@@ -56,7 +41,7 @@ lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
    * or a full pool would have no slot for the next token. */
   if (policy_evicts(p->policy) && (long long)budget < (long long)p->sink + 2)
     return lf_error(LF_ERR_INVALID_ARG, "policy %s needs budget >= sink + 2 (budget %d, sink %d)",
-                    policy_name(p->policy), budget, p->sink);
+                    lf_policy_str(p->policy), budget, p->sink);
   /* Likewise h2o also protects its recent window. */
   if (p->policy == LF_POLICY_H2O && (long long)budget < (long long)p->sink + p->h2o_recent + 2)
     return lf_error(LF_ERR_INVALID_ARG,

@@ -13,13 +13,7 @@ static __global__ void kv_write_kernel(lf_kv_write_args a) {
   const size_t hidx =
       ((size_t)a.pool_ids[seq] * a.n_layers + a.layer) * a.n_kv_heads + kvh; /* (pool,l,g) */
   const int n = a.n[hidx];
-  int w;
-  if (n < B)
-    w = n;
-  else if (a.policy == LF_POLICY_FULL)
-    w = -1;
-  else
-    w = a.next[hidx] >= a.sink && a.next[hidx] < B ? a.next[hidx] : -1;
+  const int w = lf_kv_slot_for_write(n, a.next[hidx], B, a.sink, a.policy);
   __syncwarp();
   if (w >= 0) {
     const size_t stride = a.new_stride ? a.new_stride : (size_t)a.n_kv_heads * D;

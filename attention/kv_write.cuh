@@ -43,6 +43,17 @@ typedef struct lf_kv_write_args {
 
 lf_status lf_cuda_kv_write(const lf_kv_write_args *a, struct CUstream_st *stream);
 
+#ifdef __CUDACC__
+/* The slot a new token goes to (DESIGN §3 step 1): a free slot while n < B, else `next`;
+ * -1 when nothing may be written (full policy with a full pool, or no valid eviction target). */
+static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int budget, int sink,
+                                                         int policy) {
+  if (n < budget) return n;
+  if (policy == LF_POLICY_FULL) return -1;
+  return next >= sink && next < budget ? next : -1;
+}
+#endif
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,6 @@
 /* Bias, q/k norm, RoPE and the decode-step pool write (see cuda_rope.cuh). */
 #include "cuda_rope.cuh"
+#include "attention/kv_write.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -62,13 +63,7 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
   const int B = a.budget;
   const size_t hidx = ((size_t)a.pool_ids[t] * a.n_layers + a.layer) * a.n_kv_heads + g;
   const int n = a.pn[hidx];
-  int w;
-  if (n < B)
-    w = n;
-  else if (a.policy == LF_POLICY_FULL)
-    w = -1;
-  else
-    w = a.pnext[hidx] >= a.sink && a.pnext[hidx] < B ? a.pnext[hidx] : -1;
+  const int w = lf_kv_slot_for_write(n, a.pnext[hidx], B, a.sink, a.policy);
   if (w >= 0) {
     __nv_bfloat16 *kd_ = (__nv_bfloat16 *)a.pk + (hidx * B + w) * D;
     __nv_bfloat16 *vd_ = (__nv_bfloat16 *)a.pv + (hidx * B + w) * D;
