@@ -350,6 +350,8 @@ lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok,
    * empty pool. W_eff shrinks the observation window when the budget cannot hold it whole. */
   const int compress = evicts && n0 == 0 && n_tok > B - 1;
   int w_eff = p->window < B - 1 - p->sink ? p->window : B - 1 - p->sink;
+  /* streaming keeps the sinks and the most recent tokens: a window that fills the pool */
+  if (p->policy == LF_POLICY_STREAMING) w_eff = B - 1 - p->sink;
   if (w_eff < 0) w_eff = 0;
   const int snap_from = n_tok - w_eff; /* L: prompt positions scored by SnapKV */
   const int want_colsum = p->policy == LF_POLICY_H2O;

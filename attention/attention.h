@@ -56,7 +56,8 @@ lf_status lf_attn_decode_ref(const lf_attn_params *p, lf_kv_head *h, const float
  * tokens, the last W, and the B-1-sink-W others with the highest score (softmax of the last W
  * queries over their causal keys, summed over the group's heads and the W queries, then a
  * width-5 zero-padded average pool), ties to the lower position; kept tokens fill slots
- * 0..B-2 in position order. Afterwards n <= B-1.
+ * 0..B-2 in position order. Afterwards n <= B-1. The streaming policy instead keeps the
+ * first sink tokens and the last B-1-sink (its own rule, applied to the prompt too).
  * Pool not empty and the chunk fits (n + n_tok <= B-1): appended in order.
  * Pool not empty and it does not fit: the full policy returns LF_ERR_CONTEXT_FULL; the others
  * process the chunk token by token as decode steps (step semantics above).

@@ -238,6 +238,12 @@ void check_prompt(lf_policy pol, int P, int B, int sink, int window, int G, int 
     if (fits) {
       for (int t = 0; t < P; t++)
         want.push_back(t);
+    } else if (pol == LF_POLICY_STREAMING) {
+      /* StreamingLLM keeps the sinks and the most recent tokens, prompt included */
+      for (int t = 0; t < sink; t++)
+        want.push_back(t);
+      for (int t = P - (B - 1 - sink); t < P; t++)
+        want.push_back(t);
     } else {
       want = snapkv_kept(x, g, B, sink, window, &near_tie, &pooled);
     }
@@ -340,7 +346,7 @@ TEST(Prefill, WindowShrinksWithSmallBudgets) {
   }
 }
 
-/* Compression is the same for every evicting policy; h2o also seeds acc. */
+/* h2o compresses like longflow (SnapKV) and also seeds acc; streaming keeps sinks + recent. */
 TEST(Prefill, OtherEvictingPoliciesCompressToo) {
   std::mt19937_64 gen(seed_for("Prefill.OtherEvictingPoliciesCompressToo"));
   check_prompt(LF_POLICY_STREAMING, 90, 32, 4, 16, 2, 8, 2, gen);
