@@ -37,8 +37,17 @@ typedef struct lf_batch_result {
 typedef struct lf_backend_params {
   lf_policy policy;
   int budget, sink, window;
-  int n_pools;
+  int n_pools;     /* cuda: 0 sizes the pools from the free device memory (see mem_util);
+                     pools_free() after create says how many. The cpu backend needs >= 1. */
   int n_threads;
+  double mem_util; /* n_pools == 0: fraction of the memory left after weights and workspaces
+                      the pools take; 0: 0.9 */
+  int no_graphs;   /* cuda: 1 runs the decode step without CUDA graphs (tests, benchmarks) */
+  /* Tensor parallelism: NULL or a single rank runs the whole model. With T > 1 ranks the
+   * backend holds this rank's shard (parallel/shard.h) and its forward calls collectives, so
+   * every rank must call forward with the same items (parallel/tp.h keeps them in step);
+   * results (tokens, statuses, logits) are the same on every rank. cpu only for now. */
+  lf_comm_t comm;
 } lf_backend_params;
 
 typedef struct lf_backend lf_backend;

@@ -10,13 +10,20 @@
 #include "error.h"
 #include "memory/pool.h"
 #include "model.h"
+#include "parallel/comm.h"
+#include "parallel/shard.h"
+#include "parallel/tp.h"
 #include "scheduler/scheduler.h"
 
+/* Tensor parallel: every rank holds a backend over its shard; rank 0 alone has the scheduler,
+ * over a wrapper that broadcasts each step (parallel/tp.h); the others sit in lf_engine_follow. */
 struct lf_engine {
   lf_engine_config cfg;
   lf_checkpoint ck;
-  lf_backend *be;
-  lf_sched *sched;
+  int ck_open;
+  lf_backend *be;  /* rank 0 of T > 1: the lead wrapper around this rank's backend */
+  lf_sched *sched; /* NULL on followers */
+  lf_comm_t comm;  /* NULL on a single rank */
 };
 
 const char *lf_policy_str(lf_policy p) {
@@ -75,22 +82,21 @@ void lf_engine_config_default(lf_engine_config *cfg) {
 void lf_engine_free(lf_engine_t e) {
   if (!e) return;
   lf_sched_free(e->sched); /* gives running requests' pools back to the backend */
-  if (e->be) e->be->free(e->be);
-  lf_checkpoint_close(&e->ck);
+  if (e->be) e->be->free(e->be); /* rank 0 of T > 1: also releases the followers */
+  if (e->ck_open) lf_checkpoint_close(&e->ck);
   free(e);
 }
 
 /* n_pools (DESIGN §5): explicit when given; else floor(kv_memory_bytes * mem_util / pool bytes)
  * with the CPU arena's pool size; else 1. */
 static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc) {
-  if (cfg->n_pools > 0) return LF_OK;
-  if (cfg->kv_memory_bytes == 0) {
-    cfg->n_pools = 1;
-    return LF_OK;
-  }
   const double util = cfg->mem_util > 0 ? cfg->mem_util : 0.9;
   if (!(util <= 1.0))
     return lf_error(LF_ERR_INVALID_ARG, "mem_util %g must be in (0, 1]", cfg->mem_util);
+  if (cfg->n_pools > 0) return LF_OK;
+  /* Neither given: the backend sizes the pools from what it has (the cuda backend from free
+   * device memory; the cpu backend takes one pool), and the engine reads the count back. */
+  if (cfg->kv_memory_bytes == 0) return LF_OK;
   lf_pool_shape ps = {1, mc->n_layers, mc->n_kv_heads, cfg->budget, mc->head_dim};
   const uint64_t pool_bytes = lf_pool_bytes(&ps);
   cfg->n_pools = lf_sched_pools_for_memory(cfg->kv_memory_bytes, util, pool_bytes);
@@ -102,35 +108,90 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc)
   return LF_OK;
 }
 
-lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engine_t *out) {
-  if (!cfg_in || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_init: NULL argument");
-  *out = NULL;
-  if (comm) return lf_error(LF_ERR_UNAVAILABLE, "tensor parallelism is not built in yet");
-  if (!cfg_in->model_path) return lf_error(LF_ERR_INVALID_ARG, "no model path given");
-  if (cfg_in->budget < 0 || cfg_in->sink < 0 || cfg_in->window < 0 || cfg_in->n_pools < 0 ||
-      cfg_in->max_queue < 0 || cfg_in->max_batch_tokens < 0 || !(cfg_in->mem_util >= 0))
-    return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
-                                        "max_batch_tokens or mem_util");
-
-  lf_engine_t e = calloc(1, sizeof *e);
-  if (!e) return lf_error(LF_ERR_OUT_OF_MEMORY, "engine");
-  e->cfg = *cfg_in;
-  lf_status s = lf_checkpoint_open(cfg_in->model_path, &e->ck);
-  if (s != LF_OK) {
-    free(e);
-    return s;
-  }
+/* Everything a rank does on its own at start-up: checkpoint, plan check, backend. */
+static lf_status engine_init_local(lf_engine_t e) {
+  lf_status s = lf_checkpoint_open(e->cfg.model_path, &e->ck);
+  if (s != LF_OK) return s;
+  e->ck_open = 1;
   const lf_model_config *mc = &e->ck.cfg;
   if (e->cfg.budget == 0) e->cfg.budget = mc->max_seq_len;
-  if ((s = resolve_pools(&e->cfg, mc)) != LF_OK) goto fail;
-
+  if (e->comm) {
+    lf_shard sh;
+    LF_TRY(lf_shard_plan(e->comm->rank, e->comm->size, mc->n_heads, mc->n_kv_heads,
+                         mc->hidden_dim, mc->vocab_size, &sh));
+    if (e->cfg.backend == LF_BACKEND_AUTO) e->cfg.backend = LF_BACKEND_CPU;
+    if (e->cfg.backend != LF_BACKEND_CPU)
+      return lf_error(LF_ERR_UNAVAILABLE,
+                      "tensor parallelism (%d ranks) runs on the cpu backend only for now",
+                      e->comm->size);
+  }
+  LF_TRY(resolve_pools(&e->cfg, mc));
   lf_backend_params bp = {.policy = e->cfg.policy,
                           .budget = e->cfg.budget,
                           .sink = e->cfg.sink,
                           .window = e->cfg.window,
                           .n_pools = e->cfg.n_pools,
-                          .n_threads = e->cfg.n_threads};
-  if ((s = lf_backend_create(e->cfg.backend, &e->ck, &bp, &e->be)) != LF_OK) goto fail;
+                          .mem_util = e->cfg.mem_util,
+                          .n_threads = e->cfg.n_threads,
+                          .comm = e->comm};
+  return lf_backend_create(e->cfg.backend, &e->ck, &bp, &e->be);
+}
+
+/* Start-up agreement: one all-gather of (status, pools) so that a rank that failed on its own
+ * (a missing file, memory) makes every rank fail instead of leaving them in a collective. */
+static lf_status engine_agree(lf_engine_t e, lf_status local) {
+  const int T = e->comm->size;
+  int32_t mine[2] = {(int32_t)local, local == LF_OK ? (int32_t)e->be->pools_free(e->be) : -1};
+  int32_t *all = malloc(sizeof(int32_t) * 2 * (size_t)T);
+  if (!all) return lf_error(LF_ERR_OUT_OF_MEMORY, "start-up agreement");
+  lf_status s = e->comm->allgather(e->comm, mine, all, 2, LF_COMM_I32, NULL);
+  for (int r = 0; s == LF_OK && r < T; r++) {
+    if (all[2 * r] != LF_OK) {
+      s = local != LF_OK ? local /* keep this rank's own message */
+                         : lf_error((lf_status)all[2 * r], "rank %d of %d failed to start: %s",
+                                    r, T, lf_status_str((lf_status)all[2 * r]));
+    } else if (all[2 * r + 1] != all[1]) {
+      s = lf_error(LF_ERR_INTERNAL, "rank %d holds %d pools, rank 0 %d", r, all[2 * r + 1],
+                   all[1]);
+    }
+  }
+  free(all);
+  return s;
+}
+
+lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engine_t *out) {
+  if (!cfg_in || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_init: NULL argument");
+  *out = NULL;
+  if (!cfg_in->model_path) return lf_error(LF_ERR_INVALID_ARG, "no model path given");
+  if (cfg_in->budget < 0 || cfg_in->sink < 0 || cfg_in->window < 0 || cfg_in->n_pools < 0 ||
+      cfg_in->max_queue < 0 || cfg_in->max_batch_tokens < 0 || !(cfg_in->mem_util >= 0))
+    return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
+                                        "max_batch_tokens or mem_util");
+  if (comm && (comm->size < 1 || comm->rank < 0 || comm->rank >= comm->size))
+    return lf_error(LF_ERR_INVALID_ARG, "communicator rank %d of %d", comm->rank, comm->size);
+
+  lf_engine_t e = calloc(1, sizeof *e);
+  if (!e) return lf_error(LF_ERR_OUT_OF_MEMORY, "engine");
+  e->cfg = *cfg_in;
+  e->comm = comm && comm->size > 1 ? comm : NULL;
+  lf_status s = engine_init_local(e);
+  if (e->comm) {
+    /* Every rank gets here, failed or not: the agreement is the only collective of init. */
+    lf_status a = engine_agree(e, s);
+    if (s == LF_OK) s = a;
+  }
+  if (s != LF_OK) goto fail;
+  const lf_model_config *mc = &e->ck.cfg;
+  if (e->comm && e->comm->rank != 0) {
+    e->cfg.n_pools = e->be->pools_free(e->be);
+    *out = e; /* a follower: no scheduler */
+    return LF_OK;
+  }
+  if (e->comm) {
+    lf_backend *lead;
+    if ((s = lf_backend_tp_lead(e->be, e->comm, &lead)) != LF_OK) goto fail;
+    e->be = lead;
+  }
   lf_sched_config sc = {.max_batch_tokens = e->cfg.max_batch_tokens,
                         .max_queue = e->cfg.max_queue,
                         .policy = e->cfg.policy,
@@ -145,8 +206,24 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   *out = e;
   return LF_OK;
 fail:
+  /* Past the agreement the followers wait in lf_engine_follow: rank 0's lead wrapper, freed
+   * here, releases them with a stop. */
   lf_engine_free(e);
   return s;
+}
+
+lf_status lf_engine_follow(lf_engine_t e) {
+  if (!e) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_follow: NULL engine");
+  if (!e->comm || e->comm->rank == 0)
+    return lf_error(LF_ERR_STATE, "lf_engine_follow: rank 0 (or a single rank) leads; "
+                                  "it drives the engine with lf_engine_step");
+  return lf_backend_tp_follow(e->be, e->comm, e->ck.cfg.vocab_size);
+}
+
+/* The request calls on a follower rank. */
+static lf_status follower_call(lf_engine_t e, const char *what) {
+  return lf_error(LF_ERR_STATE, "%s on rank %d: only rank 0 takes requests; followers call "
+                                "lf_engine_follow", what, e->comm->rank);
 }
 
 lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *o) {
@@ -171,29 +248,34 @@ lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *o) {
 
 lf_status lf_engine_submit(lf_engine_t e, const lf_request *rq, uint64_t *id) {
   if (!e) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_submit: NULL engine");
+  if (!e->sched) return follower_call(e, "lf_engine_submit");
   return lf_sched_submit(e->sched, rq, id);
 }
 
 lf_status lf_engine_step(lf_engine_t e, lf_event *events, int cap, int *n) {
   if (!e) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_step: NULL engine");
+  if (!e->sched) return follower_call(e, "lf_engine_step");
   return lf_sched_step(e->sched, events, cap, n);
 }
 
 int lf_engine_busy(lf_engine_t e) {
-  return e ? lf_sched_busy(e->sched) : 0;
+  return e && e->sched ? lf_sched_busy(e->sched) : 0;
 }
 
 lf_status lf_engine_cancel(lf_engine_t e, uint64_t id) {
   if (!e) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_cancel: NULL engine");
+  if (!e->sched) return follower_call(e, "lf_engine_cancel");
   return lf_sched_cancel(e->sched, id);
 }
 
 lf_status lf_engine_request_stats(lf_engine_t e, uint64_t id, lf_request_stats *out) {
   if (!e) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_request_stats: NULL engine");
+  if (!e->sched) return follower_call(e, "lf_engine_request_stats");
   return lf_sched_request_stats(e->sched, id, out);
 }
 
 lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m) {
   if (!e) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_metrics: NULL engine");
+  if (!e->sched) return follower_call(e, "lf_engine_metrics");
   return lf_sched_metrics(e->sched, m);
 }

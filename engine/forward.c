@@ -94,15 +94,15 @@ static lf_status grow_scratch(lf_cpu_forward *f, int n_tok) {
   const lf_model_config *c = f->cfg;
   free_scratch(f);
   const size_t t = (size_t)n_tok;
-  const size_t qd = (size_t)c->n_heads * c->head_dim, kd = (size_t)c->n_kv_heads * c->head_dim;
+  const size_t qd = (size_t)f->sh.n_cq * c->head_dim, kd = (size_t)f->sh.n_kv * c->head_dim;
   f->x = malloc(t * c->dim * sizeof(float));
   f->xb = malloc(t * (c->dim > (int)qd ? (size_t)c->dim : qd) * sizeof(float));
   f->q = malloc(t * qd * sizeof(float));
   f->k = malloc(t * kd * sizeof(float));
   f->v = malloc(t * kd * sizeof(float));
   f->att = malloc(t * qd * sizeof(float));
-  f->hb = malloc(t * c->hidden_dim * sizeof(float));
-  f->hb2 = malloc(t * c->hidden_dim * sizeof(float));
+  f->hb = malloc(t * f->sh.n_hid * sizeof(float));
+  f->hb2 = malloc(t * f->sh.n_hid * sizeof(float));
   if (!f->x || !f->xb || !f->q || !f->k || !f->v || !f->att || !f->hb || !f->hb2) {
     free_scratch(f);
     return lf_error(LF_ERR_OUT_OF_MEMORY, "forward scratch for %d tokens", n_tok);
@@ -113,11 +113,33 @@ static lf_status grow_scratch(lf_cpu_forward *f, int n_tok) {
 
 lf_status lf_cpu_forward_init(lf_cpu_forward *f, const lf_model_config *cfg, const lf_weights *w,
                               lf_kv_arena *arena, const lf_attn_params *ap) {
+  return lf_cpu_forward_init_tp(f, cfg, w, arena, ap, NULL, NULL);
+}
+
+lf_status lf_cpu_forward_init_tp(lf_cpu_forward *f, const lf_model_config *cfg,
+                                 const lf_weights *w, lf_kv_arena *arena, const lf_attn_params *ap,
+                                 const lf_shard *sh, lf_comm_t comm) {
   memset(f, 0, sizeof *f);
   f->cfg = cfg;
   f->w = w;
   f->arena = arena;
   f->ap = *ap;
+  f->comm = comm && comm->size > 1 ? comm : NULL;
+  if (sh) {
+    f->sh = *sh;
+  } else {
+    LF_TRY(lf_shard_plan(0, 1, cfg->n_heads, cfg->n_kv_heads, cfg->hidden_dim, cfg->vocab_size,
+                         &f->sh));
+  }
+  if (!f->comm && f->sh.size != 1)
+    return lf_error(LF_ERR_INVALID_ARG, "forward: a plan for %d ranks needs a communicator",
+                    f->sh.size);
+  if (f->comm && (f->sh.size != f->comm->size || f->sh.rank != f->comm->rank))
+    return lf_error(LF_ERR_INVALID_ARG, "forward: plan for rank %d/%d on communicator rank %d/%d",
+                    f->sh.rank, f->sh.size, f->comm->rank, f->comm->size);
+  if (arena->shape.n_kv_heads != f->sh.n_kv || ap->group * f->sh.n_kv != f->sh.n_cq)
+    return lf_error(LF_ERR_INVALID_ARG, "forward: arena has %d KV heads, the plan %d",
+                    arena->shape.n_kv_heads, f->sh.n_kv);
   f->inv_freq = malloc(sizeof(float) * (size_t)(cfg->head_dim / 2));
   if (!f->inv_freq) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
   lf_rope_freqs(cfg, f->inv_freq);
@@ -146,13 +168,22 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
                       c->vocab_size);
   LF_TRY(grow_scratch(f, n_tok));
 
-  const int dim = c->dim, hd = c->head_dim, hq = c->n_heads, hkv = c->n_kv_heads;
-  const int qd = hq * hd, kd = hkv * hd, group = hq / hkv;
+  const lf_shard *sh = &f->sh;
+  const int dim = c->dim, hd = c->head_dim, hq = sh->n_cq, hkv = sh->n_kv, hid = sh->n_hid;
+  const int qd = hq * hd, kd = hkv * hd, group = hq / hkv, qd_own = sh->n_q * hd;
   float *x = f->x;   /* [n_tok][dim] */
   float *xb = f->xb; /* [n_tok][max(dim, qd)] */
+  const size_t nx = (size_t)n_tok * dim;
 
-  for (int t = 0; t < n_tok; t++)
-    memcpy(x + (size_t)t * dim, w->embed + (size_t)tokens[t] * dim, sizeof(float) * dim);
+  /* Vocab-parallel embedding: each row comes from the one rank that owns it. */
+  for (int t = 0; t < n_tok; t++) {
+    const int row = tokens[t] - sh->vocab0;
+    if (row >= 0 && row < sh->n_vocab)
+      memcpy(x + (size_t)t * dim, w->embed + (size_t)row * dim, sizeof(float) * dim);
+    else
+      memset(x + (size_t)t * dim, 0, sizeof(float) * dim);
+  }
+  if (f->comm) LF_TRY(f->comm->allreduce_sum(f->comm, x, nx, LF_COMM_F32, NULL));
 
   for (int l = 0; l < c->n_layers; l++) {
     const lf_layer_weights *L = &w->layers[l];
@@ -170,7 +201,10 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
       lf_rope_apply(qt, hq, hd, pos0 + t, f->inv_freq, c->rope_style);
       lf_rope_apply(kt, hkv, hd, pos0 + t, f->inv_freq, c->rope_style);
     }
-    /* Attention per KV head over this sequence's pool; eviction is local to the head. */
+    /* Attention per KV head over this sequence's pool; eviction is local to the head. An error
+     * here (only LF_ERR_CONTEXT_FULL in practice) depends on the pool's fill alone, which is
+     * the same on every rank, so all ranks leave at the same point and no collective is
+     * left half-entered. */
     for (int g = 0; g < hkv; g++) {
       lf_kv_head kh = lf_kv_arena_head(f->arena, pool, l, g);
       lf_status s;
@@ -187,31 +221,41 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
       }
       if (s != LF_OK) return s;
     }
-    lf_matmul(xb, f->att, L->wo, NULL, n_tok, qd, dim);
-    for (size_t i = 0; i < (size_t)n_tok * dim; i++) x[i] += xb[i];
+    /* O-proj over the heads this rank owns: all computed heads, or (KV head replicated) this
+     * rank's part of the group, packed into q (free now) as [n_tok][qd_own]. */
+    const float *att_own = f->att;
+    if (qd_own != qd) {
+      const size_t off = (size_t)(sh->q0 - sh->cq0) * hd;
+      for (int t = 0; t < n_tok; t++)
+        memcpy(f->q + (size_t)t * qd_own, f->att + (size_t)t * qd + off, sizeof(float) * qd_own);
+      att_own = f->q;
+    }
+    lf_matmul(xb, att_own, L->wo, NULL, n_tok, qd_own, dim);
+    if (f->comm) LF_TRY(f->comm->allreduce_sum(f->comm, xb, nx, LF_COMM_F32, NULL));
+    for (size_t i = 0; i < nx; i++) x[i] += xb[i];
 
     for (int t = 0; t < n_tok; t++)
       lf_rmsnorm(xb + (size_t)t * dim, x + (size_t)t * dim, L->rms_ffn, dim, c->norm_eps);
-    lf_matmul(f->hb, xb, L->w_gate, NULL, n_tok, dim, c->hidden_dim);
-    lf_matmul(f->hb2, xb, L->w_up, NULL, n_tok, dim, c->hidden_dim);
-    for (size_t i = 0; i < (size_t)n_tok * c->hidden_dim; i++) {
+    lf_matmul(f->hb, xb, L->w_gate, NULL, n_tok, dim, hid);
+    lf_matmul(f->hb2, xb, L->w_up, NULL, n_tok, dim, hid);
+    for (size_t i = 0; i < (size_t)n_tok * hid; i++) {
       const float g = f->hb[i];
       f->hb[i] = g / (1.0f + expf(-g)) * f->hb2[i];
     }
-    lf_matmul(xb, f->hb, L->w_down, NULL, n_tok, c->hidden_dim, dim);
-    for (size_t i = 0; i < (size_t)n_tok * dim; i++) x[i] += xb[i];
+    lf_matmul(xb, f->hb, L->w_down, NULL, n_tok, hid, dim);
+    if (f->comm) LF_TRY(f->comm->allreduce_sum(f->comm, xb, nx, LF_COMM_F32, NULL));
+    for (size_t i = 0; i < nx; i++) x[i] += xb[i];
   }
 
   if (logits_all) {
     for (int t = 0; t < n_tok; t++)
       lf_rmsnorm(xb + (size_t)t * dim, x + (size_t)t * dim, w->rms_final, dim, c->norm_eps);
-    lf_matmul(logits_all, xb, w->lm_head, NULL, n_tok, dim, c->vocab_size);
+    lf_matmul(logits_all, xb, w->lm_head, NULL, n_tok, dim, sh->n_vocab);
     if (logits)
-      memcpy(logits, logits_all + (size_t)(n_tok - 1) * c->vocab_size,
-             sizeof(float) * c->vocab_size);
+      memcpy(logits, logits_all + (size_t)(n_tok - 1) * sh->n_vocab, sizeof(float) * sh->n_vocab);
   } else if (logits) {
     lf_rmsnorm(xb, x + (size_t)(n_tok - 1) * dim, w->rms_final, dim, c->norm_eps);
-    lf_matmul(logits, xb, w->lm_head, NULL, 1, dim, c->vocab_size);
+    lf_matmul(logits, xb, w->lm_head, NULL, 1, dim, sh->n_vocab);
   }
   return LF_OK;
 }

@@ -3,6 +3,12 @@
  * embed -> per layer [RMSNorm -> QKV (+bias) (-> q/k RMSNorm) -> RoPE -> attention over the
  * sequence's pool with LongFlow eviction -> O-proj -> residual -> RMSNorm -> gate/up -> SiLU*up
  * -> down -> residual] -> final RMSNorm -> LM head.
+ *
+ * Tensor parallel (a communicator of T > 1 ranks and a plan, parallel/shard.h): the weights are
+ * this rank's slices; the embedding lookup is vocab-parallel (rows this rank owns, zeros
+ * elsewhere, all-reduce: exact), attention runs on this rank's KV heads and pools only (eviction
+ * is local), and the partial O-proj and down outputs are all-reduced: 2 per layer + 1. The LM
+ * head gives this rank's vocabulary slice; the backend gathers (parallel/tp.h).
  */
 #ifndef LF_FORWARD_H
 #define LF_FORWARD_H
@@ -12,6 +18,8 @@
 #include "attention/attention.h"
 #include "memory/pool.h"
 #include "model.h"
+#include "parallel/comm.h"
+#include "parallel/shard.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -22,26 +30,35 @@ typedef struct lf_cpu_forward {
   const lf_weights *w;
   lf_kv_arena *arena;
   lf_attn_params ap;
+  lf_shard sh;     /* this rank's slices (the whole model on one rank) */
+  lf_comm_t comm;  /* NULL or a single rank: no collectives */
   float *inv_freq; /* [head_dim/2] RoPE frequencies (after llama3 scaling) */
   /* scratch for up to cap_tok tokens, grown on demand */
   int cap_tok;
   float *x;   /* [tok][dim] residual stream */
   float *xb;  /* [tok][dim] normed input / O-proj output */
-  float *q;   /* [tok][n_heads*head_dim] */
-  float *k;   /* [tok][n_kv_heads*head_dim] */
-  float *v;   /* [tok][n_kv_heads*head_dim] */
-  float *att; /* [tok][n_heads*head_dim] attention output */
-  float *hb;  /* [tok][hidden] gate, then SiLU(gate)*up */
-  float *hb2; /* [tok][hidden] up */
+  float *q;   /* [tok][n_cq*head_dim] queries computed here (all heads on one rank) */
+  float *k;   /* [tok][n_kv*head_dim] */
+  float *v;   /* [tok][n_kv*head_dim] */
+  float *att; /* [tok][n_cq*head_dim] attention output */
+  float *hb;  /* [tok][n_hid] gate, then SiLU(gate)*up */
+  float *hb2; /* [tok][n_hid] up */
 } lf_cpu_forward;
 
 lf_status lf_cpu_forward_init(lf_cpu_forward *f, const lf_model_config *cfg, const lf_weights *w,
                               lf_kv_arena *arena, const lf_attn_params *ap);
+/* The same for one tensor-parallel rank: w holds the slices of plan sh (lf_weights_load_f32_shard)
+ * and arena this rank's KV heads (sh->n_kv). sh / comm NULL: a single rank. */
+lf_status lf_cpu_forward_init_tp(lf_cpu_forward *f, const lf_model_config *cfg,
+                                 const lf_weights *w, lf_kv_arena *arena, const lf_attn_params *ap,
+                                 const lf_shard *sh, lf_comm_t comm);
 void lf_cpu_forward_free(lf_cpu_forward *f);
 
 /* Runs n_tok tokens at positions pos0.. of the sequence that owns `pool` through the model,
  * writing their K/V into the pool (with the policy's eviction).
- * logits: [vocab] for the last token, or NULL. logits_all: [n_tok][vocab] or NULL.
+ * logits: [vocab] for the last token, or NULL. logits_all: [n_tok][vocab] or NULL. Under tensor
+ * parallelism both hold this rank's vocabulary slice only ([n_vocab] per token). Every rank
+ * must make the same calls with the same arguments (collectives inside).
  * *evictions (may be NULL) grows by the slots overwritten. */
 lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_tok,
                              const int32_t *tokens, float *logits, float *logits_all,

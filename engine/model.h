@@ -62,6 +62,7 @@ typedef struct lf_weights {
   float *rms_final; /* [dim] */
   float *lm_head;   /* [vocab][dim]; == embed when tied */
   lf_layer_weights *layers; /* [n_layers] */
+  size_t bytes;     /* host bytes the tensors above hold (a rank's shard: about 1/T) */
 } lf_weights;
 
 /* An opened checkpoint: config plus mapped tensors (not yet converted). */
@@ -95,6 +96,15 @@ lf_status lf_config_validate(const lf_model_config *cfg, const char *path);
 
 /* Validates every tensor's presence, shape and dtype and converts to fp32 (full model). */
 lf_status lf_weights_load_f32(const lf_checkpoint *ck, lf_weights *w);
+/* The same for one tensor-parallel rank: only the slices the plan names (parallel/shard.h) are
+ * read, through the mmap, so the rank's host memory stays near its shard size. Shapes become
+ * wq [n_cq*head_dim][dim], wk/wv [n_kv*head_dim][dim], wo [dim][n_q*head_dim],
+ * w_gate/w_up [n_hid][dim], w_down [dim][n_hid], embed/lm_head [n_vocab][dim]; norms whole.
+ * Random checkpoints give exactly the values of the same indices of the whole model.
+ * sh NULL: the whole model. */
+struct lf_shard;
+lf_status lf_weights_load_f32_shard(const lf_checkpoint *ck, const struct lf_shard *sh,
+                                    lf_weights *w);
 void lf_weights_free(const lf_model_config *cfg, lf_weights *w);
 
 #ifdef __cplusplus

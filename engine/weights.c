@@ -11,6 +11,7 @@
 
 #include "error.h"
 #include "model.h"
+#include "parallel/shard.h"
 #include "random_weights.h"
 
 /* Where the checkpoint lives, for messages: the file, or the directory of the shards. */
@@ -98,13 +99,6 @@ static lf_status wt_load_slice(const lf_checkpoint *ck, const char *name, int64_
   return LF_OK;
 }
 
-/* A whole matrix [rows][cols], or a whole vector [rows] when cols == 0. */
-static lf_status wt_load(const lf_checkpoint *ck, const char *name, int64_t rows, int64_t cols,
-                         float **out) {
-  if (cols > 0) return wt_load_slice(ck, name, rows, cols, 0, rows, 0, cols, out);
-  return wt_load_slice(ck, name, rows, 0, 0, 1, 0, rows, out);
-}
-
 /* Tensors the forward pass has no slot for: loading the rest would compute another model. */
 static lf_status wt_check_unused(const lf_checkpoint *ck, int l) {
   const lf_model_config *c = &ck->cfg;
@@ -139,59 +133,114 @@ static lf_status wt_check_unused(const lf_checkpoint *ck, int l) {
   return LF_OK;
 }
 
-static lf_status wt_load_layer(const lf_checkpoint *ck, int l, lf_layer_weights *lw) {
+/* Rows [row0, row0 + nrows) of a [rows][cols] matrix (cols > 0), or elements
+ * [row0, row0 + nrows) of a vector [rows] (cols == 0). */
+static lf_status wt_load_rows(const lf_checkpoint *ck, const char *name, int64_t rows,
+                              int64_t cols, int64_t row0, int64_t nrows, float **out,
+                              size_t *bytes) {
+  lf_status st = cols > 0 ? wt_load_slice(ck, name, rows, cols, row0, nrows, 0, cols, out)
+                          : wt_load_slice(ck, name, rows, 0, 0, 1, row0, nrows, out);
+  if (st == LF_OK) *bytes += (size_t)nrows * (size_t)(cols > 0 ? cols : 1) * sizeof(float);
+  return st;
+}
+
+/* Columns [col0, col0 + ncols) of a [rows][cols] matrix. */
+static lf_status wt_load_cols(const lf_checkpoint *ck, const char *name, int64_t rows,
+                              int64_t cols, int64_t col0, int64_t ncols, float **out,
+                              size_t *bytes) {
+  lf_status st = wt_load_slice(ck, name, rows, cols, 0, rows, col0, ncols, out);
+  if (st == LF_OK) *bytes += (size_t)rows * (size_t)ncols * sizeof(float);
+  return st;
+}
+
+/* One layer's slices under the plan sh (the whole layer when sh is the single-rank plan). */
+static lf_status wt_load_layer(const lf_checkpoint *ck, const lf_shard *sh, int l,
+                               lf_layer_weights *lw, size_t *by) {
   const lf_model_config *c = &ck->cfg;
   const int64_t dim = c->dim, hid = c->hidden_dim, hd = c->head_dim;
   const int64_t q_dim = (int64_t)c->n_heads * hd, kv_dim = (int64_t)c->n_kv_heads * hd;
+  const int64_t cq0 = (int64_t)sh->cq0 * hd, ncq = (int64_t)sh->n_cq * hd;
+  const int64_t kv0 = (int64_t)sh->kv0 * hd, nkv = (int64_t)sh->n_kv * hd;
   char nm[LF_TENSOR_NAME_MAX];
 #define WT_NAME(suffix) (snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix), nm)
   LF_TRY(wt_check_unused(ck, l));
-  LF_TRY(wt_load(ck, WT_NAME("input_layernorm.weight"), dim, 0, &lw->rms_att));
-  LF_TRY(wt_load(ck, WT_NAME("self_attn.q_proj.weight"), q_dim, dim, &lw->wq));
-  LF_TRY(wt_load(ck, WT_NAME("self_attn.k_proj.weight"), kv_dim, dim, &lw->wk));
-  LF_TRY(wt_load(ck, WT_NAME("self_attn.v_proj.weight"), kv_dim, dim, &lw->wv));
+  LF_TRY(wt_load_rows(ck, WT_NAME("input_layernorm.weight"), dim, 0, 0, dim, &lw->rms_att, by));
+  LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.q_proj.weight"), q_dim, dim, cq0, ncq, &lw->wq, by));
+  LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.k_proj.weight"), kv_dim, dim, kv0, nkv, &lw->wk, by));
+  LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.v_proj.weight"), kv_dim, dim, kv0, nkv, &lw->wv, by));
   if (c->qkv_bias) {
-    LF_TRY(wt_load(ck, WT_NAME("self_attn.q_proj.bias"), q_dim, 0, &lw->bq));
-    LF_TRY(wt_load(ck, WT_NAME("self_attn.k_proj.bias"), kv_dim, 0, &lw->bk));
-    LF_TRY(wt_load(ck, WT_NAME("self_attn.v_proj.bias"), kv_dim, 0, &lw->bv));
+    LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.q_proj.bias"), q_dim, 0, cq0, ncq, &lw->bq, by));
+    LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.k_proj.bias"), kv_dim, 0, kv0, nkv, &lw->bk, by));
+    LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.v_proj.bias"), kv_dim, 0, kv0, nkv, &lw->bv, by));
   }
   if (c->qk_norm) {
-    LF_TRY(wt_load(ck, WT_NAME("self_attn.q_norm.weight"), hd, 0, &lw->q_norm));
-    LF_TRY(wt_load(ck, WT_NAME("self_attn.k_norm.weight"), hd, 0, &lw->k_norm));
+    LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.q_norm.weight"), hd, 0, 0, hd, &lw->q_norm, by));
+    LF_TRY(wt_load_rows(ck, WT_NAME("self_attn.k_norm.weight"), hd, 0, 0, hd, &lw->k_norm, by));
   }
-  LF_TRY(wt_load(ck, WT_NAME("self_attn.o_proj.weight"), dim, q_dim, &lw->wo));
-  LF_TRY(wt_load(ck, WT_NAME("post_attention_layernorm.weight"), dim, 0, &lw->rms_ffn));
-  LF_TRY(wt_load(ck, WT_NAME("mlp.gate_proj.weight"), hid, dim, &lw->w_gate));
-  LF_TRY(wt_load(ck, WT_NAME("mlp.up_proj.weight"), hid, dim, &lw->w_up));
-  LF_TRY(wt_load(ck, WT_NAME("mlp.down_proj.weight"), dim, hid, &lw->w_down));
+  LF_TRY(wt_load_cols(ck, WT_NAME("self_attn.o_proj.weight"), dim, q_dim, (int64_t)sh->q0 * hd,
+                      (int64_t)sh->n_q * hd, &lw->wo, by));
+  LF_TRY(wt_load_rows(ck, WT_NAME("post_attention_layernorm.weight"), dim, 0, 0, dim,
+                      &lw->rms_ffn, by));
+  LF_TRY(wt_load_rows(ck, WT_NAME("mlp.gate_proj.weight"), hid, dim, sh->hid0, sh->n_hid,
+                      &lw->w_gate, by));
+  LF_TRY(wt_load_rows(ck, WT_NAME("mlp.up_proj.weight"), hid, dim, sh->hid0, sh->n_hid, &lw->w_up,
+                      by));
+  LF_TRY(wt_load_cols(ck, WT_NAME("mlp.down_proj.weight"), dim, hid, sh->hid0, sh->n_hid,
+                      &lw->w_down, by));
 #undef WT_NAME
   return LF_OK;
 }
 
-static lf_status wt_load_all(const lf_checkpoint *ck, lf_weights *w) {
+static lf_status wt_load_all(const lf_checkpoint *ck, const lf_shard *sh, lf_weights *w) {
   const lf_model_config *c = &ck->cfg;
   LF_TRY(lf_config_validate(c, NULL));
   w->layers = calloc((size_t)c->n_layers, sizeof *w->layers);
   if (!w->layers) return lf_error(LF_ERR_OUT_OF_MEMORY, "out of memory (%d layers)", c->n_layers);
-  LF_TRY(wt_load(ck, "model.embed_tokens.weight", c->vocab_size, c->dim, &w->embed));
+  LF_TRY(wt_load_rows(ck, "model.embed_tokens.weight", c->vocab_size, c->dim, sh->vocab0,
+                      sh->n_vocab, &w->embed, &w->bytes));
   for (int l = 0; l < c->n_layers; l++)
-    LF_TRY(wt_load_layer(ck, l, &w->layers[l]));
-  LF_TRY(wt_load(ck, "model.norm.weight", c->dim, 0, &w->rms_final));
+    LF_TRY(wt_load_layer(ck, sh, l, &w->layers[l], &w->bytes));
+  LF_TRY(wt_load_rows(ck, "model.norm.weight", c->dim, 0, 0, c->dim, &w->rms_final, &w->bytes));
   /* Some tied checkpoints still ship lm_head.weight; when present it is what transformers
    * would have saved as the head, so use it rather than assume it equals the embedding. */
   if (lf_tensor_set_find(&ck->tensors, "lm_head.weight") || !c->tie_embeddings)
-    LF_TRY(wt_load(ck, "lm_head.weight", c->vocab_size, c->dim, &w->lm_head));
+    LF_TRY(wt_load_rows(ck, "lm_head.weight", c->vocab_size, c->dim, sh->vocab0, sh->n_vocab,
+                        &w->lm_head, &w->bytes));
   else
     w->lm_head = w->embed;
   return LF_OK;
 }
 
-lf_status lf_weights_load_f32(const lf_checkpoint *ck, lf_weights *w) {
-  if (!ck || !w) return lf_error(LF_ERR_INVALID_ARG, "lf_weights_load_f32: NULL argument");
+/* The plan of a single rank: everything. */
+static lf_shard wt_whole(const lf_model_config *c) {
+  lf_shard sh = {.rank = 0, .size = 1, .q0 = 0, .n_q = c->n_heads, .kv0 = 0,
+                 .n_kv = c->n_kv_heads, .cq0 = 0, .n_cq = c->n_heads, .replicas = 1,
+                 .hid0 = 0, .n_hid = c->hidden_dim, .vocab0 = 0, .n_vocab = c->vocab_size,
+                 .max_vocab = c->vocab_size};
+  return sh;
+}
+
+lf_status lf_weights_load_f32_shard(const lf_checkpoint *ck, const lf_shard *sh, lf_weights *w) {
+  if (!ck || !w) return lf_error(LF_ERR_INVALID_ARG, "lf_weights_load_f32_shard: NULL argument");
   memset(w, 0, sizeof *w);
-  lf_status st = wt_load_all(ck, w);
+  lf_shard whole = wt_whole(&ck->cfg);
+  if (sh) {
+    /* The plan must be one lf_shard_plan made for this model. */
+    lf_shard chk;
+    LF_TRY(lf_shard_plan(sh->rank, sh->size, ck->cfg.n_heads, ck->cfg.n_kv_heads,
+                         ck->cfg.hidden_dim, ck->cfg.vocab_size, &chk));
+    if (memcmp(&chk, sh, sizeof chk) != 0)
+      return lf_error(LF_ERR_INVALID_ARG, "shard plan of rank %d/%d does not match the model",
+                      sh->rank, sh->size);
+  }
+  lf_status st = wt_load_all(ck, sh ? sh : &whole, w);
   if (st != LF_OK) lf_weights_free(&ck->cfg, w);
   return st;
+}
+
+lf_status lf_weights_load_f32(const lf_checkpoint *ck, lf_weights *w) {
+  if (!ck || !w) return lf_error(LF_ERR_INVALID_ARG, "lf_weights_load_f32: NULL argument");
+  return lf_weights_load_f32_shard(ck, NULL, w);
 }
 
 void lf_weights_free(const lf_model_config *cfg, lf_weights *w) {

@@ -67,8 +67,10 @@ typedef struct lf_engine_config {
   int budget;             /* KV slots per pool (B); 0: the model's max context */
   int sink;               /* slots never evicted (positions 0..sink-1); default 4 */
   int window;             /* prefill compression: last W prompt tokens always kept; default 32 */
-  int n_pools;            /* number of pools (max concurrent sequences); 0: derived from
-                             kv_memory_bytes, or 1 when that is 0 too. An explicit value wins. */
+  int n_pools;            /* number of pools (max concurrent sequences). An explicit value wins;
+                             0: derived from kv_memory_bytes when set, else by the backend
+                             (cuda: mem_util of the device memory left after weights and
+                             workspaces; cpu: 1). */
   int max_batch_tokens;   /* prompt (prefill) tokens per step, 0: unbounded. A prompt longer than
                              this is split into chunks of exactly this many tokens (see
                              scheduler/README.md: such prompts are not SnapKV-compressed as a
@@ -80,7 +82,8 @@ typedef struct lf_engine_config {
   uint64_t kv_memory_bytes; /* memory the KV pools may use when n_pools is 0: n_pools =
                                floor(kv_memory_bytes * mem_util / bytes of one pool) (DESIGN
                                §5); 0: not set */
-  double mem_util;        /* fraction of kv_memory_bytes to use, in (0, 1]; default 0.9 (0: 0.9) */
+  double mem_util;        /* fraction of kv_memory_bytes (or of free device memory) the pools
+                             may take, in (0, 1]; default 0.9 (0: 0.9) */
 } lf_engine_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, the rest 0. */
@@ -211,6 +214,18 @@ typedef struct lf_engine *lf_engine_t;
 /* A communicator for tensor parallelism; NULL means a single rank. */
 typedef struct lf_comm *lf_comm_t;
 
+/* Communicators. lf_comm_init_mpi spans MPI_COMM_WORLD (duplicated, MPI_ERRORS_RETURN so a
+ * failing collective comes back as LF_ERR_BACKEND rather than an abort). The caller calls
+ * MPI_Init before it and MPI_Finalize after lf_comm_free; without MPI_Init it is LF_ERR_STATE,
+ * and in a build without MPI it is LF_ERR_UNAVAILABLE. The library itself never includes mpi.h
+ * outside parallel/, so a stack without MPI can pass its own communicator (parallel/comm.h). */
+lf_status lf_comm_init_mpi(lf_comm_t *out);
+/* A single-rank communicator (collectives are copies). */
+lf_status lf_comm_init_local(lf_comm_t *out);
+void lf_comm_free(lf_comm_t c);
+int lf_comm_rank(lf_comm_t c); /* 0 for NULL */
+int lf_comm_size(lf_comm_t c); /* 1 for NULL */
+
 /* Threading rules (enforced, see scheduler/README.md):
  *  - lf_engine_submit, lf_engine_cancel, lf_engine_metrics, lf_engine_request_stats,
  *    lf_engine_busy and lf_engine_model_info may be called from any thread at any time;
@@ -219,7 +234,21 @@ typedef struct lf_comm *lf_comm_t;
  *  - lf_engine_init and lf_engine_free are not concurrent with anything on that engine.
  * Submitters never wait for a forward pass: the queue lock is not held while the model runs. */
 
+/* Tensor parallelism (DESIGN §4): every rank of comm calls lf_engine_init with the same config
+ * and loads only its shard; T must divide the KV heads, or be a multiple of them that divides
+ * the query heads (KV heads replicated), else LF_ERR_INVALID_ARG naming T, Hq and Hkv on every
+ * rank. Init agrees across ranks: if any rank fails, all return an error. The tensor-parallel
+ * backend is the cpu one for now (LF_BACKEND_AUTO picks it; LF_BACKEND_CUDA is
+ * LF_ERR_UNAVAILABLE). Rank 0 then uses the engine as usual (submit, step, ...); every other
+ * rank calls lf_engine_follow, which runs what rank 0's steps broadcast and returns LF_OK when
+ * rank 0 calls lf_engine_free, or an error if this rank fails. On a follower the request calls
+ * return LF_ERR_STATE. A backend-wide failure on any rank ends tensor-parallel serving: the
+ * failing rank's call returns the error, later steps on rank 0 return LF_ERR_STATE, and the
+ * program should exit non-zero so the launcher (mpirun) ends the job instead of leaving ranks
+ * blocked in a collective. comm NULL or of size 1: a single rank, as before. */
 lf_status lf_engine_init(const lf_engine_config *cfg, lf_comm_t comm, lf_engine_t *out);
+lf_status lf_engine_follow(lf_engine_t e);
+/* On rank 0 of a tensor-parallel engine this also releases the followers. */
 void lf_engine_free(lf_engine_t e);
 lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *out);
 /* Validates and queues a request (FCFS); *id identifies it in events. LF_ERR_QUEUE_FULL when

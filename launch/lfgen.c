@@ -13,7 +13,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/tokenizer.h"
 #include "lfserve.h"
+#ifdef LF_HAVE_MPI
+#include <mpi.h>
+#endif
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -21,6 +25,7 @@ static void usage(FILE *f) {
           "  --model PATH        HF model directory (config.json + safetensors) or llama2.c .bin\n"
           "  --prompt-ids LIST   comma-separated prompt token ids\n"
           "  --prompt TEXT       prompt text (needs a model with a tokenizer)\n"
+          "  --chat              wrap --prompt as one user message in the model's chat template\n"
           "  --max-tokens N      tokens to generate (default 256)\n"
           "  --budget B          KV slots per sequence (default: the model's context)\n"
           "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
@@ -34,7 +39,9 @@ static void usage(FILE *f) {
           "  --seed X            sampling seed (default 0)\n"
           "  --backend B         auto | cpu | cuda (default auto)\n"
           "  --ignore-eos        keep generating past end-of-sequence tokens\n"
-          "  --print-ids         print generated token ids (the default without a tokenizer)\n");
+          "  --print-ids         print generated token ids (the default without a tokenizer)\n"
+          "  --tp                tensor parallel over the MPI ranks (automatic when launched\n"
+          "                      by mpirun with more than one rank): rank 0 prints\n");
 }
 
 static int parse_int(const char *s, long lo, long hi, long *out) {
@@ -88,6 +95,38 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
   return 0;
 }
 
+/* Tensor parallelism: under mpirun (or with --tp) every rank runs lfgen; MPI starts here, in
+ * the program, not in the library. Launchers' size variables tell whether to start it. */
+static int launched_multi_rank(void) {
+  static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
+                                     "MPI_LOCALNRANKS"};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+    const char *v = getenv(vars[i]);
+    if (v && atoi(v) > 1) return 1;
+  }
+  return 0;
+}
+
+static lf_status tp_start(int *argc, char ***argv, lf_comm_t *comm) {
+#ifdef LF_HAVE_MPI
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited && MPI_Init(argc, argv) != MPI_SUCCESS) return LF_ERR_BACKEND;
+  return lf_comm_init_mpi(comm);
+#else
+  (void)argc, (void)argv;
+  return lf_comm_init_mpi(comm); /* LF_ERR_UNAVAILABLE with its message */
+#endif
+}
+
+static void tp_end(lf_comm_t comm) {
+  if (!comm) return;
+  lf_comm_free(comm);
+#ifdef LF_HAVE_MPI
+  MPI_Finalize();
+#endif
+}
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -103,6 +142,9 @@ int main(int argc, char **argv) {
   rq.sampling.top_p = 1.0f;
   int32_t *ids = NULL;
   const char *prompt_text = NULL;
+  int chat = 0, print_ids = 0;
+  int want_tp = launched_multi_rank();
+  lf_comm_t comm = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -181,10 +223,14 @@ int main(int argc, char **argv) {
       else if (!strcmp(v, "cpu")) cfg.backend = LF_BACKEND_CPU;
       else if (!strcmp(v, "cuda")) cfg.backend = LF_BACKEND_CUDA;
       else goto bad;
+    } else if (!strcmp(a, "--tp")) {
+      want_tp = 1;
     } else if (!strcmp(a, "--ignore-eos")) {
       rq.ignore_eos = 1;
     } else if (!strcmp(a, "--print-ids")) {
-      /* ids are what lfgen prints until the tokenizer lands */
+      print_ids = 1;
+    } else if (!strcmp(a, "--chat")) {
+      chat = 1;
     } else {
       fprintf(stderr, "lfgen: unknown option '%s'\n", a);
       usage(stderr);
@@ -201,10 +247,56 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (prompt_text && !ids) {
-    fprintf(stderr, "lfgen: --prompt needs a tokenizer, which this build does not have yet; "
-                    "use --prompt-ids\n");
+  /* The model directory's tokenizer.json (and chat template), where present. */
+  lf_tokenizer *tok = NULL;
+  {
+    char tpath[4096];
+    snprintf(tpath, sizeof tpath, "%s/tokenizer.json", cfg.model_path);
+    FILE *tf = fopen(tpath, "rb");
+    if (tf) {
+      fclose(tf);
+      lf_status ts = lf_tokenizer_init_file(tpath, &tok);
+      if (ts != LF_OK) {
+        fprintf(stderr, "lfgen: %s: %s: %s\n", tpath, lf_status_str(ts), lf_last_error());
+        free(ids);
+        return 1;
+      }
+    }
+  }
+  if (chat && !prompt_text) {
+    fprintf(stderr, "lfgen: --chat needs --prompt\n");
     return 2;
+  }
+  if (prompt_text && !ids) {
+    if (!tok) {
+      fprintf(stderr, "lfgen: --prompt needs a model directory with tokenizer.json; use "
+                      "--prompt-ids\n");
+      return 2;
+    }
+    lf_tok_text rendered = {0};
+    lf_token_ids enc = {0};
+    lf_status ts = LF_OK;
+    if (chat) {
+      lf_chat_template *tmpl = NULL;
+      ts = lf_chat_template_init_dir(cfg.model_path, &tmpl);
+      lf_chat_message msg = {"user", prompt_text};
+      if (ts == LF_OK) ts = lf_chat_template_render(tmpl, &msg, 1, 1, &rendered);
+      lf_chat_template_free(tmpl);
+      /* The rendered template carries its own BOS and markers. */
+      if (ts == LF_OK) ts = lf_tokenizer_encode(tok, rendered.data, rendered.len, 0, &enc);
+    } else {
+      ts = lf_tokenizer_encode(tok, prompt_text, strlen(prompt_text), LF_TOK_ADD_SPECIAL, &enc);
+    }
+    lf_tok_text_free(&rendered);
+    if (ts != LF_OK || enc.n == 0 || enc.n > INT_MAX) {
+      fprintf(stderr, "lfgen: cannot encode the prompt: %s: %s\n", lf_status_str(ts),
+              ts == LF_OK ? "no tokens" : lf_last_error());
+      lf_token_ids_free(&enc);
+      lf_tokenizer_free(tok);
+      return 2;
+    }
+    ids = enc.ids; /* malloc'ed: freed with free() like parse_ids' array */
+    rq.n_prompt = (int)enc.n;
   }
   if (!ids) {
     fprintf(stderr, "lfgen: give --prompt-ids\n");
@@ -214,11 +306,28 @@ int main(int argc, char **argv) {
 
   const double t_load = now_s();
   lf_engine_t e;
-  lf_status s = lf_engine_init(&cfg, NULL, &e);
+  lf_status s = LF_OK;
+  if (want_tp && (s = tp_start(&argc, &argv, &comm)) != LF_OK) {
+    fprintf(stderr, "lfgen: --tp: %s: %s\n", lf_status_str(s), lf_last_error());
+    free(ids);
+    return 1;
+  }
+  s = lf_engine_init(&cfg, comm, &e);
   if (s != LF_OK) {
     fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
     free(ids);
     return 1;
+  }
+  if (lf_comm_rank(comm) != 0) { /* a follower: rank 0 decides and prints */
+    s = lf_engine_follow(e);
+    if (s != LF_OK)
+      fprintf(stderr, "lfgen: rank %d: %s: %s\n", lf_comm_rank(comm), lf_status_str(s),
+              lf_last_error());
+    lf_engine_free(e);
+    free(ids);
+    if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
+    tp_end(comm);
+    return 0;
   }
   lf_model_info mi;
   lf_engine_model_info(e, &mi);
@@ -238,6 +347,14 @@ int main(int argc, char **argv) {
   }
   int n_out = 0, rc = 0;
   lf_finish_reason why = LF_FINISH_NONE;
+  /* Text output (whole UTF-8 characters only) when a tokenizer exists, unless --print-ids. */
+  const int as_text = tok && !print_ids;
+  lf_tok_stream tstream;
+  lf_tok_text piece = {0};
+  if (as_text && lf_tok_stream_init(&tstream, tok, LF_TOK_SKIP_SPECIAL) != LF_OK) {
+    fprintf(stderr, "lfgen: out of memory\n");
+    return 1;
+  }
   lf_event ev[16];
   while (lf_engine_busy(e)) {
     int n;
@@ -248,7 +365,13 @@ int main(int argc, char **argv) {
       break;
     }
     for (int i = 0; i < n; i++) {
-      if (ev[i].type == LF_EVENT_TOKEN) {
+      if (ev[i].type == LF_EVENT_TOKEN && as_text) {
+        lf_tok_text_clear(&piece);
+        if (lf_tok_stream_put(&tstream, ev[i].token, &piece) == LF_OK)
+          fwrite(piece.data, 1, piece.len, stdout);
+        fflush(stdout);
+        n_out++;
+      } else if (ev[i].type == LF_EVENT_TOKEN) {
         printf(n_out ? " %d" : "%d", ev[i].token);
         fflush(stdout);
         n_out++;
@@ -262,6 +385,12 @@ int main(int argc, char **argv) {
       }
     }
   }
+  if (as_text) {
+    lf_tok_text_clear(&piece);
+    if (lf_tok_stream_flush(&tstream, &piece) == LF_OK) fwrite(piece.data, 1, piece.len, stdout);
+    lf_tok_stream_free(&tstream);
+    lf_tok_text_free(&piece);
+  }
   printf("\n");
   lf_request_stats st;
   if (lf_engine_request_stats(e, id, &st) == LF_OK) {
@@ -273,7 +402,9 @@ int main(int argc, char **argv) {
             st.tpot_seconds > 0 ? 1.0 / st.tpot_seconds : 0.0, st.slots_filled,
             cfg.budget ? cfg.budget : mi.max_seq_len, (unsigned long long)st.evictions);
   }
-  lf_engine_free(e);
+  lf_engine_free(e); /* releases the followers */
+  lf_tokenizer_free(tok);
   free(ids);
+  if (rc == 0) tp_end(comm);
   return rc;
 }

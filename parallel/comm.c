@@ -59,3 +59,18 @@ lf_status lf_comm_init_local(lf_comm_t *out) {
 void lf_comm_free(lf_comm_t c) {
   if (c) c->destroy(c);
 }
+
+int lf_comm_rank(lf_comm_t c) {
+  return c ? c->rank : 0;
+}
+
+int lf_comm_size(lf_comm_t c) {
+  return c ? c->size : 1;
+}
+
+#ifndef LF_HAVE_MPI
+lf_status lf_comm_init_mpi(lf_comm_t *out) {
+  if (out) *out = NULL;
+  return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_init_mpi: this build has no MPI (LF_MPI=OFF)");
+}
+#endif

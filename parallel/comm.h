@@ -36,13 +36,9 @@ struct lf_comm {
   void *impl;
 };
 
-/* A communicator of one rank: collectives are copies. */
-lf_status lf_comm_init_local(lf_comm_t *out);
-#ifdef LF_HAVE_MPI
-/* Over MPI_COMM_WORLD (duplicated); MPI must be initialised by the caller. */
-lf_status lf_comm_init_mpi(lf_comm_t *out);
-#endif
-void lf_comm_free(lf_comm_t c);
+/* lf_comm_init_local, lf_comm_init_mpi (over MPI_COMM_WORLD, duplicated; MPI must be initialised
+ * by the caller; LF_ERR_UNAVAILABLE without MPI), lf_comm_free, lf_comm_rank and lf_comm_size
+ * are public: include/lfserve.h. */
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,417 @@
+// Tensor parallelism on CPU ranks (MPI): the sharded engine against a single-rank engine run on
+// rank 0. Greedy tokens must be identical and logits within 1e-5 relative, on the tiny HF models
+// and stories260K, with `full` and `longflow`, in the divide (T | Hkv) and the replicate
+// (T > Hkv) cases; an impossible T is a clear error; each rank loads about its shard.
+//
+// `mpi_tp --die-rank R` is not a test: rank R exits right after start-up while the others step;
+// tests/mpi_tp_die.sh checks that the job then ends within seconds instead of hanging.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/model.h"
+#include "parallel/comm.h"
+#include "parallel/shard.h"
+#include "test_util.h"
+
+namespace {
+
+lf_comm_t g_comm = nullptr;
+
+struct Model {
+  std::string path;
+  bool present;
+};
+
+std::vector<Model> models() {
+  std::vector<Model> m;
+  for (const char *n : {"llama", "qwen2", "qwen3"}) {
+    std::string p = lf_repo_data_dir() + "/hf_tiny/" + n;
+    m.push_back({p, lf_path_exists(p + "/config.json")});
+  }
+  std::string s = lf_test_data_dir() + "/models/stories260K/stories260K.bin";
+  m.push_back({s, lf_path_exists(s)});
+  return m;
+}
+
+// Every rank must take the same branch: skip decisions come from rank 0.
+bool all_agree(bool v) {
+  int x = v ? 1 : 0;
+  MPI_Bcast(&x, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  return x != 0;
+}
+
+struct Gen {
+  std::vector<int32_t> prompt;
+  int max_tokens;
+  float temperature;
+  uint64_t seed;
+};
+
+// Runs the requests on engine e (rank 0 drives, others follow); returns rank 0's tokens.
+std::vector<std::vector<int32_t>> run(lf_engine_t e, const std::vector<Gen> &gens, bool lead) {
+  std::vector<std::vector<int32_t>> out(gens.size());
+  if (!lead) {
+    EXPECT_EQ(lf_engine_follow(e), LF_OK) << lf_last_error();
+    return out;
+  }
+  std::vector<uint64_t> ids;
+  for (const Gen &g : gens) {
+    lf_request rq{};
+    rq.prompt = g.prompt.data();
+    rq.n_prompt = (int)g.prompt.size();
+    rq.max_tokens = g.max_tokens;
+    rq.sampling.temperature = g.temperature;
+    rq.sampling.top_p = 1.0f;
+    rq.sampling.seed = g.seed;
+    rq.ignore_eos = 1;
+    uint64_t id;
+    EXPECT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();
+    ids.push_back(id);
+  }
+  lf_event ev[64];
+  while (lf_engine_busy(e)) {
+    int n = 0;
+    lf_status s = lf_engine_step(e, ev, 64, &n);
+    EXPECT_EQ(s, LF_OK) << lf_last_error();
+    if (s != LF_OK) break;
+    for (int i = 0; i < n; i++)
+      for (size_t k = 0; k < ids.size(); k++)
+        if (ev[i].id == ids[k]) {
+          if (ev[i].type == LF_EVENT_TOKEN) out[k].push_back(ev[i].token);
+          else EXPECT_EQ(ev[i].reason, LF_FINISH_LENGTH) << lf_status_str(ev[i].status);
+        }
+  }
+  return out;
+}
+
+void compare_engines(const std::string &path, lf_policy policy, int budget, int n_pools,
+                     const std::vector<Gen> &gens) {
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = path.c_str();
+  cfg.backend = LF_BACKEND_CPU;
+  cfg.policy = policy;
+  cfg.budget = budget;
+  cfg.n_pools = n_pools;
+  cfg.sink = 2;
+  cfg.window = 4;
+  const bool lead = g_comm->rank == 0;
+  lf_engine_t e = nullptr;
+  ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
+  auto tp = run(e, gens, lead);
+  lf_engine_free(e);
+  if (!lead) return;
+  ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+  auto ref = run(e, gens, true);
+  lf_engine_free(e);
+  for (size_t k = 0; k < gens.size(); k++) {
+    ASSERT_EQ((int)ref[k].size(), gens[k].max_tokens);
+    EXPECT_EQ(tp[k], ref[k]) << path << " " << lf_policy_str(policy) << " request " << k;
+  }
+}
+
+std::vector<int32_t> prompt_of(int n, int vocab, int salt) {
+  std::vector<int32_t> p(n);
+  for (int i = 0; i < n; i++) p[i] = (int32_t)((1 + 7 * i + 13 * salt) % vocab);
+  p[0] = 1;
+  return p;
+}
+
+TEST(MpiTp, GreedyTokensMatchSingleRank) {
+  for (const Model &m : models()) {
+    if (!all_agree(m.present)) continue;
+    for (lf_policy pol : {LF_POLICY_FULL, LF_POLICY_LONGFLOW}) {
+      // longflow with a small pool evicts from the first decode step on; full holds it all
+      const int budget = pol == LF_POLICY_FULL ? 96 : 16;
+      std::vector<Gen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
+                               {prompt_of(23, 256, 1), 30, 0.0f, 0}, // SnapKV-compressed prompt
+                               {prompt_of(5, 256, 2), 35, 0.8f, 7}}; // sampled, same u
+      compare_engines(m.path, pol, budget, 2, gens); // 3 requests on 2 pools: pool reuse
+    }
+  }
+}
+
+// The sharded backend's logits against the whole model's, step by step.
+TEST(MpiTp, LogitsWithinTolerance) {
+  for (const Model &m : models()) {
+    if (!all_agree(m.present)) continue;
+    lf_checkpoint ck;
+    ASSERT_EQ(lf_checkpoint_open(m.path.c_str(), &ck), LF_OK) << lf_last_error();
+    const int vocab = ck.cfg.vocab_size;
+    lf_backend_params p{};
+    p.policy = LF_POLICY_LONGFLOW;
+    p.budget = 12;
+    p.sink = 2;
+    p.window = 4;
+    p.n_pools = 1;
+    p.comm = g_comm;
+    lf_backend *tp = nullptr, *ref = nullptr;
+    ASSERT_EQ(lf_backend_cpu_create(&ck, &p, &tp), LF_OK) << lf_last_error();
+    p.comm = nullptr;
+    ASSERT_EQ(lf_backend_cpu_create(&ck, &p, &ref), LF_OK) << lf_last_error();
+    int pa, pb;
+    ASSERT_EQ(tp->pool_take(tp, &pa), LF_OK);
+    ASSERT_EQ(ref->pool_take(ref, &pb), LF_OK);
+    std::vector<int32_t> toks = prompt_of(15, vocab, 3);
+    std::vector<float> la(vocab), lb(vocab);
+    int32_t pos = 0, n = (int32_t)toks.size();
+    double worst = 0;
+    uint64_t total_ev = 0;
+    for (int step = 0; step < 30; step++) {
+      lf_batch_item it{};
+      it.pool = pa;
+      it.pos0 = pos;
+      it.n_tok = n;
+      it.tokens = toks.data() + pos;
+      lf_batch_result ra{}, rb{};
+      ASSERT_EQ(tp->forward(tp, &it, 1, &ra, la.data()), LF_OK) << lf_last_error();
+      it.pool = pb;
+      ASSERT_EQ(ref->forward(ref, &it, 1, &rb, lb.data()), LF_OK) << lf_last_error();
+      // Every rank goes through the same collectives whatever happens: non-fatal checks only.
+      EXPECT_EQ(ra.status, LF_OK);
+      float scale = 0;
+      for (float v : lb) scale = std::fmax(scale, std::fabs(v));
+      int bad = 0;
+      for (int i = 0; i < vocab; i++) {
+        const double d = std::fabs(la[i] - lb[i]) / std::fmax(scale, 1e-30f);
+        worst = std::fmax(worst, d);
+        if (d > 1e-5 && bad++ < 3)
+          ADD_FAILURE() << m.path << " step " << step << " logit " << i << ": " << la[i]
+                        << " vs " << lb[i];
+      }
+      EXPECT_EQ(ra.token, rb.token) << m.path << " step " << step;
+      // Each rank evicts in its own heads; over the ranks (one copy of each replicated head)
+      // that is every head's eviction, as on one rank.
+      long long ev = (long long)ra.evictions, sum = 0;
+      MPI_Allreduce(&ev, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+      const int reps = g_comm->size > ck.cfg.n_kv_heads ? g_comm->size / ck.cfg.n_kv_heads : 1;
+      EXPECT_EQ(sum / reps, (long long)rb.evictions) << m.path << " step " << step;
+      total_ev += rb.evictions;
+      pos += n;
+      n = 1;
+      toks.push_back(ra.token);
+    }
+    EXPECT_GT(total_ev, 0u); // the pool did overflow: eviction was exercised
+    if (g_comm->rank == 0)
+      printf("%s: worst relative logit difference %.2e, %llu evictions\n", m.path.c_str(), worst,
+             (unsigned long long)total_ev);
+    tp->free(tp);
+    ref->free(ref);
+    lf_checkpoint_close(&ck);
+  }
+}
+
+// A communicator that claims `size` ranks: enough to reach the start-up plan check, which needs
+// no collective (the allgather replicates this rank's contribution).
+struct FakeComm {
+  lf_comm base;
+  static lf_status allgather(lf_comm *c, const void *send, void *recv, size_t n, lf_comm_dtype t,
+                             void *) {
+    const size_t b = n * lf_comm_dtype_size(t);
+    for (int r = 0; r < c->size; r++) std::memcpy((char *)recv + b * r, send, b);
+    return LF_OK;
+  }
+  explicit FakeComm(int size) {
+    std::memset(&base, 0, sizeof base);
+    base.rank = 0;
+    base.size = size;
+    base.kind = "fake";
+    base.allgather = allgather;
+  }
+};
+
+TEST(MpiTp, ImpossibleSizeIsAClearError) {
+  lf_shard sh;
+  EXPECT_EQ(lf_shard_plan(0, 3, 4, 2, 160, 256, &sh), LF_ERR_INVALID_ARG);
+  EXPECT_NE(std::string(lf_last_error()).find("T=3"), std::string::npos) << lf_last_error();
+  EXPECT_NE(std::string(lf_last_error()).find("Hq=4"), std::string::npos) << lf_last_error();
+  EXPECT_NE(std::string(lf_last_error()).find("Hkv=2"), std::string::npos) << lf_last_error();
+  EXPECT_EQ(lf_shard_plan(0, 8, 4, 2, 160, 256, &sh), LF_ERR_INVALID_ARG); // 8 does not divide Hq
+  EXPECT_EQ(lf_shard_plan(0, 6, 12, 4, 160, 256, &sh), LF_ERR_INVALID_ARG); // 6 % Hkv != 0
+  ASSERT_EQ(lf_shard_plan(3, 4, 8, 2, 172, 512, &sh), LF_OK);               // replicated x2
+  EXPECT_EQ(sh.kv0, 1);
+  EXPECT_EQ(sh.n_kv, 1);
+  EXPECT_EQ(sh.q0, 6);
+  EXPECT_EQ(sh.cq0, 4);
+  EXPECT_EQ(sh.n_cq, 4);
+  EXPECT_EQ(sh.replicas, 2);
+  EXPECT_EQ(sh.hid0 + sh.n_hid, 172);
+  for (const Model &m : models()) {
+    if (!m.present) continue;
+    FakeComm fc(3);
+    lf_engine_config cfg;
+    lf_engine_config_default(&cfg);
+    cfg.model_path = m.path.c_str();
+    lf_engine_t e = nullptr;
+    EXPECT_EQ(lf_engine_init(&cfg, &fc.base, &e), LF_ERR_INVALID_ARG) << m.path;
+    EXPECT_EQ(e, nullptr);
+    EXPECT_NE(std::string(lf_last_error()).find("T=3"), std::string::npos) << lf_last_error();
+  }
+}
+
+size_t expected_bytes(const lf_model_config &c, const lf_shard &s, bool untied) {
+  const size_t hd = c.head_dim, dim = c.dim;
+  size_t per_layer = 2 * dim + s.n_cq * hd * dim + 2 * s.n_kv * hd * dim + dim * s.n_q * hd +
+                     3 * (size_t)s.n_hid * dim;
+  if (c.qkv_bias) per_layer += s.n_cq * hd + 2 * s.n_kv * hd;
+  if (c.qk_norm) per_layer += 2 * hd;
+  return 4 * ((untied ? 2 : 1) * (size_t)s.n_vocab * dim + c.n_layers * per_layer + dim);
+}
+
+TEST(MpiTp, EachRankLoadsItsShard) {
+  std::vector<std::string> paths = {"random:tiny-llama:5"};
+  for (const Model &m : models())
+    if (m.present) paths.push_back(m.path);
+  for (const std::string &path : paths) {
+    lf_checkpoint ck;
+    ASSERT_EQ(lf_checkpoint_open(path.c_str(), &ck), LF_OK) << lf_last_error();
+    const lf_model_config &c = ck.cfg;
+    lf_shard sh;
+    ASSERT_EQ(lf_shard_plan(g_comm->rank, g_comm->size, c.n_heads, c.n_kv_heads, c.hidden_dim,
+                            c.vocab_size, &sh), LF_OK) << lf_last_error();
+    lf_weights full{}, part{};
+    ASSERT_EQ(lf_weights_load_f32(&ck, &full), LF_OK) << lf_last_error();
+    ASSERT_EQ(lf_weights_load_f32_shard(&ck, &sh, &part), LF_OK) << lf_last_error();
+    const bool untied = full.lm_head != full.embed;
+    EXPECT_EQ(part.bytes, expected_bytes(c, sh, untied)) << path;
+    EXPECT_EQ(full.bytes, expected_bytes(c, [&] {
+                lf_shard w;
+                lf_shard_plan(0, 1, c.n_heads, c.n_kv_heads, c.hidden_dim, c.vocab_size, &w);
+                return w;
+              }(), untied)) << path;
+    // Only norms (and replicated KV / group queries) are repeated: about 1/T of the whole.
+    const double share = (double)part.bytes / (double)full.bytes;
+    if (g_comm->rank == 0)
+      printf("%s: rank 0 holds %zu of %zu bytes (%.3f; 1/T = %.3f)\n", path.c_str(), part.bytes,
+             full.bytes, share, 1.0 / g_comm->size);
+    if (sh.replicas == 1) {
+      EXPECT_LT(share, 1.0 / g_comm->size + 0.05) << path;
+    }
+    // The slices hold exactly the whole model's values at the same indices.
+    const size_t hd = c.head_dim, dim = c.dim;
+    for (int l = 0; l < c.n_layers; l++) {
+      const lf_layer_weights &F = full.layers[l], &P = part.layers[l];
+      ASSERT_EQ(std::memcmp(P.wq, F.wq + sh.cq0 * hd * dim, sh.n_cq * hd * dim * 4), 0) << path;
+      ASSERT_EQ(std::memcmp(P.wk, F.wk + sh.kv0 * hd * dim, sh.n_kv * hd * dim * 4), 0) << path;
+      for (size_t r = 0; r < dim; r++)
+        ASSERT_EQ(std::memcmp(P.wo + r * sh.n_q * hd, F.wo + r * c.n_heads * hd + sh.q0 * hd,
+                              sh.n_q * hd * 4), 0) << path;
+      for (size_t r = 0; r < dim; r++)
+        ASSERT_EQ(std::memcmp(P.w_down + r * sh.n_hid, F.w_down + r * c.hidden_dim + sh.hid0,
+                              sh.n_hid * 4), 0) << path;
+      ASSERT_EQ(std::memcmp(P.w_up, F.w_up + sh.hid0 * dim, sh.n_hid * dim * 4), 0) << path;
+      if (c.qkv_bias) {
+        ASSERT_EQ(std::memcmp(P.bq, F.bq + sh.cq0 * hd, sh.n_cq * hd * 4), 0);
+      }
+    }
+    ASSERT_EQ(std::memcmp(part.lm_head, full.lm_head + sh.vocab0 * dim, sh.n_vocab * dim * 4), 0);
+    lf_weights_free(&c, &full);
+    lf_weights_free(&c, &part);
+    lf_checkpoint_close(&ck);
+  }
+}
+
+// After a step fails backend-wide, a tensor-parallel engine stays failed; here: a follower call
+// on rank 0 and request calls on followers are state errors, not hangs.
+TEST(MpiTp, RolesAreEnforced) {
+  const Model m = models()[0];
+  if (!all_agree(m.present)) GTEST_SKIP();
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = m.path.c_str();
+  lf_engine_t e = nullptr;
+  ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
+  if (g_comm->rank == 0) {
+    EXPECT_EQ(lf_engine_follow(e), LF_ERR_STATE);
+  } else {
+    lf_metrics mt;
+    EXPECT_EQ(lf_engine_metrics(e, &mt), LF_ERR_STATE);
+    EXPECT_EQ(lf_engine_busy(e), 0);
+    EXPECT_EQ(lf_engine_follow(e), LF_OK) << lf_last_error();
+  }
+  lf_engine_free(e);
+}
+
+int die_scenario(int die_rank) {
+  // Rank die_rank leaves right after start-up; rank 0 keeps stepping. The launcher must end the
+  // job (non-zero) within seconds.
+  std::string path = lf_repo_data_dir() + "/hf_tiny/llama";
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = path.c_str();
+  lf_engine_t e = nullptr;
+  if (lf_engine_init(&cfg, g_comm, &e) != LF_OK) {
+    fprintf(stderr, "rank %d: %s\n", g_comm->rank, lf_last_error());
+    return 1;
+  }
+  if (g_comm->rank == die_rank) {
+    fprintf(stderr, "rank %d: exiting on purpose\n", g_comm->rank);
+    std::_Exit(3);
+  }
+  if (g_comm->rank != 0) {
+    lf_status s = lf_engine_follow(e);
+    fprintf(stderr, "rank %d: follow returned %s: %s\n", g_comm->rank, lf_status_str(s),
+            lf_last_error());
+    return s == LF_OK ? 0 : 1;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::vector<int32_t> p = prompt_of(8, 256, 0);
+  lf_request rq{};
+  rq.prompt = p.data();
+  rq.n_prompt = (int)p.size();
+  rq.max_tokens = 400;
+  rq.ignore_eos = 1;
+  uint64_t id;
+  lf_engine_submit(e, &rq, &id);
+  lf_event ev[16];
+  while (lf_engine_busy(e)) {
+    int n;
+    lf_status s = lf_engine_step(e, ev, 16, &n);
+    if (s != LF_OK) {
+      fprintf(stderr, "rank 0: step failed: %s: %s\n", lf_status_str(s), lf_last_error());
+      return 1; // lfgen's behaviour: exit non-zero
+    }
+  }
+  fprintf(stderr, "rank 0: finished without noticing the lost rank\n");
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  int rank;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (lf_comm_init_mpi(&g_comm) != LF_OK) {
+    fprintf(stderr, "rank %d: %s\n", rank, lf_last_error());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  for (int i = 1; i + 1 < argc; i++)
+    if (!std::strcmp(argv[i], "--die-rank")) {
+      int rc = die_scenario(std::atoi(argv[i + 1]));
+      lf_comm_free(g_comm);
+      if (rc == 0) MPI_Finalize();
+      return rc;
+    }
+  ::testing::InitGoogleTest(&argc, argv);
+  if (rank != 0) {
+    auto &listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  } else {
+    printf("%d ranks\n", g_comm->size);
+  }
+  int rc = RUN_ALL_TESTS();
+  int worst = 0;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  lf_comm_free(g_comm);
+  MPI_Finalize();
+  return worst;
+}
