@@ -2,7 +2,9 @@
 # Builds lfserve and runs every test this machine can run:
 #  1. release build (CUDA sources compiled and linked wherever nvcc exists), CPU + MPI tests,
 #     plus the GPU tests when a GPU is present;
-#  2. an AddressSanitizer + UndefinedBehaviorSanitizer build of the CPU tests.
+#  2. an AddressSanitizer + UndefinedBehaviorSanitizer build of the CPU tests (the server tests
+#     among them: lfserve under ASan must exit leak-free);
+#  3. short libFuzzer runs (ASan) of the request parser and the tokenizer, where clang can.
 # Test data: $LF_TEST_DATA (default ../shared) for stories260K; tests that need it skip without.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,3 +23,20 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DLF_SANITIZE=ON -DLF
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan -L cpu --output-on-failure -j "$jobs"
+
+if command -v clang >/dev/null 2>&1; then
+  CC=clang CXX=clang++ CFLAGS="-fsanitize=fuzzer-no-link,address -fno-omit-frame-pointer" \
+    cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLF_CUDA=OFF -DLF_MPI=OFF \
+    -DLF_OPENMP=OFF -DLF_TESTS=OFF
+  if cmake --build build-fuzz -j "$jobs" --target fuzz_request fuzz_tokenizer; then
+    for f in request tokenizer; do
+      corpus=$(mktemp -d)
+      cp fuzz/corpus/$f/* "$corpus"/
+      ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_$f -max_total_time="${LF_FUZZ_SECONDS:-25}" \
+        -max_len=4096 -print_final_stats=1 "$corpus" 2>&1 | tail -4
+      rm -rf "$corpus"
+    done
+  else
+    echo "fuzz targets not built (this clang lacks libFuzzer): skipped"
+  fi
+fi

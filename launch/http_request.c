@@ -1,0 +1,573 @@
+/* OpenAI-style request bodies -> engine requests. See http_request.h. */
+#include "http_request.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/json.h"
+
+void lfs_error_set(lfs_error *e, int status, const char *type, const char *code, const char *param,
+                   const char *fmt, ...) {
+  e->status = status;
+  e->type = type;
+  e->code = code;
+  snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(e->message, sizeof e->message, fmt, ap);
+  va_end(ap);
+}
+
+#define BAD(param, ...)                                                                            \
+  do {                                                                                             \
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_value", param, __VA_ARGS__);         \
+    goto fail;                                                                                     \
+  } while (0)
+#define BAD_TYPE(param, want)                                                                      \
+  do {                                                                                             \
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", param, "'%s' must be %s",     \
+                  param, want);                                                                    \
+    goto fail;                                                                                     \
+  } while (0)
+#define OOM()                                                                                      \
+  do {                                                                                             \
+    lfs_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");               \
+    goto fail;                                                                                     \
+  } while (0)
+
+void lfs_request_free(lfs_request *r) {
+  free(r->prompt);
+  free(r->stop_ids);
+  for (int i = 0; i < r->n_stop_seqs; i++)
+    free((void *)r->stop_seqs[i].ids);
+  free(r->stop_seqs);
+  memset(r, 0, sizeof *r);
+}
+
+static int is_null(const lf_json *v) {
+  return !v || v->type == LF_JSON_NULL;
+}
+
+/* An integer member in [lo, hi]; 0 absent/null, 1 read, -1 error (err set). */
+static int get_int(const lf_json *root, const char *key, int64_t lo, int64_t hi, int64_t *out,
+                   lfs_error *err) {
+  const lf_json *v = lf_json_get(root, key);
+  if (is_null(v)) return 0;
+  int64_t x;
+  if (!lf_json_int(v, &x)) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", key, "'%s' must be an integer",
+                  key);
+    return -1;
+  }
+  if (x < lo || x > hi) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_value", key,
+                  "'%s' is %lld; it must be in [%lld, %lld]", key, (long long)x, (long long)lo,
+                  (long long)hi);
+    return -1;
+  }
+  *out = x;
+  return 1;
+}
+
+static int get_num(const lf_json *root, const char *key, double lo, double hi, int lo_open,
+                   double *out, lfs_error *err) {
+  const lf_json *v = lf_json_get(root, key);
+  if (is_null(v)) return 0;
+  double x;
+  if (!lf_json_num(v, &x)) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", key, "'%s' must be a number",
+                  key);
+    return -1;
+  }
+  if (!isfinite(x) || x < lo || x > hi || (lo_open && x == lo)) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_value", key,
+                  "'%s' is %g; it must be in %c%g, %g]", key, x, lo_open ? '(' : '[', lo, hi);
+    return -1;
+  }
+  *out = x;
+  return 1;
+}
+
+static int get_bool(const lf_json *root, const char *key, int *out, lfs_error *err) {
+  const lf_json *v = lf_json_get(root, key);
+  if (is_null(v)) return 0;
+  if (!lf_json_bool(v, out)) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", key, "'%s' must be a boolean",
+                  key);
+    return -1;
+  }
+  return 1;
+}
+
+/* A token-id array -> ids (each in [0, vocab)). */
+static int read_ids(const lfs_model_ctx *m, const lf_json *arr, const char *param, int32_t **out,
+                    int *n, lfs_error *err) {
+  size_t len = lf_json_len(arr);
+  if (len > (size_t)m->max_seq_len + 1 || len > 0x7fffffff) {
+    lfs_error_set(err, 400, "invalid_request_error", "context_length_exceeded", param,
+                  "'%s' has %zu token ids; the model's context is %d", param, len, m->max_seq_len);
+    return -1;
+  }
+  int32_t *ids = malloc(sizeof(int32_t) * (len ? len : 1));
+  if (!ids) {
+    lfs_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    return -1;
+  }
+  for (size_t i = 0; i < len; i++) {
+    int64_t x;
+    if (!lf_json_int(lf_json_at(arr, i), &x) || x < 0 || x >= m->vocab_size) {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_token_id", param,
+                    "'%s'[%zu] is not a token id in [0, %d)", param, i, m->vocab_size);
+      free(ids);
+      return -1;
+    }
+    ids[i] = (int32_t)x;
+  }
+  *out = ids;
+  *n = (int)len;
+  return 0;
+}
+
+static int is_id_array(const lf_json *v) {
+  if (lf_json_typeof(v) != LF_JSON_ARRAY) return 0;
+  for (size_t i = 0; i < lf_json_len(v); i++)
+    if (lf_json_typeof(lf_json_at(v, i)) != LF_JSON_NUMBER) return 0;
+  return 1;
+}
+
+static int encode(const lfs_model_ctx *m, const char *s, size_t n, unsigned flags,
+                  const char *param, lf_token_ids *ids, lfs_error *err) {
+  if (!m->tok) {
+    lfs_error_set(err, 400, "invalid_request_error", "no_tokenizer", param,
+                  "the model has no tokenizer.json: give '%s' as token ids", param);
+    return -1;
+  }
+  lf_status s2 = lf_tokenizer_encode(m->tok, s, n, flags, ids);
+  if (s2 != LF_OK) {
+    if (s2 == LF_ERR_OUT_OF_MEMORY)
+      lfs_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    else
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_value", param,
+                    "'%s' could not be tokenized: %s", param, lf_last_error());
+    return -1;
+  }
+  return 0;
+}
+
+static int add_stop_seq(lfs_request *r, int32_t *ids, int n) {
+  lf_stop_seq *p = realloc(r->stop_seqs, sizeof *p * (size_t)(r->n_stop_seqs + 1));
+  if (!p) return -1;
+  r->stop_seqs = p;
+  p[r->n_stop_seqs].ids = ids;
+  p[r->n_stop_seqs].n_ids = n;
+  r->n_stop_seqs++;
+  return 0;
+}
+
+static int add_stop_id(lfs_request *r, int32_t id) {
+  int32_t *p = realloc(r->stop_ids, sizeof *p * (size_t)(r->n_stop_ids + 1));
+  if (!p) return -1;
+  r->stop_ids = p;
+  p[r->n_stop_ids++] = id;
+  return 0;
+}
+
+/* One entry of "stop": a string (encoded without BOS; an empty one is ignored), an id, or an
+ * id sequence. */
+static int read_stop_entry(const lfs_model_ctx *m, const lf_json *v, lfs_request *r,
+                           lfs_error *err) {
+  int64_t x;
+  if (lf_json_typeof(v) == LF_JSON_STRING) {
+    size_t n;
+    const char *s = lf_json_str(v, &n);
+    if (n == 0) return 0;
+    lf_token_ids ids = {0};
+    if (encode(m, s, n, 0, "stop", &ids, err)) {
+      lf_token_ids_free(&ids);
+      return -1;
+    }
+    if (ids.n == 0 || ids.n > 256) {
+      lf_token_ids_free(&ids);
+      if (ids.n == 0) return 0;
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "stop",
+                    "a stop string may be at most 256 tokens");
+      return -1;
+    }
+    if (add_stop_seq(r, ids.ids, (int)ids.n)) {
+      lf_token_ids_free(&ids);
+      goto oom;
+    }
+    return 0;
+  }
+  if (lf_json_typeof(v) == LF_JSON_NUMBER) {
+    if (!lf_json_int(v, &x) || x < 0 || x >= m->vocab_size) {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_token_id", "stop",
+                    "a stop id must be a token id in [0, %d)", m->vocab_size);
+      return -1;
+    }
+    if (add_stop_id(r, (int32_t)x)) goto oom;
+    return 0;
+  }
+  if (is_id_array(v) && lf_json_len(v) >= 1 && lf_json_len(v) <= 256) {
+    int32_t *ids;
+    int n;
+    if (read_ids(m, v, "stop", &ids, &n, err)) return -1;
+    if (add_stop_seq(r, ids, n)) {
+      free(ids);
+      goto oom;
+    }
+    return 0;
+  }
+  lfs_error_set(err, 400, "invalid_request_error", "invalid_type", "stop",
+                "'stop' entries must be strings, token ids or non-empty arrays of at most 256 "
+                "token ids");
+  return -1;
+oom:
+  lfs_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+  return -1;
+}
+
+/* messages -> one prompt string through the chat template. */
+static int read_messages(const lfs_model_ctx *m, const lf_json *msgs, lf_tok_text *text,
+                         lfs_error *err) {
+  size_t n = lf_json_len(msgs);
+  lf_chat_message *cm = NULL;
+  lf_tok_text *parts = NULL;
+  int rc = -1;
+  if (lf_json_typeof(msgs) != LF_JSON_ARRAY) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", "messages",
+                  "'messages' must be an array of message objects");
+    return -1;
+  }
+  if (n == 0) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "messages",
+                  "'messages' must not be empty");
+    return -1;
+  }
+  if (n > 4096) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "messages",
+                  "'messages' has %zu entries; at most 4096 are accepted", n);
+    return -1;
+  }
+  if (!m->tmpl || !m->tok) {
+    lfs_error_set(err, 400, "invalid_request_error", "no_chat_template", "messages",
+                  "the model has no tokenizer or chat template: use /v1/completions");
+    return -1;
+  }
+  cm = calloc(n, sizeof *cm);
+  parts = calloc(n, sizeof *parts);
+  if (!cm || !parts) {
+    lfs_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    goto done;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const lf_json *msg = lf_json_at(msgs, i);
+    if (lf_json_typeof(msg) != LF_JSON_OBJECT) {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_type", "messages",
+                    "messages[%zu] must be an object", i);
+      goto done;
+    }
+    const char *role = lf_json_str(lf_json_get(msg, "role"), NULL);
+    if (!role || (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant") &&
+                  strcmp(role, "developer"))) {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "messages",
+                    "messages[%zu].role must be \"system\", \"developer\", \"user\" or "
+                    "\"assistant\"",
+                    i);
+      goto done;
+    }
+    cm[i].role = strcmp(role, "developer") ? role : "system";
+    const lf_json *c = lf_json_get(msg, "content");
+    if (lf_json_typeof(c) == LF_JSON_STRING) {
+      size_t len;
+      const char *s = lf_json_str(c, &len);
+      if (lf_tok_text_append(&parts[i], s, len) != LF_OK) goto oom;
+    } else if (lf_json_typeof(c) == LF_JSON_ARRAY) {
+      for (size_t k = 0; k < lf_json_len(c); k++) {
+        const lf_json *p = lf_json_at(c, k);
+        const char *type = lf_json_str(lf_json_get(p, "type"), NULL);
+        size_t len;
+        const char *s = lf_json_str(lf_json_get(p, "text"), &len);
+        if (!type || strcmp(type, "text") || !s) {
+          lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "messages",
+                        "messages[%zu].content[%zu] must be {\"type\": \"text\", \"text\": ...} "
+                        "(only text is supported)",
+                        i, k);
+          goto done;
+        }
+        if (lf_tok_text_append(&parts[i], s, len) != LF_OK) goto oom;
+      }
+    } else if (lf_json_typeof(c) == LF_JSON_NULL && !strcmp(role, "assistant")) {
+      /* an assistant turn without content */
+    } else {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_type", "messages",
+                    "messages[%zu].content must be a string or an array of text parts", i);
+      goto done;
+    }
+    if (lf_tok_text_append(&parts[i], "", 0) != LF_OK) goto oom;
+    /* The template API takes NUL-terminated content; a "\u0000" inside would cut it short. */
+    if (strlen(parts[i].data) != parts[i].len) {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "messages",
+                    "messages[%zu].content contains a NUL character", i);
+      goto done;
+    }
+    cm[i].content = parts[i].data;
+  }
+  lf_status s = lf_chat_template_render(m->tmpl, cm, n, 1, text);
+  if (s != LF_OK) {
+    if (s == LF_ERR_OUT_OF_MEMORY) goto oom;
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "messages",
+                  "the chat template refused the messages: %s", lf_last_error());
+    goto done;
+  }
+  rc = 0;
+  goto done;
+oom:
+  lfs_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+done:
+  if (parts)
+    for (size_t i = 0; i < n; i++)
+      lf_tok_text_free(&parts[i]);
+  free(parts);
+  free(cm);
+  return rc;
+}
+
+int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t len,
+                      lfs_request *out, lfs_error *err) {
+  lf_json *root = NULL;
+  lf_token_ids ids = {0};
+  lfs_request r;
+  memset(&r, 0, sizeof r);
+  memset(out, 0, sizeof *out);
+  r.chat = chat;
+  r.sampling.top_p = 1.0f;
+  char perr[160];
+  if (lf_json_parse(body, len, &root, perr, sizeof perr) != LF_OK) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_json", NULL,
+                  "the request body is not valid JSON: %s", perr);
+    goto fail;
+  }
+  if (root->type != LF_JSON_OBJECT) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", NULL,
+                  "the request body must be a JSON object");
+    goto fail;
+  }
+
+  const lf_json *v = lf_json_get(root, "model");
+  if (!is_null(v)) {
+    const char *name = lf_json_str(v, NULL);
+    if (!name) BAD_TYPE("model", "a string");
+    if (strcmp(name, m->model_name)) {
+      lfs_error_set(err, 404, "invalid_request_error", "model_not_found", "model",
+                    "The model '%.200s' does not exist; this server serves '%.100s'", name,
+                    m->model_name);
+      goto fail;
+    }
+  }
+  int64_t x;
+  double d;
+  int b = 0;
+  switch (get_int(root, "n", INT64_MIN, INT64_MAX, &x, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    if (x != 1) BAD("n", "'n' must be 1: one completion per request is supported");
+  }
+  switch (get_int(root, "best_of", INT64_MIN, INT64_MAX, &x, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    if (x != 1) BAD("best_of", "'best_of' must be 1");
+  }
+  if (get_bool(root, "echo", &b, err) < 0) goto fail;
+  if (lf_json_get(root, "echo") && b) BAD("echo", "'echo' is not supported");
+  v = lf_json_get(root, "logprobs");
+  if (!is_null(v) && !(v->type == LF_JSON_BOOL && !v->boolean) &&
+      !(v->type == LF_JSON_NUMBER && v->num == 0))
+    BAD("logprobs", "'logprobs' is not supported");
+  if (!is_null(lf_json_get(root, "suffix"))) BAD("suffix", "'suffix' is not supported");
+
+  if (get_bool(root, "stream", &r.stream, err) < 0) goto fail;
+  v = lf_json_get(root, "stream_options");
+  if (!is_null(v)) {
+    if (v->type != LF_JSON_OBJECT) BAD_TYPE("stream_options", "an object");
+    if (get_bool(v, "include_usage", &r.include_usage, err) < 0) goto fail;
+  }
+  if (get_bool(root, "ignore_eos", &r.ignore_eos, err) < 0) goto fail;
+  if (get_bool(root, "return_token_ids", &r.return_token_ids, err) < 0) goto fail;
+
+  switch (get_num(root, "temperature", 0, 100, 0, &d, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    r.sampling.temperature = (float)d;
+  }
+  switch (get_num(root, "top_p", 0, 1, 1, &d, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    r.sampling.top_p = (float)d;
+  }
+  switch (get_int(root, "top_k", -1, INT32_MAX, &x, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    r.sampling.top_k = x < 0 ? 0 : (int)x;
+  }
+  switch (get_int(root, "seed", INT64_MIN, INT64_MAX, &x, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    r.sampling.seed = (uint64_t)x;
+  }
+
+  /* The prompt. */
+  if (chat) {
+    if (!lf_json_get(root, "messages")) {
+      lfs_error_set(err, 400, "invalid_request_error", "missing_required_parameter", "messages",
+                    "'messages' is required");
+      goto fail;
+    }
+    lf_tok_text text = {0};
+    if (read_messages(m, lf_json_get(root, "messages"), &text, err)) {
+      lf_tok_text_free(&text);
+      goto fail;
+    }
+    /* The rendered template carries its own BOS and special markers. */
+    int e = encode(m, text.data, text.len, 0, "messages", &ids, err);
+    lf_tok_text_free(&text);
+    if (e) goto fail_ids;
+  } else {
+    v = lf_json_get(root, "prompt");
+    if (!v) {
+      lfs_error_set(err, 400, "invalid_request_error", "missing_required_parameter", "prompt",
+                    "'prompt' is required");
+      goto fail;
+    }
+    /* A batch of exactly one prompt is the same as that prompt. */
+    if (v->type == LF_JSON_ARRAY && lf_json_len(v) >= 1 &&
+        (lf_json_typeof(lf_json_at(v, 0)) == LF_JSON_STRING ||
+         lf_json_typeof(lf_json_at(v, 0)) == LF_JSON_ARRAY)) {
+      if (lf_json_len(v) != 1) BAD("prompt", "one prompt per request is supported");
+      v = lf_json_at(v, 0);
+    }
+    if (v->type == LF_JSON_STRING) {
+      size_t n;
+      const char *s = lf_json_str(v, &n);
+      if (n == 0) BAD("prompt", "'prompt' must not be empty");
+      if (encode(m, s, n, LF_TOK_ADD_SPECIAL, "prompt", &ids, err)) goto fail_ids;
+    } else if (v->type == LF_JSON_ARRAY) {
+      if (!is_id_array(v)) BAD_TYPE("prompt", "a string or an array of token ids");
+      int32_t *p;
+      int n;
+      if (read_ids(m, v, "prompt", &p, &n, err)) goto fail;
+      ids.ids = p;
+      ids.n = ids.cap = (size_t)n;
+    } else {
+      BAD_TYPE("prompt", "a string or an array of token ids");
+    }
+  }
+  if (ids.n == 0) {
+    lf_token_ids_free(&ids);
+    BAD(chat ? "messages" : "prompt", "the prompt is empty");
+  }
+  if (ids.n > (size_t)m->max_seq_len) {
+    lfs_error_set(
+        err, 400, "invalid_request_error", "context_length_exceeded", chat ? "messages" : "prompt",
+        "the prompt has %zu tokens; the model's context is %d tokens", ids.n, m->max_seq_len);
+    goto fail_ids;
+  }
+  r.prompt = ids.ids;
+  r.n_prompt = (int)ids.n;
+  ids.ids = NULL;
+
+  /* Under `full` nothing is ever evicted: prompt and output must fit the pool. Otherwise the
+   * model's context is the limit (LongFlow's pool holds a bounded window of it). */
+  const int full = m->policy == LF_POLICY_FULL;
+  const int limit = full && m->budget < m->max_seq_len ? m->budget : m->max_seq_len;
+  if (r.n_prompt > limit) {
+    lfs_error_set(err, 400, "invalid_request_error", "context_length_exceeded",
+                  chat ? "messages" : "prompt",
+                  "the prompt has %d tokens; at most %d fit (the KV budget under the full policy)",
+                  r.n_prompt, limit);
+    goto fail;
+  }
+  const int room = limit - r.n_prompt + 1; /* the last token is sampled, never stored */
+  int have = 0;
+  const char *mt_key = "max_tokens";
+  switch (get_int(root, "max_tokens", INT64_MIN, INT64_MAX, &x, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    have = 1;
+  }
+  if (chat && !have) {
+    mt_key = "max_completion_tokens";
+    switch (get_int(root, mt_key, INT64_MIN, INT64_MAX, &x, err)) {
+    case -1:
+      goto fail;
+    case 1:
+      have = 1;
+    }
+  }
+  if (have) {
+    if (x < 1) BAD(mt_key, "'%s' is %lld; it must be at least 1", mt_key, (long long)x);
+    if (x > m->max_seq_len)
+      BAD(mt_key, "'%s' is %lld; the model's context is %d tokens", mt_key, (long long)x,
+          m->max_seq_len);
+    if (x > room) {
+      lfs_error_set(err, 400, "invalid_request_error", "context_length_exceeded", mt_key,
+                    "the prompt (%d tokens) plus %s (%lld) exceed the %s of %d tokens", r.n_prompt,
+                    mt_key, (long long)x,
+                    limit < m->max_seq_len ? "KV budget (full policy)" : "model's context", limit);
+      goto fail;
+    }
+    r.max_tokens = (int)x;
+  } else {
+    r.max_tokens = chat ? room : (room < 16 ? room : 16);
+  }
+
+  /* Stops. */
+  const int max_stop = m->max_stop > 0 ? m->max_stop : 16;
+  v = lf_json_get(root, "stop");
+  if (!is_null(v)) {
+    if (v->type == LF_JSON_STRING) {
+      if (read_stop_entry(m, v, &r, err)) goto fail;
+    } else if (v->type == LF_JSON_ARRAY) {
+      if (lf_json_len(v) > (size_t)max_stop)
+        BAD("stop", "'stop' has %zu entries; at most %d are accepted", lf_json_len(v), max_stop);
+      for (size_t i = 0; i < lf_json_len(v); i++)
+        if (read_stop_entry(m, lf_json_at(v, i), &r, err)) goto fail;
+    } else {
+      BAD_TYPE("stop", "a string or an array");
+    }
+  }
+  v = lf_json_get(root, "stop_token_ids");
+  if (!is_null(v)) {
+    if (!is_id_array(v)) BAD_TYPE("stop_token_ids", "an array of token ids");
+    if (lf_json_len(v) > 256) BAD("stop_token_ids", "at most 256 stop token ids are accepted");
+    int32_t *p;
+    int n;
+    if (read_ids(m, v, "stop_token_ids", &p, &n, err)) goto fail;
+    for (int i = 0; i < n; i++)
+      if (add_stop_id(&r, p[i])) {
+        free(p);
+        OOM();
+      }
+    free(p);
+  }
+
+  lf_json_free(root);
+  *out = r;
+  return 0;
+fail_ids:
+  lf_token_ids_free(&ids);
+fail:
+  lf_json_free(root);
+  lfs_request_free(&r);
+  return -1;
+}

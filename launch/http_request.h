@@ -1,0 +1,71 @@
+/* OpenAI-style request bodies -> engine requests, with every check the server makes before it
+ * submits. No HTTP here, so the libFuzzer target (fuzz/fuzz_request.c) drives exactly this code.
+ *
+ * /v1/completions:      prompt: string | [int...] | [string] | [[int...]] (one prompt; n = 1)
+ * /v1/chat/completions: messages: [{role, content: string | [{type:"text", text}...]}...]
+ * Both: model, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k, seed,
+ * stop (string | [string | int | [int...]]), stop_token_ids [int], stream, stream_options
+ * {include_usage}, n (1 only), ignore_eos and return_token_ids (extensions, as in vLLM).
+ * Unknown members are ignored; a known member of the wrong type is an error.
+ */
+#ifndef LF_HTTP_REQUEST_H
+#define LF_HTTP_REQUEST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/tokenizer.h"
+#include "lfserve.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What the server knows about its model when it checks a request. */
+typedef struct lfs_model_ctx {
+  const lf_tokenizer *tok;      /* NULL: token-id prompts only, no text */
+  const lf_chat_template *tmpl; /* NULL: no /v1/chat/completions */
+  const char *model_name;       /* the one served model id */
+  int vocab_size;               /* the model's (ids must be below it) */
+  int max_seq_len;              /* the model's context */
+  int budget;                   /* slots per pool (B) */
+  lf_policy policy;
+  int max_stop; /* most stop entries (default 16 when 0) */
+} lfs_model_ctx;
+
+typedef struct lfs_request {
+  int chat; /* parsed as a chat completion */
+  int stream, include_usage, return_token_ids;
+  int32_t *prompt; /* [n_prompt] */
+  int n_prompt;
+  int max_tokens;
+  lf_sampling sampling;
+  int ignore_eos;
+  int32_t *stop_ids; /* [n_stop_ids] single ids */
+  int n_stop_ids;
+  lf_stop_seq *stop_seqs; /* [n_stop_seqs], each ids owned */
+  int n_stop_seqs;
+} lfs_request;
+
+/* An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status. */
+typedef struct lfs_error {
+  int status;       /* 400, 404, 413, 429, 500, 503 */
+  const char *type; /* "invalid_request_error", ... */
+  const char *code; /* "invalid_value", "model_not_found", "context_length_exceeded", ... */
+  char param[48];   /* the offending member ("" when none) */
+  char message[400];
+} lfs_error;
+
+void lfs_error_set(lfs_error *e, int status, const char *type, const char *code, const char *param,
+                   const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+
+/* Parses and checks body[0..len). On success returns 0 and fills *out (free with
+ * lfs_request_free); on failure returns -1, fills *err and leaves *out empty. */
+int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t len,
+                      lfs_request *out, lfs_error *err);
+void lfs_request_free(lfs_request *r);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Endpoint behaviour and error statuses of lfserve, over loopback, standard library only.
+
+    python3 tests/server/test_server.py --lfserve build/lfserve
+
+Two servers: a tiny random Llama with a byte-level BPE tokenizer and chat template (made by
+tools/make_tiny_chat_model.py) and tests/data/hf_tiny/llama (no tokenizer) under the `full`
+policy with one pool. Exits non-zero on the first failure; the server's log is printed then.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serverlib import ROOT, Server, make_tiny_chat_model, wait_idle  # noqa: E402
+
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def err_of(st, j, status, code=None):
+    assert st == status, "status %s, wanted %s: %s" % (st, status, j)
+    e = j["error"]
+    assert isinstance(e["message"], str) and e["message"], j
+    assert isinstance(e["type"], str) and "code" in e, j
+    if code:
+        assert e["code"] == code, "code %s, wanted %s: %s" % (e["code"], code, j)
+
+
+def stream_text(chunks, chat):
+    out, ids = "", []
+    for c in chunks[:-1]:
+        ch = c["choices"][0]
+        out += ch["delta"].get("content", "") if chat else ch["text"]
+        ids += ch.get("token_ids", [])
+    return out, ids
+
+
+def tests_tokenizer_server(s):
+    st, _, data = s.request("GET", "/health")
+    assert st == 200 and json.loads(data)["status"] == "ok"
+    st, _, data = s.request("GET", "/v1/models")
+    m = json.loads(data)
+    assert st == 200 and m["data"][0]["id"] == "tinychat", m
+
+    # completions: whole, streamed, equal under greedy
+    body = {"model": "tinychat", "prompt": "Hello world, tell me a story", "max_tokens": 12,
+            "ignore_eos": True, "return_token_ids": True}
+    st, _, j, _ = s.post(CMPL, body)
+    assert st == 200, j
+    ch = j["choices"][0]
+    assert j["object"] == "text_completion" and ch["finish_reason"] == "length", j
+    assert len(ch["token_ids"]) == 12 and j["usage"]["completion_tokens"] == 12, j
+    assert j["usage"]["total_tokens"] == j["usage"]["prompt_tokens"] + 12
+    st, chunks, done = s.stream(CMPL, dict(body, stream=True, stream_options={"include_usage": True}))
+    assert st == 200 and done, chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    chunks = chunks[:-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text, ids = stream_text(chunks, False)
+    text += chunks[-1]["choices"][0]["text"]
+    assert ids == ch["token_ids"], (ids, ch["token_ids"])
+    assert text == ch["text"], (text, ch["text"])
+
+    # chat, whole and streamed
+    cbody = {"messages": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                       {"type": "text", "text": "there ☃"}]}],
+             "max_completion_tokens": 10, "ignore_eos": True}
+    st, _, j, _ = s.post(CHAT, cbody)
+    assert st == 200 and j["object"] == "chat.completion", j
+    msg = j["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    st, chunks, done = s.stream(CHAT, dict(cbody, stream=True))
+    assert st == 200 and done
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text, _ = stream_text(chunks, True)
+    text += chunks[-1]["choices"][0]["delta"].get("content", "")
+    assert text == msg["content"], (text, msg["content"])
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+
+    # sampling parameters and seeds: same seed, same text
+    sb = dict(body, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    a = s.post(CMPL, sb)[2]["choices"][0]["token_ids"]
+    b = s.post(CMPL, sb)[2]["choices"][0]["token_ids"]
+    assert a == b
+
+    # stops: a stop id ends before it; stop sequences of ids; a stop string is accepted
+    gen = ch["token_ids"]
+    k = next(i for i in range(2, len(gen)) if gen[i] not in gen[:i])
+    for stop in ({"stop_token_ids": [gen[k]]}, {"stop": [gen[k]]}, {"stop": [[gen[k]]]}):
+        st, _, j, _ = s.post(CMPL, dict(body, **stop))
+        assert st == 200, j
+        assert j["choices"][0]["finish_reason"] == "stop", (stop, j)
+        assert j["choices"][0]["token_ids"] == gen[:k], (stop, j["choices"][0]["token_ids"], gen)
+    st, _, j, _ = s.post(CMPL, dict(body, stop=["\n\n", "the"]))
+    assert st == 200, j
+    st, _, j, _ = s.post(CMPL, dict(body, stop="x"))
+    assert st == 200, j
+
+    # bad input
+    bad = [
+        (b"{not json", 400, "invalid_json"),
+        (b"", 400, "invalid_json"),
+        (b"[1,2]", 400, None),
+        (b"\xff\xfe{}", 400, "invalid_json"),
+        (b"{\"prompt\": \"a\xc3\"}", 400, "invalid_json"),
+        (b"[" * 5000 + b"]" * 5000, 400, "invalid_json"),
+    ]
+    for raw, status, code in bad:
+        st, _, data = s.request("POST", CMPL, raw)
+        err_of(st, json.loads(data), status, code)
+    cases = [
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "model_not_found"),
+        ({"prompt": "hi", "model": 5}, 400, None),
+        ({"prompt": "hi", "max_tokens": 0}, 400, None),
+        ({"prompt": "hi", "max_tokens": -3}, 400, None),
+        ({"prompt": "hi", "max_tokens": 10 ** 9}, 400, None),
+        ({"prompt": "hi", "max_tokens": 1e300}, 400, None),
+        ({"prompt": "hi", "max_tokens": "5"}, 400, "invalid_type"),
+        ({"prompt": "hi", "max_tokens": 2.5}, 400, "invalid_type"),
+        ({"prompt": "hi", "temperature": "hot"}, 400, "invalid_type"),
+        ({"prompt": "hi", "temperature": -1}, 400, None),
+        ({"prompt": "hi", "top_p": 0}, 400, None),
+        ({"prompt": "hi", "top_p": 1.5}, 400, None),
+        ({"prompt": "hi", "top_k": -5}, 400, None),
+        ({"prompt": "hi", "stream": 1}, 400, "invalid_type"),
+        ({"prompt": "hi", "n": 2}, 400, None),
+        ({"prompt": "hi", "seed": 1.5}, 400, None),
+        ({"prompt": "hi", "stop": 5.5}, 400, None),
+        ({"prompt": "hi", "stop": [{}]}, 400, None),
+        ({"prompt": "hi", "stop": ["a"] * 100}, 400, None),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, 400, None),
+        ({"prompt": "hi", "logprobs": 3}, 400, None),
+        ({"prompt": ""}, 400, None),
+        ({"prompt": []}, 400, None),
+        ({"prompt": [[]]}, 400, None),
+        ({"prompt": ["a", "b"]}, 400, None),
+        ({"prompt": [1, 2, 99999]}, 400, "invalid_token_id"),
+        ({"prompt": [1, -2]}, 400, "invalid_token_id"),
+        ({"prompt": [1, 2.5]}, 400, None),
+        ({"prompt": 5}, 400, "invalid_type"),
+        ({"prompt": None}, 400, None),
+        ({}, 400, "missing_required_parameter"),
+        ({"prompt": [5] * 8200}, 400, "context_length_exceeded"),
+        ({"prompt": [5] * 8150, "max_tokens": 100}, 400, "context_length_exceeded"),
+    ]
+    for body_, status, code in cases:
+        st, _, j, raw = s.post(CMPL, body_)
+        assert j is not None, raw
+        err_of(st, j, status, code)
+    chat_cases = [
+        ({"messages": []}, 400, None),
+        ({"messages": "hi"}, 400, "invalid_type"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        ({"messages": [{"role": "user"}]}, 400, None),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, None),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+        ({"messages": [{"role": "user", "content": "a\u0000b"}]}, 400, None),
+        ({"prompt": "x"}, 400, "missing_required_parameter"),
+    ]
+    for body_, status, code in chat_cases:
+        st, _, j, _ = s.post(CHAT, body_)
+        err_of(st, j, status, code)
+    st, _, data = s.request("GET", CMPL)
+    err_of(st, json.loads(data), 405)
+    st, _, data = s.request("POST", "/v1/models", b"{}")
+    err_of(st, json.loads(data), 405)
+    st, _, data = s.request("GET", "/nope")
+    err_of(st, json.loads(data), 404)
+    # oversized bodies: declared, and chunked without a length
+    st, _, data = s.request("POST", CMPL, b"x" * 70000)
+    err_of(st, json.loads(data), 413, "request_too_large")
+    c = s.conn()
+    c.putrequest("POST", CMPL)
+    c.putheader("Transfer-Encoding", "chunked")
+    c.endheaders()
+    for _ in range(20):
+        c.send(b"1000\r\n" + b"y" * 4096 + b"\r\n")
+    c.send(b"0\r\n\r\n")
+    r = c.getresponse()
+    err_of(r.status, json.loads(r.read()), 413)
+    c.close()
+
+    # a slow client (half a request line) is dropped after --timeout; the server stays up
+    sk = socket.create_connection(("127.0.0.1", s.port))
+    sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+    sk.settimeout(10)
+    t0 = time.time()
+    try:
+        got = sk.recv(100)
+    except (ConnectionResetError, socket.timeout):
+        got = b""
+    assert got == b"" and time.time() - t0 < 9, got
+    sk.close()
+
+    # four pools, a queue of two: the seventh concurrent request gets 429 with Retry-After
+    holders, ready = [], threading.Event()
+
+    def hold():
+        c = s.conn()
+        c.request("POST", CMPL, body=json.dumps({"prompt": [1, 2], "max_tokens": 8000,
+                                                 "ignore_eos": True, "stream": True}))
+        r = c.getresponse()
+        holders.append((c, r))
+        ready.set()
+
+    # One at a time: admission happens at the engine's next step, so requests arriving together
+    # can find the queue full before the first of them takes a pool.
+    for i in range(6):
+        ready.clear()
+        threading.Thread(target=hold, daemon=True).start()
+        ready.wait(10)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            m = s.metrics()
+            if m["lfserve_running"] == min(i + 1, 4) and m["lfserve_queue_length"] == max(0, i - 3):
+                break
+            time.sleep(0.005)
+    assert all(r.status == 200 for _, r in holders), [r.status for _, r in holders]
+    st, h, j, _ = s.post(CMPL, {"prompt": [1, 2], "max_tokens": 2})
+    err_of(st, j, 429)
+    assert "retry-after" in h, h
+    for c, r in holders:
+        r.close()
+        c.close()  # vanish: the requests are cancelled
+    m = wait_idle(s)
+    assert m['lfserve_requests_total{outcome="rejected"}'] >= 1
+
+    # a client that vanishes mid-stream gets its request cancelled and its pool back
+    before = s.metrics()['lfserve_requests_total{outcome="disconnected"}']
+    sk = socket.create_connection(("127.0.0.1", s.port))
+    req = json.dumps({"prompt": [1, 2, 3], "max_tokens": 8000, "ignore_eos": True,
+                      "stream": True}).encode()
+    sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(req) + req)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += sk.recv(4096)
+    sk.close()
+    deadline = time.time() + 5
+    while s.metrics()["lfserve_running"] > 0 and time.time() < deadline:
+        time.sleep(0.01)
+    # and one that vanishes while a whole (non-streamed) completion is generated
+    sk = socket.create_connection(("127.0.0.1", s.port))
+    req = json.dumps({"prompt": [1, 2, 3], "max_tokens": 8000, "ignore_eos": True}).encode()
+    sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(req)
+               + req)
+    deadline = time.time() + 5
+    while s.metrics()["lfserve_running"] < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    sk.close()
+    m = wait_idle(s, 20)
+    assert m['lfserve_requests_total{outcome="disconnected"}'] >= before + 2, m
+    assert m["lfserve_pools_used"] == 0
+    assert m["lfserve_ttft_seconds_count"] > 0 and 'lfserve_ttft_seconds_bucket{le="+Inf"}' in m
+    assert m["lfserve_tpot_seconds_count"] > 0
+
+
+def tests_token_server(s):
+    st, _, j, _ = s.post(CMPL, {"prompt": "text"})
+    err_of(st, j, 400, "no_tokenizer")
+    st, _, j, _ = s.post(CHAT, {"messages": [{"role": "user", "content": "x"}]})
+    err_of(st, j, 400, "no_chat_template")
+    st, _, j, _ = s.post(CMPL, {"prompt": [1, 5, 9, 13], "max_tokens": 6, "ignore_eos": True})
+    assert st == 200 and len(j["choices"][0]["token_ids"]) == 6, j
+    # full policy, budget 32: prompt and output must fit the pool
+    st, _, j, _ = s.post(CMPL, {"prompt": [5] * 40, "max_tokens": 1})
+    err_of(st, j, 400, "context_length_exceeded")
+    st, _, j, _ = s.post(CMPL, {"prompt": [5] * 20, "max_tokens": 20})
+    err_of(st, j, 400, "context_length_exceeded")
+    st, _, j, _ = s.post(CMPL, {"prompt": [5] * 20, "max_tokens": 13, "ignore_eos": True})
+    assert st == 200 and j["usage"]["completion_tokens"] == 13, j
+
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lfserve", required=True)
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="lfserve-test-")
+    model = make_tiny_chat_model(os.path.join(tmp, "tinychat"), context=8192)
+    servers = []
+    ok = True
+    try:
+        for args, fn in (
+            ((model, "--budget", "64", "--pools", "4", "--max-body", "65536", "--timeout", "2", "--max-queue", "2",
+              "--threads", "1"), tests_tokenizer_server),
+            ((os.path.join(ROOT, "tests", "data", "hf_tiny", "llama"), "--policy", "full",
+              "--budget", "32", "--pools", "1", "--max-queue", "1", "--threads", "1"),
+             tests_token_server),
+        ):
+            s = Server(a.lfserve, *args)
+            servers.append(s)
+            t0 = time.time()
+            fn(s)
+            print("ok  %s (%.1f s)" % (fn.__name__, time.time() - t0))
+            rc = s.stop()
+            if rc != 0:
+                raise AssertionError("lfserve exited with %s:\n%s" % (rc, s.read_log()[-4000:]))
+    except Exception:
+        ok = False
+        traceback.print_exc()
+        for s in servers:
+            s.stop()
+            print("---- server log ----\n" + s.read_log()[-6000:])
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.proc.kill()
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""A bounded loopback load test of lfserve (CPU backend, tiny model), standard library only.
+
+    python3 tools/serve_load.py --lfserve build/lfserve [--clients 256] [--requests 3000]
+
+Starts a server on a tiny random model with a tokenizer, computes each prompt's greedy reference
+(whole, non-streamed) first, then runs --clients concurrent streaming clients through
+--requests requests. Passes when every request succeeds (zero errors), every stream is whole
+(ends with a finish_reason and [DONE], carries exactly max_tokens token ids and the same ids
+and text as the reference: greedy output does not depend on the batch), and afterwards
+/metrics shows no pool in use, nothing queued and nothing in flight.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "server"))
+from serverlib import Server, make_tiny_chat_model, wait_idle  # noqa: E402
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "def main():\n    return 0",
+           "Zürich ☃ emoji 🎉 test", "1 2 3 4 5 6 7 8", "   spaces   and\ttabs",
+           "Hello, world!", "<think>why?</think>"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lfserve", required=True)
+    ap.add_argument("--model", help="model dir with a tokenizer (default: a generated tiny one)")
+    ap.add_argument("--clients", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--pools", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    model = a.model or make_tiny_chat_model(os.path.join(tempfile.mkdtemp(prefix="lfload-"), "tiny"))
+    s = Server(a.lfserve, model, "--pools", str(a.pools), "--max-queue", str(a.clients * 2),
+               "--budget", "64", "--threads", str(a.threads), "--max-connections",
+               str(a.clients * 2 + 64))
+    errors, lock = [], threading.Lock()
+    try:
+        refs = []
+        for i, p in enumerate(PROMPTS):
+            chat = i % 2 == 1
+            body = {"max_tokens": a.max_tokens, "ignore_eos": True, "return_token_ids": True}
+            if chat:
+                body["messages"] = [{"role": "user", "content": p}]
+            else:
+                body["prompt"] = p
+            st, _, j, raw = s.post("/v1/chat/completions" if chat else "/v1/completions", body)
+            assert st == 200, raw
+            ch = j["choices"][0]
+            refs.append((chat, body, ch["token_ids"],
+                         ch["message"]["content"] if chat else ch["text"]))
+
+        counter = iter(range(a.requests))
+
+        def client():
+            while True:
+                with lock:
+                    k = next(counter, None)
+                if k is None:
+                    return
+                chat, body, ids_ref, text_ref = refs[k % len(refs)]
+                try:
+                    st, chunks, done = s.stream("/v1/chat/completions" if chat else "/v1/completions",
+                                                dict(body, stream=True), timeout=300)
+                    assert st == 200, (st, chunks)
+                    assert done, "no [DONE]"
+                    fin = chunks[-1]["choices"][0]
+                    assert fin["finish_reason"] == "length", fin
+                    ids, text = [], ""
+                    for c in chunks:
+                        ch = c["choices"][0]
+                        ids += ch.get("token_ids", [])
+                        text += ch["delta"].get("content", "") if chat else ch["text"]
+                    assert ids == ids_ref, (ids, ids_ref)
+                    assert text == text_ref, (text, text_ref)
+                    assert chunks[-1]["usage"]["completion_tokens"] == a.max_tokens
+                except Exception as e:  # noqa: BLE001
+                    with lock:
+                        errors.append("request %d: %r" % (k, e))
+
+        t0 = time.time()
+        th = [threading.Thread(target=client) for _ in range(a.clients)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        dt = time.time() - t0
+        m = wait_idle(s, 30)
+        print("load: %d requests, %d concurrent streaming clients, %.1f s (%.0f req/s), "
+              "%d errors; after: pools used %d of %d, queue %d, in flight %d, tokens %d" %
+              (a.requests, a.clients, dt, a.requests / dt, len(errors), m["lfserve_pools_used"],
+               m["lfserve_pools_total"], m["lfserve_queue_length"],
+               m["lfserve_requests_in_flight"], m["lfserve_tokens_generated_total"]))
+        for e in errors[:10]:
+            print("  " + e)
+        ok = not errors and m["lfserve_pools_used"] == 0
+        ok = ok and m['lfserve_http_responses_total{code="500"}'] == 0
+        ok = ok and m['lfserve_requests_total{outcome="error"}'] == 0
+    finally:
+        rc = s.stop()
+    if rc != 0:
+        print("lfserve exited with %s:\n%s" % (rc, s.read_log()[-4000:]))
+        ok = False
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
