@@ -7,7 +7,8 @@
 #   SANITIZE=1 bench/gpu.sh      also compute-sanitizer on a subset of gpu_decode_attn
 #   SWEEP="1 2 4" bench/gpu.sh   also lfbench kernel with each forced split count
 #                                (SWEEP_BATCHES=1,8 limits the batch sizes)
-#   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out
+#   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out (SKIP_KERNEL=1 / SKIP_STEP=1: one benchmark)
+#   STEP_ARGS="--batches 1,8,64"  extra options for `lfbench step`
 #
 # The machine has no network: if GTest is not installed there, a googletest source tree carried
 # in build-deps/googletest is built first.
@@ -70,7 +71,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   fi
 fi
 
-if [ -z "${SKIP_BENCH:-}" ]; then
+if [ -z "${SKIP_BENCH:-}" ] && [ -z "${SKIP_KERNEL:-}" ]; then
   say "torch SDPA peer"
   python3 bench/sdpa_peer.py --json "$OUT/sdpa_peer.json" >"$OUT/sdpa_peer.txt" 2>&1 ||
     { rc=1; say "sdpa peer FAILED"; tail -20 "$OUT/sdpa_peer.txt"; }
@@ -87,6 +88,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   say "SDPA peer"; cat "$OUT/sdpa_peer.txt" | tee -a "$LOG"
   [ -n "${SWEEP:-}" ] && { say "split sweep"; grep -v "^# [dt]" "$OUT/sweep.txt"; }
   say "lfbench kernel"; cat "$OUT/lfbench_kernel.txt" | tee -a "$LOG"
+fi
+
+if [ -z "${SKIP_BENCH:-}" ] && [ -z "${SKIP_STEP:-}" ]; then
+  say "lfbench step (decode step of the random 8B models vs the weights + KV floor)"
+  # shellcheck disable=SC2086
+  build-gpu/lfbench step ${STEP_ARGS:-} --json "$OUT/lfbench_step.json" >"$OUT/lfbench_step.txt" 2>&1 ||
+    { rc=1; say "lfbench step FAILED"; }
+  cat "$OUT/lfbench_step.txt" | tee -a "$LOG"
 fi
 say "exit $rc"
 exit $rc

@@ -25,6 +25,8 @@ static void usage(FILE *f) {
   fprintf(f, "usage: lfbench <subcommand> [options]\n"
              "subcommands:\n"
              "  kernel   fused decode-attention kernel vs copy bandwidth (and torch SDPA)\n"
+             "  step     one decode step of the random 8B models vs the weights + KV floor\n"
+             "  serve    long-output workload through the engine (lfbench serve --help)\n"
              "kernel options:\n"
              "  --batches LIST    comma list (default 1,8,32,128)\n"
              "  --budgets LIST    comma list (default 1024,2048,3200)\n"
@@ -581,6 +583,8 @@ int main(int argc, char **argv) {
     return argc < 2 ? 2 : 0;
   }
   if (!strcmp(argv[1], "kernel")) return bench_kernel(argc - 1, argv + 1);
+  if (!strcmp(argv[1], "step")) { int bench_step(int, char **); return bench_step(argc - 1, argv + 1); }
+  if (!strcmp(argv[1], "serve")) { int bench_serve(int, char **); return bench_serve(argc - 1, argv + 1); }
   fprintf(stderr, "lfbench: unknown subcommand '%s'\n", argv[1]);
   usage(stderr);
   return 2;

@@ -20,6 +20,7 @@
  * Every buffer is allocated at create for n_pools decode items and max_chunk prefill tokens; a
  * forward allocates nothing.
  */
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -33,6 +34,7 @@
 #include "attention/decode_attn.cuh"
 #include "backend.h"
 #include "cuda_attn.cuh"
+#include "cuda_gemv.cuh"
 #include "cuda_misc.cuh"
 #include "cuda_norm.cuh"
 #include "cuda_rope.cuh"
@@ -40,6 +42,7 @@
 #include "error.h"
 #include "forward.h"
 #include "random_weights.h"
+#include "scheduler/scheduler.h"
 
 #define LF_CUBLAS_CHECK(stmt)                                                                      \
   do {                                                                                             \
@@ -77,6 +80,17 @@ typedef struct cuda_layer {
 typedef struct step_io {
   int32_t *tok, *pool, *pos, *rows; /* [max_items] each */
 } step_io;
+
+/* A GEMM shape whose cublasLt algorithm was chosen by timing (see tuned_gemm). */
+typedef struct gemm_tune {
+  int n_out, n_in, n_tok, y_bf16, beta1;
+  int ok; /* 0: no cublasLt algorithm ran; use cublasGemmEx */
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t a, b, y;
+  cublasLtMatmulAlgo_t algo;
+} gemm_tune;
+
+#define GEMM_TUNE_MAX 4096
 
 typedef struct cuda_backend {
   lf_backend base;
@@ -132,13 +146,139 @@ typedef struct cuda_backend {
   lf_sample_params *d_sp, *h_sp; /* [max_items] */
   int32_t *d_tok_out, *h_tok_out; /* [max_items] */
   size_t io_bytes;
+
+  /* Decode-step CUDA graphs, one per exact batch size, captured the second time a size runs
+   * (the first run is eager, so lazily loaded kernels and cuBLAS's algorithm choice happen
+   * outside capture) and replayed after; at most graph_cap live, least recently used dropped.
+   * A replay reads the same device buffers the eager pass does (d_step, the pool metadata), so
+   * it needs no re-capture: only the batch size is baked in. */
+  int use_graphs, graph_cap, n_graphs;
+  cudaGraphExec_t *graph; /* [max_items + 1] */
+  uint64_t *graph_used;   /* [max_items + 1] last use (0: never) */
+  uint8_t *graph_seen;    /* [max_items + 1] eager runs of this size so far (saturates at 2) */
+  uint64_t graph_clock;
+  void *blas_ws; /* cuBLAS workspace, owned here so cuBLAS never allocates (graph capture) */
+  size_t blas_ws_bytes;
+  cublasLtHandle_t lt;
+  int tune_on;       /* decode-batch GEMMs: time cublasLt's candidate algorithms once per shape */
+  int in_capture;    /* a graph is being captured: no timing */
+  gemm_tune *tunes;  /* [n_tunes] */
+  int n_tunes;
+  int gemv_max;    /* GEMMs with at most this many tokens use lf_cuda_gemv (0: never) */
+  int attn_splits; /* decode attention split count (0: automatic) */
+  int skip_attn;   /* benchmark knob (LF_CUDA_SKIP_ATTN=1): decode attention is not run; the
+                      results are wrong, only the time of the rest is meaningful */
 } cuda_backend;
 
 /* ---- GEMM: Y[t][o] = sum_i W[o][i] X[t][i] (+ beta Y), bf16 in, fp32 accumulate ---------- */
 
+/* cuBLAS's default choice for the skinny decode GEMMs (n_tok = batch, 9..n_pools) reads the
+ * weights well below the copy bandwidth (batch 64 on an H200: ~65% with attention left out).
+ * So, for each decode shape, the first eager run asks cublasLt for its candidates, times each on
+ * a scratch output (beta = 1 shapes would otherwise add into the residual stream) and keeps the
+ * fastest; the graph captured later replays that choice, so graph and eager passes agree bit for
+ * bit. Shapes met during capture, or with no scratch room, keep cublasGemmEx. */
+static lf_status tuned_lookup(cuda_backend *c, int n_out, int n_in, int n_tok, int y_bf16,
+                              int beta1, gemm_tune **out) {
+  *out = NULL;
+  for (int i = 0; i < c->n_tunes; i++) {
+    gemm_tune *t = &c->tunes[i];
+    if (t->n_out == n_out && t->n_in == n_in && t->n_tok == n_tok && t->y_bf16 == y_bf16 &&
+        t->beta1 == beta1) {
+      *out = t;
+      return LF_OK;
+    }
+  }
+  const size_t scratch = (size_t)c->max_items * c->cfg.vocab_size * sizeof(float); /* probs */
+  if (c->in_capture || c->n_tunes >= GEMM_TUNE_MAX || !c->tunes ||
+      (size_t)n_out * n_tok * 4 > scratch)
+    return LF_OK;
+  gemm_tune *t = &c->tunes[c->n_tunes++];
+  memset(t, 0, sizeof *t);
+  t->n_out = n_out, t->n_in = n_in, t->n_tok = n_tok, t->y_bf16 = y_bf16, t->beta1 = beta1;
+  *out = t;
+  const cudaDataType yt = y_bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasOperation_t opT = CUBLAS_OP_T;
+  LF_CUBLAS_CHECK(cublasLtMatmulDescCreate(&t->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LF_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(t->op, CUBLASLT_MATMUL_DESC_TRANSA, &opT,
+                                                 sizeof opT));
+  LF_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&t->a, CUDA_R_16BF, n_in, n_out, n_in));
+  LF_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&t->b, CUDA_R_16BF, n_in, n_tok, n_in));
+  LF_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&t->y, yt, n_out, n_tok, n_out));
+  cublasLtMatmulPreference_t pref;
+  LF_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  size_t wsb = c->blas_ws_bytes;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
+                                       sizeof wsb);
+  cublasLtMatmulHeuristicResult_t h[16];
+  int nh = 0;
+  cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(c->lt, t->op, t->a, t->b, t->y, t->y, pref,
+                                                     16, h, &nh);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (hs != CUBLAS_STATUS_SUCCESS || nh < 1) return LF_OK;
+  /* time on scratch: W real, X whatever the buffer holds (finite bf16), Y = probs */
+  cudaEvent_t e0, e1;
+  LF_CUDA_CHECK(cudaEventCreate(&e0));
+  LF_CUDA_CHECK(cudaEventCreate(&e1));
+  const float alpha = 1.0f, beta = beta1 ? 1.0f : 0.0f;
+  const size_t rows_all = (size_t)(c->max_items > c->max_chunk ? c->max_items : c->max_chunk);
+  if ((size_t)n_tok * n_in * 2 > rows_all * 2 * c->cfg.hidden_dim * sizeof(float)) {
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return LF_OK;
+  }
+  const bf16 *X = (const bf16 *)c->gu; /* read only; any finite or not values time the same */
+  const bf16 *W = c->layers[0].wgu; /* any weight as large: only the time matters */
+  const size_t wneed = (size_t)n_out * n_in;
+  const size_t have = (size_t)2 * c->cfg.hidden_dim * c->cfg.dim;
+  if (wneed > have) W = c->lm_head;
+  if (wneed > (size_t)c->cfg.vocab_size * c->cfg.dim && wneed > have) {
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return LF_OK;
+  }
+  float best = 1e30f;
+  for (int k = 0; k < nh; k++) {
+    if (h[k].state != CUBLAS_STATUS_SUCCESS) continue;
+    float ms = 0.0f;
+    int bad = 0;
+    for (int r = 0; r < 4 && !bad; r++) {
+      if (r == 1) cudaEventRecord(e0, c->stream);
+      bad = cublasLtMatmul(c->lt, t->op, &alpha, W, t->a, X, t->b, &beta, c->probs, t->y,
+                           c->probs, t->y, &h[k].algo, c->blas_ws, c->blas_ws_bytes,
+                           c->stream) != CUBLAS_STATUS_SUCCESS;
+    }
+    cudaEventRecord(e1, c->stream);
+    LF_CUDA_CHECK(cudaEventSynchronize(e1));
+    if (bad) continue;
+    LF_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (ms < best) {
+      best = ms;
+      t->algo = h[k].algo;
+      t->ok = 1;
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGetLastError();
+  return LF_OK;
+}
+
 static lf_status gemm(cuda_backend *c, const bf16 *W, const bf16 *X, void *Y, cudaDataType yt,
                       int n_out, int n_in, int n_tok, float beta) {
+  if (n_tok <= c->gemv_max && lf_cuda_gemv_ok(W, X, n_in, (size_t)n_in, n_tok))
+    return lf_cuda_gemv(W, X, (size_t)n_in, n_in, n_out, n_tok, Y, (size_t)n_out,
+                        yt == CUDA_R_32F ? LF_GEMV_F32 : LF_GEMV_BF16, beta, c->stream);
   const float alpha = 1.0f;
+  if (c->tune_on && n_tok <= c->max_items && (beta == 0.0f || beta == 1.0f)) {
+    gemm_tune *t = NULL;
+    LF_TRY(tuned_lookup(c, n_out, n_in, n_tok, yt == CUDA_R_16BF, beta == 1.0f, &t));
+    if (t && t->ok) {
+      LF_CUBLAS_CHECK(cublasLtMatmul(c->lt, t->op, &alpha, W, t->a, X, t->b, &beta, Y, t->y, Y,
+                                     t->y, &t->algo, c->blas_ws, c->blas_ws_bytes, c->stream));
+      return LF_OK;
+    }
+  }
   LF_CUBLAS_CHECK(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_out, n_tok, n_in, &alpha, W,
                                CUDA_R_16BF, n_in, X, CUDA_R_16BF, n_in, &beta, Y, yt, n_out,
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -288,8 +428,14 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows) {
   LF_TRY(gemm(c, L->wo, c->att, c->x, CUDA_R_32F, m->dim, c->qd, rows, 1.0f));
   LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_ffn, m->dim, m->norm_eps, rows, c->xb, m->dim, NULL,
                          c->stream));
-  LF_TRY(gemm(c, L->wgu, c->xb, c->gu, CUDA_R_32F, 2 * m->hidden_dim, m->dim, rows, 0.0f));
-  LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
+  if (rows <= c->gemv_max && lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
+    /* SiLU(gate) * up in the GEMV's epilogue: no fp32 gate|up round trip */
+    LF_TRY(lf_cuda_gemv(L->wgu, c->xb, (size_t)m->dim, m->dim, m->hidden_dim, rows, c->hb,
+                        (size_t)m->hidden_dim, LF_GEMV_GLU, 0.0f, c->stream));
+  } else {
+    LF_TRY(gemm(c, L->wgu, c->xb, c->gu, CUDA_R_32F, 2 * m->hidden_dim, m->dim, rows, 0.0f));
+    LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
+  }
   LF_TRY(gemm(c, L->wdown, c->hb, c->x, CUDA_R_32F, m->dim, m->hidden_dim, rows, 1.0f));
   return LF_OK;
 }
@@ -340,7 +486,9 @@ static lf_status decode_pass(cuda_backend *c, int rows) {
     a.policy = c->p.policy;
     a.w = c->w;
     LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
-    if (c->use_fused) {
+    if (c->skip_attn) {
+      /* benchmark knob only: att keeps whatever it held */
+    } else if (c->use_fused) {
       lf_decode_attn_args d;
       memset(&d, 0, sizeof d);
       d.k = c->pv.k;
@@ -364,7 +512,7 @@ static lf_status decode_pass(cuda_backend *c, int rows) {
       d.sink = c->p.sink;
       d.policy = c->p.policy;
       d.scale = c->ap.scale;
-      d.n_splits = 0;
+      d.n_splits = c->attn_splits;
       d.workspace = c->attn_ws;
       d.workspace_bytes = c->attn_ws_bytes;
       LF_TRY(lf_cuda_decode_attn(&d, c->stream));
@@ -377,6 +525,48 @@ static lf_status decode_pass(cuda_backend *c, int rows) {
   }
   return lf_cuda_rmsnorm(c->x, m->dim, c->rms_final, m->dim, m->norm_eps, rows, c->xf, m->dim,
                          c->d_step.rows, c->stream);
+}
+
+/* decode_pass through the graph cache (see cuda_backend.graph). */
+static lf_status decode_run(cuda_backend *c, int rows) {
+  if (!c->use_graphs || rows < 1 || rows > c->max_items) return decode_pass(c, rows);
+  cudaGraphExec_t ex = c->graph[rows];
+  if (!ex) {
+    if (c->graph_seen[rows] < 1) {
+      c->graph_seen[rows]++;
+      return decode_pass(c, rows);
+    }
+    if (c->n_graphs >= c->graph_cap) {
+      int lru = 0;
+      for (int r = 1; r <= c->max_items; r++)
+        if (c->graph[r] && (!lru || c->graph_used[r] < c->graph_used[lru])) lru = r;
+      if (lru) {
+        LF_CUDA_CHECK(cudaGraphExecDestroy(c->graph[lru]));
+        c->graph[lru] = NULL;
+        c->n_graphs--;
+      }
+    }
+    cudaGraph_t g = NULL;
+    LF_CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    c->in_capture = 1;
+    const lf_status s = decode_pass(c, rows);
+    c->in_capture = 0;
+    const cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (s != LF_OK) {
+      if (g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      return s;
+    }
+    LF_CUDA_CHECK(e);
+    const cudaError_t ei = cudaGraphInstantiate(&ex, g, 0);
+    cudaGraphDestroy(g);
+    LF_CUDA_CHECK(ei);
+    c->graph[rows] = ex;
+    c->n_graphs++;
+  }
+  c->graph_used[rows] = ++c->graph_clock;
+  LF_CUDA_CHECK(cudaGraphLaunch(ex, c->stream));
+  return LF_OK;
 }
 
 /* Uploads the first `rows` entries of the host step arrays. */
@@ -399,6 +589,8 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
                                 cudaMemcpyHostToDevice, c->stream));
   LF_TRY(lf_cuda_embed(c->embed, m->dim, c->ptok, T, c->x, c->stream));
   int w_eff = c->p.window < B - 1 - c->p.sink ? c->p.window : B - 1 - c->p.sink;
+  /* streaming keeps sinks + the most recent tokens (lf_attn_prefill_ref's rule) */
+  if (c->p.policy == LF_POLICY_STREAMING) w_eff = B - 1 - c->p.sink;
   if (w_eff < 0) w_eff = 0;
   for (int l = 0; l < m->n_layers; l++) {
     const cuda_layer *L = &c->layers[l];
@@ -441,7 +633,7 @@ static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok,
   /* the host arrays are reused at once: wait for the copies (pageable memory is staged, but
    * the step arrays are pinned) */
   LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-  LF_TRY(decode_pass(c, 1));
+  LF_TRY(decode_run(c, 1));
   if (c->host_n[pool] == B) *evictions += (uint64_t)c->cfg.n_layers * c->cfg.n_kv_heads;
   else c->host_n[pool]++;
   return LF_OK;
@@ -530,7 +722,7 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
   }
   if (nd > 0) {
     LF_TRY(step_upload(c, nd));
-    LF_TRY(decode_pass(c, nd));
+    LF_TRY(decode_run(c, nd));
   }
 
   /* LM head and token selection for every item (failed items' rows are ignored). */
@@ -633,12 +825,64 @@ static void cuda_free(lf_backend *b) {
                   c->simple_scratch, c->sort_ws, c->io};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
   cudaFreeHost(c->h_io);
+  if (c->graph)
+    for (int r = 0; r <= c->max_items; r++)
+      if (c->graph[r]) cudaGraphExecDestroy(c->graph[r]);
+  free(c->graph);
+  free(c->graph_used);
+  free(c->graph_seen);
+  cudaFree(c->blas_ws);
+  for (int i = 0; c->tunes && i < c->n_tunes; i++) {
+    gemm_tune *t = &c->tunes[i];
+    if (t->op) cublasLtMatmulDescDestroy(t->op);
+    if (t->a) cublasLtMatrixLayoutDestroy(t->a);
+    if (t->b) cublasLtMatrixLayoutDestroy(t->b);
+    if (t->y) cublasLtMatrixLayoutDestroy(t->y);
+  }
+  free(c->tunes);
+  if (c->lt) cublasLtDestroy(c->lt);
   if (c->blas) cublasDestroy(c->blas);
   if (c->stream) cudaStreamDestroy(c->stream);
   free(c->free_list);
   free(c->in_use);
   free(c->host_n);
   free(c);
+}
+
+/* n_pools == 0 (DESIGN §5): the pools take mem_util of the device memory left after the weights
+ * (loaded by now) and the workspaces. The workspaces that grow with the number of decode items
+ * (logits and sampling scratch, activation rows beyond the prefill chunk, step I/O) are charged
+ * to each pool; the fixed ones (prefill chunk buffers, attention, cuBLAS, sorting) are estimated
+ * from above and set aside first. */
+static lf_status size_pools(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const uint64_t heads = (uint64_t)m->n_layers * m->n_kv_heads, B = (uint64_t)c->p.budget,
+                 D = (uint64_t)m->head_dim, V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
+  /* arena: bf16 k, v; fp32 ||v||_1; int32 pos per slot; int32 n, next per head */
+  const uint64_t arena = heads * (B * (2 * D * 2 + 4 + 4) + 8);
+  const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
+                       (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
+  const uint64_t item = 2 * V * 4 + (uint64_t)m->dim * 2 + (uint64_t)m->n_kv_heads * 4 + 64 +
+                        sizeof(lf_sample_params) + row; /* row: charged even below max_chunk */
+  const uint64_t fixed = T * row + 2 * T * (uint64_t)c->kd * 2 + T * m->n_heads * 8 +
+                         (uint64_t)m->n_kv_heads * T * 12 + lf_cuda_sample_sort_bytes(m->vocab_size) +
+                         ((uint64_t)64 << 20) /* attention split workspace, graphs, slack */;
+  size_t free_b = 0, total_b = 0;
+  LF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const double util = c->p.mem_util > 0 ? c->p.mem_util : 0.9;
+  if (!(util <= 1.0))
+    return lf_error(LF_ERR_INVALID_ARG, "cuda backend: mem_util %g must be in (0, 1]",
+                    c->p.mem_util);
+  const uint64_t avail = free_b > fixed ? free_b - fixed : 0;
+  const int n = lf_sched_pools_for_memory(avail, util, arena + item);
+  if (n < 1)
+    return lf_error(LF_ERR_OUT_OF_MEMORY,
+                    "cuda backend: %.2f GiB free after the weights hold no pool of %.1f MiB "
+                    "(budget %d) at mem_util %g",
+                    (double)free_b / (1 << 30), (double)(arena + item) / (1 << 20), c->p.budget,
+                    util);
+  c->p.n_pools = n;
+  return LF_OK;
 }
 
 static lf_status create(cuda_backend *c) {
@@ -655,13 +899,26 @@ static lf_status create(cuda_backend *c) {
                                         "(longflow, full, streaming are)");
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
-  if (p->n_pools < 1) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
+  if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
 
   LF_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
   LF_CUBLAS_CHECK(cublasCreate(&c->blas));
   LF_CUBLAS_CHECK(cublasSetStream(c->blas, c->stream));
+  /* Our own workspace (32 MiB, what cuBLAS takes by default on Hopper): cuBLAS then never
+   * allocates, which graph capture requires. */
+  c->blas_ws_bytes = (size_t)32 << 20;
+  CB_ALLOC(c->blas_ws, c->blas_ws_bytes);
+  LF_CUBLAS_CHECK(cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_bytes));
+  LF_CUBLAS_CHECK(cublasLtCreate(&c->lt));
+  c->tunes = (gemm_tune *)calloc(GEMM_TUNE_MAX, sizeof *c->tunes);
+  if (!c->tunes) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: GEMM tuning table");
 
   c->layers = (cuda_layer *)calloc((size_t)m->n_layers, sizeof *c->layers);
+  if (!c->layers) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
+  LF_TRY(load_weights(c));
+  if (p->n_pools == 0) LF_TRY(size_pools(c));
+  c->max_items = p->n_pools;
+
   c->free_list = (int *)malloc((size_t)p->n_pools * sizeof(int));
   c->in_use = (uint8_t *)calloc((size_t)p->n_pools, 1);
   c->host_n = (int *)calloc((size_t)p->n_pools, sizeof(int));
@@ -670,7 +927,6 @@ static lf_status create(cuda_backend *c) {
   for (int i = 0; i < p->n_pools; i++) c->free_list[i] = p->n_pools - 1 - i;
   c->n_free = p->n_pools;
 
-  LF_TRY(load_weights(c));
   {
     float *f = (float *)malloc(sizeof(float) * (size_t)(D / 2));
     if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
@@ -724,9 +980,13 @@ static lf_status create(cuda_backend *c) {
 
   c->use_fused = (D == 64 || D == 128) && c->group <= 8 && !getenv("LF_CUDA_SIMPLE_ATTN");
   if (c->use_fused) {
-    for (int ns = 1; ns <= c->max_items; ns++) {
-      const size_t wb = lf_cuda_decode_attn_workspace_bytes(ns, hkv, p->budget, c->group, D, 0);
+    /* Split counts fall as the batch grows and are at their minimum once a batch fills the
+     * SMs: the sizes up to a few hundred, and the largest, cover every batch. */
+    for (int ns = 1; ns <= c->max_items; ns = ns < 512 ? ns + 1 : c->max_items) {
+      const size_t wb = lf_cuda_decode_attn_workspace_bytes(ns, hkv, p->budget, c->group, D,
+                                                                 c->attn_splits);
       if (wb > c->attn_ws_bytes) c->attn_ws_bytes = wb;
+      if (ns == c->max_items) break;
     }
     CB_ALLOC(c->attn_ws, c->attn_ws_bytes);
     LF_TRY(lf_cuda_decode_attn_workspace_init(c->attn_ws, c->attn_ws_bytes, c->stream));
@@ -736,6 +996,12 @@ static lf_status create(cuda_backend *c) {
   }
   c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
   CB_ALLOC(c->sort_ws, c->sort_ws_bytes);
+
+  c->graph = (cudaGraphExec_t *)calloc((size_t)c->max_items + 1, sizeof *c->graph);
+  c->graph_used = (uint64_t *)calloc((size_t)c->max_items + 1, sizeof *c->graph_used);
+  c->graph_seen = (uint8_t *)calloc((size_t)c->max_items + 1, 1);
+  if (!c->graph || !c->graph_used || !c->graph_seen)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: graph cache");
 
   /* Step I/O: 4 int arrays, sample params, tokens; pinned on the host. */
   const size_t mi = (size_t)c->max_items;
@@ -784,10 +1050,27 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->ap.group = c->group;
   c->ap.head_dim = m->head_dim;
   c->ap.scale = 1.0f / sqrtf((float)m->head_dim);
-  c->max_items = p->n_pools;
+  const char *e = NULL;
+  c->max_items = p->n_pools; /* n_pools 0: set by create() */
+  c->use_graphs = !p->no_graphs;
+  e = getenv("LF_CUDA_GRAPHS");
+  if (e && !strcmp(e, "0")) c->use_graphs = 0;
+  c->graph_cap = 64;
+  e = getenv("LF_CUDA_GRAPH_CACHE");
+  if (e && atoi(e) > 0) c->graph_cap = atoi(e);
+  c->gemv_max = LF_GEMV_MAX_TOK;
+  e = getenv("LF_CUDA_GEMV_MAX");
+  if (e) c->gemv_max = atoi(e) < 0 ? 0 : atoi(e) > LF_GEMV_MAX_TOK ? LF_GEMV_MAX_TOK : atoi(e);
+  c->tune_on = 1;
+  e = getenv("LF_CUDA_GEMM_TUNE");
+  if (e && !strcmp(e, "0")) c->tune_on = 0;
+  e = getenv("LF_CUDA_ATTN_SPLITS");
+  if (e && atoi(e) > 0) c->attn_splits = atoi(e);
+  e = getenv("LF_CUDA_SKIP_ATTN");
+  c->skip_attn = e && !strcmp(e, "1");
   /* Prefill chunk: LF_CUDA_PREFILL_CHUNK tokens, default min(max_seq_len, 2048). */
   c->max_chunk = m->max_seq_len < 2048 ? m->max_seq_len : 2048;
-  const char *e = getenv("LF_CUDA_PREFILL_CHUNK");
+  e = getenv("LF_CUDA_PREFILL_CHUNK");
   if (e && atoi(e) > 0) c->max_chunk = atoi(e);
   lf_status s = create(c);
   if (s != LF_OK) {

@@ -24,6 +24,7 @@
 #include "attention/attention.h"
 #include "engine/backend.h"
 #include "engine/cuda_attn.cuh"
+#include "engine/cuda_gemv.cuh"
 #include "engine/cuda_misc.cuh"
 #include "engine/cuda_norm.cuh"
 #include "engine/cuda_rope.cuh"
@@ -92,7 +93,8 @@ struct Run {
 
 // Greedy generation of n_gen tokens after `prompt`, one sequence (or several at once).
 std::vector<Run> generate(lf_backend_kind kind, const lf_checkpoint &ck, lf_policy policy,
-                          int budget, const std::vector<std::vector<int32_t>> &prompts, int n_gen) {
+                          int budget, const std::vector<std::vector<int32_t>> &prompts, int n_gen,
+                          int no_graphs = 0) {
   const int ns = int(prompts.size());
   const int vocab = ck.cfg.vocab_size;
   lf_backend_params p{};
@@ -102,6 +104,7 @@ std::vector<Run> generate(lf_backend_kind kind, const lf_checkpoint &ck, lf_poli
   p.window = 32;
   p.n_pools = ns + 1;
   p.n_threads = 0;
+  p.no_graphs = no_graphs;
   lf_backend *b = nullptr;
   std::vector<Run> out(static_cast<size_t>(ns));
   lf_status s = lf_backend_create(kind, &ck, &p, &b);
@@ -291,9 +294,77 @@ TEST(GpuEngine, H2oIsUnsupported) {
   NEED_GPU();
   lf_checkpoint ck{};
   ASSERT_EQ(lf_checkpoint_open("random:tiny-llama", &ck), LF_OK);
-  lf_backend_params p{LF_POLICY_H2O, 64, 4, 32, 1, 0};
+  lf_backend_params p{};
+  p.policy = LF_POLICY_H2O;
+  p.budget = 64;
+  p.sink = 4;
+  p.window = 32;
+  p.n_pools = 1;
   lf_backend *b = nullptr;
   EXPECT_EQ(lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b), LF_ERR_UNSUPPORTED);
+  lf_checkpoint_close(&ck);
+}
+
+// The decode step replayed from a CUDA graph gives the same bits as the eager pass: tokens,
+// every logit and the eviction counts, over steps that evict, at batch sizes on the GEMV path
+// (1, 3) and on the cuBLAS path (10).
+TEST(GpuEngine, GraphReplayIsBitIdentical) {
+  NEED_GPU();
+  // GEMM algorithms chosen by timing may differ between two backends; each backend replays
+  // its own choice, so compare with cuBLAS's fixed choice.
+  setenv("LF_CUDA_GEMM_TUNE", "0", 1);
+  for (const char *model : {"random:tiny-llama:7", "random:tiny-qwen3:11"}) {
+    lf_checkpoint ck{};
+    ASSERT_EQ(lf_checkpoint_open(model, &ck), LF_OK) << lf_last_error();
+    const int V = ck.cfg.vocab_size;
+    for (int ns : {1, 3, 10}) {
+      std::vector<std::vector<int32_t>> prompts;
+      for (int i = 0; i < ns; i++) prompts.push_back(prompt_of(2 + 5 * i % 17, V, 100 + i));
+      auto eager = generate(LF_BACKEND_CUDA, ck, LF_POLICY_LONGFLOW, 40, prompts, 60, 1);
+      auto graph = generate(LF_BACKEND_CUDA, ck, LF_POLICY_LONGFLOW, 40, prompts, 60, 0);
+      for (int i = 0; i < ns; i++) {
+        const auto &a = eager[size_t(i)], &b = graph[size_t(i)];
+        ASSERT_EQ(a.tokens, b.tokens) << model << " batch " << ns << " seq " << i;
+        ASSERT_EQ(a.logits.size(), b.logits.size());
+        for (size_t k = 0; k < a.logits.size(); k++)
+          ASSERT_EQ(0, std::memcmp(a.logits[k].data(), b.logits[k].data(),
+                                   a.logits[k].size() * sizeof(float)))
+              << model << " batch " << ns << " seq " << i << " step " << k;
+        EXPECT_EQ(a.evictions, b.evictions);
+        EXPECT_GT(a.evictions, 0u) << "the run should evict";
+      }
+    }
+    lf_checkpoint_close(&ck);
+  }
+  unsetenv("LF_CUDA_GEMM_TUNE");
+}
+
+// n_pools == 0: the cuda backend sizes the pools from its free memory (a small mem_util here).
+TEST(GpuEngine, PoolsFromDeviceMemory) {
+  NEED_GPU();
+  lf_checkpoint ck{};
+  ASSERT_EQ(lf_checkpoint_open("random:tiny-llama:7", &ck), LF_OK);
+  lf_backend_params p{};
+  p.policy = LF_POLICY_LONGFLOW;
+  p.budget = 64;
+  p.sink = 4;
+  p.window = 32;
+  p.n_pools = 0;
+  p.mem_util = 0.002;
+  size_t free_b = 0, total_b = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_b, &total_b), cudaSuccess);
+  lf_backend *b = nullptr;
+  ASSERT_EQ(lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b), LF_OK) << lf_last_error();
+  const int n = b->pools_free(b);
+  const lf_model_config &m = ck.cfg;
+  const double pool = double(m.n_layers) * m.n_kv_heads * p.budget * m.head_dim * 4;
+  printf("[ pools ] %d pools of >= %.0f KV bytes from %.2f GiB free at mem_util %g\n", n, pool,
+         double(free_b) / (1 << 30), p.mem_util);
+  EXPECT_GE(n, 1);
+  EXPECT_LE(double(n) * pool, 0.002 * double(free_b));
+  int id = -1;
+  EXPECT_EQ(b->pool_take(b, &id), LF_OK);
+  b->free(b);
   lf_checkpoint_close(&ck);
 }
 
@@ -316,6 +387,74 @@ TEST(GpuKernels, RandomWeightsMatchHost) {
     ASSERT_EQ(bf(h[i]), lf_rw_value(42, LF_RW_LAYER(3, LF_RW_WK), LF_RW_MATRIX, 0.05f, 17 + i))
         << i;
   cudaFree(d);
+}
+
+// Small-batch GEMV against a double reference, every output mode; a token's result must not
+// depend on the batch it runs in (bitwise equal to running that token alone).
+TEST(GpuKernels, GemvVsHost) {
+  NEED_GPU();
+  std::mt19937_64 rng(42);
+  std::uniform_real_distribution<float> U(-1.0f, 1.0f);
+  for (int n_in : {64, 1000, 4104})
+    for (int n_out : {1, 37, 300})
+      for (int nt : {1, 3, 8})
+        for (int mode = 0; mode < 4; mode++) { // F32 beta 0, F32 beta 1, BF16, GLU
+          const lf_gemv_out om = mode < 2 ? LF_GEMV_F32 : mode == 2 ? LF_GEMV_BF16 : LF_GEMV_GLU;
+          const int wrows = om == LF_GEMV_GLU ? 2 * n_out : n_out;
+          std::vector<uint16_t> w(size_t(wrows) * n_in), x(size_t(nt) * n_in);
+          for (auto &v : w) v = lf_f32_to_bf16(U(rng) * 0.05f);
+          for (auto &v : x) v = lf_f32_to_bf16(U(rng));
+          std::vector<float> y0(size_t(nt) * n_out);
+          for (auto &v : y0) v = mode == 1 ? U(rng) : std::nanf("");
+          uint16_t *dw = dev<uint16_t>(w.size()), *dx = dev<uint16_t>(x.size());
+          float *dy = dev<float>(y0.size()), *dy1 = dev<float>(size_t(n_out));
+          CK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(dy, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
+          ASSERT_EQ(lf_cuda_gemv(dw, dx, size_t(n_in), n_in, n_out, nt, dy, size_t(n_out), om,
+                                 mode == 1 ? 1.0f : 0.0f, nullptr),
+                    LF_OK)
+              << lf_last_error();
+          CK(cudaDeviceSynchronize());
+          std::vector<float> y(y0.size());
+          std::vector<uint16_t> yb(y0.size());
+          if (om == LF_GEMV_F32) CK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+          else CK(cudaMemcpy(yb.data(), dy, yb.size() * 2, cudaMemcpyDeviceToHost));
+          for (int t = 0; t < nt; t++)
+            for (int o = 0; o < n_out; o++) {
+              double acc[2] = {0, 0}, mag = 0;
+              for (int r = 0; r < (om == LF_GEMV_GLU ? 2 : 1); r++)
+                for (int i = 0; i < n_in; i++) {
+                  const double p = double(bf(w[(size_t(o) + size_t(r) * n_out) * n_in + i])) *
+                                   bf(x[size_t(t) * n_in + i]);
+                  acc[r] += p;
+                  mag += std::fabs(p);
+                }
+              double ref = acc[0], got;
+              const size_t k = size_t(t) * n_out + o;
+              if (mode == 1) ref += y0[k];
+              if (om == LF_GEMV_GLU) ref = acc[0] / (1.0 + std::exp(-acc[0])) * acc[1];
+              got = om == LF_GEMV_F32 ? y[k] : bf(yb[k]);
+              const double tol = 1e-5 * mag + (om == LF_GEMV_F32 ? 1e-6 : 8e-3 * std::fabs(ref)) +
+                                 (om == LF_GEMV_GLU ? 1e-5 * mag * std::fabs(acc[1]) : 0.0);
+              ASSERT_NEAR(got, ref, tol) << "n_in " << n_in << " n_out " << n_out << " nt " << nt
+                                         << " mode " << mode << " t " << t << " o " << o;
+            }
+          if (mode == 0 && nt > 1) // batch invariance: the last token alone
+            for (int t = 0; t < nt; t++) {
+              ASSERT_EQ(lf_cuda_gemv(dw, dx + size_t(t) * n_in, size_t(n_in), n_in, n_out, 1, dy1,
+                                     size_t(n_out), om, 0.0f, nullptr),
+                        LF_OK);
+              std::vector<float> alone(static_cast<size_t>(n_out));
+              CK(cudaMemcpy(alone.data(), dy1, alone.size() * 4, cudaMemcpyDeviceToHost));
+              ASSERT_EQ(0, std::memcmp(alone.data(), y.data() + size_t(t) * n_out, alone.size() * 4))
+                  << "token " << t << " differs when run alone";
+            }
+          cudaFree(dw);
+          cudaFree(dx);
+          cudaFree(dy);
+          cudaFree(dy1);
+        }
 }
 
 TEST(GpuKernels, RmsNorm) {
@@ -832,7 +971,12 @@ TEST(GpuBench, DecodeStepRandom8B) {
     lf_checkpoint ck{};
     ASSERT_EQ(lf_checkpoint_open(model, &ck), LF_OK);
     const int budget = 1024, npool = 64;
-    lf_backend_params p{LF_POLICY_LONGFLOW, budget, 4, 32, npool, 0};
+    lf_backend_params p{};
+    p.policy = LF_POLICY_LONGFLOW;
+    p.budget = budget;
+    p.sink = 4;
+    p.window = 32;
+    p.n_pools = npool;
     lf_backend *b = nullptr;
     auto t0 = std::chrono::steady_clock::now();
     ASSERT_EQ(lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b), LF_OK) << lf_last_error();

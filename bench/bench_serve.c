@@ -1,0 +1,732 @@
+/* lfbench serve — a synthetic long-output workload through the real engine and scheduler.
+ *
+ * N requests of P random prompt tokens (seeded) each generate exactly O tokens (EOS ignored,
+ * greedy), arriving all at once or as a Poisson process, for each policy asked for (full,
+ * longflow, streaming; h2o on the cpu). Each policy gets its own engine, pool count and budget:
+ * `full` pools hold P + O slots (nothing is evicted), the others hold B. With --kv-gb every policy
+ * gets n_pools = floor(kv_gb * 1e9 * mem_util / pool_bytes) from the same byte figure, where
+ * pool_bytes is the per-pool size of the backend that runs (see pool_bytes_for below), so the
+ * comparison is at the same KV memory. N defaults to the pool count (one full wave).
+ *
+ * Reported per policy: output tokens/s, TTFT and TPOT p50/p99 (measured here at step
+ * boundaries from the events, per request), wall time, pools, memory (device used on cuda,
+ * via cudaMemGetInfo; RSS on the cpu), the fraction of wall time inside lf_engine_step vs
+ * outside it (host overhead: submit, event handling) vs idle (waiting for Poisson arrivals),
+ * NVML GPU utilisation sampled during the run on cuda, evictions.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine/backend.h"
+#include "engine/model.h"
+#include "lfserve.h"
+#include "memory/pool.h"
+
+#ifdef LF_HAVE_CUDA
+#include <cuda_runtime.h>
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
+#include <dlfcn.h>
+#define SERVE_HAVE_NVML 1 /* dlopen is in libc: no link change needed */
+#endif
+#endif
+
+int bench_serve(int argc, char **argv);
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void sleep_s(double s) {
+  if (s <= 0) return;
+  struct timespec t = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  while (nanosleep(&t, &t) != 0 && errno == EINTR) {
+  }
+}
+
+static uint64_t rng_s;
+static uint64_t rng_u64(void) { /* splitmix64 */
+  uint64_t z = (rng_s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static double rng_unit(void) { /* (0, 1] */
+  return ((double)(rng_u64() >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+/* Nearest-rank percentile of v[0..n) (sorted in place); 0 when empty. */
+static double pct(double *v, int n, double p) {
+  if (n <= 0) return 0.0;
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  int k = (int)ceil(p / 100.0 * n) - 1;
+  return v[k < 0 ? 0 : k >= n ? n - 1 : k];
+}
+
+/* ---- memory: device used (cuda) or resident set (cpu) ------------------------------------ */
+
+static uint64_t proc_status_kb(const char *key) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  uint64_t v = 0;
+  const size_t kl = strlen(key);
+  while (fgets(line, sizeof line, f))
+    if (!strncmp(line, key, kl) && line[kl] == ':') {
+      v = strtoull(line + kl + 1, NULL, 10);
+      break;
+    }
+  fclose(f);
+  return v;
+}
+/* Resets VmHWM to the current RSS (Linux >= 4.0); harmless where unsupported. */
+static void rss_peak_reset(void) {
+  FILE *f = fopen("/proc/self/clear_refs", "w");
+  if (f) {
+    fputs("5", f);
+    fclose(f);
+  }
+}
+
+/* Bytes in use: device memory (total - free) when cuda is the backend, else RSS. */
+static uint64_t mem_used(int cuda) {
+#ifdef LF_HAVE_CUDA
+  if (cuda) {
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return (uint64_t)(tot - fr);
+  }
+#else
+  (void)cuda;
+#endif
+  return proc_status_kb("VmRSS") * 1024u;
+}
+static uint64_t mem_peak_rss(void) {
+  return proc_status_kb("VmHWM") * 1024u;
+}
+
+/* ---- GPU busy: NVML utilisation ("percent of time over the past sample period during which
+ * one or more kernels was executing"), polled during the run. Coarse (1/6 s .. 1 s sample
+ * periods) but free of backend hooks. ------------------------------------------------------ */
+
+typedef struct gpu_util {
+  int ok;
+  double sum;
+  int n;
+#ifdef SERVE_HAVE_NVML
+  void *lib, *dev;
+  int (*get)(void *dev, unsigned int *util_gpu_mem); /* nvmlUtilization_t = {gpu, memory} */
+  int (*shutdown)(void);
+#endif
+} gpu_util;
+
+static void gpu_util_open(gpu_util *g, int cuda) {
+  memset(g, 0, sizeof *g);
+#ifdef SERVE_HAVE_NVML
+  if (!cuda) return;
+  g->lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!g->lib) return;
+  int (*init)(void) = (int (*)(void))dlsym(g->lib, "nvmlInit_v2");
+  int (*by_bus)(const char *, void **) =
+      (int (*)(const char *, void **))dlsym(g->lib, "nvmlDeviceGetHandleByPciBusId_v2");
+  g->get = (int (*)(void *, unsigned int *))dlsym(g->lib, "nvmlDeviceGetUtilizationRates");
+  g->shutdown = (int (*)(void))dlsym(g->lib, "nvmlShutdown");
+  char bus[64];
+  int dev = 0;
+  if (!init || !by_bus || !g->get || !g->shutdown || init() != 0) goto fail;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof bus, dev) != cudaSuccess ||
+      by_bus(bus, &g->dev) != 0) {
+    cudaGetLastError();
+    g->shutdown();
+    goto fail;
+  }
+  g->ok = 1;
+  return;
+fail:
+  dlclose(g->lib);
+  g->lib = NULL;
+#else
+  (void)cuda;
+#endif
+}
+static void gpu_util_sample(gpu_util *g) {
+#ifdef SERVE_HAVE_NVML
+  unsigned int u[2];
+  if (g->ok && g->get(g->dev, u) == 0) {
+    g->sum += u[0];
+    g->n++;
+  }
+#else
+  (void)g;
+#endif
+}
+/* Mean utilisation in [0, 1], or -1 when not measured. */
+static double gpu_util_close(gpu_util *g) {
+  double r = g->n ? g->sum / g->n / 100.0 : -1.0;
+#ifdef SERVE_HAVE_NVML
+  if (g->ok) g->shutdown();
+  if (g->lib) dlclose(g->lib);
+#endif
+  memset(g, 0, sizeof *g);
+  return r;
+}
+
+/* ---- pool sizing -------------------------------------------------------------------------- */
+
+/* Bytes one pool takes on `cuda` or the cpu.
+ *   cpu:  lf_pool_bytes() (memory/pool.h): fp32 K and V plus pos, vnorm, acc per slot.
+ *   cuda: the device arena of engine/backend_cuda.cu: per (layer, KV head)
+ *         budget * (2 * head_dim * 2 [bf16 K, V] + 4 [vnorm] + 4 [pos]) + 8 [n, next].
+ * The per-item workspaces (logits, sampling scratch: about 8 * vocab bytes per pool on cuda)
+ * are not counted: they come out of the memory left beside --kv-gb. */
+static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, int budget) {
+  if (!cuda) {
+    lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, budget, m->head_dim};
+    return lf_pool_bytes(&ps);
+  }
+  const uint64_t heads = (uint64_t)m->n_layers * (uint64_t)m->n_kv_heads;
+  return heads * ((uint64_t)budget * (4u * (uint64_t)m->head_dim + 8u) + 8u);
+}
+
+/* ---- options ------------------------------------------------------------------------------ */
+
+#define MAX_POLICIES 4
+
+typedef struct serve_opts {
+  const char *model, *json;
+  lf_backend_kind backend;
+  lf_policy policies[MAX_POLICIES];
+  int n_policies;
+  int n_req, prompt, output, budget, full_budget, n_pools, max_batch_tokens, threads;
+  int sink, window;
+  double kv_gb, mem_util, rate, duration;
+  int poisson;
+  uint64_t seed;
+  int quiet;
+} serve_opts;
+
+static void serve_usage(FILE *f) {
+  fprintf(f,
+          "usage: lfbench serve [options]\n"
+          "  --model M          HF dir, llama2.c .bin or random:NAME (default random:tiny-llama)\n"
+          "  --backend B        auto | cpu | cuda (default auto)\n"
+          "  --policies LIST    comma list of full, longflow, streaming, h2o (default\n"
+          "                     full,longflow)\n"
+          "  --prompt P         prompt tokens (default 64)\n"
+          "  --output O         output tokens per request, EOS ignored (default 512)\n"
+          "  --requests N       requests per policy (default 0: that policy's pool count)\n"
+          "  --budget B         slots per pool of longflow / streaming / h2o (default 3200)\n"
+          "  --full-budget B    slots per pool of full (default P + O)\n"
+          "  --n-pools K        pools for every policy (overrides --kv-gb)\n"
+          "  --kv-gb G          KV bytes (1e9) for every policy: n_pools = floor(G * 1e9 *\n"
+          "                     mem_util / pool bytes of that policy's budget on that backend)\n"
+          "  --mem-util U       (default 0.9)\n"
+          "  --arrival A        all | poisson (default all)\n"
+          "  --rate R           Poisson arrivals per second (default 1)\n"
+          "  --max-batch-tokens T  prefill tokens per step (default max(P, 2048))\n"
+          "  --sink S --window W   policy parameters (default 4 32)\n"
+          "  --threads T        cpu backend threads (default 0: all cores)\n"
+          "  --duration S       stop after S seconds of wall time: cancel what is left and\n"
+          "                     report the window (default 0: run every request to its end)\n"
+          "  --seed S           prompts and arrivals (default 1)\n"
+          "  --json FILE        write the rows as JSON\n"
+          "  --quiet            no progress lines\n");
+}
+
+static int parse_policies(const char *s, serve_opts *o) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", s);
+  o->n_policies = 0;
+  for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+    if (o->n_policies == MAX_POLICIES || lf_policy_parse(tok, &o->policies[o->n_policies]) != LF_OK)
+      return -1;
+    o->n_policies++;
+  }
+  return o->n_policies ? 0 : -1;
+}
+
+static int parse_args(int argc, char **argv, serve_opts *o) {
+  memset(o, 0, sizeof *o);
+  o->model = "random:tiny-llama";
+  o->backend = LF_BACKEND_AUTO;
+  o->policies[0] = LF_POLICY_FULL;
+  o->policies[1] = LF_POLICY_LONGFLOW;
+  o->n_policies = 2;
+  o->prompt = 64;
+  o->output = 512;
+  o->budget = 3200;
+  o->mem_util = 0.9;
+  o->rate = 1.0;
+  o->sink = 4;
+  o->window = 32;
+  o->seed = 1;
+  o->max_batch_tokens = -1;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT(name) (!strcmp(a, name) && v && (i++, 1))
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      serve_usage(stdout);
+      exit(0);
+    } else if (!strcmp(a, "--quiet")) {
+      o->quiet = 1;
+    } else if (OPT("--model")) {
+      o->model = v;
+    } else if (OPT("--backend")) {
+      if (!strcmp(v, "auto")) o->backend = LF_BACKEND_AUTO;
+      else if (!strcmp(v, "cpu")) o->backend = LF_BACKEND_CPU;
+      else if (!strcmp(v, "cuda")) o->backend = LF_BACKEND_CUDA;
+      else return -1;
+    } else if (OPT("--policies") || OPT("--policy")) {
+      if (parse_policies(v, o)) return -1;
+    } else if (OPT("--prompt")) {
+      o->prompt = atoi(v);
+    } else if (OPT("--output")) {
+      o->output = atoi(v);
+    } else if (OPT("--requests")) {
+      o->n_req = atoi(v);
+    } else if (OPT("--budget")) {
+      o->budget = atoi(v);
+    } else if (OPT("--full-budget")) {
+      o->full_budget = atoi(v);
+    } else if (OPT("--n-pools")) {
+      o->n_pools = atoi(v);
+    } else if (OPT("--kv-gb")) {
+      o->kv_gb = atof(v);
+    } else if (OPT("--mem-util")) {
+      o->mem_util = atof(v);
+    } else if (OPT("--arrival")) {
+      if (!strcmp(v, "all")) o->poisson = 0;
+      else if (!strcmp(v, "poisson")) o->poisson = 1;
+      else return -1;
+    } else if (OPT("--rate")) {
+      o->rate = atof(v);
+    } else if (OPT("--max-batch-tokens")) {
+      o->max_batch_tokens = atoi(v);
+    } else if (OPT("--sink")) {
+      o->sink = atoi(v);
+    } else if (OPT("--window")) {
+      o->window = atoi(v);
+    } else if (OPT("--threads")) {
+      o->threads = atoi(v);
+    } else if (OPT("--duration")) {
+      o->duration = atof(v);
+    } else if (OPT("--seed")) {
+      o->seed = strtoull(v, NULL, 10);
+    } else if (OPT("--json")) {
+      o->json = v;
+    } else {
+      fprintf(stderr, "lfbench serve: bad or incomplete option '%s'\n", a);
+      return -1;
+    }
+#undef OPT
+  }
+  if (o->prompt < 1 || o->output < 1 || o->n_req < 0 || o->budget < 1 || o->full_budget < 0 ||
+      o->n_pools < 0 || o->kv_gb < 0 || !(o->mem_util > 0 && o->mem_util <= 1) ||
+      !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->threads < 0 || o->duration < 0) {
+    fprintf(stderr, "lfbench serve: an option is out of range\n");
+    return -1;
+  }
+  if (o->max_batch_tokens < 0) o->max_batch_tokens = o->prompt > 2048 ? o->prompt : 2048;
+  return 0;
+}
+
+/* ---- one policy's run -------------------------------------------------------------------- */
+
+typedef struct req_state {
+  double arrival; /* offset from the start, seconds */
+  double submit_t, first_t, last_t;
+  int tokens;     /* TOKEN events */
+  int finished;
+  lf_finish_reason reason;
+  lf_status status;
+  uint64_t id;
+  int submitted;
+} req_state;
+
+typedef struct serve_row {
+  const char *policy;
+  int budget, pools, n_req;
+  uint64_t pool_bytes;
+  int finished_length, finished_other, not_finished;
+  uint64_t output_tokens, evictions, steps;
+  double wall_s, init_s, tokens_per_s;
+  double ttft_p50, ttft_p99, tpot_p50, tpot_p99;
+  double eng_ttft_p50, eng_ttft_p99, eng_tpot_p50, eng_tpot_p99;
+  double step_s, host_s, idle_s, mean_step_ms, gpu_busy;
+  uint64_t mem_before, mem_init, mem_peak, mem_end;
+} serve_row;
+
+static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, lf_policy pol,
+                      serve_row *r) {
+  memset(r, 0, sizeof *r);
+  r->policy = lf_policy_str(pol);
+  r->budget = pol == LF_POLICY_FULL ? (o->full_budget ? o->full_budget : o->prompt + o->output)
+                                    : o->budget;
+  r->pool_bytes = pool_bytes_for(cuda, mc, r->budget);
+  if (o->n_pools) {
+    r->pools = o->n_pools;
+  } else if (o->kv_gb > 0) {
+    const double n = floor(o->kv_gb * 1e9 * o->mem_util / (double)r->pool_bytes);
+    r->pools = n > 1e6 ? 1000000 : (int)n;
+    if (r->pools < 1) {
+      fprintf(stderr, "lfbench serve: %s: --kv-gb %g x %g holds no pool of %llu bytes\n",
+              r->policy, o->kv_gb, o->mem_util, (unsigned long long)r->pool_bytes);
+      return 1;
+    }
+  } else {
+    r->pools = 8;
+  }
+  r->n_req = o->n_req ? o->n_req : r->pools;
+
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = o->model;
+  cfg.backend = cuda ? LF_BACKEND_CUDA : LF_BACKEND_CPU;
+  cfg.policy = pol;
+  cfg.budget = r->budget;
+  cfg.sink = o->sink;
+  cfg.window = o->window;
+  cfg.n_pools = r->pools;
+  cfg.max_batch_tokens = o->max_batch_tokens;
+  cfg.n_threads = o->threads;
+
+  if (!cuda) rss_peak_reset();
+  r->mem_before = mem_used(cuda);
+  lf_engine_t e = NULL;
+  double t = now_s();
+  lf_status s = lf_engine_init(&cfg, NULL, &e);
+  r->init_s = now_s() - t;
+  if (s != LF_OK) {
+    fprintf(stderr, "lfbench serve: %s: lf_engine_init: %s: %s\n", r->policy, lf_status_str(s),
+            lf_last_error());
+    return 1;
+  }
+  r->mem_init = r->mem_peak = mem_used(cuda);
+
+  /* The workload: seeded prompts and arrival offsets, the same for every policy. */
+  rng_s = o->seed;
+  const int N = r->n_req, P = o->prompt;
+  req_state *rq = calloc((size_t)N, sizeof *rq);
+  int32_t *prompts = malloc(sizeof(int32_t) * (size_t)N * (size_t)P);
+  if (!rq || !prompts) {
+    fprintf(stderr, "lfbench serve: out of memory\n");
+    free(rq);
+    free(prompts);
+    lf_engine_free(e);
+    return 1;
+  }
+  double at = 0.0;
+  for (int i = 0; i < N; i++) {
+    if (o->poisson) at += -log(rng_unit()) / o->rate;
+    rq[i].arrival = o->poisson ? at : 0.0;
+    for (int j = 0; j < P; j++)
+      prompts[(size_t)i * P + j] = (int32_t)(rng_u64() % (uint64_t)mc->vocab_size);
+  }
+
+  gpu_util gu;
+  gpu_util_open(&gu, cuda);
+  enum { EV_CAP = 4096 };
+  static lf_event ev[EV_CAP];
+  int next_sub = 0, done = 0, rc = 0;
+  const double t0 = now_s();
+  double last_mem = t0, last_util = t0, last_print = t0;
+  double t_end, cutoff = -1.0;
+  while (done < N) {
+    double tn = now_s();
+    if (o->duration > 0 && cutoff < 0 && tn - t0 >= o->duration) {
+      /* End of the window: cancel everything still open and drain. */
+      cutoff = t0 + o->duration;
+      for (int i = 0; i < next_sub; i++)
+        if (!rq[i].finished) lf_engine_cancel(e, rq[i].id);
+      done += N - next_sub; /* never submitted */
+      next_sub = N;
+    }
+    /* Submit what has arrived; wait for the next arrival when idle. */
+    while (next_sub < N && rq[next_sub].arrival <= tn - t0) {
+      lf_request req = {.prompt = prompts + (size_t)next_sub * P,
+                        .n_prompt = P,
+                        .max_tokens = o->output,
+                        .ignore_eos = 1};
+      s = lf_engine_submit(e, &req, &rq[next_sub].id);
+      if (s == LF_ERR_QUEUE_FULL) break;
+      if (s != LF_OK) {
+        fprintf(stderr, "lfbench serve: submit: %s: %s\n", lf_status_str(s), lf_last_error());
+        rc = 1;
+        goto out;
+      }
+      rq[next_sub].submit_t = tn;
+      rq[next_sub].submitted = 1;
+      next_sub++;
+    }
+    if (!lf_engine_busy(e)) {
+      if (next_sub < N) {
+        double w = t0 + rq[next_sub].arrival - now_s();
+        if (o->duration > 0 && w > t0 + o->duration - now_s()) w = t0 + o->duration - now_s();
+        const double ts = now_s();
+        sleep_s(w);
+        r->idle_s += now_s() - ts;
+        continue;
+      }
+      break; /* nothing left: every request ended */
+    }
+    int n = 0;
+    const double ts = now_s();
+    s = lf_engine_step(e, ev, EV_CAP, &n);
+    const double te = now_s();
+    if (cutoff < 0) { /* steps that drain cancellations after the window are not counted */
+      const double lim = o->duration > 0 ? t0 + o->duration : te;
+      r->step_s += (te < lim ? te : lim) - ts;
+      r->steps++;
+    }
+    if (s != LF_OK) {
+      fprintf(stderr, "lfbench serve: step: %s: %s\n", lf_status_str(s), lf_last_error());
+      rc = 1;
+      goto out;
+    }
+    for (int k = 0; k < n; k++) {
+      /* ids are handed out 1, 2, ... in submit order by the scheduler; search from the id's
+       * guess and fall back to a scan. */
+      int i = (int)ev[k].id - 1;
+      if (i < 0 || i >= N || rq[i].id != ev[k].id)
+        for (i = 0; i < N && rq[i].id != ev[k].id; i++) {
+        }
+      if (i >= N) continue;
+      req_state *q = &rq[i];
+      if (ev[k].type == LF_EVENT_TOKEN) {
+        if (cutoff >= 0) continue; /* after the window */
+        if (!q->tokens) q->first_t = te;
+        q->last_t = te;
+        q->tokens++;
+      } else {
+        q->finished = 1;
+        q->reason = ev[k].reason;
+        q->status = ev[k].status;
+        done++;
+      }
+    }
+    if (te - last_mem > 0.5) {
+      const uint64_t m = mem_used(cuda);
+      if (m > r->mem_peak) r->mem_peak = m;
+      last_mem = te;
+    }
+    if (gu.ok && te - last_util > 0.2) {
+      gpu_util_sample(&gu);
+      last_util = te;
+    }
+    if (!o->quiet && te - last_print > 10.0) {
+      lf_metrics mm;
+      if (lf_engine_metrics(e, &mm) == LF_OK)
+        fprintf(stderr, "# %s t=%.0fs running %d waiting %d done %d/%d tok/s(10s) %.0f\n",
+                r->policy, te - t0, mm.running, mm.waiting, done, N, mm.tokens_per_s);
+      last_print = te;
+    }
+  }
+  t_end = cutoff >= 0 ? cutoff : now_s();
+
+  r->wall_s = t_end - t0;
+  r->mem_end = mem_used(cuda);
+  if (r->mem_end > r->mem_peak) r->mem_peak = r->mem_end;
+  if (!cuda) {
+    const uint64_t hwm = mem_peak_rss();
+    if (hwm > r->mem_peak) r->mem_peak = hwm;
+  }
+  {
+    double *ttft = malloc(sizeof(double) * (size_t)N), *tpot = malloc(sizeof(double) * (size_t)N);
+    int nt = 0, np = 0;
+    for (int i = 0; i < N; i++) {
+      const req_state *q = &rq[i];
+      r->output_tokens += (uint64_t)q->tokens;
+      if (q->finished && q->reason == LF_FINISH_LENGTH) r->finished_length++;
+      else if (q->finished && q->reason != LF_FINISH_CANCELLED) r->finished_other++;
+      else r->not_finished++;
+      if (q->tokens >= 1) ttft[nt++] = q->first_t - q->submit_t;
+      if (q->tokens >= 2) tpot[np++] = (q->last_t - q->first_t) / (q->tokens - 1);
+      if (q->finished && q->reason == LF_FINISH_ERROR && r->finished_other == 1)
+        fprintf(stderr, "lfbench serve: %s: request %d ended with an error: %s\n", r->policy, i,
+                lf_status_str(q->status));
+    }
+    r->ttft_p50 = pct(ttft, nt, 50);
+    r->ttft_p99 = pct(ttft, nt, 99);
+    r->tpot_p50 = pct(tpot, np, 50);
+    r->tpot_p99 = pct(tpot, np, 99);
+    free(ttft);
+    free(tpot);
+  }
+  r->tokens_per_s = r->wall_s > 0 ? (double)r->output_tokens / r->wall_s : 0.0;
+  r->host_s = r->wall_s - r->step_s - r->idle_s;
+  if (r->host_s < 0) r->host_s = 0;
+  r->mean_step_ms = r->steps ? 1e3 * r->step_s / (double)r->steps : 0.0;
+  r->gpu_busy = gpu_util_close(&gu);
+  {
+    lf_metrics m;
+    if (lf_engine_metrics(e, &m) == LF_OK) {
+      r->evictions = m.evictions;
+      r->eng_ttft_p50 = m.ttft.p50;
+      r->eng_ttft_p99 = m.ttft.p99;
+      r->eng_tpot_p50 = m.tpot.p50;
+      r->eng_tpot_p99 = m.tpot.p99;
+    }
+  }
+  if (r->finished_other) rc = 3;
+out:
+  lf_engine_free(e);
+  free(rq);
+  free(prompts);
+  return rc;
+}
+
+/* ---- output ------------------------------------------------------------------------------- */
+
+static void print_header(void) {
+  printf("# %-9s %6s %6s %6s %10s %9s %9s %9s %9s %9s %8s %6s %6s %6s %6s %9s %9s %12s %5s\n",
+         "policy", "budget", "pools", "reqs", "out_tok", "tok/s", "ttft_p50", "ttft_p99",
+         "tpot_p50", "tpot_p99", "wall_s", "step%", "host%", "idle%", "gpu%", "mem_MB", "peak_MB",
+         "evictions", "ok");
+}
+static void print_row(const serve_row *r) {
+  char gpu[16];
+  if (r->gpu_busy >= 0) snprintf(gpu, sizeof gpu, "%.1f", 100.0 * r->gpu_busy);
+  else snprintf(gpu, sizeof gpu, "-");
+  const double w = r->wall_s > 0 ? r->wall_s : 1.0;
+  printf("  %-9s %6d %6d %6d %10llu %9.1f %9.4f %9.4f %9.5f %9.5f %8.2f %6.1f %6.1f %6.1f %6s "
+         "%9.1f %9.1f %12llu %5s\n",
+         r->policy, r->budget, r->pools, r->n_req, (unsigned long long)r->output_tokens,
+         r->tokens_per_s, r->ttft_p50, r->ttft_p99, r->tpot_p50, r->tpot_p99, r->wall_s,
+         100.0 * r->step_s / w, 100.0 * r->host_s / w, 100.0 * r->idle_s / w, gpu,
+         (double)r->mem_init / 1048576.0, (double)r->mem_peak / 1048576.0,
+         (unsigned long long)r->evictions, r->finished_other ? "ERR" : "OK");
+  fflush(stdout);
+}
+
+static int write_json(const serve_opts *o, const char *backend, const lf_model_config *mc,
+                      const serve_row *rows, int n) {
+  FILE *f = fopen(o->json, "w");
+  if (!f) {
+    fprintf(stderr, "lfbench serve: cannot write %s\n", o->json);
+    return 1;
+  }
+  char host[128] = "";
+  if (gethostname(host, sizeof host) != 0) host[0] = '\0';
+  host[sizeof host - 1] = '\0';
+  for (char *c = host; *c; c++)
+    if (*c == '"' || *c == '\\') *c = '_';
+  fprintf(f,
+          "{\"bench\": \"serve\", \"model\": \"%s\", \"backend\": \"%s\", \"host\": \"%s\", "
+          "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
+          "\"output\": %d, \"arrival\": \"%s\", \"rate\": %g, \"kv_gb\": %g, \"mem_util\": %g, "
+          "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"duration\": %g, "
+          "\"seed\": %llu, \"mem_kind\": \"%s\",\n \"rows\": [\n",
+          o->model, backend, host, mc->n_layers, mc->n_kv_heads, mc->head_dim, o->prompt,
+          o->output, o->poisson ? "poisson" : "all", o->poisson ? o->rate : 0.0, o->kv_gb,
+          o->mem_util, o->max_batch_tokens, o->sink, o->window, o->duration,
+          (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used");
+  for (int i = 0; i < n; i++) {
+    const serve_row *r = &rows[i];
+    char gpu[32] = "null";
+    if (r->gpu_busy >= 0) snprintf(gpu, sizeof gpu, "%.4f", r->gpu_busy);
+    const double w = r->wall_s > 0 ? r->wall_s : 1.0;
+    fprintf(f,
+            "  {\"policy\": \"%s\", \"budget\": %d, \"pools\": %d, \"pool_bytes\": %llu, "
+            "\"requests\": %d, \"finished_length\": %d, \"finished_other\": %d, "
+            "\"not_finished\": %d, \"output_tokens\": %llu, \"wall_s\": %.4f, \"init_s\": %.3f, "
+            "\"tokens_per_s\": %.3f, \"ttft_p50_s\": %.6f, \"ttft_p99_s\": %.6f, "
+            "\"tpot_p50_s\": %.7f, \"tpot_p99_s\": %.7f, \"engine_ttft_p50_s\": %.6f, "
+            "\"engine_ttft_p99_s\": %.6f, \"engine_tpot_p50_s\": %.7f, \"engine_tpot_p99_s\": %.7f, "
+            "\"steps\": %llu, \"mean_step_ms\": %.4f, \"step_fraction\": %.5f, "
+            "\"host_fraction\": %.5f, \"idle_fraction\": %.5f, \"gpu_busy\": %s, "
+            "\"mem_before\": %llu, \"mem_init\": %llu, \"mem_peak\": %llu, \"mem_end\": %llu, "
+            "\"evictions\": %llu}%s\n",
+            r->policy, r->budget, r->pools, (unsigned long long)r->pool_bytes, r->n_req,
+            r->finished_length, r->finished_other, r->not_finished,
+            (unsigned long long)r->output_tokens, r->wall_s, r->init_s, r->tokens_per_s,
+            r->ttft_p50, r->ttft_p99, r->tpot_p50, r->tpot_p99, r->eng_ttft_p50, r->eng_ttft_p99,
+            r->eng_tpot_p50, r->eng_tpot_p99, (unsigned long long)r->steps, r->mean_step_ms,
+            r->step_s / w, r->host_s / w, r->idle_s / w, gpu, (unsigned long long)r->mem_before,
+            (unsigned long long)r->mem_init, (unsigned long long)r->mem_peak,
+            (unsigned long long)r->mem_end, (unsigned long long)r->evictions,
+            i + 1 < n ? "," : "");
+  }
+  fprintf(f, "]}\n");
+  fclose(f);
+  return 0;
+}
+
+int bench_serve(int argc, char **argv) {
+  serve_opts o;
+  if (parse_args(argc, argv, &o)) {
+    serve_usage(stderr);
+    return 2;
+  }
+  lf_checkpoint ck;
+  lf_status s = lf_checkpoint_open(o.model, &ck);
+  if (s != LF_OK) {
+    fprintf(stderr, "lfbench serve: %s: %s: %s\n", o.model, lf_status_str(s), lf_last_error());
+    return 1;
+  }
+  const lf_model_config mc = ck.cfg;
+  lf_checkpoint_close(&ck);
+
+  /* Resolve auto the way lf_backend_create does, so pool sizes use the right layout. */
+  int cuda = o.backend == LF_BACKEND_CUDA;
+#ifdef LF_HAVE_CUDA_BACKEND
+  if (o.backend == LF_BACKEND_AUTO) cuda = lf_cuda_device_present();
+#endif
+  const char *backend = cuda ? "cuda" : "cpu";
+  if (o.prompt + o.output > mc.max_seq_len) {
+    fprintf(stderr, "lfbench serve: prompt + output = %d exceeds the model's context %d\n",
+            o.prompt + o.output, mc.max_seq_len);
+    return 2;
+  }
+
+  printf("# lfbench serve: model %s, backend %s, prompt %d, output %d, arrival %s", o.model,
+         backend, o.prompt, o.output, o.poisson ? "poisson" : "all");
+  if (o.poisson) printf(" (%g/s)", o.rate);
+  if (o.n_pools) printf(", n_pools %d", o.n_pools);
+  else if (o.kv_gb > 0) printf(", kv %g GB x %g", o.kv_gb, o.mem_util);
+  printf(", max_batch_tokens %d%s\n", o.max_batch_tokens, o.duration > 0 ? ", windowed" : "");
+  printf("# times in seconds; step%% = wall inside lf_engine_step, host%% = outside it, idle%% = "
+         "waiting for arrivals; mem = %s after init, peak during the run\n",
+         cuda ? "device used (cudaMemGetInfo)" : "RSS");
+  print_header();
+  serve_row rows[MAX_POLICIES];
+  int rc = 0, n = 0;
+  for (int i = 0; i < o.n_policies; i++) {
+    int r = run_policy(&o, &mc, cuda, o.policies[i], &rows[n]);
+    if (r == 1) {
+      rc = 1;
+      continue;
+    }
+    if (r) rc = r;
+    print_row(&rows[n]);
+    n++;
+  }
+  /* The headline ratio, when both are there. */
+  const serve_row *full = NULL, *lf = NULL;
+  for (int i = 0; i < n; i++) {
+    if (!strcmp(rows[i].policy, "full")) full = &rows[i];
+    if (!strcmp(rows[i].policy, "longflow")) lf = &rows[i];
+  }
+  if (full && lf && full->tokens_per_s > 0)
+    printf("# longflow / full output tokens/s: %.2fx (pools %d vs %d)\n",
+           lf->tokens_per_s / full->tokens_per_s, lf->pools, full->pools);
+  if (o.json && n && write_json(&o, backend, &mc, rows, n)) rc = 1;
+  return rc;
+}

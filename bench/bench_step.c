@@ -1,0 +1,310 @@
+/* lfbench step — one decode step of the cuda engine backend against its memory-bandwidth floor.
+ *
+ * For each model (random:NAME checkpoints: real shapes, no files) the backend is created with
+ * budget B and as many pools as the largest batch; every pool is filled by a prefill of B - 1
+ * random tokens, so each decode step reads B slots per (sequence, layer, KV head) and evicts.
+ * Then, per batch size, `warmup` steps and `steps` timed steps; the figure is the median.
+ *
+ * Timing: host clock around backend->forward(), which ends in a stream synchronise, so a step
+ * is everything a serving loop waits for: step upload, the layers (a CUDA graph replay once the
+ * batch size has been seen twice), LM head, sampling, the token copy back. Events on the
+ * backend's private stream are not reachable from here, and on the legacy stream they would
+ * measure the same host interval.
+ *
+ * Floor = (bf16 matrix bytes read per step, LM head included, embedding table excluded: it is a
+ * gather + K and V bytes of the batch's filled slots) / device-to-device copy bandwidth measured
+ * in the same run (2 GiB cudaMemcpy, read + write). ratio = step / floor; roofline = floor / step.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "lfserve.h"
+
+#if defined(LF_HAVE_CUDA) && defined(LF_HAVE_CUDA_BACKEND)
+#include <cuda_runtime.h>
+
+#include "engine/backend.h"
+#include "engine/model.h"
+
+#define STEP_MAX_LIST 16
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median_d(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static int list_of(const char *s, int *out, int cap) {
+  int n = 0;
+  while (*s && n < cap) {
+    char *end;
+    const long v = strtol(s, &end, 10);
+    if (end == s || v <= 0) return -1;
+    out[n++] = (int)v;
+    if (*end && *end != ',') return -1;
+    s = *end == ',' ? end + 1 : end;
+  }
+  return n;
+}
+
+static uint64_t step_rng = 0x2545f4914f6cdd1dull;
+static uint32_t rnd(uint32_t n) {
+  step_rng ^= step_rng << 13;
+  step_rng ^= step_rng >> 7;
+  step_rng ^= step_rng << 17;
+  return (uint32_t)(step_rng >> 33) % n;
+}
+
+/* Same method as `lfbench kernel`: 2 GiB device-to-device copy, median of 10, read + write. */
+static int step_copy_bw(double *gbs) {
+  const size_t bytes = (size_t)2 << 30;
+  void *a = NULL, *b = NULL;
+  cudaEvent_t e0, e1;
+  float t[10];
+  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess ||
+      cudaMemset(a, 1, bytes) != cudaSuccess || cudaEventCreate(&e0) != cudaSuccess ||
+      cudaEventCreate(&e1) != cudaSuccess) {
+    fprintf(stderr, "lfbench step: copy bandwidth: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 1;
+  }
+  for (int i = 0; i < 3; i++) cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
+  for (int i = 0; i < 10; i++) {
+    cudaEventRecord(e0, 0);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0);
+    cudaEventRecord(e1, 0);
+    cudaEventSynchronize(e1);
+    cudaEventElapsedTime(&t[i], e0, e1);
+  }
+  double td[10];
+  for (int i = 0; i < 10; i++) td[i] = t[i];
+  *gbs = 2.0 * (double)bytes / (median_d(td, 10) * 1e-3) / 1e9;
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return cudaGetLastError() == cudaSuccess ? 0 : 1;
+}
+
+static double weight_bytes(const lf_model_config *m) {
+  const double dim = m->dim, hid = m->hidden_dim, qd = (double)m->n_heads * m->head_dim,
+               kd = (double)m->n_kv_heads * m->head_dim;
+  const double layer = (qd + 2 * kd) * dim + dim * qd + 2 * hid * dim + dim * hid;
+  return 2.0 * (m->n_layers * layer + (double)m->vocab_size * dim);
+}
+
+#define STEP_FAIL(...)                                                                             \
+  do {                                                                                             \
+    fprintf(stderr, "lfbench step: " __VA_ARGS__);                                                 \
+    fprintf(stderr, ": %s\n", lf_last_error());                                                    \
+    rc = 1;                                                                                        \
+    goto done;                                                                                     \
+  } while (0)
+
+/* One model: create, fill the pools, time each batch size; rows appended to json. */
+static int run_model(const char *model, const int *batches, int nb, int budget, int steps,
+                     int warmup, double copy_gbs, FILE *json, int *first_row) {
+  int rc = 0, max_b = 0;
+  for (int i = 0; i < nb; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
+  lf_checkpoint ck;
+  memset(&ck, 0, sizeof ck);
+  lf_backend *b = NULL;
+  int *pools = NULL;
+  int32_t *prompt = NULL, *last = NULL;
+  lf_batch_item *items = NULL;
+  lf_batch_result *res = NULL;
+  double *t = NULL;
+  if (lf_checkpoint_open(model, &ck) != LF_OK) {
+    fprintf(stderr, "lfbench step: cannot open %s: %s\n", model, lf_last_error());
+    return 1;
+  }
+  const lf_model_config *m = &ck.cfg;
+  lf_backend_params p;
+  memset(&p, 0, sizeof p);
+  p.policy = LF_POLICY_LONGFLOW;
+  p.budget = budget;
+  p.sink = 4;
+  p.window = 32;
+  p.n_pools = max_b;
+  double t0 = now_s();
+  if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);
+  const double t_create = now_s() - t0;
+  pools = calloc((size_t)max_b, sizeof *pools);
+  prompt = calloc((size_t)budget, sizeof *prompt);
+  last = calloc((size_t)max_b, sizeof *last);
+  items = calloc((size_t)max_b, sizeof *items);
+  res = calloc((size_t)max_b, sizeof *res);
+  t = calloc((size_t)(steps > 0 ? steps : 1), sizeof *t);
+  if (!pools || !prompt || !last || !items || !res || !t) {
+    fprintf(stderr, "lfbench step: out of host memory\n");
+    rc = 1;
+    goto done;
+  }
+  t0 = now_s();
+  for (int i = 0; i < max_b; i++) {
+    if (b->pool_take(b, &pools[i]) != LF_OK) STEP_FAIL("pool_take");
+    for (int k = 0; k < budget - 1; k++) prompt[k] = (int32_t)rnd((uint32_t)m->vocab_size);
+    lf_batch_item it;
+    memset(&it, 0, sizeof it);
+    it.pool = pools[i];
+    it.n_tok = budget - 1;
+    it.tokens = prompt;
+    if (b->forward(b, &it, 1, &res[0], NULL) != LF_OK || res[0].status != LF_OK)
+      STEP_FAIL("prefill of pool %d", i);
+    last[i] = res[0].token;
+  }
+  const double t_fill = now_s() - t0;
+  int32_t pos = budget - 1;
+  const double wb = weight_bytes(m);
+  for (int bi = 0; bi < nb; bi++) {
+    const int bs = batches[bi];
+    double best = 1e30;
+    for (int st = 0; st < warmup + steps; st++) {
+      for (int i = 0; i < bs; i++) {
+        memset(&items[i], 0, sizeof items[i]);
+        items[i].pool = pools[i];
+        items[i].pos0 = pos;
+        items[i].n_tok = 1;
+        items[i].tokens = &last[i];
+      }
+      t0 = now_s();
+      if (b->forward(b, items, bs, res, NULL) != LF_OK) STEP_FAIL("decode step");
+      const double dt = now_s() - t0;
+      for (int i = 0; i < bs; i++) {
+        if (res[i].status != LF_OK) STEP_FAIL("decode step, item %d", i);
+        last[i] = res[i].token;
+      }
+      if (st >= warmup) {
+        t[st - warmup] = dt;
+        if (dt < best) best = dt;
+      }
+      pos++;
+    }
+    const double med = median_d(t, steps);
+    /* every pool holds `budget` slots once its first decode token is in */
+    const double kv = (double)bs * m->n_layers * m->n_kv_heads * budget * m->head_dim * 2.0 * 2.0;
+    const double floor_s = (wb + kv) / (copy_gbs * 1e9);
+    printf("%-18s %6d %7d %10.3f %10.3f %10.3f %8.2f %8.2f %9.3f %8.1f%%\n", model, bs, budget,
+           med * 1e3, best * 1e3, floor_s * 1e3, wb / 1e9, kv / 1e9, med / floor_s,
+           100.0 * floor_s / med);
+    if (json) {
+      fprintf(json,
+              "%s\n    {\"model\": \"%s\", \"batch\": %d, \"budget\": %d, \"steps\": %d, "
+              "\"step_ms_median\": %.4f, \"step_ms_min\": %.4f, \"floor_ms\": %.4f, "
+              "\"weight_bytes\": %.0f, \"kv_bytes\": %.0f, \"ratio\": %.4f, "
+              "\"roofline_fraction\": %.4f, \"create_s\": %.2f, \"fill_s\": %.2f}",
+              *first_row ? "" : ",", model, bs, budget, steps, med * 1e3, best * 1e3,
+              floor_s * 1e3, wb, kv, med / floor_s, floor_s / med, t_create, t_fill);
+      *first_row = 0;
+    }
+  }
+  fflush(stdout);
+done:
+  if (b) b->free(b);
+  lf_checkpoint_close(&ck);
+  free(pools);
+  free(prompt);
+  free(last);
+  free(items);
+  free(res);
+  free(t);
+  return rc;
+}
+
+int bench_step(int argc, char **argv) {
+  char models_buf[512] = "random:llama3-8b,random:qwen3-8b";
+  const char *json_path = NULL;
+  int batches[STEP_MAX_LIST] = {1, 64}, nb = 2, budget = 1024, steps = 50, warmup = 5;
+  for (int i = 1; i < argc; i++) {
+    const char *o = argv[i];
+    if (!strcmp(o, "-h") || !strcmp(o, "--help")) {
+      printf("usage: lfbench step [--models LIST] [--batches LIST] [--budget N] [--steps N] "
+             "[--warmup N] [--json FILE]\n"
+             "  one decode step of the cuda backend (pools filled to the budget) against the\n"
+             "  weights + KV bytes / copy-bandwidth floor; defaults: random:llama3-8b,\n"
+             "  random:qwen3-8b; batches 1,64; budget 1024; 50 timed steps after 5\n");
+      return 0;
+    }
+    if (i + 1 >= argc) {
+      fprintf(stderr, "lfbench step: %s needs a value\n", o);
+      return 2;
+    }
+    const char *v = argv[++i];
+    if (!strcmp(o, "--models")) {
+      snprintf(models_buf, sizeof models_buf, "%s", v);
+    } else if (!strcmp(o, "--batches")) {
+      if ((nb = list_of(v, batches, STEP_MAX_LIST)) < 1) return 2;
+    } else if (!strcmp(o, "--budget")) {
+      budget = atoi(v);
+    } else if (!strcmp(o, "--steps")) {
+      steps = atoi(v);
+    } else if (!strcmp(o, "--warmup")) {
+      warmup = atoi(v);
+    } else if (!strcmp(o, "--json")) {
+      json_path = v;
+    } else {
+      fprintf(stderr, "lfbench step: unknown option %s\n", o);
+      return 2;
+    }
+  }
+  if (budget < 2 || steps < 1 || warmup < 0) {
+    fprintf(stderr, "lfbench step: budget >= 2, steps >= 1, warmup >= 0\n");
+    return 2;
+  }
+  double copy_gbs = 0;
+  if (step_copy_bw(&copy_gbs)) return 1;
+  struct cudaDeviceProp prop;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  cudaGetDeviceProperties(&prop, dev);
+  const char *graphs = getenv("LF_CUDA_GRAPHS"), *gemv = getenv("LF_CUDA_GEMV_MAX");
+  printf("# device %s, copy bandwidth %.1f GB/s (2 GiB D2D, read + write); cuda graphs %s, "
+         "gemv max %s; timed: host clock around forward(), median of %d after %d\n",
+         prop.name, copy_gbs, graphs && !strcmp(graphs, "0") ? "off" : "on", gemv ? gemv : "8",
+         steps, warmup);
+  printf("# %-16s %6s %7s %10s %10s %10s %8s %8s %9s %9s\n", "model", "batch", "budget",
+         "step_ms", "min_ms", "floor_ms", "w_GB", "kv_GB", "ratio", "roofline");
+  FILE *json = NULL;
+  if (json_path && !(json = fopen(json_path, "w"))) {
+    fprintf(stderr, "lfbench step: cannot write %s\n", json_path);
+    return 1;
+  }
+  if (json)
+    fprintf(json,
+            "{\n  \"bench\": \"step\", \"device\": \"%s\", \"copy_gbs\": %.1f, \"cuda_graphs\": "
+            "%s, \"gemv_max\": \"%s\", \"timer\": \"host clock around forward(), median\",\n"
+            "  \"rows\": [",
+            prop.name, copy_gbs, graphs && !strcmp(graphs, "0") ? "false" : "true",
+            gemv ? gemv : "8");
+  int rc = 0, first = 1;
+  for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
+       mdl = strtok_r(NULL, ",", &save))
+    rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first);
+  if (json) {
+    fprintf(json, "\n  ]\n}\n");
+    fclose(json);
+  }
+  return rc;
+}
+
+#else
+int bench_step(int argc, char **argv) {
+  (void)argc;
+  (void)argv;
+  fprintf(stderr, "lfbench step: this build has no CUDA engine backend\n");
+  return 1;
+}
+#endif

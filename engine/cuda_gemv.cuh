@@ -1,0 +1,46 @@
+/* Bandwidth-bound matrix-vector products for small decode batches (n_tok <= LF_GEMV_MAX_TOK).
+ *
+ * Y[t][o] = sum_i W[o][i] X[t][i] with W bf16 [n_out][n_in] (row-major, the checkpoint's layout),
+ * X bf16 [n_tok][ldx], fp32 accumulation. At batch 1..8 a decode step only streams the weights
+ * once; cuBLAS's n = 1 path does not reach the copy bandwidth, so one warp owns one output row
+ * (two for the gated MLP), reads it with 128-bit streaming loads and reads X through L1.
+ * Each token's sum is formed in the same order whatever n_tok is, so a sequence's result does not
+ * depend on what else is in the batch.
+ *
+ * Includable from C; bf16 buffers are void *; every pointer is device memory.
+ */
+#ifndef LF_CUDA_GEMV_CUH
+#define LF_CUDA_GEMV_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lfserve.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct CUstream_st;
+
+#define LF_GEMV_MAX_TOK 8
+
+typedef enum lf_gemv_out {
+  LF_GEMV_F32 = 0,  /* Y fp32 [n_tok][ldy]: Y = acc + beta Y (beta 0: Y is not read) */
+  LF_GEMV_BF16 = 1, /* Y bf16 [n_tok][ldy]: Y = bf16(acc) */
+  LF_GEMV_GLU = 2,  /* W holds [2 n_out][n_in] (gate rows, then up rows); Y bf16 [n_tok][ldy]:
+                       Y[t][o] = bf16(silu(gate_o . x_t) * (up_o . x_t)) */
+} lf_gemv_out;
+
+/* Nonzero when lf_cuda_gemv takes this shape: 1 <= n_tok <= LF_GEMV_MAX_TOK, n_in and ldx
+ * multiples of 8, W and X 16-byte aligned. */
+int lf_cuda_gemv_ok(const void *W, const void *X, int n_in, size_t ldx, int n_tok);
+
+lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out, int n_tok,
+                       void *Y, size_t ldy, lf_gemv_out mode, float beta,
+                       struct CUstream_st *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Smoke test of `lfbench serve` (CPU, random:tiny-llama, about a second): every policy runs every
+# request to exactly O tokens, the JSON parses, and the eviction count is the exact one.
+#   tests/test_bench_serve.sh path/to/lfbench
+# Exit 77 (CTest SKIP_RETURN_CODE) when python3 is missing.
+set -eu -o pipefail
+LFBENCH=${1:?usage: test_bench_serve.sh path/to/lfbench}
+command -v python3 >/dev/null || { echo "python3 not found: skipped"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# P < B, so nothing is compressed at prefill: per (sequence, layer, KV head) the pool takes
+# P + O - 1 tokens (the last sampled token is never fed) and evicts P + O - 1 - B of them.
+P=16 O=64 N=6 B=32
+"$LFBENCH" serve --model random:tiny-llama --backend cpu --threads 1 --prompt $P --output $O \
+  --requests $N --n-pools 4 --budget $B --policies full,longflow,streaming --arrival poisson \
+  --rate 400 --seed 7 --quiet --json "$tmp/serve.json" | tee "$tmp/serve.txt"
+python3 - "$tmp/serve.json" $P $O $N $B <<'PY'
+import json, sys
+path, P, O, N, B = sys.argv[1], *map(int, sys.argv[2:])
+d = json.load(open(path))
+assert d["bench"] == "serve" and d["backend"] == "cpu" and d["arrival"] == "poisson", d
+L, H = d["n_layers"], d["n_kv_heads"]
+rows = {r["policy"]: r for r in d["rows"]}
+assert sorted(rows) == ["full", "longflow", "streaming"], rows.keys()
+for pol, r in rows.items():
+    assert r["requests"] == N and r["pools"] == 4, (pol, r)
+    assert r["finished_length"] == N and r["finished_other"] == 0 and r["not_finished"] == 0, (pol, r)
+    assert r["output_tokens"] == N * O, (pol, r["output_tokens"])
+    assert r["tokens_per_s"] > 0 and r["wall_s"] > 0 and r["steps"] >= O, (pol, r)
+    assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["tpot_p50_s"] <= r["tpot_p99_s"], (pol, r)
+    f = r["step_fraction"] + r["host_fraction"] + r["idle_fraction"]
+    assert abs(f - 1) < 1e-3 and r["step_fraction"] > 0, (pol, f)
+    assert r["gpu_busy"] is None and r["mem_peak"] >= r["mem_init"] > 0, (pol, r)
+    want = 0 if pol == "full" else N * (P + O - 1 - B) * L * H
+    assert r["evictions"] == want, (pol, r["evictions"], want)
+assert rows["full"]["budget"] == P + O and rows["longflow"]["budget"] == B
+print("bench serve smoke: OK")
+PY
