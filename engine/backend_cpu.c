@@ -176,6 +176,7 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   if (s == LF_OK) s = comm ? lf_weights_load_f32_shard(ck, &sh, &c->w) : lf_weights_load_f32(ck, &c->w);
   if (s == LF_OK) s = lf_kv_arena_init(&c->arena, &ps);
   if (s == LF_OK) s = lf_cpu_forward_init_tp(&c->fwd, mc, &c->w, &c->arena, &ap, &sh, comm);
+  if (s == LF_OK) c->fwd.n_threads = p->n_threads;
   if (s == LF_OK) s = lf_sampler_init(&c->sampler, mc->vocab_size);
   if (s == LF_OK && !(c->logits = malloc(sizeof(float) * (size_t)mc->vocab_size)))
     s = lf_error(LF_ERR_OUT_OF_MEMORY, "logits");

@@ -1,5 +1,9 @@
 #include "forward.h"
 
+#ifdef LF_HAVE_OPENMP
+#include <omp.h>
+#endif
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,10 +29,18 @@ static float dot(const float *a, const float *b, int n) {
   return r;
 }
 
+/* Threads for the matmuls of the forward running on this thread (0: OpenMP's default). Set per
+ * lf_cpu_forward_run from the backend's n_threads, so an embedding process keeps its own
+ * OpenMP settings. */
+static _Thread_local int matmul_threads;
+
 void lf_matmul(float *y, const float *x, const float *W, const float *b, int n_tok, int n_in,
                int n_out) {
 #ifdef LF_HAVE_OPENMP
-#pragma omp parallel for schedule(static) if ((long)n_out * n_in * n_tok > 65536)
+  /* Below ~1M multiply-adds a parallel region costs more than it saves, and oversubscribed
+   * cores (tests running side by side) make it far worse. */
+  const int nt = matmul_threads > 0 ? matmul_threads : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(nt) if ((long)n_out * n_in * n_tok >= (1L << 20))
 #endif
   for (int o = 0; o < n_out; o++) {
     const float *wr = W + (size_t)o * n_in;
@@ -157,6 +169,7 @@ void lf_cpu_forward_free(lf_cpu_forward *f) {
 lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_tok,
                              const int32_t *tokens, float *logits, float *logits_all,
                              uint64_t *evictions) {
+  matmul_threads = f->n_threads;
   const lf_model_config *c = f->cfg;
   const lf_weights *w = f->w;
   if (n_tok < 1) return lf_error(LF_ERR_INVALID_ARG, "forward: n_tok %d < 1", n_tok);

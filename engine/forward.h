@@ -32,6 +32,7 @@ typedef struct lf_cpu_forward {
   lf_attn_params ap;
   lf_shard sh;     /* this rank's slices (the whole model on one rank) */
   lf_comm_t comm;  /* NULL or a single rank: no collectives */
+  int n_threads;   /* OpenMP threads for the matmuls (0: OpenMP's default) */
   float *inv_freq; /* [head_dim/2] RoPE frequencies (after llama3 scaling) */
   /* scratch for up to cap_tok tokens, grown on demand */
   int cap_tok;

@@ -17,7 +17,8 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$jobs"
 labels="cpu|mpi"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then labels="cpu|mpi|gpu"; fi
-ctest --test-dir build -L "$labels" --output-on-failure -j "$jobs"
+# ctest runs one test per core; OpenMP inside each would oversubscribe the cores.
+OMP_NUM_THREADS=1 ctest --test-dir build -L "$labels" --output-on-failure -j "$jobs"
 
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DLF_SANITIZE=ON -DLF_CUDA=OFF -DLF_OPENMP=OFF
 cmake --build build-asan -j "$jobs"
