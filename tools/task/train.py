@@ -251,6 +251,7 @@ def main():
     ap.add_argument("--out", required=True, help="export directory")
     ap.add_argument("--ckpt", help="checkpoint directory (default OUT/ckpt)")
     ap.add_argument("--resume", action="store_true", help="continue from CKPT/last.pt")
+    ap.add_argument("--init-from", help="start from an exported model directory's weights")
     ap.add_argument("--minutes", type=float, default=0, help="wall-clock budget for training")
     ap.add_argument("--max-steps", type=int, default=0, help="optimizer steps (fixes the schedule)")
     ap.add_argument("--seed", type=int, default=1)
@@ -326,6 +327,18 @@ def main():
                             fused=device.type == "cuda")
     step, data_index, total = 0, 0, args.max_steps
     history = []
+    if args.init_from:
+        # continue from an exported model (weights only: a fresh optimizer and schedule), e.g.
+        # one trained in an earlier GPU session whose checkpoint directory is gone
+        from safetensors.torch import load_file
+        sd = load_file(os.path.join(args.init_from, "model.safetensors"))
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()},
+                                                    strict=False)
+        missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
+        if missing or unexpected:
+            raise SystemExit(f"--init-from {args.init_from}: missing {missing}, "
+                             f"unexpected {unexpected}")
+        print(f"initialised from {args.init_from}", flush=True)
     if args.resume and os.path.exists(os.path.join(ckpt_dir, "last.pt")):
         ck = torch.load(os.path.join(ckpt_dir, "last.pt"), map_location=device, weights_only=False)
         model.load_state_dict(ck["model"])
@@ -351,6 +364,7 @@ def main():
            "params": n_params, "device": str(device)}
 
     t_start = time.time()
+    t_10 = t_start
     t_ckpt = t_start
     t_data = 0.0
     tokens = labeled = 0
@@ -397,10 +411,14 @@ def main():
         step += 1
         tokens += inp.numel()
         labeled += int((lab != IGNORE).sum())
-        if not total and step == 20 and args.minutes:
-            # fix the schedule: steps that fit the budget at the speed of steps 1..20
-            per_step = (time.time() - t_start) / step
-            total = max(step + 1, int(budget_s / per_step * 0.97))
+        if not total and args.minutes and step == 10:
+            t_10 = time.time()
+        if not total and args.minutes and step == 30:
+            # fix the schedule at the speed of steps 11..30: the first steps carry warm-up
+            # (allocator, kernel selection) and made an earlier estimate ~1.5x too pessimistic
+            now = time.time()
+            per_step = (now - t_10) / 20
+            total = max(step + 1, step + int((budget_s - (now - t_start)) / per_step * 0.97))
             print(f"schedule fixed: {total} steps ({per_step:.3f} s/step); rerun with "
                   f"--max-steps {total} to repeat", flush=True)
         if step % args.log_every == 0 or step == 1:
