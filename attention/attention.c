@@ -6,10 +6,20 @@
  * first: logits, softmax, outputs and scores are computed in double from the fp32 inputs and only
  * rounded to fp32 where they are stored. Eviction choices (argmin, top-k) are made on the double
  * values with ties to the lowest slot / position, so they are well-defined; a fp32 kernel may
- * differ only at genuine near-ties.
+ * differ only at genuine near-ties. Every result is a fixed function of the inputs.
  *
- * Each call allocates its scratch (a few doubles per slot) before touching the pool, so a failed
- * call leaves the pool as it was.
+ * The decode step is the hot path of a CPU run, so it is written for speed without giving up
+ * fp64: K is read once per step for the whole group (each key row widened once, then one dot
+ * product per query head with eight partial sums on 2-wide fp64 vectors, a fixed order), V once
+ * (exp(l - max), the normaliser and every head's unnormalised output in the same pass), then
+ * alpha = e / Z and the scores. It differs from a plain sequential fp64 loop only in the
+ * summation order of the dot products and of the outputs (~1e-16 relative). Its scratch is the
+ * caller's (lf_attn_scratch, reused across calls) or allocated per call, and is in hand before
+ * the pool is touched, so a failed call leaves the pool as it was.
+ *
+ * Eviction scope: every function works on the KV heads of one scope: one head (scope head), or
+ * all KV heads of a layer (scope layer), whose per-head scores are summed before the argmin and
+ * whose SnapKV scores are summed before the prefill selection.
  */
 #include "attention/attention.h"
 
@@ -24,10 +34,35 @@ static int policy_evicts(lf_policy p) {
   return p != LF_POLICY_FULL;
 }
 
+const char *lf_evict_scope_str(lf_evict_scope s) {
+  switch (s) {
+  case LF_EVICT_HEAD:
+    return "head";
+  case LF_EVICT_LAYER:
+    return "layer";
+  }
+  return "unknown";
+}
+
+lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out) {
+  if (s && !strcmp(s, "head")) {
+    *out = LF_EVICT_HEAD;
+    return LF_OK;
+  }
+  if (s && !strcmp(s, "layer")) {
+    *out = LF_EVICT_LAYER;
+    return LF_OK;
+  }
+  return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope '%s' (head, layer)",
+                  s ? s : "(null)");
+}
+
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
   if (!p) return lf_error(LF_ERR_INVALID_ARG, "attention params are NULL");
   if ((int)p->policy < (int)LF_POLICY_LONGFLOW || (int)p->policy > (int)LF_POLICY_H2O)
     return lf_error(LF_ERR_INVALID_ARG, "unknown eviction policy %d", (int)p->policy);
+  if ((int)p->scope != (int)LF_EVICT_HEAD && (int)p->scope != (int)LF_EVICT_LAYER)
+    return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope %d", (int)p->scope);
   if (budget < 1) return lf_error(LF_ERR_INVALID_ARG, "budget %d must be >= 1", budget);
   if (p->group < 1) return lf_error(LF_ERR_INVALID_ARG, "group %d must be >= 1", p->group);
   if (p->head_dim < 1) return lf_error(LF_ERR_INVALID_ARG, "head_dim %d must be >= 1", p->head_dim);
@@ -99,131 +134,333 @@ static void write_slot(lf_kv_head *h, int slot, const float *k, const float *v, 
   h->vnorm[slot] = (float)l1;
 }
 
-static int cmp_i64(const void *a, const void *b) {
-  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-  return (x > y) - (x < y);
-}
-
 /* Orders slots by (position, slot index); comparable as one int64 since |pos| < 2^31. */
 static int64_t recency_key(const lf_kv_head *h, int slot) {
   return (int64_t)h->pos[slot] * ((int64_t)1 << 32) + slot;
 }
 
-/* One decode step; see attention.h. Scratch layout in one allocation:
- *   alpha [group][budget]  softmax weights of each query head over the filled slots
- *   mass  [budget]         sum over the group of alpha
- *   score [budget]         the policy's eviction score
- *   o     [head_dim]       output accumulator
- *   keys  [budget] int64   h2o only: recency keys, sorted to find the protected window */
-lf_status lf_attn_decode_ref(const lf_attn_params *p, lf_kv_head *h, const float *q,
-                             const float *k_new, const float *v_new, int32_t pos_new, float *out,
-                             int *evicted, float *scores) {
-  if (!h) return lf_error(LF_ERR_INVALID_ARG, "lf_attn_decode_ref: KV head is NULL");
-  LF_TRY(lf_attn_params_check(p, h->budget));
-  LF_TRY(head_check(p, h, "lf_attn_decode_ref"));
-  if (!q || !k_new || !v_new || !out)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_attn_decode_ref: NULL q, k, v or out");
+/* The r-th largest recency key of the n filled slots (1 <= r < n): a min-heap of the r largest
+ * keys seen so far, O(n log r). Keys are distinct (the slot is part of the key). */
+static int64_t rth_largest_key(const lf_kv_head *h, int n, int r, int64_t *heap) {
+  int sz = 0;
+  for (int i = 0; i < n; i++) {
+    const int64_t key = recency_key(h, i);
+    int j;
+    if (sz < r) { /* sift up */
+      j = sz++;
+      while (j > 0 && heap[(j - 1) / 2] > key) {
+        heap[j] = heap[(j - 1) / 2];
+        j = (j - 1) / 2;
+      }
+    } else if (key > heap[0]) { /* replace the smallest, sift down */
+      j = 0;
+      for (;;) {
+        int c = 2 * j + 1;
+        if (c >= sz) break;
+        if (c + 1 < sz && heap[c + 1] < heap[c]) c++;
+        if (heap[c] >= key) break;
+        heap[j] = heap[c];
+        j = c;
+      }
+    } else {
+      continue;
+    }
+    heap[j] = key;
+  }
+  return heap[0];
+}
 
-  const int B = h->budget, D = p->head_dim, G = p->group;
-  const int was_full = *h->n == B;
+/* The decode step's inner loops on fp64 vectors of 2 (GCC / Clang vector extensions: one SSE2
+ * register on x86-64, one NEON register on arm64), combined in a fixed order so the result
+ * depends only on the inputs. Loads and stores go through memcpy (any alignment). */
+typedef double v2d __attribute__((vector_size(16)));
+typedef float v2f __attribute__((vector_size(8)));
+
+static inline v2d ld2d(const double *p) {
+  v2d r;
+  memcpy(&r, p, sizeof r);
+  return r;
+}
+
+static inline void st2d(double *p, v2d x) {
+  memcpy(p, &x, sizeof x);
+}
+
+/* a . b over d values with eight partial sums. */
+static inline double dot_f64(const double *a, const double *b, int d) {
+  v2d s0 = {0, 0}, s1 = {0, 0}, s2 = {0, 0}, s3 = {0, 0};
+  int i = 0;
+  for (; i + 8 <= d; i += 8) {
+    s0 += ld2d(a + i) * ld2d(b + i);
+    s1 += ld2d(a + i + 2) * ld2d(b + i + 2);
+    s2 += ld2d(a + i + 4) * ld2d(b + i + 4);
+    s3 += ld2d(a + i + 6) * ld2d(b + i + 6);
+  }
+  const v2d s = (s0 + s1) + (s2 + s3);
+  double r = s[0] + s[1];
+  for (; i < d; i++)
+    r += a[i] * b[i];
+  return r;
+}
+
+/* o[0..d) += e * v[0..d). */
+static inline void axpy_f64(double *o, const double *v, double e, int d) {
+  const v2d ev = {e, e};
+  int i = 0;
+  for (; i + 2 <= d; i += 2)
+    st2d(o + i, ld2d(o + i) + ev * ld2d(v + i));
+  for (; i < d; i++)
+    o[i] += e * v[i];
+}
+
+/* o[0..d) = v[0..d) widened to fp64. */
+static inline void widen(double *o, const float *v, int d) {
+  int i = 0;
+  for (; i + 2 <= d; i += 2) {
+    v2f f;
+    memcpy(&f, v + i, sizeof f);
+    st2d(o + i, __builtin_convertvector(f, v2d));
+  }
+  for (; i < d; i++)
+    o[i] = (double)v[i];
+}
+
+#define LF_ALIGN64(x) (((x) + (size_t)63) & ~(size_t)63)
+
+/* Decode scratch, carved from one buffer (64-byte aligned pieces):
+ *   lg    [G][B] double  logits, then e = exp(l - max)
+ *   mass  [B]            sum over the group of alpha
+ *   total [B]            the policy's score, summed over the call's KV heads
+ *   qd    [G][D]         the queries, widened
+ *   od    [G][D]         output accumulators (sum of e * v)
+ *   row   [D]            one key or value row, widened
+ *   m, z  [G]            per query head: max logit, softmax normaliser
+ *   heap  [R] int64      h2o: the recent window's keys */
+typedef struct decode_ws {
+  double *lg, *mass, *total, *qd, *od, *row, *m, *z;
+  int64_t *heap;
+} decode_ws;
+
+static size_t decode_ws_doubles(const lf_attn_params *p, int B, size_t sizes[8]) {
+  const size_t G = (size_t)p->group, D = (size_t)p->head_dim, b = (size_t)B;
+  const size_t sz[8] = {G * b, b, b, G * D, G * D, D, G, G};
+  size_t t = 0;
+  for (int i = 0; i < 8; i++) {
+    sizes[i] = LF_ALIGN64(sz[i] * sizeof(double));
+    t += sizes[i];
+  }
+  return t;
+}
+
+static size_t decode_ws_bytes(const lf_attn_params *p, int B) {
+  size_t sizes[8];
+  const size_t R = p->h2o_recent > 0 ? (size_t)p->h2o_recent : 1;
+  return decode_ws_doubles(p, B, sizes) + R * sizeof(int64_t) + 64;
+}
+
+static decode_ws decode_ws_carve(const lf_attn_params *p, int B, void *buf) {
+  size_t sizes[8];
+  decode_ws_doubles(p, B, sizes);
+  char *c = (char *)LF_ALIGN64((uintptr_t)buf);
+  double **piece[8];
+  decode_ws w;
+  piece[0] = &w.lg, piece[1] = &w.mass, piece[2] = &w.total, piece[3] = &w.qd;
+  piece[4] = &w.od, piece[5] = &w.row, piece[6] = &w.m, piece[7] = &w.z;
+  for (int i = 0; i < 8; i++) {
+    *piece[i] = (double *)c;
+    c += sizes[i];
+  }
+  w.heap = (int64_t *)c;
+  return w;
+}
+
+void lf_attn_scratch_free(lf_attn_scratch *s) {
+  if (!s) return;
+  free(s->buf);
+  s->buf = NULL;
+  s->bytes = 0;
+}
+
+static lf_status scratch_reserve(lf_attn_scratch *s, size_t bytes, const char *fn) {
+  if (s->bytes >= bytes) return LF_OK;
+  void *b = malloc(bytes);
+  if (!b) return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: %zu bytes of scratch", fn, bytes);
+  free(s->buf);
+  s->buf = b;
+  s->bytes = bytes;
+  return LF_OK;
+}
+
+/* Steps 2 and 3 of the decode step for one KV head with n filled slots: out [G][D], and
+ * ws->mass[i] = sum over the group of alpha_h,i. One pass over K (every query head's logits),
+ * one over V (weights and outputs), one over the weights (mass). */
+static void decode_attend(const lf_attn_params *p, const lf_kv_head *h, int n, const float *q,
+                          float *out, const decode_ws *ws) {
+  const int G = p->group, D = p->head_dim, B = h->budget;
+  const double scale = (double)p->scale;
+  double *lg = ws->lg, *m = ws->m, *z = ws->z, *od = ws->od, *row = ws->row, *mass = ws->mass;
+
+  widen(ws->qd, q, G * D);
+  for (int g = 0; g < G; g++)
+    m[g] = -INFINITY;
+  for (int i = 0; i < n; i++) {
+    widen(row, h->k + (size_t)i * D, D);
+    for (int g = 0; g < G; g++) {
+      const double l = dot_f64(ws->qd + (size_t)g * D, row, D) * scale;
+      lg[(size_t)g * B + i] = l;
+      if (l > m[g]) m[g] = l;
+    }
+  }
+
+  for (int g = 0; g < G; g++)
+    z[g] = 0.0;
+  memset(od, 0, sizeof(double) * (size_t)G * D);
+  for (int i = 0; i < n; i++) {
+    widen(row, h->v + (size_t)i * D, D);
+    for (int g = 0; g < G; g++) {
+      double *e = &lg[(size_t)g * B + i];
+      *e = exp(*e - m[g]);
+      z[g] += *e;
+      axpy_f64(od + (size_t)g * D, row, *e, D);
+    }
+  }
+
+  for (int i = 0; i < n; i++)
+    mass[i] = 0.0;
+  for (int g = 0; g < G; g++) {
+    const double zg = z[g];
+    for (int d = 0; d < D; d++)
+      out[(size_t)g * D + d] = (float)(od[(size_t)g * D + d] / zg);
+    const double *e = lg + (size_t)g * B;
+    for (int i = 0; i < n; i++)
+      mass[i] += e[i] / zg;
+  }
+}
+
+/* The decode step for the n_kv heads of one eviction scope (one head, or a layer's heads):
+ * q [n_kv][G][D], k_new / v_new [n_kv][D], out [n_kv][G][D]. */
+static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, const float *q,
+                             const float *k_new, const float *v_new, int32_t pos_new, float *out,
+                             int *evicted, float *scores, lf_attn_scratch *ws_in,
+                             const char *fn) {
+  if (!hs) return lf_error(LF_ERR_INVALID_ARG, "%s: KV head is NULL", fn);
+  if (n_kv < 1) return lf_error(LF_ERR_INVALID_ARG, "%s: n_kv %d < 1", fn, n_kv);
+  LF_TRY(lf_attn_params_check(p, hs[0].budget));
+  for (int g = 0; g < n_kv; g++) {
+    LF_TRY(head_check(p, &hs[g], fn));
+    if (g > 0 && (hs[g].budget != hs[0].budget || *hs[g].n != *hs[0].n ||
+                  *hs[g].next != *hs[0].next))
+      return lf_error(LF_ERR_STATE,
+                      "%s: layer-scope heads disagree: head %d has budget %d, n %d, next %d; "
+                      "head 0 budget %d, n %d, next %d",
+                      fn, g, hs[g].budget, *hs[g].n, *hs[g].next, hs[0].budget, *hs[0].n,
+                      *hs[0].next);
+  }
+  if (!q || !k_new || !v_new || !out)
+    return lf_error(LF_ERR_INVALID_ARG, "%s: NULL q, k, v or out", fn);
+
+  const int B = hs[0].budget, D = p->head_dim, G = p->group;
+  const int was_full = *hs[0].n == B;
   int w;
   if (!was_full) {
-    w = *h->n;
+    w = *hs[0].n;
   } else if (!policy_evicts(p->policy)) {
     return lf_error(LF_ERR_CONTEXT_FULL,
                     "full policy: all %d slots are filled; token at position %d does not fit", B,
                     (int)pos_new);
   } else {
-    w = *h->next;
+    w = *hs[0].next;
     if (w < p->sink || w >= B)
       return lf_error(LF_ERR_STATE,
-                      "lf_attn_decode_ref: pool is full but next = %d is not an evictable slot "
-                      "in [%d, %d)",
+                      "%s: pool is full but next = %d is not an evictable slot in [%d, %d)", fn,
                       w, p->sink, B);
   }
 
-  const size_t nd = (size_t)(G + 2) * B + D;
-  double *buf = malloc(nd * sizeof(double) + (size_t)B * sizeof(int64_t));
-  if (!buf) return lf_error(LF_ERR_OUT_OF_MEMORY, "lf_attn_decode_ref: scratch for %d slots", B);
-  double *alpha = buf;                  /* [G][B] */
-  double *mass = alpha + (size_t)G * B; /* [B] */
-  double *score = mass + B;             /* [B] */
-  double *o = score + B;                /* [D] */
-  int64_t *keys = (int64_t *)(o + D);   /* [B] */
-
-  /* 1. write the new token */
-  write_slot(h, w, k_new, v_new, pos_new);
-  if (!was_full) (*h->n)++;
-  const int n = *h->n;
-
-  /* 2. exact softmax and output per query head of the group */
+  lf_attn_scratch local = {0}, *sc = ws_in ? ws_in : &local;
+  LF_TRY(scratch_reserve(sc, decode_ws_bytes(p, B), fn));
+  const decode_ws ws = decode_ws_carve(p, B, sc->buf);
+  const int n = was_full ? B : *hs[0].n + 1;
+  double *total = ws.total;
   for (int i = 0; i < n; i++)
-    mass[i] = 0.0;
-  for (int g = 0; g < G; g++) {
-    const float *qh = q + (size_t)g * D;
-    double *a = alpha + (size_t)g * B;
-    for (int i = 0; i < n; i++)
-      a[i] = dot(qh, h->k + (size_t)i * D, D) * (double)p->scale;
-    softmax_inplace(a, n);
-    for (int d = 0; d < D; d++)
-      o[d] = 0.0;
-    for (int i = 0; i < n; i++) {
-      const float *vi = h->v + (size_t)i * D;
-      for (int d = 0; d < D; d++)
-        o[d] += a[i] * (double)vi[d];
-      mass[i] += a[i];
-    }
-    for (int d = 0; d < D; d++)
-      out[(size_t)g * D + d] = (float)o[d];
-  }
+    total[i] = 0.0;
 
-  /* 3. the policy's score. h2o accumulates mass since the slot was written, so the slot just
-   * written starts from this step's mass alone. */
-  if (p->policy == LF_POLICY_H2O) {
-    h->acc[w] = 0.0f;
-    for (int i = 0; i < n; i++)
-      h->acc[i] += (float)mass[i];
-  }
-  for (int i = 0; i < n; i++) {
-    switch (p->policy) {
-    case LF_POLICY_H2O:
-      score[i] = (double)h->acc[i];
-      break;
-    case LF_POLICY_STREAMING:
-      score[i] = (double)h->pos[i];
-      break;
-    case LF_POLICY_LONGFLOW:
-    case LF_POLICY_FULL: /* full never evicts; its score is longflow's, for analysis only */
-    default:
-      score[i] = (double)h->vnorm[i] * mass[i];
-      break;
+  for (int g = 0; g < n_kv; g++) {
+    lf_kv_head *h = &hs[g];
+    /* 1. write the new token */
+    write_slot(h, w, k_new + (size_t)g * D, v_new + (size_t)g * D, pos_new);
+    *h->n = n;
+    /* 2. exact softmax and output per query head of the group */
+    decode_attend(p, h, n, q + (size_t)g * G * D, out + (size_t)g * G * D, &ws);
+    /* 3. the policy's score. h2o accumulates mass since the slot was written, so the slot just
+     * written starts from this step's mass alone. */
+    if (p->policy == LF_POLICY_H2O) {
+      h->acc[w] = 0.0f;
+      for (int i = 0; i < n; i++)
+        h->acc[i] += (float)ws.mass[i];
     }
-    if (scores) scores[i] = (float)score[i];
+    for (int i = 0; i < n; i++) {
+      switch (p->policy) {
+      case LF_POLICY_H2O:
+        total[i] += (double)h->acc[i];
+        break;
+      case LF_POLICY_STREAMING:
+        total[i] += (double)h->pos[i];
+        break;
+      case LF_POLICY_LONGFLOW:
+      case LF_POLICY_FULL: /* full never evicts; its score is longflow's, for analysis only */
+      default:
+        total[i] += (double)h->vnorm[i] * ws.mass[i];
+        break;
+      }
+    }
   }
+  if (scores)
+    for (int i = 0; i < n; i++)
+      scores[i] = (float)total[i];
 
   /* h2o never evicts its h2o_recent most recent slots: ranked by position among all filled
    * slots, the one just written included (it is excluded below anyway), i.e. those whose
-   * recency key is >= the h2o_recent-th largest. */
+   * recency key is >= the h2o_recent-th largest. In layer scope every head holds the same
+   * positions in the same slots, so head 0's keys stand for all. */
   int64_t recent_from = INT64_MAX;
-  if (p->policy == LF_POLICY_H2O && p->h2o_recent > 0) {
-    for (int i = 0; i < n; i++)
-      keys[i] = recency_key(h, i);
-    qsort(keys, (size_t)n, sizeof *keys, cmp_i64);
-    recent_from = p->h2o_recent >= n ? INT64_MIN : keys[n - p->h2o_recent];
-  }
+  if (p->policy == LF_POLICY_H2O && p->h2o_recent > 0)
+    recent_from = p->h2o_recent >= n ? INT64_MIN : rth_largest_key(&hs[0], n, p->h2o_recent, ws.heap);
 
   /* 4. next = argmin over evictable slots, lowest index on ties (strict <). */
   int best = -1;
   if (policy_evicts(p->policy)) {
     for (int i = p->sink; i < n; i++) {
-      if (i == w || recency_key(h, i) >= recent_from) continue;
-      if (best < 0 || score[i] < score[best]) best = i;
+      if (i == w || recency_key(&hs[0], i) >= recent_from) continue;
+      if (best < 0 || total[i] < total[best]) best = i;
     }
   }
-  *h->next = best;
-  if (evicted) *evicted = was_full;
-  free(buf);
+  for (int g = 0; g < n_kv; g++)
+    *hs[g].next = best;
+  if (evicted) *evicted = was_full ? n_kv : 0;
+  lf_attn_scratch_free(&local);
   return LF_OK;
+}
+
+lf_status lf_attn_decode_ref(const lf_attn_params *p, lf_kv_head *h, const float *q,
+                             const float *k_new, const float *v_new, int32_t pos_new, float *out,
+                             int *evicted, float *scores) {
+  return decode_impl(p, h, 1, q, k_new, v_new, pos_new, out, evicted, scores, NULL,
+                     "lf_attn_decode_ref");
+}
+
+lf_status lf_attn_decode_ref_ws(const lf_attn_params *p, lf_kv_head *h, const float *q,
+                                const float *k_new, const float *v_new, int32_t pos_new,
+                                float *out, int *evicted, float *scores, lf_attn_scratch *ws) {
+  return decode_impl(p, h, 1, q, k_new, v_new, pos_new, out, evicted, scores, ws,
+                     "lf_attn_decode_ref");
+}
+
+lf_status lf_attn_decode_layer_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
+                                   const float *q, const float *k_new, const float *v_new,
+                                   int32_t pos_new, float *out, int *evicted, float *scores,
+                                   lf_attn_scratch *ws) {
+  return decode_impl(p, heads, n_kv, q, k_new, v_new, pos_new, out, evicted, scores, ws,
+                     "lf_attn_decode_layer_ref");
 }
 
 typedef struct ranked {
@@ -304,29 +541,40 @@ static void snapkv_select(int n_tok, int budget, int sink, int w_eff, const doub
     keep[rank[i].pos] = 1; /* m > n_mid since n_tok >= B */
 }
 
-lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok, int32_t pos0,
-                              const float *q, size_t q_stride, const float *k, const float *v,
-                              size_t kv_stride, float *out, size_t out_stride,
-                              uint64_t *evictions) {
-  if (!h) return lf_error(LF_ERR_INVALID_ARG, "lf_attn_prefill_ref: KV head is NULL");
-  LF_TRY(lf_attn_params_check(p, h->budget));
-  LF_TRY(head_check(p, h, "lf_attn_prefill_ref"));
-  const int B = h->budget, D = p->head_dim, G = p->group;
+/* Prefill for the n_kv heads of one eviction scope (one head, or a layer's heads); see
+ * lf_attn_prefill_layer_ref for the layout. */
+static lf_status prefill_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n_tok,
+                              int32_t pos0, const float *q, size_t q_stride, const float *k,
+                              const float *v, size_t kv_stride, float *out, size_t out_stride,
+                              uint64_t *evictions, lf_attn_scratch *ws, const char *fn) {
+  if (!hs) return lf_error(LF_ERR_INVALID_ARG, "%s: KV head is NULL", fn);
+  if (n_kv < 1) return lf_error(LF_ERR_INVALID_ARG, "%s: n_kv %d < 1", fn, n_kv);
+  LF_TRY(lf_attn_params_check(p, hs[0].budget));
+  for (int g = 0; g < n_kv; g++) {
+    LF_TRY(head_check(p, &hs[g], fn));
+    if (g > 0 && (hs[g].budget != hs[0].budget || *hs[g].n != *hs[0].n))
+      return lf_error(LF_ERR_STATE,
+                      "%s: layer-scope heads disagree: head %d has budget %d, n %d; head 0 "
+                      "budget %d, n %d",
+                      fn, g, hs[g].budget, *hs[g].n, hs[0].budget, *hs[0].n);
+  }
+  const int B = hs[0].budget, D = p->head_dim, G = p->group;
+  const size_t GD = (size_t)G * D;
   if (n_tok < 0 || n_tok > INT_MAX - B)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_attn_prefill_ref: n_tok %d out of range", n_tok);
+    return lf_error(LF_ERR_INVALID_ARG, "%s: n_tok %d out of range", fn, n_tok);
   if (n_tok == 0) return LF_OK;
-  if (!q || !k || !v || !out)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_attn_prefill_ref: NULL q, k, v or out");
-  if (q_stride < (size_t)G * D || out_stride < (size_t)G * D || kv_stride < (size_t)D)
+  if (!q || !k || !v || !out) return lf_error(LF_ERR_INVALID_ARG, "%s: NULL q, k, v or out", fn);
+  if (q_stride < (size_t)n_kv * GD || out_stride < (size_t)n_kv * GD ||
+      kv_stride < (size_t)n_kv * D)
     return lf_error(LF_ERR_INVALID_ARG,
-                    "lf_attn_prefill_ref: strides q %zu, kv %zu, out %zu are smaller than one "
-                    "token (group %d x head_dim %d)",
-                    q_stride, kv_stride, out_stride, G, D);
+                    "%s: strides q %zu, kv %zu, out %zu are smaller than one token (%d heads x "
+                    "group %d x head_dim %d)",
+                    fn, q_stride, kv_stride, out_stride, n_kv, G, D);
   if ((int64_t)pos0 + n_tok - 1 > INT32_MAX)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_attn_prefill_ref: positions %d + %d out of range",
-                    (int)pos0, n_tok);
+    return lf_error(LF_ERR_INVALID_ARG, "%s: positions %d + %d out of range", fn, (int)pos0,
+                    n_tok);
 
-  const int n0 = *h->n;
+  const int n0 = *hs[0].n;
   const int evicts = policy_evicts(p->policy);
   if (!evicts && n0 + n_tok > B)
     return lf_error(LF_ERR_CONTEXT_FULL,
@@ -338,9 +586,9 @@ lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok,
   if (evicts && n0 > 0 && n0 + n_tok > B - 1) {
     for (int t = 0; t < n_tok; t++) {
       int ev = 0;
-      LF_TRY(lf_attn_decode_ref(p, h, q + (size_t)t * q_stride, k + (size_t)t * kv_stride,
-                                v + (size_t)t * kv_stride, pos0 + t, out + (size_t)t * out_stride,
-                                &ev, NULL));
+      LF_TRY(decode_impl(p, hs, n_kv, q + (size_t)t * q_stride, k + (size_t)t * kv_stride,
+                         v + (size_t)t * kv_stride, pos0 + t, out + (size_t)t * out_stride, &ev,
+                         NULL, ws, fn));
       if (evictions) *evictions += (uint64_t)ev;
     }
     return LF_OK;
@@ -356,10 +604,10 @@ lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok,
   const int snap_from = n_tok - w_eff; /* L: prompt positions scored by SnapKV */
   const int want_colsum = p->policy == LF_POLICY_H2O;
 
-  size_t n_keys = (size_t)n0 + (size_t)n_tok;
-  double *logits = malloc((n_keys + (size_t)D) * sizeof(double));          /* [n0+n_tok] + o [D] */
-  double *snap = compress ? calloc((size_t)n_tok, sizeof(double)) : NULL;  /* [n_tok] */
-  double *colsum = want_colsum ? calloc(n_keys, sizeof(double)) : NULL;    /* [n0+n_tok] */
+  const size_t n_keys = (size_t)n0 + (size_t)n_tok;
+  double *logits = malloc((n_keys + (size_t)D) * sizeof(double));         /* [n0+n_tok] + o [D] */
+  double *snap = compress ? calloc((size_t)n_tok, sizeof(double)) : NULL; /* [n_tok] */
+  double *colsum = want_colsum ? calloc(n_keys * (size_t)n_kv, sizeof(double)) : NULL;
   ranked *rank = compress ? malloc((size_t)n_tok * sizeof(ranked)) : NULL; /* [n_tok] */
   unsigned char *keep = compress ? malloc((size_t)n_tok) : NULL;           /* [n_tok] */
   if (!logits || (compress && (!snap || !rank || !keep)) || (want_colsum && !colsum)) {
@@ -368,35 +616,45 @@ lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok,
     free(colsum);
     free(rank);
     free(keep);
-    return lf_error(LF_ERR_OUT_OF_MEMORY, "lf_attn_prefill_ref: scratch for %d tokens", n_tok);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: scratch for %d tokens", fn, n_tok);
   }
 
-  prefill_attend(p, h, n0, n_tok, q, q_stride, k, v, kv_stride, out, out_stride, snap,
-                 compress ? snap_from : 0, colsum, logits, logits + n_keys);
+  /* Every head attends; SnapKV scores add up over the heads (layer scope: one kept set), h2o's
+   * column sums stay per head ([n_kv][n0+n_tok]). */
+  for (int g = 0; g < n_kv; g++)
+    prefill_attend(p, &hs[g], n0, n_tok, q + (size_t)g * GD, q_stride, k + (size_t)g * D,
+                   v + (size_t)g * D, kv_stride, out + (size_t)g * GD, out_stride, snap,
+                   compress ? snap_from : 0, want_colsum ? colsum + (size_t)g * n_keys : NULL,
+                   logits, logits + n_keys);
 
-  if (compress) {
-    snapkv_select(n_tok, B, p->sink, w_eff, snap, rank, keep);
-    int slot = 0;
-    for (int j = 0; j < n_tok; j++) {
-      if (!keep[j]) continue;
-      write_slot(h, slot, k + (size_t)j * kv_stride, v + (size_t)j * kv_stride, pos0 + j);
-      if (want_colsum) h->acc[slot] = (float)colsum[j];
-      slot++;
+  if (compress) snapkv_select(n_tok, B, p->sink, w_eff, snap, rank, keep);
+  for (int g = 0; g < n_kv; g++) {
+    lf_kv_head *h = &hs[g];
+    const float *kg = k + (size_t)g * D, *vg = v + (size_t)g * D;
+    const double *cs = want_colsum ? colsum + (size_t)g * n_keys : NULL;
+    if (compress) {
+      int slot = 0;
+      for (int j = 0; j < n_tok; j++) {
+        if (!keep[j]) continue;
+        write_slot(h, slot, kg + (size_t)j * kv_stride, vg + (size_t)j * kv_stride, pos0 + j);
+        if (cs) h->acc[slot] = (float)cs[j];
+        slot++;
+      }
+      *h->n = slot; /* == B - 1 */
+    } else {
+      if (cs)
+        for (int i = 0; i < n0; i++)
+          h->acc[i] += (float)cs[i];
+      for (int j = 0; j < n_tok; j++) {
+        write_slot(h, n0 + j, kg + (size_t)j * kv_stride, vg + (size_t)j * kv_stride, pos0 + j);
+        if (cs) h->acc[n0 + j] = (float)cs[n0 + j];
+      }
+      *h->n = n0 + n_tok;
     }
-    *h->n = slot; /* == B - 1 */
-  } else {
-    if (want_colsum)
-      for (int i = 0; i < n0; i++)
-        h->acc[i] += (float)colsum[i];
-    for (int j = 0; j < n_tok; j++) {
-      write_slot(h, n0 + j, k + (size_t)j * kv_stride, v + (size_t)j * kv_stride, pos0 + j);
-      if (want_colsum) h->acc[n0 + j] = (float)colsum[n0 + j];
-    }
-    *h->n = n0 + n_tok;
+    /* n <= B - 1 for evicting policies, so the next token has a free slot and its decode step
+     * chooses next; nothing to overwrite is decided yet. */
+    *h->next = -1;
   }
-  /* n <= B - 1 for evicting policies, so the next token has a free slot and its decode step
-   * chooses next; nothing to overwrite is decided yet. */
-  *h->next = -1;
 
   free(logits);
   free(snap);
@@ -404,4 +662,21 @@ lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok,
   free(rank);
   free(keep);
   return LF_OK;
+}
+
+lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok, int32_t pos0,
+                              const float *q, size_t q_stride, const float *k, const float *v,
+                              size_t kv_stride, float *out, size_t out_stride,
+                              uint64_t *evictions) {
+  return prefill_impl(p, h, 1, n_tok, pos0, q, q_stride, k, v, kv_stride, out, out_stride,
+                      evictions, NULL, "lf_attn_prefill_ref");
+}
+
+lf_status lf_attn_prefill_layer_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
+                                    int n_tok, int32_t pos0, const float *q, size_t q_stride,
+                                    const float *k, const float *v, size_t kv_stride, float *out,
+                                    size_t out_stride, uint64_t *evictions,
+                                    lf_attn_scratch *ws) {
+  return prefill_impl(p, heads, n_kv, n_tok, pos0, q, q_stride, k, v, kv_stride, out,
+                      out_stride, evictions, ws, "lf_attn_prefill_layer_ref");
 }

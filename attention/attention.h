@@ -1,7 +1,13 @@
 /* CPU reference of decode attention fused with LongFlow scoring and eviction, prefill attention
  * with SnapKV compression, and the other eviction policies (DESIGN §3, normative).
  *
- * All fp32 with exact softmax. These functions are the oracle for every backend's kernels.
+ * fp32 inputs and outputs; logits, an exact softmax and the scores in fp64 (attention.c).
+ * These functions are the oracle for every backend's kernels.
+ *
+ * Eviction scope: the per-head functions decide one eviction slot per (layer, KV head)
+ * (LF_EVICT_HEAD, DESIGN §3). The *_layer_ref functions take all KV heads of one layer and decide
+ * one slot for the whole layer (LF_EVICT_LAYER, as the released LongFlow code does): the slot
+ * with the least score summed over the layer's KV heads, which every head then overwrites.
  */
 #ifndef LF_ATTENTION_H
 #define LF_ATTENTION_H
@@ -24,7 +30,18 @@ typedef struct lf_attn_params {
   int group;      /* query heads per KV head */
   int head_dim;
   float scale;    /* 1/sqrt(head_dim) */
+  lf_evict_scope scope; /* which heads share an eviction decision; the per-head functions
+                           below ignore it, the forward picks per-head or *_layer_ref calls */
 } lf_attn_params;
+
+/* Reusable scratch for the decode step, so a forward does not allocate per call: zero it
+ * ({0}) before first use; the functions grow it as needed; free it with lf_attn_scratch_free. */
+typedef struct lf_attn_scratch {
+  void *buf;
+  size_t bytes;
+} lf_attn_scratch;
+
+void lf_attn_scratch_free(lf_attn_scratch *s);
 
 /* Checks a policy/budget/sink/window combination; names the problem on failure. */
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget);
@@ -44,6 +61,24 @@ int lf_kv_write_slot(const lf_kv_head *h);
 lf_status lf_attn_decode_ref(const lf_attn_params *p, lf_kv_head *h, const float *q,
                              const float *k_new, const float *v_new, int32_t pos_new, float *out,
                              int *evicted, float *scores);
+/* The same with caller-owned scratch (ws NULL: allocated for the call, as above). */
+lf_status lf_attn_decode_ref_ws(const lf_attn_params *p, lf_kv_head *h, const float *q,
+                                const float *k_new, const float *v_new, int32_t pos_new,
+                                float *out, int *evicted, float *scores, lf_attn_scratch *ws);
+
+/* Layer scope: one decode step of one sequence for all n_kv KV heads of one layer (heads[g]),
+ * which must agree on budget, n and next (they do when only *_layer_ref calls touched them).
+ * Steps 1-3 run per head as in lf_attn_decode_ref (each head writes its own k/v at the shared
+ * slot w); step 4 picks ONE slot: next = argmin over filled slots (same exclusions: w, slots <
+ * sink, h2o's recent window) of S_i = sum_g s_g,i, lowest index on ties, and sets every head's
+ * next to it. Layout: q [n_kv][group][head_dim], k_new/v_new [n_kv][head_dim],
+ * out [n_kv][group][head_dim]. *evicted (may be NULL) is set to the number of heads that
+ * overwrote a filled slot (0 or n_kv). scores (may be NULL): [budget], receives S_i. With n_kv == 1
+ * this is exactly lf_attn_decode_ref_ws. */
+lf_status lf_attn_decode_layer_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
+                                   const float *q, const float *k_new, const float *v_new,
+                                   int32_t pos_new, float *out, int *evicted, float *scores,
+                                   lf_attn_scratch *ws);
 
 /* Attention for a chunk of n_tok tokens at positions pos0.. of one sequence, for one KV head,
  * followed by writing the chunk into the pool.
@@ -66,6 +101,19 @@ lf_status lf_attn_prefill_ref(const lf_attn_params *p, lf_kv_head *h, int n_tok,
                               const float *q, size_t q_stride, const float *k, const float *v,
                               size_t kv_stride, float *out, size_t out_stride,
                               uint64_t *evictions);
+
+/* Layer scope: lf_attn_prefill_ref for all n_kv KV heads of one layer at once (heads[g]; they
+ * must agree on budget and n). Head g's queries of token t start at q[t*q_stride + g*group*
+ * head_dim], its k/v at k[t*kv_stride + g*head_dim], its outputs at out[t*out_stride +
+ * g*group*head_dim]. SnapKV compression is layer-wide: the kept set is chosen once from the
+ * per-head SnapKV scores summed over the layer's KV heads (then pooled and ranked as above), so
+ * every head keeps the same positions in the same slots; a chunk that overflows a non-empty pool
+ * runs as lf_attn_decode_layer_ref steps. With n_kv == 1 this is exactly lf_attn_prefill_ref. */
+lf_status lf_attn_prefill_layer_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
+                                    int n_tok, int32_t pos0, const float *q, size_t q_stride,
+                                    const float *k, const float *v, size_t kv_stride, float *out,
+                                    size_t out_stride, uint64_t *evictions,
+                                    lf_attn_scratch *ws);
 
 #ifdef __cplusplus
 }

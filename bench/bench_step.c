@@ -14,6 +14,12 @@
  * Floor = (bf16 matrix bytes read per step, LM head included, embedding table excluded: it is a
  * gather + K and V bytes of the batch's filled slots) / device-to-device copy bandwidth measured
  * in the same run (2 GiB cudaMemcpy, read + write). ratio = step / floor; roofline = floor / step.
+ *
+ * --tp (under mpirun -np T, one GPU per rank, NCCL): every rank creates its shard of the backend
+ * (lf_backend_params.comm); rank 0 drives through the tensor-parallel lead wrapper
+ * (parallel/tp.h: one descriptor broadcast per step, as the engine does) and the others follow.
+ * The step time is then rank 0's host clock around the wrapper's forward, descriptor included;
+ * the floor is per GPU: (weights + KV) / T.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
@@ -29,6 +35,11 @@
 
 #include "engine/backend.h"
 #include "engine/model.h"
+#include "parallel/comm.h"
+#include "parallel/tp.h"
+#ifdef LF_HAVE_MPI
+#include <mpi.h>
+#endif
 
 #define STEP_MAX_LIST 16
 
@@ -116,7 +127,7 @@ static double weight_bytes(const lf_model_config *m) {
 
 /* One model: create, fill the pools, time each batch size; rows appended to json. */
 static int run_model(const char *model, const int *batches, int nb, int budget, int steps,
-                     int warmup, double copy_gbs, FILE *json, int *first_row) {
+                     int warmup, double copy_gbs, FILE *json, int *first_row, lf_comm_t comm) {
   int rc = 0, max_b = 0;
   for (int i = 0; i < nb; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
   lf_checkpoint ck;
@@ -139,8 +150,20 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   p.sink = 4;
   p.window = 32;
   p.n_pools = max_b;
+  p.comm = comm;
+  const int tp = comm ? comm->size : 1;
   double t0 = now_s();
   if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);
+  if (comm && comm->rank != 0) { /* a follower: rank 0's descriptors until it stops */
+    if (lf_backend_tp_follow(b, comm, m->vocab_size) != LF_OK)
+      STEP_FAIL("rank %d: following rank 0", comm->rank);
+    goto done;
+  }
+  if (comm) {
+    lf_backend *lead = NULL;
+    if (lf_backend_tp_lead(b, comm, &lead) != LF_OK) STEP_FAIL("tensor-parallel lead");
+    b = lead; /* frees the inner backend, and stops the followers, when freed */
+  }
   const double t_create = now_s() - t0;
   pools = calloc((size_t)max_b, sizeof *pools);
   prompt = calloc((size_t)budget, sizeof *prompt);
@@ -196,7 +219,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
     const double med = median_d(t, steps);
     /* every pool holds `budget` slots once its first decode token is in */
     const double kv = (double)bs * m->n_layers * m->n_kv_heads * budget * m->head_dim * 2.0 * 2.0;
-    const double floor_s = (wb + kv) / (copy_gbs * 1e9);
+    const double floor_s = (wb + kv) / tp / (copy_gbs * 1e9); /* per GPU */
     printf("%-18s %6d %7d %10.3f %10.3f %10.3f %8.2f %8.2f %9.3f %8.1f%%\n", model, bs, budget,
            med * 1e3, best * 1e3, floor_s * 1e3, wb / 1e9, kv / 1e9, med / floor_s,
            100.0 * floor_s / med);
@@ -205,9 +228,9 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
               "%s\n    {\"model\": \"%s\", \"batch\": %d, \"budget\": %d, \"steps\": %d, "
               "\"step_ms_median\": %.4f, \"step_ms_min\": %.4f, \"floor_ms\": %.4f, "
               "\"weight_bytes\": %.0f, \"kv_bytes\": %.0f, \"ratio\": %.4f, "
-              "\"roofline_fraction\": %.4f, \"create_s\": %.2f, \"fill_s\": %.2f}",
+              "\"roofline_fraction\": %.4f, \"create_s\": %.2f, \"fill_s\": %.2f, \"tp\": %d}",
               *first_row ? "" : ",", model, bs, budget, steps, med * 1e3, best * 1e3,
-              floor_s * 1e3, wb, kv, med / floor_s, floor_s / med, t_create, t_fill);
+              floor_s * 1e3, wb, kv, med / floor_s, floor_s / med, t_create, t_fill, tp);
       *first_row = 0;
     }
   }
@@ -227,15 +250,20 @@ done:
 int bench_step(int argc, char **argv) {
   char models_buf[512] = "random:llama3-8b,random:qwen3-8b";
   const char *json_path = NULL;
-  int batches[STEP_MAX_LIST] = {1, 64}, nb = 2, budget = 1024, steps = 50, warmup = 5;
+  int batches[STEP_MAX_LIST] = {1, 64}, nb = 2, budget = 1024, steps = 50, warmup = 5, tp = 0;
   for (int i = 1; i < argc; i++) {
     const char *o = argv[i];
+    if (!strcmp(o, "--tp")) {
+      tp = 1;
+      continue;
+    }
     if (!strcmp(o, "-h") || !strcmp(o, "--help")) {
       printf("usage: lfbench step [--models LIST] [--batches LIST] [--budget N] [--steps N] "
-             "[--warmup N] [--json FILE]\n"
+             "[--warmup N] [--json FILE] [--tp]\n"
              "  one decode step of the cuda backend (pools filled to the budget) against the\n"
              "  weights + KV bytes / copy-bandwidth floor; defaults: random:llama3-8b,\n"
-             "  random:qwen3-8b; batches 1,64; budget 1024; 50 timed steps after 5\n");
+             "  random:qwen3-8b; batches 1,64; budget 1024; 50 timed steps after 5\n"
+             "  --tp: tensor parallel over the ranks of mpirun -np T (NCCL, one GPU each)\n");
       return 0;
     }
     if (i + 1 >= argc) {
@@ -264,21 +292,51 @@ int bench_step(int argc, char **argv) {
     fprintf(stderr, "lfbench step: budget >= 2, steps >= 1, warmup >= 0\n");
     return 2;
   }
+  lf_comm_t comm = NULL;
+  const int env = getenv("LF_TP_RANK") != NULL; /* tests/tp_run.sh instead of mpirun */
+  if (tp) {
+    lf_status cs = LF_ERR_UNAVAILABLE;
+    if (env) {
+      cs = lf_comm_init_nccl_env(0.0, NULL, &comm);
+    } else {
+#if defined(LF_HAVE_MPI) && defined(LF_HAVE_NCCL)
+      int inited = 0;
+      MPI_Initialized(&inited);
+      if (!inited && MPI_Init(&argc, &argv) != MPI_SUCCESS) return 1;
+      cs = lf_comm_init_nccl_mpi(0.0, NULL, &comm);
+#else
+      fprintf(stderr, "lfbench step: --tp: launch with mpirun (needs MPI and NCCL) or "
+                      "tests/tp_run.sh (NCCL)\n");
+      return 1;
+#endif
+    }
+    if (cs != LF_OK) {
+      fprintf(stderr, "lfbench step: --tp: %s\n", lf_last_error());
+      return 1;
+    }
+  }
+  const int lead = !comm || comm->rank == 0;
   double copy_gbs = 0;
-  if (step_copy_bw(&copy_gbs)) return 1;
+  if (lead && step_copy_bw(&copy_gbs)) return 1;
   struct cudaDeviceProp prop;
   int dev = 0;
   cudaGetDevice(&dev);
   cudaGetDeviceProperties(&prop, dev);
-  const char *graphs = getenv("LF_CUDA_GRAPHS"), *gemv = getenv("LF_CUDA_GEMV_MAX");
+  const char *graphs = getenv("LF_CUDA_GRAPHS"), *gemv = getenv("LF_CUDA_GEMV_MAX"),
+             *graphs_tp = getenv("LF_CUDA_GRAPHS_TP");
+  /* under TP the backend captures graphs only with LF_CUDA_GRAPHS_TP=1 */
+  const int graphs_on = !(graphs && !strcmp(graphs, "0")) &&
+                        (!comm || (graphs_tp && !strcmp(graphs_tp, "1")));
+  if (lead)
   printf("# device %s, copy bandwidth %.1f GB/s (2 GiB D2D, read + write); cuda graphs %s, "
-         "gemv max %s; timed: host clock around forward(), median of %d after %d\n",
-         prop.name, copy_gbs, graphs && !strcmp(graphs, "0") ? "off" : "on", gemv ? gemv : "8",
-         steps, warmup);
+         "gemv max %s; timed: host clock around forward(), median of %d after %d; tp %d\n",
+         prop.name, copy_gbs, graphs_on ? "on" : "off", gemv ? gemv : "8", steps, warmup,
+         comm ? comm->size : 1);
+  if (lead)
   printf("# %-16s %6s %7s %10s %10s %10s %8s %8s %9s %9s\n", "model", "batch", "budget",
          "step_ms", "min_ms", "floor_ms", "w_GB", "kv_GB", "ratio", "roofline");
   FILE *json = NULL;
-  if (json_path && !(json = fopen(json_path, "w"))) {
+  if (lead && json_path && !(json = fopen(json_path, "w"))) {
     fprintf(stderr, "lfbench step: cannot write %s\n", json_path);
     return 1;
   }
@@ -287,15 +345,21 @@ int bench_step(int argc, char **argv) {
             "{\n  \"bench\": \"step\", \"device\": \"%s\", \"copy_gbs\": %.1f, \"cuda_graphs\": "
             "%s, \"gemv_max\": \"%s\", \"timer\": \"host clock around forward(), median\",\n"
             "  \"rows\": [",
-            prop.name, copy_gbs, graphs && !strcmp(graphs, "0") ? "false" : "true",
+            prop.name, copy_gbs, graphs_on ? "true" : "false",
             gemv ? gemv : "8");
   int rc = 0, first = 1;
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))
-    rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first);
+    rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first, comm);
   if (json) {
     fprintf(json, "\n  ]\n}\n");
     fclose(json);
+  }
+  if (comm && rc == 0) { /* on failure: exit without finalizing, the launcher ends the job */
+    lf_comm_free(comm);
+#ifdef LF_HAVE_MPI
+    if (!env) MPI_Finalize();
+#endif
   }
   return rc;
 }

@@ -36,6 +36,7 @@ typedef struct lf_batch_result {
 
 typedef struct lf_backend_params {
   lf_policy policy;
+  lf_evict_scope scope; /* LF_EVICT_LAYER: cpu on one rank only (engine.c checks) */
   int budget, sink, window;
   int n_pools;     /* cuda: 0 sizes the pools from the free device memory (see mem_util);
                      pools_free() after create says how many. The cpu backend needs >= 1. */
@@ -46,7 +47,8 @@ typedef struct lf_backend_params {
   /* Tensor parallelism: NULL or a single rank runs the whole model. With T > 1 ranks the
    * backend holds this rank's shard (parallel/shard.h) and its forward calls collectives, so
    * every rank must call forward with the same items (parallel/tp.h keeps them in step);
-   * results (tokens, statuses, logits) are the same on every rank. cpu only for now. */
+   * results (tokens, statuses, logits) are the same on every rank. cpu: any communicator;
+   * cuda: a device one (NCCL, comm->device). */
   lf_comm_t comm;
 } lf_backend_params;
 
@@ -78,6 +80,9 @@ lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_backend_param
                                  lf_backend **out);
 /* Nonzero when a CUDA device is usable. */
 int lf_cuda_device_present(void);
+/* Tensor parallelism: lowers the pool count to n_pools (the minimum over ranks) right after
+ * create, before any pool is taken (engine.c's start-up agreement). */
+lf_status lf_backend_cuda_limit_pools(lf_backend *b, int n_pools);
 #endif
 
 #ifdef __cplusplus

@@ -159,6 +159,7 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   c->base.pool_slots_filled = cpu_pool_slots_filled;
   c->base.free = cpu_free;
   lf_attn_params ap = {.policy = p->policy,
+                       .scope = p->scope,
                        .sink = p->sink,
                        .window = p->window,
                        .h2o_recent = p->window,

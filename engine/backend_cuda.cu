@@ -41,6 +41,8 @@
 #include "cuda_sample.cuh"
 #include "error.h"
 #include "forward.h"
+#include "parallel/comm.h"
+#include "parallel/shard.h"
 #include "random_weights.h"
 #include "scheduler/scheduler.h"
 
@@ -95,7 +97,10 @@ typedef struct gemm_tune {
 typedef struct cuda_backend {
   lf_backend base;
   const lf_checkpoint *ck;
-  lf_model_config cfg;
+  /* cfg: this rank's part of the model (n_heads = the query heads it computes, n_kv_heads = the
+   * KV heads in its pools, hidden_dim = its intermediate slice; vocab_size stays the whole
+   * vocabulary); gcfg: the whole model. Equal on a single rank. */
+  lf_model_config cfg, gcfg;
   lf_backend_params p;
   lf_attn_params ap;
   int qd, kd, qkv_dim, group;
@@ -168,6 +173,18 @@ typedef struct cuda_backend {
   int attn_splits; /* decode attention split count (0: automatic) */
   int skip_attn;   /* benchmark knob (LF_CUDA_SKIP_ATTN=1): decode attention is not run; the
                       results are wrong, only the time of the rest is meaningful */
+  int device;      /* the CUDA device at create: set again on every entry (server threads) */
+
+  /* Tensor parallelism (DESIGN §4, parallel/shard.h); comm NULL on a single rank. See the
+   * essay above tp_allreduce_x. */
+  lf_comm_t comm;
+  lf_shard sh;
+  int qd_own;       /* n_q head_dim: the O-projection's input columns this rank owns */
+  int nv;           /* own vocabulary rows (embedding and LM head) */
+  float *llocal;    /* [max_items][nv] own logits slice (== logits on a single rank) */
+  float *lsend;     /* [max_items][max_vocab] the slice padded for the logits gather */
+  int32_t *pairs;   /* [max_items][2] own (max bits, id); pairs_all [T][max_items][2] */
+  int32_t *pairs_all;
 } cuda_backend;
 
 /* ---- GEMM: Y[t][o] = sum_i W[o][i] X[t][i] (+ beta Y), bf16 in, fp32 accumulate ---------- */
@@ -232,10 +249,19 @@ static lf_status tuned_lookup(cuda_backend *c, int n_out, int n_in, int n_tok, i
   const size_t wneed = (size_t)n_out * n_in;
   const size_t have = (size_t)2 * c->cfg.hidden_dim * c->cfg.dim;
   if (wneed > have) W = c->lm_head;
-  if (wneed > (size_t)c->cfg.vocab_size * c->cfg.dim && wneed > have) {
+  if (wneed > (size_t)c->nv * c->cfg.dim && wneed > have) {
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     return LF_OK;
+  }
+  if (c->comm) {
+    /* the collectives queued before this point must not sit under the event waits below */
+    const lf_status ws = lf_comm_sync(c->comm, c->stream);
+    if (ws != LF_OK) {
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+      return ws;
+    }
   }
   float best = 1e30f;
   for (int k = 0; k < nh; k++) {
@@ -301,34 +327,46 @@ static lf_status find_tensor(const lf_checkpoint *ck, const char *name, int64_t 
   return LF_OK;
 }
 
-/* Matrix `name` [rows][cols] into dst (bf16), converted on the host in slices of ~4M values. */
+/* Rows [row0, row0 + nrows) x columns [col0, col0 + ncols) of matrix `name` [rows][cols] into
+ * dst (bf16 [nrows][ncols]), converted on the host in slices of ~4M values. A tensor-parallel
+ * rank reads only its slice (mmap); a random checkpoint generates the values the whole matrix
+ * holds at the same indices (scale from the whole fan-in), so every T sees one model. */
 static lf_status upload_matrix(cuda_backend *c, const char *name, int64_t rows, int64_t cols,
+                               int64_t row0, int64_t nrows, int64_t col0, int64_t ncols,
                                bf16 *dst) {
   const lf_checkpoint *ck = c->ck;
+  if (row0 < 0 || col0 < 0 || row0 + nrows > rows || col0 + ncols > cols)
+    return lf_error(LF_ERR_INTERNAL, "%s: slice [%lld +%lld][%lld +%lld] of [%lld][%lld]", name,
+                    (long long)row0, (long long)nrows, (long long)col0, (long long)ncols,
+                    (long long)rows, (long long)cols);
   if (ck->random_weights) {
     uint32_t id = 0;
     int kind = 0;
     if (!lf_rw_tensor_of(name, &id, &kind))
       return lf_error(LF_ERR_MISSING_TENSOR, "random checkpoint has no tensor %s", name);
-    return lf_cuda_random_bf16(dst, (size_t)(rows * cols), ck->random_seed, id,
-                               sqrtf(3.0f / (float)cols), 0, c->stream);
+    const float scale = sqrtf(3.0f / (float)cols);
+    if (ncols == cols)
+      return lf_cuda_random_bf16(dst, (size_t)(nrows * cols), ck->random_seed, id, scale,
+                                 (uint64_t)(row0 * cols), c->stream);
+    return lf_cuda_random_bf16_slice(dst, nrows, ncols, cols, row0, col0, ck->random_seed, id,
+                                     scale, c->stream);
   }
   const lf_tensor_src *t = NULL;
   LF_TRY(find_tensor(ck, name, rows, cols, &t));
-  int64_t chunk = ((int64_t)1 << 22) / cols;
+  int64_t chunk = ((int64_t)1 << 22) / ncols;
   if (chunk < 1) chunk = 1;
-  if (chunk > rows) chunk = rows;
-  float *f = (float *)malloc((size_t)(chunk * cols) * sizeof(float)); /* [chunk][cols] */
-  uint16_t *h = (uint16_t *)malloc((size_t)(chunk * cols) * sizeof(uint16_t));
+  if (chunk > nrows) chunk = nrows;
+  float *f = (float *)malloc((size_t)(chunk * ncols) * sizeof(float)); /* [chunk][ncols] */
+  uint16_t *h = (uint16_t *)malloc((size_t)(chunk * ncols) * sizeof(uint16_t));
   lf_status s = LF_OK;
   if (!f || !h) s = lf_error(LF_ERR_OUT_OF_MEMORY, "staging for %s", name);
-  for (int64_t r0 = 0; s == LF_OK && r0 < rows; r0 += chunk) {
-    const int64_t nr = rows - r0 < chunk ? rows - r0 : chunk;
-    s = lf_tensor_read_f32(t, r0, nr, 0, cols, f);
+  for (int64_t r0 = 0; s == LF_OK && r0 < nrows; r0 += chunk) {
+    const int64_t nr = nrows - r0 < chunk ? nrows - r0 : chunk;
+    s = lf_tensor_read_f32(t, row0 + r0, nr, col0, ncols, f);
     if (s != LF_OK) break;
-    for (int64_t i = 0; i < nr * cols; i++) h[i] = lf_f32_to_bf16(f[i]);
+    for (int64_t i = 0; i < nr * ncols; i++) h[i] = lf_f32_to_bf16(f[i]);
     /* synchronous: the staging buffer is reused at once */
-    if (cudaMemcpy(dst + r0 * cols, h, (size_t)(nr * cols) * 2, cudaMemcpyHostToDevice) !=
+    if (cudaMemcpy(dst + r0 * ncols, h, (size_t)(nr * ncols) * 2, cudaMemcpyHostToDevice) !=
         cudaSuccess)
       s = lf_error(LF_ERR_BACKEND, "%s:%d: upload of %s: %s", __FILE__, __LINE__, name,
                    cudaGetErrorString(cudaGetLastError()));
@@ -338,9 +376,13 @@ static lf_status upload_matrix(cuda_backend *c, const char *name, int64_t rows, 
   return s;
 }
 
-/* Vector `name` [n] into dst (fp32). */
-static lf_status upload_vector(cuda_backend *c, const char *name, int64_t n, float *dst) {
+/* Elements [i0, i0 + n) of vector `name` [len] into dst (fp32). */
+static lf_status upload_vector(cuda_backend *c, const char *name, int64_t len, int64_t i0,
+                               int64_t n, float *dst) {
   const lf_checkpoint *ck = c->ck;
+  if (i0 < 0 || i0 + n > len)
+    return lf_error(LF_ERR_INTERNAL, "%s: slice [%lld +%lld] of [%lld]", name, (long long)i0,
+                    (long long)n, (long long)len);
   float *f = (float *)malloc((size_t)n * sizeof(float));
   if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "staging for %s", name);
   lf_status s = LF_OK;
@@ -350,11 +392,11 @@ static lf_status upload_vector(cuda_backend *c, const char *name, int64_t n, flo
     if (!lf_rw_tensor_of(name, &id, &kind))
       s = lf_error(LF_ERR_MISSING_TENSOR, "random checkpoint has no tensor %s", name);
     for (int64_t i = 0; s == LF_OK && i < n; i++)
-      f[i] = lf_rw_value(ck->random_seed, id, kind, 1.0f, (uint64_t)i);
+      f[i] = lf_rw_value(ck->random_seed, id, kind, 1.0f, (uint64_t)(i0 + i));
   } else {
     const lf_tensor_src *t = NULL;
-    s = find_tensor(ck, name, n, 0, &t);
-    if (s == LF_OK) s = lf_tensor_read_f32(t, 0, 1, 0, n, f);
+    s = find_tensor(ck, name, len, 0, &t);
+    if (s == LF_OK) s = lf_tensor_read_f32(t, 0, 1, i0, n, f);
   }
   if (s == LF_OK && cudaMemcpy(dst, f, (size_t)n * sizeof(float), cudaMemcpyHostToDevice) !=
                         cudaSuccess)
@@ -364,60 +406,134 @@ static lf_status upload_vector(cuda_backend *c, const char *name, int64_t n, flo
   return s;
 }
 
+/* This rank's shard (the whole model on a single rank): c->sh's query/KV head rows (+ biases),
+ * O-projection input columns, intermediate slice of gate/up rows and down columns, and vocab
+ * rows of the embedding and LM head; norms whole. */
 static lf_status load_weights(cuda_backend *c) {
-  const lf_model_config *m = &c->cfg;
-  const int64_t dim = m->dim, hid = m->hidden_dim, hd = m->head_dim, qd = c->qd, kd = c->kd;
+  const lf_model_config *g = &c->gcfg;
+  const lf_shard *sh = &c->sh;
+  const int64_t dim = g->dim, hid = g->hidden_dim, hd = g->head_dim;
+  const int64_t gqd = (int64_t)g->n_heads * hd, gkd = (int64_t)g->n_kv_heads * hd;
+  const int64_t qd = c->qd, kd = c->kd, qd_own = c->qd_own, nhid = sh->n_hid;
+  const int64_t cq0 = (int64_t)sh->cq0 * hd, kv0 = (int64_t)sh->kv0 * hd,
+                q0 = (int64_t)sh->q0 * hd;
+  const int64_t V = g->vocab_size, v0 = sh->vocab0, nv = sh->n_vocab;
   char nm[LF_TENSOR_NAME_MAX];
   static const char *const never[] = {"self_attn.o_proj.bias", "mlp.gate_proj.bias",
                                       "mlp.up_proj.bias", "mlp.down_proj.bias"};
-  CB_ALLOC(c->embed, (size_t)m->vocab_size * dim * 2);
-  LF_TRY(upload_matrix(c, "model.embed_tokens.weight", m->vocab_size, dim, c->embed));
+  CB_ALLOC(c->embed, (size_t)nv * dim * 2);
+  LF_TRY(upload_matrix(c, "model.embed_tokens.weight", V, dim, v0, nv, 0, dim, c->embed));
   CB_ALLOC(c->rms_final, (size_t)dim * 4);
-  LF_TRY(upload_vector(c, "model.norm.weight", dim, c->rms_final));
+  LF_TRY(upload_vector(c, "model.norm.weight", dim, 0, dim, c->rms_final));
   if (c->ck->random_weights || lf_tensor_set_find(&c->ck->tensors, "lm_head.weight") ||
-      !m->tie_embeddings) {
-    CB_ALLOC(c->lm_head, (size_t)m->vocab_size * dim * 2);
-    LF_TRY(upload_matrix(c, "lm_head.weight", m->vocab_size, dim, c->lm_head));
+      !g->tie_embeddings) {
+    CB_ALLOC(c->lm_head, (size_t)nv * dim * 2);
+    LF_TRY(upload_matrix(c, "lm_head.weight", V, dim, v0, nv, 0, dim, c->lm_head));
   } else {
-    c->lm_head = c->embed;
+    c->lm_head = c->embed; /* tied: the same vocab rows */
   }
-  for (int l = 0; l < m->n_layers; l++) {
+  for (int l = 0; l < g->n_layers; l++) {
     cuda_layer *L = &c->layers[l];
 #define NM(suffix) (snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix), nm)
     for (size_t i = 0; i < sizeof never / sizeof never[0]; i++)
       if (lf_tensor_set_find(&c->ck->tensors, NM(never[i])))
         return lf_error(LF_ERR_UNSUPPORTED, "tensor %s: this bias is not supported", nm);
     CB_ALLOC(L->wqkv, (size_t)(qd + 2 * kd) * dim * 2);
-    LF_TRY(upload_matrix(c, NM("self_attn.q_proj.weight"), qd, dim, L->wqkv));
-    LF_TRY(upload_matrix(c, NM("self_attn.k_proj.weight"), kd, dim, L->wqkv + qd * dim));
-    LF_TRY(upload_matrix(c, NM("self_attn.v_proj.weight"), kd, dim, L->wqkv + (qd + kd) * dim));
-    if (m->qkv_bias) {
+    LF_TRY(upload_matrix(c, NM("self_attn.q_proj.weight"), gqd, dim, cq0, qd, 0, dim, L->wqkv));
+    LF_TRY(upload_matrix(c, NM("self_attn.k_proj.weight"), gkd, dim, kv0, kd, 0, dim,
+                         L->wqkv + qd * dim));
+    LF_TRY(upload_matrix(c, NM("self_attn.v_proj.weight"), gkd, dim, kv0, kd, 0, dim,
+                         L->wqkv + (qd + kd) * dim));
+    if (g->qkv_bias) {
       CB_ALLOC(L->bqkv, (size_t)(qd + 2 * kd) * 4);
-      LF_TRY(upload_vector(c, NM("self_attn.q_proj.bias"), qd, L->bqkv));
-      LF_TRY(upload_vector(c, NM("self_attn.k_proj.bias"), kd, L->bqkv + qd));
-      LF_TRY(upload_vector(c, NM("self_attn.v_proj.bias"), kd, L->bqkv + qd + kd));
+      LF_TRY(upload_vector(c, NM("self_attn.q_proj.bias"), gqd, cq0, qd, L->bqkv));
+      LF_TRY(upload_vector(c, NM("self_attn.k_proj.bias"), gkd, kv0, kd, L->bqkv + qd));
+      LF_TRY(upload_vector(c, NM("self_attn.v_proj.bias"), gkd, kv0, kd, L->bqkv + qd + kd));
     }
-    if (m->qk_norm) {
+    if (g->qk_norm) {
       CB_ALLOC(L->q_norm, (size_t)hd * 4);
       CB_ALLOC(L->k_norm, (size_t)hd * 4);
-      LF_TRY(upload_vector(c, NM("self_attn.q_norm.weight"), hd, L->q_norm));
-      LF_TRY(upload_vector(c, NM("self_attn.k_norm.weight"), hd, L->k_norm));
+      LF_TRY(upload_vector(c, NM("self_attn.q_norm.weight"), hd, 0, hd, L->q_norm));
+      LF_TRY(upload_vector(c, NM("self_attn.k_norm.weight"), hd, 0, hd, L->k_norm));
     }
-    CB_ALLOC(L->wo, (size_t)dim * qd * 2);
-    LF_TRY(upload_matrix(c, NM("self_attn.o_proj.weight"), dim, qd, L->wo));
+    CB_ALLOC(L->wo, (size_t)dim * qd_own * 2);
+    LF_TRY(upload_matrix(c, NM("self_attn.o_proj.weight"), dim, gqd, 0, dim, q0, qd_own, L->wo));
     CB_ALLOC(L->rms_att, (size_t)dim * 4);
     CB_ALLOC(L->rms_ffn, (size_t)dim * 4);
-    LF_TRY(upload_vector(c, NM("input_layernorm.weight"), dim, L->rms_att));
-    LF_TRY(upload_vector(c, NM("post_attention_layernorm.weight"), dim, L->rms_ffn));
-    CB_ALLOC(L->wgu, (size_t)2 * hid * dim * 2);
-    LF_TRY(upload_matrix(c, NM("mlp.gate_proj.weight"), hid, dim, L->wgu));
-    LF_TRY(upload_matrix(c, NM("mlp.up_proj.weight"), hid, dim, L->wgu + hid * dim));
-    CB_ALLOC(L->wdown, (size_t)dim * hid * 2);
-    LF_TRY(upload_matrix(c, NM("mlp.down_proj.weight"), dim, hid, L->wdown));
+    LF_TRY(upload_vector(c, NM("input_layernorm.weight"), dim, 0, dim, L->rms_att));
+    LF_TRY(upload_vector(c, NM("post_attention_layernorm.weight"), dim, 0, dim, L->rms_ffn));
+    CB_ALLOC(L->wgu, (size_t)2 * nhid * dim * 2);
+    LF_TRY(upload_matrix(c, NM("mlp.gate_proj.weight"), hid, dim, sh->hid0, nhid, 0, dim, L->wgu));
+    LF_TRY(upload_matrix(c, NM("mlp.up_proj.weight"), hid, dim, sh->hid0, nhid, 0, dim,
+                         L->wgu + nhid * dim));
+    CB_ALLOC(L->wdown, (size_t)dim * nhid * 2);
+    LF_TRY(upload_matrix(c, NM("mlp.down_proj.weight"), dim, hid, 0, dim, sh->hid0, nhid,
+                         L->wdown));
 #undef NM
   }
   LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
   return LF_OK;
+}
+
+/* ---- tensor parallelism -------------------------------------------------------------------
+ *
+ * With a communicator of T > 1 ranks (lf_backend_params.comm, an NCCL one: comm->device), this
+ * rank holds the shard of parallel/shard.h: its query heads' Q rows and KV heads' K/V rows (and
+ * pools), the O-projection's input columns of its own heads, an intermediate slice of gate/up
+ * rows and down columns, and a vocab slice of the embedding and LM head. c->cfg is that local
+ * model (heads, hidden size), so every kernel launch is unchanged; what changes:
+ *   - embedding: own rows, zeros elsewhere, all-reduce (exact: one nonzero term per element);
+ *   - the two residual adds per layer. The O and down GEMMs used to add into the fp32 residual
+ *     stream x (beta = 1). Now rank 0 keeps beta = 1 (x_old + its partial) and the other ranks
+ *     write their partial with beta = 0, then one in-place fp32 all-reduce of x gives every rank
+ *     x_old + sum of partials: the residual add costs no extra kernel and no extra buffer. x is
+ *     the same on every rank (NCCL's all-reduce hands every rank the same bits), so rank 0's
+ *     x_old is everyone's.
+ *     fp32, not bf16: x is fp32 on a single rank too, so TP=T differs from TP=1 only by the
+ *     order of the fp32 sums inside O and down (each GEMM sums its own K slice, then the ranks
+ *     are added), ~1e-6 relative; bf16 would round the residual stream at every layer and move
+ *     greedy tokens. The bytes hardly matter: batch 1 of an 8B model is 16 KB per call, latency
+ *     bound either way.
+ *   - replicated KV heads (T > Hkv): attention runs for the whole group (exact eviction, see
+ *     shard.h); only the own heads' columns of att are packed (into qb, free by then) for O;
+ *   - LM head on the vocab slice; greedy batches: each rank's (max, id) per item, one all-gather
+ *     of [n][2] int32, the pick on the device (largest value, lowest rank on ties == lowest id:
+ *     exactly the argmax of the full logits); when an item samples or logits are wanted, one
+ *     padded all-gather of the slices [n][max_vocab] into the full logits [n][vocab] and the
+ *     single-rank sampling code on them (distributed top-k is a later optimisation).
+ *   - every wait on the stream goes through lf_comm_sync (a dead peer is an error within the
+ *     communicator's timeout, not a hang).
+ *   - CUDA graphs: NCCL collectives can be captured (NCCL >= 2.9), and the capture happens at
+ *     the same step on every rank (a batch size's second run), but until that is measured on
+ *     the 2-GPU machine graphs are off under TP unless LF_CUDA_GRAPHS_TP=1.
+ * Which collectives run depends only on the items (the same on every rank: parallel/tp.h) and
+ * on logits being wanted, so the ranks' NCCL calls always pair up. */
+
+/* x[rows][dim] summed over the ranks, in place on the stream (nothing waits). */
+static lf_status tp_allreduce_x(cuda_backend *c, int rows) {
+  if (!c->comm) return LF_OK;
+  return c->comm->allreduce_sum(c->comm, c->x, (size_t)rows * c->cfg.dim, LF_COMM_F32, c->stream);
+}
+
+/* beta of the GEMMs that add into the residual stream (see above). */
+static float res_beta(const cuda_backend *c) {
+  return !c->comm || c->comm->rank == 0 ? 1.0f : 0.0f;
+}
+
+/* cudaStreamSynchronize, or the communicator's wait with a deadline under TP. */
+static lf_status stream_wait(cuda_backend *c) {
+  if (c->comm) return lf_comm_sync(c->comm, c->stream);
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  return LF_OK;
+}
+
+/* x[t] = embedding of tokens[t] (device ids), over the ranks' vocab slices under TP. */
+static lf_status embed_rows(cuda_backend *c, const int32_t *tokens, int rows) {
+  const lf_model_config *m = &c->cfg;
+  if (!c->comm) return lf_cuda_embed(c->embed, m->dim, tokens, rows, c->x, c->stream);
+  LF_TRY(lf_cuda_embed_slice(c->embed, m->dim, c->sh.vocab0, c->nv, tokens, rows, c->x,
+                             c->stream));
+  return tp_allreduce_x(c, rows);
 }
 
 /* ---- the layers ---------------------------------------------------------------------------- */
@@ -425,7 +541,16 @@ static lf_status load_weights(cuda_backend *c) {
 /* Everything after attention of one layer: O-proj (+= x), RMSNorm, gate|up, SiLU*up, down. */
 static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows) {
   const lf_model_config *m = &c->cfg;
-  LF_TRY(gemm(c, L->wo, c->att, c->x, CUDA_R_32F, m->dim, c->qd, rows, 1.0f));
+  const bf16 *att = c->att;
+  if (c->qd_own != c->qd) { /* replicated KV head: this rank's heads of the group only */
+    const size_t off = (size_t)(c->sh.q0 - c->sh.cq0) * m->head_dim;
+    LF_CUDA_CHECK(cudaMemcpy2DAsync(c->qb, (size_t)c->qd_own * 2, c->att + off, (size_t)c->qd * 2,
+                                    (size_t)c->qd_own * 2, (size_t)rows, cudaMemcpyDeviceToDevice,
+                                    c->stream));
+    att = c->qb;
+  }
+  LF_TRY(gemm(c, L->wo, att, c->x, CUDA_R_32F, m->dim, c->qd_own, rows, res_beta(c)));
+  LF_TRY(tp_allreduce_x(c, rows));
   LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_ffn, m->dim, m->norm_eps, rows, c->xb, m->dim, NULL,
                          c->stream));
   if (rows <= c->gemv_max && lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
@@ -436,8 +561,8 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows) {
     LF_TRY(gemm(c, L->wgu, c->xb, c->gu, CUDA_R_32F, 2 * m->hidden_dim, m->dim, rows, 0.0f));
     LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
   }
-  LF_TRY(gemm(c, L->wdown, c->hb, c->x, CUDA_R_32F, m->dim, m->hidden_dim, rows, 1.0f));
-  return LF_OK;
+  LF_TRY(gemm(c, L->wdown, c->hb, c->x, CUDA_R_32F, m->dim, m->hidden_dim, rows, res_beta(c)));
+  return tp_allreduce_x(c, rows);
 }
 
 static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows) {
@@ -464,7 +589,7 @@ static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows
  * normed row of sequence r goes to xf[rows_out[r]]. */
 static lf_status decode_pass(cuda_backend *c, int rows) {
   const lf_model_config *m = &c->cfg;
-  LF_TRY(lf_cuda_embed(c->embed, m->dim, c->d_step.tok, rows, c->x, c->stream));
+  LF_TRY(embed_rows(c, c->d_step.tok, rows));
   for (int l = 0; l < m->n_layers; l++) {
     const cuda_layer *L = &c->layers[l];
     LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_att, m->dim, m->norm_eps, rows, c->xb, m->dim,
@@ -587,7 +712,7 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
   const int B = c->p.budget;
   LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, tokens, (size_t)T * sizeof(int32_t),
                                 cudaMemcpyHostToDevice, c->stream));
-  LF_TRY(lf_cuda_embed(c->embed, m->dim, c->ptok, T, c->x, c->stream));
+  LF_TRY(embed_rows(c, c->ptok, T));
   int w_eff = c->p.window < B - 1 - c->p.sink ? c->p.window : B - 1 - c->p.sink;
   /* streaming keeps sinks + the most recent tokens (lf_attn_prefill_ref's rule) */
   if (c->p.policy == LF_POLICY_STREAMING) w_eff = B - 1 - c->p.sink;
@@ -632,7 +757,7 @@ static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok,
   LF_TRY(step_upload(c, 1));
   /* the host arrays are reused at once: wait for the copies (pageable memory is staged, but
    * the step arrays are pinned) */
-  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  LF_TRY(stream_wait(c));
   LF_TRY(decode_run(c, 1));
   if (c->host_n[pool] == B) *evictions += (uint64_t)c->cfg.n_layers * c->cfg.n_kv_heads;
   else c->host_n[pool]++;
@@ -646,6 +771,7 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
   cuda_backend *c = (cuda_backend *)b;
   const lf_model_config *m = &c->cfg;
   const int B = c->p.budget, evicts = c->p.policy != LF_POLICY_FULL;
+  LF_CUDA_CHECK(cudaSetDevice(c->device));
   if (n < 0 || n > c->max_items)
     return lf_error(LF_ERR_INVALID_ARG, "cuda forward: %d items (at most %d, one per pool)", n,
                     c->max_items);
@@ -726,28 +852,59 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
   }
 
   /* LM head and token selection for every item (failed items' rows are ignored). */
-  LF_TRY(gemm(c, c->lm_head, c->xf, c->logits, CUDA_R_32F, m->vocab_size, m->dim, n, 0.0f));
-  for (int i = 0; i < n; i++) {
-    lf_sample_params *sp = &c->h_sp[i];
-    sp->temperature = items[i].sampling.temperature;
-    sp->top_k = items[i].sampling.top_k;
-    sp->top_p = items[i].sampling.top_p;
-    sp->u = items[i].u;
+  int need_full = c->comm == NULL || logits_out != NULL;
+  for (int i = 0; i < n && !need_full; i++) need_full = items[i].sampling.temperature > 0.0f;
+  LF_TRY(gemm(c, c->lm_head, c->xf, c->llocal, CUDA_R_32F, c->nv, m->dim, n, 0.0f));
+  if (!need_full) {
+    /* tensor parallel, all greedy: one gather of (max, id) pairs, the pick on the device */
+    LF_TRY(lf_cuda_argmax_pairs(c->llocal, c->nv, n, c->sh.vocab0, c->pairs, c->stream));
+    LF_TRY(c->comm->allgather(c->comm, c->pairs, c->pairs_all, 2 * (size_t)n, LF_COMM_I32,
+                              c->stream));
+    LF_TRY(lf_cuda_tp_pick(c->pairs_all, c->comm->size, n, c->d_tok_out, c->stream));
+  } else {
+    if (c->comm) {
+      /* the full logits on every rank: the slices padded to max_vocab, gathered into probs
+       * [T][n][max_vocab] (free until sampling), unpacked into logits [n][vocab] */
+      const int T = c->comm->size, mv = c->sh.max_vocab, V = m->vocab_size;
+      LF_CUDA_CHECK(cudaMemcpy2DAsync(c->lsend, (size_t)mv * 4, c->llocal, (size_t)c->nv * 4,
+                                      (size_t)c->nv * 4, (size_t)n, cudaMemcpyDeviceToDevice,
+                                      c->stream));
+      LF_TRY(c->comm->allgather(c->comm, c->lsend, c->probs, (size_t)n * mv, LF_COMM_F32,
+                                c->stream));
+      for (int r = 0; r < T; r++) {
+        const int v0 = lf_shard_split(V, T, r), nvr = lf_shard_split(V, T, r + 1) - v0;
+        LF_CUDA_CHECK(cudaMemcpy2DAsync(c->logits + v0, (size_t)V * 4,
+                                        c->probs + (size_t)r * n * mv, (size_t)mv * 4,
+                                        (size_t)nvr * 4, (size_t)n, cudaMemcpyDeviceToDevice,
+                                        c->stream));
+      }
+    }
+    for (int i = 0; i < n; i++) {
+      lf_sample_params *sp = &c->h_sp[i];
+      sp->temperature = items[i].sampling.temperature;
+      sp->top_k = items[i].sampling.top_k;
+      sp->top_p = items[i].sampling.top_p;
+      sp->u = items[i].u;
+    }
+    LF_CUDA_CHECK(cudaMemcpyAsync(c->d_sp, c->h_sp, (size_t)n * sizeof *c->h_sp,
+                                  cudaMemcpyHostToDevice, c->stream));
+    LF_TRY(lf_cuda_sample(c->logits, m->vocab_size, n, c->d_sp, c->d_tok_out, c->probs,
+                          c->stream));
+    for (int i = 0; i < n; i++)
+      if (res[i].status == LF_OK && lf_sample_needs_sort(&c->h_sp[i], m->vocab_size))
+        LF_TRY(lf_cuda_sample_sorted(c->logits + (size_t)i * m->vocab_size, m->vocab_size,
+                                     &c->h_sp[i], c->d_tok_out + i, c->sort_ws, c->sort_ws_bytes,
+                                     c->stream));
   }
-  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_sp, c->h_sp, (size_t)n * sizeof *c->h_sp,
-                                cudaMemcpyHostToDevice, c->stream));
-  LF_TRY(lf_cuda_sample(c->logits, m->vocab_size, n, c->d_sp, c->d_tok_out, c->probs, c->stream));
-  for (int i = 0; i < n; i++)
-    if (res[i].status == LF_OK && lf_sample_needs_sort(&c->h_sp[i], m->vocab_size))
-      LF_TRY(lf_cuda_sample_sorted(c->logits + (size_t)i * m->vocab_size, m->vocab_size,
-                                   &c->h_sp[i], c->d_tok_out + i, c->sort_ws, c->sort_ws_bytes,
-                                   c->stream));
+  /* the stream must have passed the collectives before a copy to pageable memory, which
+   * would block in CUDA with no deadline */
+  if (c->comm && logits_out) LF_TRY(stream_wait(c));
   LF_CUDA_CHECK(cudaMemcpyAsync(c->h_tok_out, c->d_tok_out, (size_t)n * sizeof(int32_t),
                                 cudaMemcpyDeviceToHost, c->stream));
   if (logits_out)
     LF_CUDA_CHECK(cudaMemcpyAsync(logits_out, c->logits, (size_t)n * m->vocab_size * sizeof(float),
                                   cudaMemcpyDeviceToHost, c->stream));
-  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  LF_TRY(stream_wait(c));
   for (int i = 0; i < n; i++)
     if (res[i].status == LF_OK) res[i].token = c->h_tok_out[i];
   return LF_OK;
@@ -758,6 +915,7 @@ static lf_status cuda_pool_take(lf_backend *b, int *pool) {
   if (!pool) return lf_error(LF_ERR_INVALID_ARG, "pool_take: NULL argument");
   if (c->n_free <= 0)
     return lf_error(LF_ERR_STATE, "pool_take: all %d pools are in use", c->p.n_pools);
+  LF_CUDA_CHECK(cudaSetDevice(c->device));
   const int p = c->free_list[--c->n_free];
   const size_t heads = (size_t)c->cfg.n_layers * c->cfg.n_kv_heads;
   /* metadata only (n = 0, next = -1, pos = -1); K/V keep stale values below n */
@@ -790,10 +948,31 @@ static int cuda_pool_slots_filled(lf_backend *b, int pool) {
   return pool >= 0 && pool < c->p.n_pools ? c->host_n[pool] : 0;
 }
 
+/* Tensor parallelism: ranks size their pools from their own free memory, and every rank must
+ * hold the same pools (rank 0's scheduler hands out ids for all). The engine takes the minimum
+ * over ranks and lowers the others' count here, before any pool is taken: the free list is
+ * rebuilt so pool_take returns the same ids on every rank. The extra arena stays allocated. */
+extern "C" lf_status lf_backend_cuda_limit_pools(lf_backend *b, int n_pools) {
+  cuda_backend *c = (cuda_backend *)b;
+  if (!c || n_pools < 1 || n_pools > c->p.n_pools)
+    return lf_error(LF_ERR_INVALID_ARG, "limit_pools: %d pools of %d", n_pools,
+                    c ? c->p.n_pools : 0);
+  if (c->n_free != c->p.n_pools)
+    return lf_error(LF_ERR_STATE, "limit_pools: %d pools are in use", c->p.n_pools - c->n_free);
+  c->p.n_pools = n_pools;
+  c->max_items = n_pools;
+  for (int i = 0; i < n_pools; i++) c->free_list[i] = n_pools - 1 - i;
+  c->n_free = n_pools;
+  return LF_OK;
+}
+
 static void cuda_free(lf_backend *b) {
   cuda_backend *c = (cuda_backend *)b;
   if (!c) return;
-  if (c->stream) cudaStreamSynchronize(c->stream);
+  cudaSetDevice(c->device);
+  /* under TP a peer may be gone: the communicator's wait gives up (and aborts) at its deadline */
+  if (c->stream && (!c->comm || lf_comm_sync(c->comm, c->stream) == LF_OK))
+    cudaStreamSynchronize(c->stream);
   if (c->layers) {
     for (int l = 0; l < c->cfg.n_layers; l++) {
       cuda_layer *L = &c->layers[l];
@@ -822,8 +1001,10 @@ static void cuda_free(lf_backend *b) {
   void *bufs[] = {c->x,     c->xb,    c->qkv,  c->qb,      c->kb,       c->vb,
                   c->att,   c->gu,    c->hb,   c->xf,      c->logits,   c->probs,
                   c->w,     c->ml,    c->snap, c->slot_of, c->ptok,     c->attn_ws,
-                  c->simple_scratch, c->sort_ws, c->io};
+                  c->simple_scratch, c->sort_ws, c->io,   c->lsend,    c->pairs,
+                  c->pairs_all};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+  if (c->llocal != c->logits) cudaFree(c->llocal);
   cudaFreeHost(c->h_io);
   if (c->graph)
     for (int r = 0; r <= c->max_items; r++)
@@ -862,7 +1043,12 @@ static lf_status size_pools(cuda_backend *c) {
   const uint64_t arena = heads * (B * (2 * D * 2 + 4 + 4) + 8);
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
-  const uint64_t item = 2 * V * 4 + (uint64_t)m->dim * 2 + (uint64_t)m->n_kv_heads * 4 + 64 +
+  /* logits [V], probs (the gather of max_vocab slices under TP), own slice and its padded copy,
+   * the (max, id) pairs */
+  const uint64_t Tr = c->comm ? (uint64_t)c->comm->size : 1, mv = (uint64_t)c->sh.max_vocab;
+  const uint64_t vbytes = 4 * (V + (Tr * mv > V ? Tr * mv : V)) +
+                          (c->comm ? 4 * ((uint64_t)c->nv + mv) + 8 * (Tr + 1) : 0);
+  const uint64_t item = vbytes + (uint64_t)m->dim * 2 + (uint64_t)m->n_kv_heads * 4 + 64 +
                         sizeof(lf_sample_params) + row; /* row: charged even below max_chunk */
   const uint64_t fixed = T * row + 2 * T * (uint64_t)c->kd * 2 + T * m->n_heads * 8 +
                          (uint64_t)m->n_kv_heads * T * 12 + lf_cuda_sample_sort_bytes(m->vocab_size) +
@@ -900,6 +1086,12 @@ static lf_status create(cuda_backend *c) {
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
   if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
+  if (c->comm && !c->comm->device)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "cuda backend: tensor parallelism needs a device communicator "
+                    "(lf_comm_init_nccl / lf_comm_init_nccl_mpi), not '%s'",
+                    c->comm->kind ? c->comm->kind : "?");
+  LF_CUDA_CHECK(cudaGetDevice(&c->device));
 
   LF_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
   LF_CUBLAS_CHECK(cublasCreate(&c->blas));
@@ -969,7 +1161,17 @@ static lf_status create(cuda_backend *c) {
   CB_ALLOC(c->hb, rows * m->hidden_dim * 2);
   CB_ALLOC(c->xf, (size_t)c->max_items * m->dim * 2);
   CB_ALLOC(c->logits, (size_t)c->max_items * V * 4);
-  CB_ALLOC(c->probs, (size_t)c->max_items * V * 4);
+  if (c->comm) {
+    const size_t T = (size_t)c->comm->size, mv = (size_t)c->sh.max_vocab;
+    CB_ALLOC(c->probs, (size_t)c->max_items * (T * mv > V ? T * mv : V) * 4);
+    CB_ALLOC(c->llocal, (size_t)c->max_items * c->nv * 4);
+    CB_ALLOC(c->lsend, (size_t)c->max_items * mv * 4);
+    CB_ALLOC(c->pairs, (size_t)c->max_items * 2 * 4);
+    CB_ALLOC(c->pairs_all, T * c->max_items * 2 * 4);
+  } else {
+    CB_ALLOC(c->probs, (size_t)c->max_items * V * 4);
+    c->llocal = c->logits;
+  }
   CB_ALLOC(c->w, (size_t)c->max_items * hkv * 4);
   CB_ALLOC(c->ml, T * m->n_heads * 2 * 4);
   CB_ALLOC(c->snap, (size_t)hkv * 2 * T * 4);
@@ -1027,11 +1229,23 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   if (!ck || !p || !out) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: NULL argument");
   *out = NULL;
   const lf_model_config *m = &ck->cfg;
+  const lf_comm_t comm = p->comm && p->comm->size > 1 ? p->comm : NULL;
+  lf_shard sh;
+  LF_TRY(lf_shard_plan(comm ? comm->rank : 0, comm ? comm->size : 1, m->n_heads, m->n_kv_heads,
+                       m->hidden_dim, m->vocab_size, &sh));
   cuda_backend *c = (cuda_backend *)calloc(1, sizeof *c);
   if (!c) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend");
   c->ck = ck;
-  c->cfg = *m;
+  c->gcfg = *m;
+  c->cfg = *m; /* this rank's part: */
+  c->cfg.n_heads = sh.n_cq;
+  c->cfg.n_kv_heads = sh.n_kv;
+  c->cfg.hidden_dim = sh.n_hid;
+  c->comm = comm;
+  c->sh = sh;
+  c->nv = sh.n_vocab;
   c->p = *p;
+  m = &c->cfg;
   c->base.name = "cuda";
   c->base.forward = cuda_forward;
   c->base.pool_take = cuda_pool_take;
@@ -1041,6 +1255,7 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->base.free = cuda_free;
   c->qd = m->n_heads * m->head_dim;
   c->kd = m->n_kv_heads * m->head_dim;
+  c->qd_own = sh.n_q * m->head_dim;
   c->qkv_dim = c->qd + 2 * c->kd;
   c->group = m->n_heads / m->n_kv_heads;
   c->ap.policy = p->policy;
@@ -1055,6 +1270,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->use_graphs = !p->no_graphs;
   e = getenv("LF_CUDA_GRAPHS");
   if (e && !strcmp(e, "0")) c->use_graphs = 0;
+  if (comm) { /* NCCL inside captured graphs: opt-in until measured (see tp_allreduce_x) */
+    e = getenv("LF_CUDA_GRAPHS_TP");
+    if (!e || strcmp(e, "1")) c->use_graphs = 0;
+  }
   c->graph_cap = 64;
   e = getenv("LF_CUDA_GRAPH_CACHE");
   if (e && atoi(e) > 0) c->graph_cap = atoi(e);

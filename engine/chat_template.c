@@ -249,16 +249,51 @@ static void trim(const char *s, const char **b, size_t *n) {
   *n = e - i;
 }
 
+void lf_text_ranges_free(lf_text_ranges *v) {
+  if (!v) return;
+  free(v->r);
+  memset(v, 0, sizeof *v);
+}
+
+/* Appends content text, recording its range when ranges are wanted (empty content records
+ * nothing). */
+static lf_status put_content(lf_tok_text *out, lf_text_ranges *rg, const char *s, size_t n) {
+  const size_t begin = out->len;
+  LF_TRY(lf_tok_text_append(out, s, n));
+  if (!rg || n == 0) return LF_OK;
+  if (rg->n && rg->r[rg->n - 1].end == begin) { /* adjacent to the last one: extend it */
+    rg->r[rg->n - 1].end = out->len;
+    return LF_OK;
+  }
+  if (rg->n == rg->cap) {
+    size_t cap = rg->cap ? 2 * rg->cap : 8;
+    lf_text_range *p = realloc(rg->r, sizeof *p * cap);
+    if (!p) return lf_error(LF_ERR_OUT_OF_MEMORY, "chat template: out of memory");
+    rg->r = p;
+    rg->cap = cap;
+  }
+  rg->r[rg->n++] = (lf_text_range){begin, out->len};
+  return LF_OK;
+}
+
 #define PUT(s) LF_TRY(lf_tok_text_append(out, (s), strlen(s)))
+#define PUT_CONTENT(s, n) LF_TRY(put_content(out, rg, (s), (n)))
 
 lf_status lf_chat_template_render(const lf_chat_template *t, const lf_chat_message *m, size_t n,
                                   int add_generation_prompt, lf_tok_text *out) {
+  return lf_chat_template_render_ranges(t, m, n, add_generation_prompt, out, NULL);
+}
+
+lf_status lf_chat_template_render_ranges(const lf_chat_template *t, const lf_chat_message *m,
+                                         size_t n, int add_generation_prompt, lf_tok_text *out,
+                                         lf_text_ranges *rg) {
   if (!t || (!m && n) || !out)
     return lf_error(LF_ERR_INVALID_ARG, "lf_chat_template_render: NULL argument");
   for (size_t i = 0; i < n; i++)
     if (!m[i].role || !m[i].content)
       return lf_error(LF_ERR_INVALID_ARG, "chat message %zu lacks a role or content", i);
   LF_TRY(lf_tok_text_clear(out));
+  if (rg) rg->n = 0;
   switch (t->format) {
   case LF_CHAT_LLAMA3:
     for (size_t i = 0; i < n; i++) {
@@ -269,7 +304,7 @@ lf_status lf_chat_template_render(const lf_chat_template *t, const lf_chat_messa
       PUT(m[i].role);
       PUT("<|end_header_id|>\n\n");
       trim(m[i].content, &c, &cn); /* the template trims content */
-      LF_TRY(lf_tok_text_append(out, c, cn));
+      PUT_CONTENT(c, cn);
       PUT("<|eot_id|>");
     }
     if (add_generation_prompt) PUT("<|start_header_id|>assistant<|end_header_id|>\n\n");
@@ -284,7 +319,7 @@ lf_status lf_chat_template_render(const lf_chat_template *t, const lf_chat_messa
       PUT("<|im_start|>");
       PUT(m[i].role);
       PUT("\n");
-      PUT(m[i].content);
+      PUT_CONTENT(m[i].content, strlen(m[i].content));
       PUT("<|im_end|>\n");
     }
     if (add_generation_prompt) PUT("<|im_start|>assistant\n");
@@ -295,17 +330,17 @@ lf_status lf_chat_template_render(const lf_chat_template *t, const lf_chat_messa
     for (size_t i = 0; i < n; i++)
       if (strcmp(m[i].role, "system") == 0) sys = m[i].content;
     PUT(t->bos);
-    PUT(sys);
+    PUT_CONTENT(sys, strlen(sys));
     for (size_t i = 0; i < n; i++) {
       if (strcmp(m[i].role, "user") == 0) {
         PUT(R1_USER);
-        PUT(m[i].content);
+        PUT_CONTENT(m[i].content, strlen(m[i].content));
       } else if (strcmp(m[i].role, "assistant") == 0) {
         const char *c = m[i].content, *p;
         while ((p = strstr(c, "</think>")))
           c = p + strlen("</think>");
         PUT(R1_ASSISTANT);
-        PUT(c);
+        PUT_CONTENT(c, strlen(c));
         PUT(R1_EOS);
       }
     }
@@ -315,4 +350,21 @@ lf_status lf_chat_template_render(const lf_chat_template *t, const lf_chat_messa
   default:
     return lf_error(LF_ERR_STATE, "chat template has no format");
   }
+}
+
+lf_status lf_chat_encode(const lf_chat_template *t, const lf_tokenizer *tok,
+                         const lf_chat_message *m, size_t n, int add_generation_prompt,
+                         unsigned flags, lf_token_ids *out) {
+  if (!t || !tok || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_chat_encode: NULL argument");
+  lf_tok_text text = {0};
+  lf_text_ranges rg = {0};
+  lf_status s = lf_chat_template_render_ranges(t, m, n, add_generation_prompt, &text, &rg);
+  if (s == LF_OK) {
+    const int hf = (flags & LF_CHAT_CONTENT_SPECIAL) != 0;
+    s = lf_tokenizer_encode_ranges(tok, text.data, text.len, 0, hf ? NULL : rg.r, hf ? 0 : rg.n,
+                                   out);
+  }
+  lf_tok_text_free(&text);
+  lf_text_ranges_free(&rg);
+  return s;
 }

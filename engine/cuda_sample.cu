@@ -204,3 +204,53 @@ extern "C" lf_status lf_cuda_sample_sorted(const float *logits, int vocab,
   LF_CUDA_CHECK_LAUNCH("sort_pick_kernel");
   return LF_OK;
 }
+
+/* ---- vocab-parallel greedy choice (tensor parallelism) ------------------------------------- */
+
+static __global__ void argmax_pairs_kernel(const float *logits, int n_vocab, int id0,
+                                           int32_t *pairs) {
+  const int it = blockIdx.x;
+  const float *l = logits + (size_t)it * n_vocab;
+  const int am = block_argmax(l, n_vocab);
+  if (threadIdx.x == 0) {
+    pairs[2 * it] = __float_as_int(l[am]);
+    pairs[2 * it + 1] = id0 + am;
+  }
+}
+
+extern "C" lf_status lf_cuda_argmax_pairs(const float *logits, int n_vocab, int n, int id0,
+                                          int32_t *pairs, cudaStream_t stream) {
+  if (!logits || !pairs || n_vocab < 1 || n < 0)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_argmax_pairs: bad arguments");
+  if (n == 0) return LF_OK;
+  argmax_pairs_kernel<<<n, SMP_NT, 0, stream>>>(logits, n_vocab, id0, pairs);
+  LF_CUDA_CHECK_LAUNCH("argmax_pairs_kernel");
+  return LF_OK;
+}
+
+/* Strictly larger wins, so a tie keeps the lower rank, whose ids are lower: lf_argmax. */
+static __global__ void tp_pick_kernel(const int32_t *all, int n_ranks, int n, int32_t *tokens) {
+  const int it = blockIdx.x * blockDim.x + threadIdx.x;
+  if (it >= n) return;
+  float best = __int_as_float(all[2 * it]);
+  int32_t id = all[2 * it + 1];
+  for (int r = 1; r < n_ranks; r++) {
+    const int32_t *p = all + ((size_t)r * n + it) * 2;
+    const float v = __int_as_float(p[0]);
+    if (v > best) {
+      best = v;
+      id = p[1];
+    }
+  }
+  tokens[it] = id;
+}
+
+extern "C" lf_status lf_cuda_tp_pick(const int32_t *all, int n_ranks, int n, int32_t *tokens,
+                                     cudaStream_t stream) {
+  if (!all || !tokens || n_ranks < 1 || n < 0)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_tp_pick: bad arguments");
+  if (n == 0) return LF_OK;
+  tp_pick_kernel<<<(n + 127) / 128, 128, 0, stream>>>(all, n_ranks, n, tokens);
+  LF_CUDA_CHECK_LAUNCH("tp_pick_kernel");
+  return LF_OK;
+}

@@ -49,6 +49,16 @@ lf_status lf_cuda_sample_sorted(const float *logits, int vocab, const lf_sample_
                                 int32_t *token, void *scratch, size_t scratch_bytes,
                                 struct CUstream_st *stream);
 
+/* Tensor parallelism, greedy items, the vocab-parallel LM head (DESIGN §4):
+ * lf_cuda_argmax_pairs: for each item i < n of this rank's logits slice [n][n_vocab] (global ids
+ * id0 ..), pairs[i] = (bits of the largest logit, its global id; lowest id on ties).
+ * lf_cuda_tp_pick: all = every rank's pairs gathered [n_ranks][n][2]; tokens[i] = the id of the
+ * largest value, the lowest rank on ties: exactly the argmax of the full logits. */
+lf_status lf_cuda_argmax_pairs(const float *logits, int n_vocab, int n, int id0, int32_t *pairs,
+                               struct CUstream_st *stream);
+lf_status lf_cuda_tp_pick(const int32_t *all, int n_ranks, int n, int32_t *tokens,
+                          struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -119,14 +119,33 @@ static lf_status engine_init_local(lf_engine_t e) {
     lf_shard sh;
     LF_TRY(lf_shard_plan(e->comm->rank, e->comm->size, mc->n_heads, mc->n_kv_heads,
                          mc->hidden_dim, mc->vocab_size, &sh));
+    /* A device communicator (NCCL) means GPU ranks; a host one (MPI) CPU ranks. The cpu
+     * backend runs on either (host buffers); the cuda backend needs a device one. */
+    if (e->cfg.backend == LF_BACKEND_AUTO)
+      e->cfg.backend = e->comm->device ? LF_BACKEND_CUDA : LF_BACKEND_CPU;
+    if (e->cfg.backend == LF_BACKEND_CUDA && !e->comm->device)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "tensor parallelism (%d ranks) on the cuda backend needs an NCCL "
+                      "communicator (lf_comm_init_nccl_mpi), not '%s'",
+                      e->comm->size, e->comm->kind ? e->comm->kind : "?");
+  }
+  /* Layer-scope eviction exists in the cpu backend's single-rank forward only: its one slot per
+   * layer needs every KV head of the layer, which a tensor-parallel rank does not hold. */
+  if (e->cfg.evict_scope != LF_EVICT_HEAD) {
+    if (e->cfg.evict_scope != LF_EVICT_LAYER)
+      return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope %d", (int)e->cfg.evict_scope);
+    if (e->comm)
+      return lf_error(LF_ERR_UNSUPPORTED,
+                      "eviction scope layer runs on a single rank only (%d ranks given)",
+                      e->comm->size);
     if (e->cfg.backend == LF_BACKEND_AUTO) e->cfg.backend = LF_BACKEND_CPU;
     if (e->cfg.backend != LF_BACKEND_CPU)
-      return lf_error(LF_ERR_UNAVAILABLE,
-                      "tensor parallelism (%d ranks) runs on the cpu backend only for now",
-                      e->comm->size);
+      return lf_error(LF_ERR_UNSUPPORTED,
+                      "eviction scope layer runs on the cpu backend only (use --backend cpu)");
   }
   LF_TRY(resolve_pools(&e->cfg, mc));
   lf_backend_params bp = {.policy = e->cfg.policy,
+                          .scope = e->cfg.evict_scope,
                           .budget = e->cfg.budget,
                           .sink = e->cfg.sink,
                           .window = e->cfg.window,
@@ -138,24 +157,33 @@ static lf_status engine_init_local(lf_engine_t e) {
 }
 
 /* Start-up agreement: one all-gather of (status, pools) so that a rank that failed on its own
- * (a missing file, memory) makes every rank fail instead of leaving them in a collective. */
+ * (a missing file, memory) makes every rank fail instead of leaving them in a collective.
+ * Pools: the cuda backend sizes them from each GPU's free memory, which can differ by a few
+ * pools; every rank then keeps the minimum (rank 0's scheduler hands out ids for all). */
 static lf_status engine_agree(lf_engine_t e, lf_status local) {
   const int T = e->comm->size;
   int32_t mine[2] = {(int32_t)local, local == LF_OK ? (int32_t)e->be->pools_free(e->be) : -1};
   int32_t *all = malloc(sizeof(int32_t) * 2 * (size_t)T);
   if (!all) return lf_error(LF_ERR_OUT_OF_MEMORY, "start-up agreement");
   lf_status s = e->comm->allgather(e->comm, mine, all, 2, LF_COMM_I32, NULL);
+  int fewest = s == LF_OK ? all[1] : 0;
+  for (int r = 0; s == LF_OK && r < T; r++)
+    if (all[2 * r] == LF_OK && all[2 * r + 1] < fewest) fewest = all[2 * r + 1];
+  const int may_lower = e->cfg.backend == LF_BACKEND_CUDA && e->cfg.n_pools == 0;
   for (int r = 0; s == LF_OK && r < T; r++) {
     if (all[2 * r] != LF_OK) {
       s = local != LF_OK ? local /* keep this rank's own message */
                          : lf_error((lf_status)all[2 * r], "rank %d of %d failed to start: %s",
                                     r, T, lf_status_str((lf_status)all[2 * r]));
-    } else if (all[2 * r + 1] != all[1]) {
+    } else if (all[2 * r + 1] != all[1] && !may_lower) {
       s = lf_error(LF_ERR_INTERNAL, "rank %d holds %d pools, rank 0 %d", r, all[2 * r + 1],
                    all[1]);
     }
   }
   free(all);
+#ifdef LF_HAVE_CUDA_BACKEND
+  if (s == LF_OK && may_lower && mine[1] > fewest) s = lf_backend_cuda_limit_pools(e->be, fewest);
+#endif
   return s;
 }
 

@@ -152,8 +152,17 @@ lf_status lf_cpu_forward_init_tp(lf_cpu_forward *f, const lf_model_config *cfg,
   if (arena->shape.n_kv_heads != f->sh.n_kv || ap->group * f->sh.n_kv != f->sh.n_cq)
     return lf_error(LF_ERR_INVALID_ARG, "forward: arena has %d KV heads, the plan %d",
                     arena->shape.n_kv_heads, f->sh.n_kv);
+  if (ap->scope == LF_EVICT_LAYER && f->comm)
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "forward: eviction scope layer needs all KV heads of a layer on one rank "
+                    "(%d ranks given)",
+                    f->comm->size);
   f->inv_freq = malloc(sizeof(float) * (size_t)(cfg->head_dim / 2));
-  if (!f->inv_freq) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
+  f->heads = malloc(sizeof(lf_kv_head) * (size_t)f->sh.n_kv);
+  if (!f->inv_freq || !f->heads) {
+    lf_cpu_forward_free(f);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
+  }
   lf_rope_freqs(cfg, f->inv_freq);
   lf_status s = grow_scratch(f, 1);
   if (s != LF_OK) lf_cpu_forward_free(f);
@@ -164,6 +173,9 @@ void lf_cpu_forward_free(lf_cpu_forward *f) {
   free_scratch(f);
   free(f->inv_freq);
   f->inv_freq = NULL;
+  free(f->heads);
+  f->heads = NULL;
+  lf_attn_scratch_free(&f->ws);
 }
 
 lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_tok,
@@ -218,14 +230,28 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
      * here (only LF_ERR_CONTEXT_FULL in practice) depends on the pool's fill alone, which is
      * the same on every rank, so all ranks leave at the same point and no collective is
      * left half-entered. */
-    for (int g = 0; g < hkv; g++) {
+    if (f->ap.scope == LF_EVICT_LAYER) {
+      /* One eviction decision per layer, shared by its KV heads (layer scope). */
+      for (int g = 0; g < hkv; g++)
+        f->heads[g] = lf_kv_arena_head(f->arena, pool, l, g);
+      if (n_tok == 1) {
+        int ev = 0;
+        LF_TRY(lf_attn_decode_layer_ref(&f->ap, f->heads, hkv, f->q, f->k, f->v, pos0, f->att,
+                                        &ev, NULL, &f->ws));
+        if (evictions) *evictions += (uint64_t)ev;
+      } else {
+        LF_TRY(lf_attn_prefill_layer_ref(&f->ap, f->heads, hkv, n_tok, pos0, f->q, qd, f->k,
+                                         f->v, kd, f->att, qd, evictions, &f->ws));
+      }
+    }
+    for (int g = 0; g < hkv && f->ap.scope != LF_EVICT_LAYER; g++) {
       lf_kv_head kh = lf_kv_arena_head(f->arena, pool, l, g);
       lf_status s;
       if (n_tok == 1) {
         int ev = 0;
-        s = lf_attn_decode_ref(&f->ap, &kh, f->q + (size_t)g * group * hd, f->k + (size_t)g * hd,
-                               f->v + (size_t)g * hd, pos0, f->att + (size_t)g * group * hd, &ev,
-                               NULL);
+        s = lf_attn_decode_ref_ws(&f->ap, &kh, f->q + (size_t)g * group * hd,
+                                  f->k + (size_t)g * hd, f->v + (size_t)g * hd, pos0,
+                                  f->att + (size_t)g * group * hd, &ev, NULL, &f->ws);
         if (evictions) *evictions += (uint64_t)ev;
       } else {
         s = lf_attn_prefill_ref(&f->ap, &kh, n_tok, pos0, f->q + (size_t)g * group * hd, qd,

@@ -1640,15 +1640,33 @@ static uint32_t cp_before(const char *s, size_t i, size_t *start) {
   return utf8_cp((const uint8_t *)s + j, &l);
 }
 
-/* Leftmost-longest added-token match at or after *from; 0 when none. */
+/* 1 when [b, e) overlaps one of the sorted ranges plain[0..n_plain). */
+static int in_plain(const lf_text_range *plain, size_t n_plain, size_t b, size_t e) {
+  size_t lo = 0, hi = n_plain; /* the first range ending after b */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (plain[mid].end <= b)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  while (lo < n_plain && plain[lo].begin == plain[lo].end) /* empty ranges cover nothing */
+    lo++;
+  return lo < n_plain && plain[lo].begin < e;
+}
+
+/* Leftmost-longest added-token match at or after *from; 0 when none. Special tokens are not
+ * matched under LF_TOK_PLAIN_SPECIAL, nor where they touch a plain range. */
 static int find_added(const lf_tokenizer *t, const char *s, size_t n, size_t from, unsigned flags,
-                      size_t *ms, size_t *me, int32_t *id) {
+                      const lf_text_range *plain, size_t n_plain, size_t *ms, size_t *me,
+                      int32_t *id) {
   for (size_t i = from; i < n; i++) {
     uint8_t c = (uint8_t)s[i];
     for (uint32_t k = t->added_first[c]; k < t->added_first[c + 1]; k++) {
       const added_tok *a = &t->added[k];
       if (a->len > n - i || memcmp(s + i, a->s, a->len) != 0) continue;
       if (a->special && (flags & LF_TOK_PLAIN_SPECIAL)) continue;
+      if (a->special && n_plain && in_plain(plain, n_plain, i, i + a->len)) continue;
       size_t b = i, e = i + a->len, st;
       if (a->single_word) {
         int l;
@@ -1680,8 +1698,21 @@ static int find_added(const lf_tokenizer *t, const char *s, size_t n, size_t fro
 
 lf_status lf_tokenizer_encode(const lf_tokenizer *t, const char *text, size_t len, unsigned flags,
                               lf_token_ids *out) {
-  if (!t || (!text && len) || !out)
+  return lf_tokenizer_encode_ranges(t, text, len, flags, NULL, 0, out);
+}
+
+lf_status lf_tokenizer_encode_ranges(const lf_tokenizer *t, const char *text, size_t len,
+                                     unsigned flags, const lf_text_range *plain, size_t n_plain,
+                                     lf_token_ids *out) {
+  if (!t || (!text && len) || !out || (!plain && n_plain))
     return lf_error(LF_ERR_INVALID_ARG, "lf_tokenizer_encode: NULL argument");
+  for (size_t i = 0; i < n_plain; i++)
+    if (plain[i].begin > plain[i].end || plain[i].end > len ||
+        (i > 0 && plain[i].begin < plain[i - 1].end))
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "lf_tokenizer_encode_ranges: range %zu [%zu, %zu) is out of order or "
+                      "beyond the text (%zu bytes)",
+                      i, plain[i].begin, plain[i].end, len);
   size_t bad;
   if (len && !utf8_valid(text, len, &bad))
     return lf_error(LF_ERR_INVALID_ARG, "lf_tokenizer_encode: invalid UTF-8 at byte %zu", bad);
@@ -1702,7 +1733,7 @@ lf_status lf_tokenizer_encode(const lf_tokenizer *t, const char *text, size_t le
   while (st == LF_OK && pos < len) {
     size_t ms = len, me = len;
     int32_t id = -1;
-    find_added(t, text, len, pos, flags, &ms, &me, &id);
+    find_added(t, text, len, pos, flags, plain, n_plain, &ms, &me, &id);
     if (ms > pos) st = encode_segment(t, &sc, text + pos, ms - pos, first, out);
     if (st == LF_OK && id >= 0) st = ids_push(out, id);
     first = 0;

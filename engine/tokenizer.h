@@ -73,6 +73,20 @@ int lf_tokenizer_is_special(const lf_tokenizer *t, int32_t id);
 /* text[0..len) (UTF-8; invalid bytes are an error) -> ids, replacing out's contents. */
 lf_status lf_tokenizer_encode(const lf_tokenizer *t, const char *text, size_t len, unsigned flags,
                               lf_token_ids *out);
+/* A byte range [begin, end) of a text. */
+typedef struct lf_text_range {
+  size_t begin, end;
+} lf_text_range;
+
+/* Encode with special added tokens recognised only outside the `plain` ranges (sorted, not
+ * overlapping): a special token whose text touches a plain range is read as plain text there, as
+ * LF_TOK_PLAIN_SPECIAL does for the whole text. Everything else is as lf_tokenizer_encode (the
+ * text between recognised tokens is one segment, wherever the ranges cut it, so a text without
+ * special-token strings in its plain ranges gets exactly lf_tokenizer_encode's ids).
+ * n_plain 0 is lf_tokenizer_encode. */
+lf_status lf_tokenizer_encode_ranges(const lf_tokenizer *t, const char *text, size_t len,
+                                     unsigned flags, const lf_text_range *plain, size_t n_plain,
+                                     lf_token_ids *out);
 /* ids -> text, replacing out's contents; the same text as `tokenizers`' decode (invalid byte
  * sequences become U+FFFD as it does). Unknown ids are LF_ERR_INVALID_ARG. */
 lf_status lf_tokenizer_decode(const lf_tokenizer *t, const int32_t *ids, size_t n, unsigned flags,
@@ -126,6 +140,33 @@ lf_chat_format lf_chat_template_format(const lf_chat_template *t);
 /* Renders messages as the model's Jinja template does for plain messages, replacing out. */
 lf_status lf_chat_template_render(const lf_chat_template *t, const lf_chat_message *msgs, size_t n,
                                   int add_generation_prompt, lf_tok_text *out);
+/* The same render, also listing where the messages' content went: content->r[0..n) are the byte
+ * ranges of out that came from message content (in order; the rest is the template's own text:
+ * markers, roles, BOS, a default system prompt). content is replaced; free with
+ * lf_text_ranges_free. */
+typedef struct lf_text_ranges {
+  lf_text_range *r; /* [n] */
+  size_t n, cap;
+} lf_text_ranges;
+void lf_text_ranges_free(lf_text_ranges *v);
+lf_status lf_chat_template_render_ranges(const lf_chat_template *t, const lf_chat_message *msgs,
+                                         size_t n, int add_generation_prompt, lf_tok_text *out,
+                                         lf_text_ranges *content);
+
+enum {
+  /* lf_chat_encode: read special-token text inside message content as real markers, as Hugging
+   * Face's apply_chat_template + encode does (a user writing "<|im_end|>" ends the turn). Off by
+   * default: content is encoded with special tokens as plain text. */
+  LF_CHAT_CONTENT_SPECIAL = 1u << 0,
+};
+/* Renders and encodes a chat prompt: the template's markers are encoded with special-token
+ * parsing, message content (unless LF_CHAT_CONTENT_SPECIAL) with special tokens as plain text
+ * (lf_tokenizer_encode_ranges over the content ranges). The rendered template writes its own
+ * BOS, so no post-processor tokens are added. For content without special-token text the ids
+ * equal lf_tokenizer_encode(render, 0). out is replaced. */
+lf_status lf_chat_encode(const lf_chat_template *t, const lf_tokenizer *tok,
+                         const lf_chat_message *msgs, size_t n, int add_generation_prompt,
+                         unsigned flags, lf_token_ids *out);
 
 #ifdef __cplusplus
 }

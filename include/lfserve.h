@@ -60,6 +60,20 @@ const char *lf_policy_str(lf_policy p);
 /* Parses "longflow", "full", "streaming", "h2o". */
 lf_status lf_policy_parse(const char *s, lf_policy *out);
 
+/* Which KV heads share an eviction decision. DESIGN §3. */
+typedef enum lf_evict_scope {
+  LF_EVICT_HEAD = 0, /* one slot per (layer, KV head), chosen from that head's scores (ours) */
+  LF_EVICT_LAYER,    /* one slot per layer, shared by all its KV heads: the argmin of the scores
+                        summed over the layer's KV heads (the released LongFlow code). A prompt
+                        longer than the pool is SnapKV-compressed layer-wide too (the per-head
+                        SnapKV scores summed over the layer's KV heads). cpu backend and a
+                        single rank only: cuda or tensor parallelism is LF_ERR_UNSUPPORTED */
+} lf_evict_scope;
+
+const char *lf_evict_scope_str(lf_evict_scope s);
+/* Parses "head", "layer". */
+lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out);
+
 typedef struct lf_engine_config {
   const char *model_path; /* HF model dir (config.json + safetensors) or llama2.c .bin */
   lf_backend_kind backend; /* default LF_BACKEND_AUTO */
@@ -84,9 +98,13 @@ typedef struct lf_engine_config {
                                §5); 0: not set */
   double mem_util;        /* fraction of kv_memory_bytes (or of free device memory) the pools
                              may take, in (0, 1]; default 0.9 (0: 0.9) */
+  lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER: cpu backend on one rank
+                                 only (LF_BACKEND_AUTO then picks cpu; cuda or a communicator of
+                                 more than one rank is LF_ERR_UNSUPPORTED) */
 } lf_engine_config;
 
-/* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, the rest 0. */
+/* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope head,
+ * the rest 0. */
 void lf_engine_config_default(lf_engine_config *cfg);
 
 /* Model facts the caller may need (vocabulary size, special tokens). */
@@ -225,6 +243,33 @@ lf_status lf_comm_init_local(lf_comm_t *out);
 void lf_comm_free(lf_comm_t c);
 int lf_comm_rank(lf_comm_t c); /* 0 for NULL */
 int lf_comm_size(lf_comm_t c); /* 1 for NULL */
+
+/* NCCL communicators for GPU ranks (LF_ERR_UNAVAILABLE in a build without NCCL; the cuda
+ * backend's tensor parallelism needs one). Collectives are issued non-blocking and every wait
+ * polls NCCL's asynchronous error state against a deadline: when a peer dies, the waiting rank
+ * aborts the communicator and returns LF_ERR_BACKEND within timeout_s instead of hanging.
+ * timeout_s <= 0: $LF_NCCL_TIMEOUT_S, else 60 s. Waits for rank 0's next batch descriptor (a
+ * follower idling between requests) have no deadline; there the launcher (mpirun) ends the job.
+ *
+ * lf_comm_init_nccl: nccl_comm is an ncclComm_t the caller made (an embedding stack's own; it
+ * stays the caller's, lf_comm_free does not destroy it; the caller keeps its CUDA device
+ * current on the calling threads), or NULL to create one, non-blocking, on the current CUDA
+ * device as rank `rank` of `size` from `unique_id` (LF_NCCL_UNIQUE_ID_BYTES bytes made by
+ * lf_comm_nccl_unique_id on one rank and handed to all by the caller). */
+#define LF_NCCL_UNIQUE_ID_BYTES 128
+lf_status lf_comm_nccl_unique_id(void *unique_id);
+lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, int size,
+                            double timeout_s, lf_comm_t *out);
+/* The nccl-tests bootstrap over MPI_COMM_WORLD (the caller ran MPI_Init and runs MPI_Finalize
+ * after lf_comm_free): local rank from a shared-memory split, cudaSetDevice(local rank) (device
+ * 0 when the launcher shows each rank one GPU), rank 0 makes the id, MPI_Bcast,
+ * ncclCommInitRank. *device (may be NULL) gets the CUDA device chosen. LF_ERR_UNAVAILABLE
+ * without MPI or NCCL. */
+lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out);
+/* The same without MPI, on one node: rank, size and a fresh file for the id come from the
+ * environment (LF_TP_RANK, LF_TP_SIZE, LF_TP_ID_FILE, optional LF_TP_LOCAL_RANK), as
+ * tests/tp_run.sh sets them; rank 0 writes the id there and the others read it. */
+lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out);
 
 /* Threading rules (enforced, see scheduler/README.md):
  *  - lf_engine_submit, lf_engine_cancel, lf_engine_metrics, lf_engine_request_stats,

@@ -44,6 +44,9 @@ void lfs_request_free(lfs_request *r) {
   for (int i = 0; i < r->n_stop_seqs; i++)
     free((void *)r->stop_seqs[i].ids);
   free(r->stop_seqs);
+  for (int i = 0; i < r->n_stop_strs; i++)
+    free(r->stop_strs[i].s);
+  free(r->stop_strs);
   memset(r, 0, sizeof *r);
 }
 
@@ -175,8 +178,22 @@ static int add_stop_id(lfs_request *r, int32_t id) {
   return 0;
 }
 
-/* One entry of "stop": a string (encoded without BOS; an empty one is ignored), an id, or an
- * id sequence. */
+static int add_stop_str(lfs_request *r, const char *s, size_t n) {
+  lfs_stop_str *p = realloc(r->stop_strs, sizeof *p * (size_t)(r->n_stop_strs + 1));
+  if (!p) return -1;
+  r->stop_strs = p;
+  char *c = malloc(n + 1);
+  if (!c) return -1;
+  memcpy(c, s, n);
+  c[n] = '\0';
+  p[r->n_stop_strs].s = c;
+  p[r->n_stop_strs].n = n;
+  r->n_stop_strs++;
+  return 0;
+}
+
+/* One entry of "stop": a string (matched on the decoded text; an empty one is ignored), an id,
+ * or an id sequence. */
 static int read_stop_entry(const lfs_model_ctx *m, const lf_json *v, lfs_request *r,
                            lfs_error *err) {
   int64_t x;
@@ -184,22 +201,17 @@ static int read_stop_entry(const lfs_model_ctx *m, const lf_json *v, lfs_request
     size_t n;
     const char *s = lf_json_str(v, &n);
     if (n == 0) return 0;
-    lf_token_ids ids = {0};
-    if (encode(m, s, n, 0, "stop", &ids, err)) {
-      lf_token_ids_free(&ids);
+    if (!m->tok) {
+      lfs_error_set(err, 400, "invalid_request_error", "no_tokenizer", "stop",
+                    "the model has no tokenizer.json: give 'stop' as token ids");
       return -1;
     }
-    if (ids.n == 0 || ids.n > 256) {
-      lf_token_ids_free(&ids);
-      if (ids.n == 0) return 0;
+    if (n > LFS_MAX_STOP_BYTES) {
       lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "stop",
-                    "a stop string may be at most 256 tokens");
+                    "a stop string may be at most %d bytes", LFS_MAX_STOP_BYTES);
       return -1;
     }
-    if (add_stop_seq(r, ids.ids, (int)ids.n)) {
-      lf_token_ids_free(&ids);
-      goto oom;
-    }
+    if (add_stop_str(r, s, n)) goto oom;
     return 0;
   }
   if (lf_json_typeof(v) == LF_JSON_NUMBER) {
@@ -230,8 +242,9 @@ oom:
   return -1;
 }
 
-/* messages -> one prompt string through the chat template. */
-static int read_messages(const lfs_model_ctx *m, const lf_json *msgs, lf_tok_text *text,
+/* messages -> prompt ids through the chat template: its markers are special tokens, the
+ * messages' content is plain text unless m->chat_content_special. */
+static int read_messages(const lfs_model_ctx *m, const lf_json *msgs, lf_token_ids *ids,
                          lfs_error *err) {
   size_t n = lf_json_len(msgs);
   lf_chat_message *cm = NULL;
@@ -316,11 +329,12 @@ static int read_messages(const lfs_model_ctx *m, const lf_json *msgs, lf_tok_tex
     }
     cm[i].content = parts[i].data;
   }
-  lf_status s = lf_chat_template_render(m->tmpl, cm, n, 1, text);
+  lf_status s = lf_chat_encode(m->tmpl, m->tok, cm, n, 1,
+                               m->chat_content_special ? LF_CHAT_CONTENT_SPECIAL : 0, ids);
   if (s != LF_OK) {
     if (s == LF_ERR_OUT_OF_MEMORY) goto oom;
     lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "messages",
-                  "the chat template refused the messages: %s", lf_last_error());
+                  "the chat template or tokenizer refused the messages: %s", lf_last_error());
     goto done;
   }
   rc = 0;
@@ -432,15 +446,8 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
                     "'messages' is required");
       goto fail;
     }
-    lf_tok_text text = {0};
-    if (read_messages(m, lf_json_get(root, "messages"), &text, err)) {
-      lf_tok_text_free(&text);
-      goto fail;
-    }
     /* The rendered template carries its own BOS and special markers. */
-    int e = encode(m, text.data, text.len, 0, "messages", &ids, err);
-    lf_tok_text_free(&text);
-    if (e) goto fail_ids;
+    if (read_messages(m, lf_json_get(root, "messages"), &ids, err)) goto fail_ids;
   } else {
     v = lf_json_get(root, "prompt");
     if (!v) {

@@ -4,9 +4,10 @@
  * /v1/completions:      prompt: string | [int...] | [string] | [[int...]] (one prompt; n = 1)
  * /v1/chat/completions: messages: [{role, content: string | [{type:"text", text}...]}...]
  * Both: model, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k, seed,
- * stop (string | [string | int | [int...]]), stop_token_ids [int], stream, stream_options
- * {include_usage}, n (1 only), ignore_eos and return_token_ids (extensions, as in vLLM).
- * Unknown members are ignored; a known member of the wrong type is an error.
+ * stop (string | [string | int | [int...]]: strings are matched on the decoded text, at most
+ * LFS_MAX_STOP_BYTES bytes each; ids and id arrays on tokens), stop_token_ids [int], stream,
+ * stream_options {include_usage}, n (1 only), ignore_eos and return_token_ids (extensions, as in
+ * vLLM). Unknown members are ignored; a known member of the wrong type is an error.
  */
 #ifndef LF_HTTP_REQUEST_H
 #define LF_HTTP_REQUEST_H
@@ -15,11 +16,14 @@
 #include <stdint.h>
 
 #include "engine/tokenizer.h"
+#include "launch/http_stop.h"
 #include "lfserve.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#define LFS_MAX_STOP_BYTES 512
 
 /* What the server knows about its model when it checks a request. */
 typedef struct lfs_model_ctx {
@@ -31,6 +35,10 @@ typedef struct lfs_model_ctx {
   int budget;                   /* slots per pool (B) */
   lf_policy policy;
   int max_stop; /* most stop entries (default 16 when 0) */
+  /* Chat: read special-token text in message content as real markers (Hugging Face's
+   * apply_chat_template behaviour). 0, the default: content is plain text, so a user writing
+   * "<|im_end|>" cannot end the turn or forge another role's turn. */
+  int chat_content_special;
 } lfs_model_ctx;
 
 typedef struct lfs_request {
@@ -43,8 +51,10 @@ typedef struct lfs_request {
   int ignore_eos;
   int32_t *stop_ids; /* [n_stop_ids] single ids */
   int n_stop_ids;
-  lf_stop_seq *stop_seqs; /* [n_stop_seqs], each ids owned */
+  lf_stop_seq *stop_seqs; /* [n_stop_seqs], each ids owned: "stop" given as id arrays */
   int n_stop_seqs;
+  lfs_stop_str *stop_strs; /* [n_stop_strs], each owned: "stop" strings, matched on the text */
+  int n_stop_strs;
 } lfs_request;
 
 /* An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status. */

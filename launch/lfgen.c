@@ -2,7 +2,7 @@
  *
  *   lfgen --model PATH --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P] [--sink S]
  *         [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
- *         [--backend auto|cpu|cuda] [--ignore-eos] [--print-ids]
+ *         [--backend auto|cpu|cuda] [--evict-scope head|layer] [--ignore-eos] [--print-ids]
  *
  * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.
  */
@@ -29,6 +29,8 @@ static void usage(FILE *f) {
           "  --max-tokens N      tokens to generate (default 256)\n"
           "  --budget B          KV slots per sequence (default: the model's context)\n"
           "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
+          "  --evict-scope S     head | layer: one eviction slot per KV head or per layer\n"
+          "                      (layer: cpu backend, one rank; default head)\n"
           "  --sink S            never-evicted first slots (default 4)\n"
           "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts are chunked (default 0 = "
@@ -99,7 +101,7 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
  * the program, not in the library. Launchers' size variables tell whether to start it. */
 static int launched_multi_rank(void) {
   static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
-                                     "MPI_LOCALNRANKS"};
+                                     "MPI_LOCALNRANKS", "LF_TP_SIZE"};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
     const char *v = getenv(vars[i]);
     if (v && atoi(v) > 1) return 1;
@@ -107,14 +109,27 @@ static int launched_multi_rank(void) {
   return 0;
 }
 
-static lf_status tp_start(int *argc, char ***argv, lf_comm_t *comm) {
+/* GPU ranks (backend cuda, or auto in a build with NCCL) get an NCCL communicator through the
+ * MPI bootstrap (one GPU per local rank); auto falls back to MPI when no rank has a GPU (the
+ * bootstrap agrees on that before entering NCCL, so every rank falls back alike). */
+static lf_status tp_start(int *argc, char ***argv, lf_backend_kind backend, lf_comm_t *comm) {
+  /* tests/tp_run.sh (GPU ranks on one node, no MPI) */
+  if (getenv("LF_TP_RANK") && backend != LF_BACKEND_CPU)
+    return lf_comm_init_nccl_env(0.0, NULL, comm);
 #ifdef LF_HAVE_MPI
   int inited = 0;
   MPI_Initialized(&inited);
   if (!inited && MPI_Init(argc, argv) != MPI_SUCCESS) return LF_ERR_BACKEND;
+#ifdef LF_HAVE_NCCL
+  if (backend != LF_BACKEND_CPU) {
+    const lf_status s = lf_comm_init_nccl_mpi(0.0, NULL, comm);
+    if (s == LF_OK || backend == LF_BACKEND_CUDA || s != LF_ERR_UNAVAILABLE) return s;
+  }
+#endif
+  (void)backend;
   return lf_comm_init_mpi(comm);
 #else
-  (void)argc, (void)argv;
+  (void)argc, (void)argv, (void)backend;
   return lf_comm_init_mpi(comm); /* LF_ERR_UNAVAILABLE with its message */
 #endif
 }
@@ -123,7 +138,9 @@ static void tp_end(lf_comm_t comm) {
   if (!comm) return;
   lf_comm_free(comm);
 #ifdef LF_HAVE_MPI
-  MPI_Finalize();
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) MPI_Finalize();
 #endif
 }
 
@@ -196,6 +213,12 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--policy")) {
       NEED_VALUE;
       if (lf_policy_parse(v, &cfg.policy) != LF_OK) {
+        fprintf(stderr, "lfgen: %s\n", lf_last_error());
+        return 2;
+      }
+    } else if (!strcmp(a, "--evict-scope")) {
+      NEED_VALUE;
+      if (lf_evict_scope_parse(v, &cfg.evict_scope) != LF_OK) {
         fprintf(stderr, "lfgen: %s\n", lf_last_error());
         return 2;
       }
@@ -307,7 +330,7 @@ int main(int argc, char **argv) {
   const double t_load = now_s();
   lf_engine_t e;
   lf_status s = LF_OK;
-  if (want_tp && (s = tp_start(&argc, &argv, &comm)) != LF_OK) {
+  if (want_tp && (s = tp_start(&argc, &argv, cfg.backend, &comm)) != LF_OK) {
     fprintf(stderr, "lfgen: --tp: %s: %s\n", lf_status_str(s), lf_last_error());
     free(ids);
     return 1;
@@ -331,10 +354,11 @@ int main(int argc, char **argv) {
   }
   lf_model_info mi;
   lf_engine_model_info(e, &mi);
-  fprintf(stderr, "lfgen: %s model, %d layers, %d/%d heads, vocab %d; policy %s, budget %d, "
-                  "loaded in %.2f s\n",
+  fprintf(stderr, "lfgen: %s model, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
+                  "budget %d, loaded in %.2f s\n",
           mi.model_type, mi.n_layers, mi.n_heads, mi.n_kv_heads, mi.vocab_size,
-          lf_policy_str(cfg.policy), cfg.budget ? cfg.budget : mi.max_seq_len,
+          lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
+          cfg.budget ? cfg.budget : mi.max_seq_len,
           now_s() - t_load);
 
   uint64_t id;

@@ -60,6 +60,8 @@ typedef struct job {
   lf_status status;
   lf_request_stats stats;
   int have_stats;
+  int text_stop;    /* the connection matched a stop string and cancelled the request */
+  int outcome;      /* OUT_*, once finished */
   struct job *next; /* hash chain */
 } job;
 
@@ -153,10 +155,12 @@ static void route(const lf_event *ev, int n) {
       j->reason = ev[i].reason;
       j->status = ev[i].status;
       j->have_stats = lf_engine_request_stats(S.e, j->id, &j->stats) == LF_OK;
-      int o = j->reason == LF_FINISH_LENGTH      ? OUT_LENGTH
+      int o = j->text_stop                       ? OUT_STOP
+              : j->reason == LF_FINISH_LENGTH    ? OUT_LENGTH
               : j->reason == LF_FINISH_ERROR     ? OUT_ERROR
               : j->reason == LF_FINISH_CANCELLED ? OUT_DISCONNECT
                                                  : OUT_STOP;
+      j->outcome = o;
       atomic_fetch_add(&S.outcomes[o], 1);
       *slot = j->next;
       S.n_jobs--;
@@ -226,8 +230,11 @@ typedef struct conn {
   int chat;
   int have_stream;
   lf_tok_stream ts;
+  lfs_stopper stop; /* the request's stop strings, matched on the decoded text */
+  int text_stopped; /* a stop string matched: the output ended, the request was cancelled */
   lfs_buf out;      /* SSE bytes not yet handed to libmicrohttpd */
   lf_tok_text text; /* scratch: decoded text */
+  lfs_buf emit;     /* scratch: decoded text the stop strings let through */
   int32_t *taken;   /* [cap_taken] tokens taken from the job, not yet formatted */
   int cap_taken;
   int n_out; /* tokens emitted so far */
@@ -252,6 +259,8 @@ static void conn_unref(conn *c) {
   conn_release_job(c);
   lfs_buf_free(&c->body);
   lfs_buf_free(&c->out);
+  lfs_buf_free(&c->emit);
+  lfs_stopper_free(&c->stop);
   lf_tok_text_free(&c->text);
   if (c->have_stream) lf_tok_stream_free(&c->ts);
   lfs_request_free(&c->rq);
@@ -351,7 +360,8 @@ static void finish_error(const job *j, lfs_error *e) {
 }
 
 static void put_usage(lfs_buf *b, const conn *c, const job *j) {
-  const int completion = j->have_stats ? j->stats.generated_tokens : c->n_out;
+  /* After a stop string the job may still be running: only c's own count is safe to read. */
+  const int completion = !c->text_stopped && j->have_stats ? j->stats.generated_tokens : c->n_out;
   lfs_buf_printf(b, "{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}",
                  c->rq.n_prompt, completion, c->rq.n_prompt + completion);
 }
@@ -409,22 +419,70 @@ static void put_chunk(conn *c, const char *text, size_t len, const int32_t *ids,
   c->first_chunk_sent = 1;
 }
 
-/* Formats what the job handed over: one chunk per token (held-back partial UTF-8 characters go
- * out with the token that completes them), then the end. */
+/* A stop string matched: the request is cancelled at once so its pool returns at the engine's
+ * next step; it finishes as a stop, whatever the engine reports. */
+static void text_stop_cancel(conn *c) {
+  pthread_mutex_lock(&S.mu);
+  job *j = c->j;
+  j->text_stop = 1;
+  if (!j->finished) {
+    lf_engine_cancel(S.e, j->id);
+  } else if (j->outcome != OUT_STOP) { /* it ended (length) before we read that far */
+    atomic_fetch_sub(&S.outcomes[j->outcome], 1);
+    atomic_fetch_add(&S.outcomes[OUT_STOP], 1);
+    j->outcome = OUT_STOP;
+  }
+  pthread_mutex_unlock(&S.mu);
+}
+
+/* Decodes one token (tok >= 0) or the decoder's final flush (tok < 0) and passes the text
+ * through the stop strings; c->emit is what may be sent. Returns 1 when a stop string matched
+ * (c->emit ends exactly before it; the request has been cancelled). */
+static int text_of(conn *c, int32_t tok) {
+  lfs_buf_clear(&c->emit);
+  if (!S.tok || c->text_stopped) return c->text_stopped;
+  lf_tok_text_clear(&c->text);
+  lf_status s =
+      tok >= 0 ? lf_tok_stream_put(&c->ts, tok, &c->text) : lf_tok_stream_flush(&c->ts, &c->text);
+  if (s != LF_OK) return 0;
+  const int r = lfs_stopper_put(&c->stop, c->text.data, c->text.len, &c->emit);
+  if (r < 0) c->out.oom = 1; /* the stream ends with an error */
+  if (r != 1) return 0;
+  c->text_stopped = 1;
+  text_stop_cancel(c);
+  return 1;
+}
+
+/* The final chunk (text, finish_reason, usage), the usage chunk when asked for, [DONE]. */
+static void stream_end(conn *c, const char *text, size_t len, const char *finish, const job *j) {
+  put_chunk(c, text, len, NULL, 0, finish, j);
+  if (c->rq.include_usage) {
+    lfs_buf_puts(&c->out, "data: ");
+    put_head(&c->out, c, 1);
+    lfs_buf_puts(&c->out, ",\"choices\":[],\"usage\":");
+    put_usage(&c->out, c, j);
+    lfs_buf_puts(&c->out, "}\n\n");
+  }
+  lfs_buf_puts(&c->out, "data: [DONE]\n\n");
+  c->done = 1;
+}
+
+/* Formats what the job handed over: one chunk per token (held-back partial UTF-8 characters, and
+ * text that may begin a stop string, go out with the token that completes or rules them out),
+ * then the end. A stop string ends the stream at once, cut exactly before it. */
 static void stream_format(conn *c, const int32_t *toks, int n, int finished, const job *j) {
+  if (c->done) return;
   for (int i = 0; i < n; i++) {
-    const char *t = "";
-    size_t tl = 0;
-    if (S.tok) {
-      lf_tok_text_clear(&c->text);
-      if (lf_tok_stream_put(&c->ts, toks[i], &c->text) == LF_OK) {
-        t = c->text.data;
-        tl = c->text.len;
-      }
-    }
+    const int stopped = text_of(c, toks[i]);
     c->n_out++;
-    if (tl == 0 && S.tok && !c->rq.return_token_ids) continue;
-    put_chunk(c, t, tl, toks + i, 1, NULL, NULL);
+    if (stopped) {
+      if (c->emit.len || c->rq.return_token_ids || !S.tok)
+        put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL, NULL);
+      stream_end(c, "", 0, "stop", j);
+      return;
+    }
+    if (c->emit.len == 0 && S.tok && !c->rq.return_token_ids) continue;
+    put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL, NULL);
   }
   if (!finished) return;
   if (j->reason == LF_FINISH_ERROR) {
@@ -433,27 +491,14 @@ static void stream_format(conn *c, const int32_t *toks, int n, int finished, con
     lfs_buf_puts(&c->out, "data: ");
     error_json(&c->out, &e);
     lfs_buf_puts(&c->out, "\n\n");
-  } else {
-    const char *t = "";
-    size_t tl = 0;
-    if (S.tok) {
-      lf_tok_text_clear(&c->text);
-      if (lf_tok_stream_flush(&c->ts, &c->text) == LF_OK) {
-        t = c->text.data;
-        tl = c->text.len;
-      }
-    }
-    put_chunk(c, t, tl, NULL, 0, finish_str(j->reason), j);
-    if (c->rq.include_usage) {
-      lfs_buf_puts(&c->out, "data: ");
-      put_head(&c->out, c, 1);
-      lfs_buf_puts(&c->out, ",\"choices\":[],\"usage\":");
-      put_usage(&c->out, c, j);
-      lfs_buf_puts(&c->out, "}\n\n");
-    }
+    lfs_buf_puts(&c->out, "data: [DONE]\n\n");
+    c->done = 1;
+    return;
   }
-  lfs_buf_puts(&c->out, "data: [DONE]\n\n");
-  c->done = 1;
+  const int stopped = text_of(c, -1); /* the decoder's last bytes may complete a stop string */
+  if (!stopped) lfs_stopper_flush(&c->stop, &c->emit);
+  stream_end(c, c->emit.data ? c->emit.data : "", c->emit.len,
+             stopped ? "stop" : finish_str(j->reason), j);
 }
 
 /* Waits (under srv.mu) until the job has news, the peer is gone or the server stops.
@@ -539,12 +584,17 @@ static void stream_free(void *cls) {
 static MHD_Result_t complete_blocking(conn *c) {
   int32_t *all = NULL;
   int n_all = 0, cap_all = 0;
+  /* With stop strings the text is decoded as the tokens arrive, so a match ends the request at
+   * once; without, it is decoded in one go at the end. */
+  const int incremental = S.tok && c->rq.n_stop_strs > 0;
+  lfs_buf txt = {0};
   MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
   for (;;) {
     pthread_mutex_lock(&S.mu);
     if (wait_job(c)) {
       pthread_mutex_unlock(&S.mu);
       free(all);
+      lfs_buf_free(&txt);
       return MHD_NO; /* closes the connection; conn_unref cancels the request */
     }
     job *j = c->j;
@@ -556,30 +606,62 @@ static MHD_Result_t complete_blocking(conn *c) {
       if (!p) {
         pthread_mutex_unlock(&S.mu);
         free(all);
+        lfs_buf_free(&txt);
         return reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
       }
       all = p;
       cap_all = cap;
     }
     if (j->n_toks) memcpy(all + n_all, j->toks, sizeof(int32_t) * (size_t)j->n_toks);
+    const int from = n_all;
     n_all += j->n_toks;
     j->n_toks = 0;
     const int finished = j->finished;
     pthread_mutex_unlock(&S.mu);
+    if (incremental) {
+      for (int i = from; i < n_all; i++) {
+        const int stopped = text_of(c, all[i]);
+        lfs_buf_put(&txt, c->emit.data, c->emit.len);
+        if (stopped) {
+          n_all = i + 1; /* tokens past the one that completed the stop string are dropped */
+          break;
+        }
+      }
+      if (c->text_stopped) break;
+    }
     if (finished) break;
   }
   MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, S.timeout_s);
   const job *j = c->j;
   c->n_out = n_all;
-  if (j->reason == LF_FINISH_ERROR || j->reason == LF_FINISH_CANCELLED) {
+  /* After a stop string the job may still be running: its fields are not read then. */
+  if (!c->text_stopped && (j->reason == LF_FINISH_ERROR || j->reason == LF_FINISH_CANCELLED)) {
     free(all);
+    lfs_buf_free(&txt);
     lfs_error e;
     finish_error(j, &e);
     return send_error(c->mc, &e, NULL);
   }
   lf_tok_text text = {0};
-  if (S.tok && lf_tokenizer_decode(S.tok, all, (size_t)n_all, LF_TOK_SKIP_SPECIAL, &text) != LF_OK)
+  if (incremental) {
+    if (!c->text_stopped) {
+      text_of(c, -1); /* the decoder's last bytes may still complete a stop string */
+      lfs_buf_put(&txt, c->emit.data, c->emit.len);
+      lfs_buf_clear(&c->emit);
+      lfs_stopper_flush(&c->stop, &c->emit);
+      lfs_buf_put(&txt, c->emit.data, c->emit.len);
+    }
+    if (txt.oom || lf_tok_text_append(&text, txt.data ? txt.data : "", txt.len) != LF_OK) {
+      free(all);
+      lfs_buf_free(&txt);
+      lf_tok_text_free(&text);
+      return reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
+    }
+    lfs_buf_free(&txt);
+  } else if (S.tok &&
+             lf_tokenizer_decode(S.tok, all, (size_t)n_all, LF_TOK_SKIP_SPECIAL, &text) != LF_OK) {
     lf_tok_text_clear(&text);
+  }
   lfs_buf b = {0};
   put_head(&b, c, 0);
   lfs_buf_puts(&b, ",\"choices\":[{\"index\":0,");
@@ -596,7 +678,7 @@ static MHD_Result_t complete_blocking(conn *c) {
     put_ids(&b, all, n_all);
   }
   lfs_buf_puts(&b, ",\"logprobs\":null,\"finish_reason\":");
-  lfs_buf_json_cstr(&b, finish_str(j->reason));
+  lfs_buf_json_cstr(&b, c->text_stopped ? "stop" : finish_str(j->reason));
   lfs_buf_puts(&b, "}],\"usage\":");
   put_usage(&b, c, j);
   lfs_buf_puts(&b, "}");
@@ -672,13 +754,13 @@ static MHD_Result_t handle_completion(conn *c, int chat) {
   snprintf(c->cid, sizeof c->cid, "%s-%llu", chat ? "chatcmpl" : "cmpl", (unsigned long long)id);
   c->created = (long long)time(NULL);
 
-  if (!c->rq.stream) return complete_blocking(c);
-
+  lfs_stopper_init(&c->stop, c->rq.stop_strs, c->rq.n_stop_strs);
   if (S.tok) {
     if (lf_tok_stream_init(&c->ts, S.tok, LF_TOK_SKIP_SPECIAL) != LF_OK)
       return reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
     c->have_stream = 1;
   }
+  if (!c->rq.stream) return complete_blocking(c);
   struct MHD_Response *r =
       MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_reader, c, stream_free);
   if (!r) return MHD_NO;
@@ -911,7 +993,10 @@ static void usage(FILE *f) {
           "  --threads N             cpu backend threads (default: all)\n"
           "  --max-body BYTES        request body limit (default 8388608), 413 beyond\n"
           "  --timeout S             idle connection timeout in seconds (default 30)\n"
-          "  --max-connections N     (default 1024)\n");
+          "  --max-connections N     (default 1024)\n"
+          "  --chat-content-special  read special-token text inside chat message content as\n"
+          "                          real markers, as Hugging Face's apply_chat_template does\n"
+          "                          (default: content is plain text)\n");
 }
 
 /* Launchers' world-size variables: more than one rank means tensor parallelism. */
@@ -940,12 +1025,17 @@ int main(int argc, char **argv) {
   cfg.max_queue = 1024;
   const char *host = "0.0.0.0", *name = NULL;
   long port = 8000, max_conn = 1024, timeout = 30, max_body = 8L << 20;
+  int chat_content_special = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     long n;
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       usage(stdout);
       return 0;
+    }
+    if (!strcmp(a, "--chat-content-special")) {
+      chat_content_special = 1;
+      continue;
     }
     if (!v) {
       fprintf(stderr, "lfserve: unknown option or missing value: %s\n", a);
@@ -1042,6 +1132,9 @@ int main(int argc, char **argv) {
    * engine, the others run lf_engine_follow until rank 0 frees the engine. MPI starts here, in
    * the program, never in the library. */
   lf_comm_t comm = NULL;
+  int launcher_abort = 0; /* the launcher is ending the job: MPI_Finalize would never return */
+  siginfo_t si;
+  memset(&si, 0, sizeof si);
   const double t0 = now_s();
   lf_status s = LF_OK;
   if (launched_multi_rank()) {
@@ -1069,12 +1162,19 @@ int main(int argc, char **argv) {
     if (s != LF_OK)
       fprintf(stderr, "lfserve: rank %d: %s: %s\n", lf_comm_rank(comm), lf_status_str(s),
               lf_last_error());
+    const int rank = lf_comm_rank(comm), size = lf_comm_size(comm);
     lf_engine_free(S.e);
     if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
     lf_comm_free(comm);
+    /* Rank 0 released us. When the launcher is ending the job it has signalled this rank too
+     * (the signal waits, blocked): skip MPI_Finalize then, as rank 0 does. */
+    const struct timespec zero = {0, 0};
+    launcher_abort = sigtimedwait(&sigs, &si, &zero) > 0 && si.si_pid > 0 && si.si_pid == getppid();
 #ifdef LF_HAVE_MPI
-    MPI_Finalize();
+    if (!launcher_abort) MPI_Finalize();
 #endif
+    fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
+            launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
     return 0;
   }
   lf_engine_model_info(S.e, &S.mi);
@@ -1118,6 +1218,7 @@ int main(int argc, char **argv) {
   S.mctx.max_seq_len = S.mi.max_seq_len;
   S.mctx.budget = S.budget;
   S.mctx.policy = cfg.policy;
+  S.mctx.chat_content_special = chat_content_special;
 
   if (pthread_create(&S.engine_thread, NULL, engine_main, NULL)) {
     fprintf(stderr, "lfserve: cannot start the engine thread\n");
@@ -1146,16 +1247,21 @@ int main(int argc, char **argv) {
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
   fprintf(stderr,
           "lfserve: serving '%s' (%s, %d layers, vocab %d, context %d; policy %s, budget %d; "
-          "tokenizer %s, chat %s) on http://%s:%u, loaded in %.2f s\n",
+          "tokenizer %s, chat %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n",
           S.model_name, S.mi.model_type, S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
           lf_policy_str(cfg.policy), S.budget, S.tok ? "yes" : "no", S.tmpl ? "yes" : "no", host,
-          di ? (unsigned)di->port : (unsigned)port, now_s() - t0);
+          di ? (unsigned)di->port : (unsigned)port, now_s() - t0, (long)getpid(),
+          lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "");
   fflush(stderr);
 
-  int sig = 0;
-  while (sigwait(&sigs, &sig) != 0) {
+  int sig;
+  while ((sig = sigwaitinfo(&sigs, &si)) < 0) {
   }
-  fprintf(stderr, "lfserve: signal %d, stopping\n", sig);
+  /* mpirun / orted turn a SIGTERM or SIGINT they receive into a job abort: they signal every
+   * rank, then kill them about a second later, and no longer take part in MPI_Finalize. */
+  launcher_abort = comm && si.si_pid > 0 && si.si_pid == getppid();
+  fprintf(stderr, "lfserve: signal %d%s, stopping\n", sig,
+          launcher_abort ? " from the MPI launcher (it is ending the job)" : "");
 
   /* Stop: refuse new requests, cancel the ones in flight, let the engine finish them (their
    * connections end), then stop the HTTP server and the engine thread. */
@@ -1193,11 +1299,21 @@ out:
   lf_engine_free(S.e); /* under mpirun this releases the followers */
   pthread_cond_destroy(&S.work_cv);
   pthread_mutex_destroy(&S.mu);
+  const int world = lf_comm_size(comm);
   if (comm) {
+    /* A first signal from elsewhere (a terminal's ^C) may have been followed by the launcher's
+     * own: look once more. */
+    const struct timespec zero = {0, 0};
+    if (!launcher_abort)
+      launcher_abort =
+          sigtimedwait(&sigs, &si, &zero) > 0 && si.si_pid > 0 && si.si_pid == getppid();
     lf_comm_free(comm);
 #ifdef LF_HAVE_MPI
-    MPI_Finalize();
+    if (!launcher_abort) MPI_Finalize();
 #endif
   }
+  if (rc == 0)
+    fprintf(stderr, "lfserve: rank 0 of %d: stopped%s\n", world,
+            launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
   return rc;
 }

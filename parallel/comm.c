@@ -68,6 +68,45 @@ int lf_comm_size(lf_comm_t c) {
   return c ? c->size : 1;
 }
 
+lf_status lf_comm_sync(lf_comm_t c, void *stream) {
+  return c && c->sync ? c->sync(c, stream) : LF_OK;
+}
+
+#ifndef LF_HAVE_NCCL
+lf_status lf_comm_nccl_unique_id(void *unique_id) {
+  (void)unique_id;
+  return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_nccl_unique_id: this build has no NCCL");
+}
+
+lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, int size,
+                            double timeout_s, lf_comm_t *out) {
+  (void)nccl_comm, (void)unique_id, (void)rank, (void)size, (void)timeout_s;
+  if (out) *out = NULL;
+  return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_init_nccl: this build has no NCCL (needs LF_CUDA "
+                                      "and nccl.h / libnccl at configure time)");
+}
+
+lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out) {
+  (void)timeout_s, (void)device;
+  if (out) *out = NULL;
+  return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_init_nccl_env: this build has no NCCL");
+}
+#endif
+
+#if !defined(LF_HAVE_NCCL) || !defined(LF_HAVE_MPI)
+lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
+  (void)timeout_s, (void)device;
+  if (out) *out = NULL;
+  return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_init_nccl_mpi: this build lacks %s",
+#ifdef LF_HAVE_MPI
+                  "NCCL"
+#else
+                  "MPI"
+#endif
+  );
+}
+#endif
+
 #ifndef LF_HAVE_MPI
 lf_status lf_comm_init_mpi(lf_comm_t *out) {
   if (out) *out = NULL;

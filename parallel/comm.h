@@ -1,5 +1,5 @@
 /* Communicators for tensor parallelism: one interface, an MPI implementation for CPU ranks, an
- * NCCL one for GPUs (later), and a single-rank one.
+ * NCCL one for GPUs (parallel/comm_nccl.c), and a single-rank one.
  *
  * The core library only sees lf_comm; MPI lives in parallel/ and launch/ so a stack without MPI
  * can pass its own communicator. Collectives are blocking for the CPU implementations; the
@@ -34,7 +34,25 @@ struct lf_comm {
   lf_status (*barrier)(struct lf_comm *c);
   void (*destroy)(struct lf_comm *c);
   void *impl;
+  /* Device communicators (NCCL) only; zero / NULL for the host ones.
+   * device: 1 when a non-NULL `stream` means device buffers and stream-ordered collectives
+   *   (the call enqueues and returns; the result is there once the stream gets past it). A NULL
+   *   stream still means host buffers and a blocking call, so parallel/tp.c's descriptor
+   *   broadcast and the engine's start-up agreement work unchanged on any communicator.
+   * sync: waits until everything queued on `stream` (collectives included) has finished, or
+   *   fails within the communicator's timeout (LF_ERR_BACKEND, the communicator aborted) when
+   *   a peer is gone. A device backend calls it where it would call cudaStreamSynchronize. */
+  int device;
+  lf_status (*sync)(struct lf_comm *c, void *stream);
 };
+
+/* comm->sync when the communicator has one; LF_OK otherwise (host communicators block). */
+lf_status lf_comm_sync(struct lf_comm *c, void *stream);
+
+/* NCCL (parallel/comm_nccl.c, built with LF_HAVE_NCCL): lf_comm_init_nccl, lf_comm_nccl_unique_id
+ * and, under MPI, lf_comm_init_nccl_mpi (parallel/bootstrap_mpi.c) are public: include/lfserve.h.
+ * Inside the library, bytes of an ncclUniqueId: */
+#define LF_NCCL_ID_BYTES 128
 
 /* lf_comm_init_local, lf_comm_init_mpi (over MPI_COMM_WORLD, duplicated; MPI must be initialised
  * by the caller; LF_ERR_UNAVAILABLE without MPI), lf_comm_free, lf_comm_rank and lf_comm_size

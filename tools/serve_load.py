@@ -8,7 +8,9 @@ Starts a server on a tiny random model with a tokenizer, computes each prompt's 
 --requests requests. Passes when every request succeeds (zero errors), every stream is whole
 (ends with a finish_reason and [DONE], carries exactly max_tokens token ids and the same ids
 and text as the reference: greedy output does not depend on the batch), and afterwards
-/metrics shows no pool in use, nothing queued and nothing in flight.
+/metrics shows no pool in use, nothing queued and nothing in flight. Every fourth request also
+carries a stop string cut from the middle of its reference text: it must end exactly before it
+with finish_reason "stop" (the request is cancelled at the match, its pool returned at once).
 """
 import argparse
 import json
@@ -53,8 +55,15 @@ def main():
             st, _, j, raw = s.post("/v1/chat/completions" if chat else "/v1/completions", body)
             assert st == 200, raw
             ch = j["choices"][0]
-            refs.append((chat, body, ch["token_ids"],
-                         ch["message"]["content"] if chat else ch["text"]))
+            text = ch["message"]["content"] if chat else ch["text"]
+            refs.append((chat, body, ch["token_ids"], text))
+            # The same request with a stop string from the middle of its text (chosen so that
+            # its first occurrence is there).
+            stop = next((text[i:i + 3] for i in range(len(text) // 3, len(text) - 3)
+                         if text.find(text[i:i + 3]) == i and text[i:i + 3].strip()), None)
+            if stop:
+                cut = text[:text.find(stop)]
+                refs.append((chat, dict(body, stop=[stop]), None, cut))
 
         counter = iter(range(a.requests))
 
@@ -64,22 +73,26 @@ def main():
                     k = next(counter, None)
                 if k is None:
                     return
-                chat, body, ids_ref, text_ref = refs[k % len(refs)]
+                plain = [r for r in refs if r[2] is not None]
+                stops = [r for r in refs if r[2] is None]
+                chat, body, ids_ref, text_ref = (stops[(k // 4) % len(stops)] if k % 4 == 3 and stops
+                                                 else plain[k % len(plain)])
                 try:
                     st, chunks, done = s.stream("/v1/chat/completions" if chat else "/v1/completions",
                                                 dict(body, stream=True), timeout=300)
                     assert st == 200, (st, chunks)
                     assert done, "no [DONE]"
                     fin = chunks[-1]["choices"][0]
-                    assert fin["finish_reason"] == "length", fin
+                    assert fin["finish_reason"] == ("stop" if ids_ref is None else "length"), fin
                     ids, text = [], ""
                     for c in chunks:
                         ch = c["choices"][0]
                         ids += ch.get("token_ids", [])
                         text += ch["delta"].get("content", "") if chat else ch["text"]
-                    assert ids == ids_ref, (ids, ids_ref)
                     assert text == text_ref, (text, text_ref)
-                    assert chunks[-1]["usage"]["completion_tokens"] == a.max_tokens
+                    if ids_ref is not None:
+                        assert ids == ids_ref, (ids, ids_ref)
+                        assert chunks[-1]["usage"]["completion_tokens"] == a.max_tokens
                 except Exception as e:  # noqa: BLE001
                     with lock:
                         errors.append("request %d: %r" % (k, e))

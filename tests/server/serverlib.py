@@ -30,11 +30,12 @@ def free_port():
 
 
 class Server:
-    def __init__(self, binary, model, *args, env=None):
+    def __init__(self, binary, model, *args, env=None, launcher=None):
+        """launcher: a command prefix, e.g. ["mpiexec", "-np", "2"] (rank 0 serves HTTP)."""
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="lfserve-", suffix=".log", delete=False)
-        cmd = [binary, "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-               "--backend", "cpu"] + list(args)
+        cmd = list(launcher or []) + [binary, "--model", model, "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--backend", "cpu"] + list(args)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env or os.environ.copy())
         deadline = time.time() + 60

@@ -11,7 +11,9 @@ Budgets are fractions of each problem's expected output length (--fractions, def
 the budget is compressed by SnapKV at prefill, as the engine does for every policy but `full`).
 `full` runs once per problem with the model's whole context. --engine-args passes options through
 to every lfgen run (e.g. "--sink 4 --backend cuda"); --policy-args adds some to one policy only
-(e.g. "h2o=--window 64"). --resume reuses the runs already in --out. Exit status 1 when
+(e.g. "h2o=--window 64"). --scopes head,layer runs longflow with both eviction scopes (`layer`:
+one slot per layer shared by its KV heads, `lfgen --evict-scope layer`, cpu backend only); its
+layer-scope series is named `longflow-layer`. --resume reuses the runs already in --out. Exit status 1 when
 --min-full-accuracy is given and full-KV accuracy is below it (the CI assertion).
 
 Metrics per (policy, fraction): accuracy (answer line exact), trace_exact (whole output exact),
@@ -32,6 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gen  # noqa: E402
 
 POLICIES = ("full", "longflow", "streaming", "h2o")
+SCOPES = ("head", "layer")
+SCOPED = ("longflow",)  # policies run with every --scopes value; the others with scope head
+
+
+def series_name(policy, scope):
+    return policy if scope == "head" else f"{policy}-{scope}"
 
 
 def default_lfgen():
@@ -44,6 +52,7 @@ def default_lfgen():
 
 def run_one(job, args):
     p, policy, frac, budget = job["problem"], job["policy"], job["fraction"], job["budget"]
+    scope = job.get("scope", "head")
     prompt = gen.encode(p["prompt"])
     max_tokens = p["output_tokens"] + args.margin
     cmd = [args.lfgen, "--model", args.model, "--prompt-ids", ",".join(map(str, prompt)),
@@ -51,6 +60,8 @@ def run_one(job, args):
            "--print-ids"]
     if budget:
         cmd += ["--budget", str(budget)]
+    if scope != "head":
+        cmd += ["--evict-scope", scope]
     cmd += shlex.split(args.engine_args) + args.policy_extra.get(policy, [])
     t0 = time.time()
     try:
@@ -68,7 +79,8 @@ def run_one(job, args):
     m = re.search(r"evictions (\d+)", err)
     tps = re.search(r"([\d.]+) tokens/s decode", err)
     fin = re.search(r"finish (\w+)", err)
-    rec = {"problem": p["id"], "policy": policy, "fraction": frac, "budget": budget,
+    rec = {"problem": p["id"], "policy": policy, "scope": scope, "fraction": frac,
+           "budget": budget,
            "prompt_tokens": p["prompt_tokens"], "output_tokens": p["output_tokens"],
            "max_tokens": max_tokens, "rc": rc, "finish": fin.group(1) if fin else None,
            "evictions": int(m.group(1)) if m else None,
@@ -79,13 +91,15 @@ def run_one(job, args):
     return rec
 
 
-def summarize(runs, fractions):
+def summarize(runs, fractions, scopes=("head",)):
     out = {}
-    for pol in POLICIES:
+    series = [(pol, sc) for pol in POLICIES for sc in (scopes if pol in SCOPED else ("head",))]
+    for pol, scope in series:
         rows = {}
         keys = [None] if pol == "full" else fractions
         for f in keys:
-            rs = [r for r in runs if r["policy"] == pol and (pol == "full" or r["fraction"] == f)]
+            rs = [r for r in runs if r["policy"] == pol and r.get("scope", "head") == scope and
+                  (pol == "full" or r["fraction"] == f)]
             if not rs:
                 continue
             fe = sorted(r["first_error"] if r["first_error"] is not None else r["output_tokens"]
@@ -99,7 +113,7 @@ def summarize(runs, fractions):
                 "mean_evictions": sum(ev) / len(ev) if ev else None,
                 "errors": sum(r["rc"] != 0 for r in rs)}
         if rows:
-            out[pol] = rows
+            out[series_name(pol, scope)] = rows
     return out
 
 
@@ -109,14 +123,15 @@ def plot(summary, fractions, path, title):
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    styles = {"longflow": ("tab:red", "o"), "streaming": ("tab:blue", "s"),
-              "h2o": ("tab:green", "^")}
-    for pol, (color, marker) in styles.items():
+    styles = {"longflow": ("tab:red", "o", "-"), "longflow-layer": ("tab:purple", "D", "--"),
+              "streaming": ("tab:blue", "s", "-"), "h2o": ("tab:green", "^", "-")}
+    for pol, (color, marker, ls) in styles.items():
         if pol not in summary:
             continue
         xs = [f for f in fractions if str(f) in summary[pol]]
         ys = [100 * summary[pol][str(f)]["accuracy"] for f in xs]
-        ax.plot([100 * x for x in xs], ys, marker=marker, color=color, label=pol)
+        ax.plot([100 * x for x in xs], ys, marker=marker, color=color, ls=ls,
+                label=pol.replace("-layer", " (scope layer)"))
     if "full" in summary:
         ax.axhline(100 * summary["full"]["all"]["accuracy"], color="black", ls="--",
                    label="full KV")
@@ -144,6 +159,9 @@ def main():
     ap.add_argument("--split", default="test")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--scopes", default="head",
+                    help="eviction scopes for longflow, e.g. head,layer (layer: lfgen "
+                         "--evict-scope layer, cpu backend only)")
     ap.add_argument("--fractions", default="0.05,0.1,0.2,0.4",
                     help="budgets as fractions of each problem's output length")
     ap.add_argument("--margin", type=int, default=32, help="max tokens = expected + margin")
@@ -170,6 +188,13 @@ def main():
     for p in policies:
         if p not in POLICIES:
             ap.error(f"unknown policy {p}")
+    scopes = [x for x in args.scopes.split(",") if x]
+    for sc in scopes:
+        if sc not in SCOPES:
+            ap.error(f"unknown scope {sc} (head, layer)")
+    if not scopes:
+        ap.error("--scopes needs at least one scope")
+    args.scopes_list = scopes
     fractions = [float(x) for x in args.fractions.split(",") if x]
     if args.problems:
         with open(args.problems) as f:
@@ -200,9 +225,10 @@ def main():
                     ctx, p["prompt_tokens"] + p["output_tokens"] + args.margin)
                 jobs.append({"problem": p, "policy": pol, "fraction": None, "budget": b})
             else:
-                for fr in fractions:
-                    jobs.append({"problem": p, "policy": pol, "fraction": fr,
-                                 "budget": max(1, math.ceil(fr * p["output_tokens"]))})
+                for sc in (scopes if pol in SCOPED else ["head"]):
+                    for fr in fractions:
+                        jobs.append({"problem": p, "policy": pol, "scope": sc, "fraction": fr,
+                                     "budget": max(1, math.ceil(fr * p["output_tokens"]))})
     done = {}
     if args.resume and os.path.exists(args.out):
         with open(args.out) as f:
@@ -210,25 +236,27 @@ def main():
         if old.get("model") == os.path.abspath(args.model) and \
                 old.get("engine_args") == args.engine_args:
             for r in old["runs"]:
-                done[(r["problem"], r["policy"], r["fraction"], r["budget"])] = r
-    todo = [j for j in jobs if (j["problem"]["id"], j["policy"], j["fraction"], j["budget"])
-            not in done]
+                done[(r["problem"], r["policy"], r.get("scope", "head"), r["fraction"],
+                      r["budget"])] = r
+    todo = [j for j in jobs if (j["problem"]["id"], j["policy"], j.get("scope", "head"),
+                                j["fraction"], j["budget"]) not in done]
     print(f"{len(probs)} problems (output tokens {min(p['output_tokens'] for p in probs)}.."
-          f"{max(p['output_tokens'] for p in probs)}), policies {policies}, fractions "
+          f"{max(p['output_tokens'] for p in probs)}), policies {policies}, scopes {scopes}, fractions "
           f"{fractions}: {len(jobs)} runs, {len(jobs) - len(todo)} reused, {args.jobs} at once; "
           f"lfgen {args.lfgen}", flush=True)
     runs = list(done.values())
     t0 = time.time()
 
     def save():
-        runs.sort(key=lambda r: (r["problem"], POLICIES.index(r["policy"]), r["fraction"] or 0))
+        runs.sort(key=lambda r: (r["problem"], POLICIES.index(r["policy"]),
+                                 SCOPES.index(r.get("scope", "head")), r["fraction"] or 0))
         res = {"task": "trace", "model": os.path.abspath(args.model), "lfgen": args.lfgen,
                "engine_args": args.engine_args, "policy_args": args.policy_args,
-               "fractions": fractions, "margin": args.margin,
+               "fractions": fractions, "scopes": scopes, "margin": args.margin,
                "problems": [{"id": p["id"], "prompt_tokens": p["prompt_tokens"],
                              "output_tokens": p["output_tokens"], "lookback": p["lookback"]}
                             for p in probs],
-               "summary": summarize(runs, fractions), "runs": runs}
+               "summary": summarize(runs, fractions, scopes), "runs": runs}
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(res, f, indent=1)
@@ -240,7 +268,8 @@ def main():
         for i, fu in enumerate(cf.as_completed(futs)):
             r = fu.result()
             runs.append(r)
-            tag = r["policy"] + (f"@{r['fraction']:g}" if r["fraction"] is not None else "")
+            tag = series_name(r["policy"], r.get("scope", "head")) + \
+                (f"@{r['fraction']:g}" if r["fraction"] is not None else "")
             print(f"[{i + 1}/{len(todo)} {time.time() - t0:6.0f}s] {r['problem']:>14} {tag:<15} "
                   f"budget {r['budget'] or 'ctx':>5} answer {'ok ' if r['answer_ok'] else 'bad'} "
                   f"trace {'ok ' if r['trace_ok'] else 'bad'} first_err {r['first_error']} "
@@ -251,13 +280,13 @@ def main():
                 save()
     res = save()
     summary = res["summary"]
-    print(f"\n{'policy':<10} {'budget':>7} {'n':>4} {'accuracy':>9} {'trace':>7} "
+    print(f"\n{'policy':<15} {'budget':>7} {'n':>4} {'accuracy':>9} {'trace':>7} "
           f"{'1st err':>8} {'evictions':>10}")
     for pol, rows in summary.items():
         for k, s in rows.items():
             b = args.full_budget if k == "all" else f"{100 * float(k):g}%"
             ev = "" if s["mean_evictions"] is None else f"{s['mean_evictions']:.0f}"
-            print(f"{pol:<10} {b:>7} {s['n']:4d} {100 * s['accuracy']:8.1f}% "
+            print(f"{pol:<15} {b:>7} {s['n']:4d} {100 * s['accuracy']:8.1f}% "
                   f"{100 * s['trace_exact']:6.1f}% {s['median_first_error']:8d} {ev:>10}"
                   + (f"  ({s['errors']} runs failed)" if s["errors"] else ""))
     print(f"wrote {args.out}")

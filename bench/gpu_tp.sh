@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Tensor parallelism on the 2-GPU machine (kind nvidia-h200-x2), from the repository root:
+# build, the TP tests, `lfbench comm`, and `lfbench step` TP=1 vs TP=2 (random:llama3-8b at
+# batch 1 and 64; random:llama3-70b at TP=2, which does not fit one GPU). Logs and JSON under
+# $OUT (default ./out); a short table last.
+#
+#   bench/gpu_tp.sh                 everything (PHASES="build test comm step")
+#   PHASES="build test" bench/gpu_tp.sh     a part (each phase fits a 10-minute call)
+#   STEPS=20 BUDGET=1024            lfbench step options
+#
+# Ranks are launched by mpirun when the machine has it (and the build found MPI), else by
+# tests/tp_run.sh (NCCL's id through a file: lf_comm_init_nccl_env). NVLink multicast stays off.
+set -u -o pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+PHASES=${PHASES:-build test comm step}
+STEPS=${STEPS:-30}
+BUDGET=${BUDGET:-1024}
+B=build-tp-gpu
+LOG=$OUT/gpu_tp_log.txt
+touch "$LOG"
+say() { echo "== $*" | tee -a "$LOG"; }
+has() { case " $PHASES " in *" $1 "*) return 0 ;; esac; return 1; }
+rc=0
+
+if has build; then
+  say "machine"
+  { nvidia-smi -L; nvidia-smi topo -m; nvcc --version | tail -1; command -v mpirun || echo "no mpirun";
+    ls /usr/include/nccl.h /usr/lib/x86_64-linux-gnu/libnccl* 2>&1; } >>"$LOG" 2>&1
+  extra=()
+  have_gtest=
+  for d in /usr/lib/x86_64-linux-gnu/cmake/GTest /usr/local/lib/cmake/GTest /usr/lib/cmake/GTest; do
+    [ -d "$d" ] && have_gtest=1
+  done
+  if [ -z "$have_gtest" ] && [ -d build-deps/googletest ]; then
+    say "building googletest from build-deps/googletest"
+    cmake -S build-deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_INSTALL_PREFIX=/tmp/gtest-install -DBUILD_GMOCK=OFF >>"$LOG" 2>&1 &&
+      cmake --build /tmp/gtest-build -j32 >>"$LOG" 2>&1 && cmake --install /tmp/gtest-build >>"$LOG" 2>&1
+  fi
+  [ -d /tmp/gtest-install ] && extra+=(-DCMAKE_PREFIX_PATH=/tmp/gtest-install)
+  say "configure + build ($B, sm_90)"
+  t0=$(date +%s)
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "${extra[@]}" \
+    >>"$LOG" 2>&1 || { say "configure FAILED"; tail -30 "$LOG"; exit 1; }
+  grep -E "NCCL|MPI|mpi_gpu_tp" "$LOG" | tail -5
+  cmake --build $B -j32 --target lfbench lfgen mpi_gpu_tp >>"$LOG" 2>&1 ||
+    { say "build FAILED"; grep -E "error" "$LOG" | head -30; exit 1; }
+  say "build took $(( $(date +%s) - t0 )) s"
+fi
+
+# the launcher: mpirun when the build has MPI and the machine has mpirun, else tests/tp_run.sh
+if grep -q "LF_HAVE_MPI" $B/build.ninja 2>/dev/null && command -v mpirun >/dev/null; then
+  launch() {
+    local n=$1 x=()
+    shift
+    for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS LF_NCCL_TIMEOUT_S \
+             LF_CUDA_GRAPHS_TP; do
+      [ -n "${!v:-}" ] && x+=(-x "$v")
+    done
+    mpirun -np "$n" "${x[@]}" "$@"
+  }
+  launcher=mpirun
+else
+  launch() { local n=$1; shift; bash tests/tp_run.sh "$n" "$@"; }
+  launcher=tp_run
+fi
+export LF_NCCL_TIMEOUT_S=${LF_NCCL_TIMEOUT_S:-60}
+
+if has test; then
+  say "mpi_gpu_tp (2 ranks, $launcher)"
+  launch 2 $B/tests/mpi_gpu_tp >"$OUT/mpi_gpu_tp.txt" 2>&1 || { rc=1; say "mpi_gpu_tp FAILED"; }
+  grep -E "worst logit|OK \]|FAILED|Failure|PASSED|skipped" "$OUT/mpi_gpu_tp.txt" | tail -40 | tee -a "$LOG"
+  for m in "die 1" "die 0" "hang 1"; do
+    set -- $m
+    say "killed rank: $1 rank $2"
+    sh tests/mpi_gpu_tp_die.sh $([ $launcher = mpirun ] && echo mpirun || echo tp_run) 2 \
+      $B/tests/mpi_gpu_tp "$1" "$2" >"$OUT/die_$1_$2.txt" 2>&1 || { rc=1; say "die $1 $2 FAILED"; }
+    grep -E "mpi_gpu_tp_die|FAIL|rank" "$OUT/die_$1_$2.txt" | tail -4 | tee -a "$LOG"
+  done
+  say "lfgen TP=2 vs TP=1, random:llama3-8b, greedy 64 tokens"
+  ids=128000,9906,11,1268,527,499,30
+  $B/lfgen --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 64 --budget 1024 --ignore-eos --print-ids \
+    >"$OUT/lfgen_tp1.txt" 2>&1 || rc=1
+  launch 2 $B/lfgen --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 64 --budget 1024 --ignore-eos \
+    --print-ids >"$OUT/lfgen_tp2.txt" 2>&1 || rc=1
+  if diff <(grep -v "^lfgen" "$OUT/lfgen_tp1.txt") <(grep -v "^lfgen" "$OUT/lfgen_tp2.txt") >/dev/null; then
+    say "lfgen: TP=2 tokens == TP=1 tokens"
+  else
+    say "lfgen: TP=2 tokens DIFFER from TP=1 (see lfgen_tp*.txt)"
+  fi
+fi
+
+if has comm; then
+  for t in f32 bf16; do
+    say "lfbench comm nccl $t ($launcher)"
+    launch 2 $B/lfbench comm --comm nccl --type $t --json "$OUT/comm_nccl_$t.json" \
+      >"$OUT/comm_nccl_$t.txt" 2>&1 || { rc=1; say "comm FAILED"; }
+    grep -v "^lfbench" "$OUT/comm_nccl_$t.txt" | grep -E "^ |^#" | tee -a "$LOG"
+  done
+fi
+
+if has step; then
+  say "lfbench step TP=1, random:llama3-8b"
+  $B/lfbench step --models random:llama3-8b --batches 1,64 --budget "$BUDGET" --steps "$STEPS" \
+    --json "$OUT/step_tp1.json" >"$OUT/step_tp1.txt" 2>&1 || { rc=1; say "step tp1 FAILED"; }
+  say "lfbench step --tp (2 ranks), random:llama3-8b and random:llama3-70b"
+  launch 2 $B/lfbench step --tp --models random:llama3-8b,random:llama3-70b --batches 1,64 \
+    --budget "$BUDGET" --steps "$STEPS" --json "$OUT/step_tp2.json" >"$OUT/step_tp2.txt" 2>&1 ||
+    { rc=1; say "step tp2 FAILED"; }
+  say "TP=2 CUDA graphs on (LF_CUDA_GRAPHS_TP=1), random:llama3-8b"
+  (export LF_CUDA_GRAPHS_TP=1
+   launch 2 $B/lfbench step --tp --models random:llama3-8b --batches 1,64 --budget "$BUDGET" \
+     --steps "$STEPS" --json "$OUT/step_tp2_graphs.json" >"$OUT/step_tp2_graphs.txt" 2>&1) ||
+    { rc=1; say "step tp2 graphs FAILED"; }
+  {
+    echo "step (ms, median)         batch  TP=1     TP=2    TP=2+graphs  ratio(TP2/TP1)"
+    for b in 1 64; do
+      t1=$(awk -v b=$b '$1=="random:llama3-8b" && $2==b {print $4}' "$OUT/step_tp1.txt")
+      t2=$(awk -v b=$b '$1=="random:llama3-8b" && $2==b {print $4}' "$OUT/step_tp2.txt")
+      tg=$(awk -v b=$b '$1=="random:llama3-8b" && $2==b {print $4}' "$OUT/step_tp2_graphs.txt")
+      r=$(awk -v a="${t1:-0}" -v c="${t2:-0}" 'BEGIN{ if (a > 0) printf "%.3f", c / a; else print "-" }')
+      printf "random:llama3-8b          %5s  %-8s %-8s %-12s %s\n" $b "${t1:--}" "${t2:--}" "${tg:--}" "$r"
+    done
+    for b in 1 64; do
+      t2=$(awk -v b=$b '$1=="random:llama3-70b" && $2==b {print $4}' "$OUT/step_tp2.txt")
+      printf "random:llama3-70b         %5s  %-8s %-8s\n" $b "-" "${t2:--}"
+    done
+    echo "targets: batch 1 TP2/TP1 <= 0.6; batch 64 throughput TP2 >= 1.8x (ratio <= 0.556)"
+  } | tee "$OUT/gpu_tp_table.txt" | tee -a "$LOG"
+fi
+say "done, status $rc"
+exit $rc

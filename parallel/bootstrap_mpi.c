@@ -1,0 +1,74 @@
+/* Rank bootstrap under mpirun for GPU ranks (DESIGN §4), the nccl-tests recipe:
+ *
+ *   MPI_Init (the caller) -> local rank from an MPI_COMM_TYPE_SHARED split of MPI_COMM_WORLD ->
+ *   cudaSetDevice(local rank) -> rank 0 ncclGetUniqueId -> MPI_Bcast of the id ->
+ *   ncclCommInitRank (non-blocking, with a deadline: lf_comm_init_nccl).
+ *
+ * Each step that can fail on one rank alone (no GPU for this local rank, no id) is agreed on
+ * with an MPI collective before NCCL is entered, so a rank that cannot start makes every rank
+ * return an error instead of leaving the others in ncclCommInitRank. When the launcher shows
+ * each rank exactly one GPU (CUDA_VISIBLE_DEVICES set per rank), that GPU is device 0.
+ */
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <string.h>
+
+#include "comm.h"
+#include "engine/error.h"
+
+lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
+  if (!out) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_nccl_mpi: NULL argument");
+  *out = NULL;
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) return lf_error(LF_ERR_STATE, "lf_comm_init_nccl_mpi: MPI_Init has not been called");
+  int rank = 0, size = 1, local = 0;
+  MPI_Comm node;
+  if (MPI_Comm_rank(MPI_COMM_WORLD, &rank) != MPI_SUCCESS ||
+      MPI_Comm_size(MPI_COMM_WORLD, &size) != MPI_SUCCESS ||
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) !=
+          MPI_SUCCESS)
+    return lf_error(LF_ERR_BACKEND, "lf_comm_init_nccl_mpi: MPI rank / node split failed");
+  MPI_Comm_rank(node, &local);
+  MPI_Comm_free(&node);
+
+  /* 1. this rank's device */
+  int n_dev = 0, dev = -1;
+  lf_status s = LF_OK;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
+    cudaGetLastError();
+    s = lf_error(LF_ERR_UNAVAILABLE, "rank %d: no CUDA device visible", rank);
+  } else if (n_dev > 1 && local >= n_dev) {
+    s = lf_error(LF_ERR_INVALID_ARG,
+                 "rank %d: local rank %d but only %d GPUs on this node (one rank per GPU)", rank,
+                 local, n_dev);
+  } else {
+    dev = n_dev == 1 ? 0 : local;
+    if (cudaSetDevice(dev) != cudaSuccess)
+      s = lf_error(LF_ERR_BACKEND, "rank %d: cudaSetDevice(%d): %s", rank, dev,
+                   cudaGetErrorString(cudaGetLastError()));
+  }
+  /* 2. rank 0's id, in one broadcast with rank 0's status */
+  unsigned char msg[4 + LF_NCCL_ID_BYTES];
+  memset(msg, 0, sizeof msg);
+  if (rank == 0) {
+    lf_status si = s == LF_OK ? lf_comm_nccl_unique_id(msg + 4) : s;
+    int32_t st = (int32_t)si;
+    memcpy(msg, &st, 4);
+  }
+  /* everyone's device status, then the id: both collectives are entered by every rank */
+  int bad = s != LF_OK, any_bad = 0;
+  if (MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS ||
+      MPI_Bcast(msg, (int)sizeof msg, MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
+    return lf_error(LF_ERR_BACKEND, "rank %d: lf_comm_init_nccl_mpi: MPI collective failed", rank);
+  if (s != LF_OK) return s;
+  int32_t st0;
+  memcpy(&st0, msg, 4);
+  if (any_bad || st0 != LF_OK)
+    return lf_error(LF_ERR_UNAVAILABLE, "rank %d: another rank could not start its GPU or NCCL "
+                                        "(see its message)", rank);
+  /* 3. the communicator */
+  LF_TRY(lf_comm_init_nccl(NULL, msg + 4, rank, size, timeout_s, out));
+  if (device) *device = dev;
+  return LF_OK;
+}

@@ -1,0 +1,365 @@
+// Tensor parallelism on GPU ranks (NCCL, one GPU per rank, launched by mpiexec -np 2): the
+// sharded cuda backend against a single-GPU cuda backend run on rank 0's GPU.
+//
+//  - Backend level, teacher-forced greedy decoding (both sides always get the single-GPU
+//    token, so one near-tie does not end the comparison): every step's token must match, or
+//    differ only where the single-GPU logits of the two tokens are within the numeric noise
+//    measured on that step; logits within 2e-2 of the largest |logit|. Steps alternate between
+//    asking for logits (the gathered-logits path) and not (the distributed argmax path). On the
+//    tiny HF models (tests/data/hf_tiny: qwen3 has Hkv = 1, so T = 2 replicates its KV head),
+//    random tiny models, and random:llama3-8b for 128 tokens.
+//  - Engine level: lf_engine_init with the NCCL communicator (rank 0 leads, the other follows),
+//    greedy tokens identical to the single-GPU engine; full and longflow.
+//  - `mpi_gpu_tp --die-rank R` / `--hang-rank R` are not tests: rank R exits (or stops
+//    following without exiting) after start-up; tests/mpi_gpu_tp_die.sh checks that the job
+//    ends with an error within seconds (the hang case is caught by the NCCL deadline alone).
+//
+// Launch: `mpiexec -np 2 mpi_gpu_tp`, or without MPI `tests/tp_run.sh 2 mpi_gpu_tp` (the
+// environment bootstrap, lf_comm_init_nccl_env). Agreement between ranks goes through the NCCL
+// communicator's host path, so the test itself needs no MPI.
+// Needs 2 visible GPUs; with fewer every rank prints why and exits 77 (ctest: skipped).
+// Environment on NVLink H200s: NCCL_NVLS_ENABLE=0 (bench/gpu_tp.sh sets it).
+#include <gtest/gtest.h>
+#ifdef LF_HAVE_MPI
+#include <mpi.h>
+#endif
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/model.h"
+#include "parallel/comm.h"
+#include "test_util.h"
+
+namespace {
+
+lf_comm_t g_comm = nullptr;
+
+// rank 0's value on every rank
+bool all_agree(bool v) {
+  int32_t x = v ? 1 : 0;
+  EXPECT_EQ(g_comm->bcast(g_comm, &x, sizeof x, 0, nullptr), LF_OK) << lf_last_error();
+  return x != 0;
+}
+
+bool all_true(bool v) {
+  int32_t x = v ? 1 : 0;
+  EXPECT_EQ(g_comm->allreduce_sum(g_comm, &x, 1, LF_COMM_I32, nullptr), LF_OK) << lf_last_error();
+  return x == g_comm->size;
+}
+
+std::vector<std::string> tiny_models() {
+  std::vector<std::string> m = {"random:tiny-llama:5", "random:tiny-qwen3:7"};
+  for (const char *n : {"llama", "qwen2", "qwen3"}) {
+    std::string p = lf_repo_data_dir() + "/hf_tiny/" + n;
+    if (all_agree(lf_path_exists(p + "/config.json"))) m.push_back(p);
+  }
+  return m;
+}
+
+std::vector<int32_t> prompt_of(int n, int vocab, int salt) {
+  std::vector<int32_t> p(n);
+  for (int i = 0; i < n; i++) p[i] = (int32_t)((1 + 7 * i + 13 * salt) % vocab);
+  return p;
+}
+
+// Teacher-forced comparison of the TP backend (all ranks) with a single-GPU one (rank 0).
+void compare_backends(const std::string &path, lf_policy policy, int budget, int steps) {
+  lf_checkpoint ck;
+  ASSERT_EQ(lf_checkpoint_open(path.c_str(), &ck), LF_OK) << lf_last_error();
+  const int vocab = ck.cfg.vocab_size;
+  const bool lead = g_comm->rank == 0;
+  lf_backend_params p{};
+  p.policy = policy;
+  p.budget = budget;
+  p.sink = 2;
+  p.window = 4;
+  p.n_pools = 2;
+  p.comm = g_comm;
+  lf_backend *tp = nullptr, *ref = nullptr;
+  lf_status s = lf_backend_cuda_create(&ck, &p, &tp);
+  // a failure on one rank must not leave the other in a collective
+  const bool all_ok = all_true(s == LF_OK);
+  ASSERT_EQ(s, LF_OK) << lf_last_error();
+  ASSERT_TRUE(all_ok);
+  if (lead) {
+    p.comm = nullptr;
+    ASSERT_EQ(lf_backend_cuda_create(&ck, &p, &ref), LF_OK) << lf_last_error();
+  }
+  int pa = -1, pb = -1;
+  ASSERT_EQ(tp->pool_take(tp, &pa), LF_OK);
+  if (lead) {
+    ASSERT_EQ(ref->pool_take(ref, &pb), LF_OK);
+  }
+  std::vector<int32_t> toks = prompt_of(budget > 40 ? 24 : budget + 5, vocab, 3); // > B: SnapKV
+  std::vector<float> la(vocab), lb(vocab);
+  int32_t pos = 0, n = (int32_t)toks.size();
+  double worst = 0;
+  int mismatches = 0, near_ties = 0;
+  for (int step = 0; step < steps; step++) {
+    lf_batch_item it{};
+    it.pool = pa;
+    it.pos0 = pos;
+    it.n_tok = n;
+    it.tokens = toks.data() + pos;
+    lf_batch_result ra{}, rb{};
+    const bool want_logits = step % 2 == 0; // odd steps: the distributed argmax path
+    // every rank makes the same forward calls whatever the checks say: non-fatal checks only
+    EXPECT_EQ(tp->forward(tp, &it, 1, &ra, want_logits ? la.data() : nullptr), LF_OK)
+        << lf_last_error();
+    EXPECT_EQ(ra.status, LF_OK);
+    int32_t next = ra.token;
+    if (lead) {
+      it.pool = pb;
+      EXPECT_EQ(ref->forward(ref, &it, 1, &rb, lb.data()), LF_OK) << lf_last_error();
+      float scale = 0, diff = 0;
+      for (float v : lb) scale = std::fmax(scale, std::fabs(v));
+      if (want_logits) {
+        for (int i = 0; i < vocab; i++) diff = std::fmax(diff, std::fabs(la[i] - lb[i]));
+        worst = std::fmax(worst, diff / std::fmax(scale, 1e-30f));
+        EXPECT_LT(diff / std::fmax(scale, 1e-30f), 2e-2) << path << " step " << step;
+      }
+      if (ra.token != rb.token) {
+        mismatches++;
+        // acceptable only at a near-tie: the single-GPU logits of the two tokens are closer
+        // than the noise (this step's measured difference, at least 1e-3 of the scale)
+        const bool valid = ra.token >= 0 && ra.token < vocab;
+        const float gap = lb[rb.token] - (valid ? lb[ra.token] : -1e30f);
+        const float noise = std::fmax(3.0f * diff, 1e-3f * scale);
+        if (gap <= noise) near_ties++;
+        else
+          ADD_FAILURE() << path << " step " << step << ": TP token " << ra.token << ", single-GPU "
+                        << rb.token << ", logit gap " << gap << " > noise " << noise;
+      }
+      next = rb.token; // teacher forcing with the single-GPU token
+    }
+    EXPECT_EQ(g_comm->bcast(g_comm, &next, sizeof next, 0, nullptr), LF_OK) << lf_last_error();
+    pos += n;
+    n = 1;
+    toks.push_back(next);
+  }
+  if (lead) {
+    printf("%s %s: %d steps, worst logit difference %.2e of max |logit|, %d token mismatches "
+           "(%d at near-ties)\n",
+           path.c_str(), lf_policy_str(policy), steps, worst, mismatches, near_ties);
+    EXPECT_LE(mismatches, 2) << path;
+    ref->free(ref);
+  }
+  tp->free(tp);
+  lf_checkpoint_close(&ck);
+}
+
+TEST(MpiGpuTp, TinyModelsMatchSingleGpu) {
+  for (const std::string &m : tiny_models())
+    for (lf_policy pol : {LF_POLICY_FULL, LF_POLICY_LONGFLOW})
+      compare_backends(m, pol, pol == LF_POLICY_FULL ? 160 : 16, 120);
+}
+
+TEST(MpiGpuTp, Llama3_8bShapeMatchesSingleGpu) {
+  size_t free_b = 0, total_b = 0;
+  cudaMemGetInfo(&free_b, &total_b);
+  // single-GPU reference (16 GB) + this rank's half (8 GB) on rank 0's GPU
+  if (!all_agree(free_b > ((size_t)30 << 30))) GTEST_SKIP() << "needs ~30 GB free per GPU";
+  compare_backends("random:llama3-8b", LF_POLICY_LONGFLOW, 256, 128);
+}
+
+struct Gen {
+  std::vector<int32_t> prompt;
+  int max_tokens;
+  float temperature;
+  uint64_t seed;
+};
+
+std::vector<std::vector<int32_t>> run(lf_engine_t e, const std::vector<Gen> &gens, bool lead) {
+  std::vector<std::vector<int32_t>> out(gens.size());
+  if (!lead) {
+    EXPECT_EQ(lf_engine_follow(e), LF_OK) << lf_last_error();
+    return out;
+  }
+  std::vector<uint64_t> ids;
+  for (const Gen &g : gens) {
+    lf_request rq{};
+    rq.prompt = g.prompt.data();
+    rq.n_prompt = (int)g.prompt.size();
+    rq.max_tokens = g.max_tokens;
+    rq.sampling.temperature = g.temperature;
+    rq.sampling.top_p = 1.0f;
+    rq.sampling.seed = g.seed;
+    rq.ignore_eos = 1;
+    uint64_t id;
+    EXPECT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();
+    ids.push_back(id);
+  }
+  lf_event ev[64];
+  while (lf_engine_busy(e)) {
+    int n = 0;
+    lf_status s = lf_engine_step(e, ev, 64, &n);
+    EXPECT_EQ(s, LF_OK) << lf_last_error();
+    if (s != LF_OK) break;
+    for (int i = 0; i < n; i++)
+      for (size_t k = 0; k < ids.size(); k++)
+        if (ev[i].id == ids[k] && ev[i].type == LF_EVENT_TOKEN) out[k].push_back(ev[i].token);
+  }
+  return out;
+}
+
+TEST(MpiGpuTp, EngineGreedyTokensMatchSingleGpu) {
+  for (const std::string &m : tiny_models()) {
+    for (lf_policy pol : {LF_POLICY_FULL, LF_POLICY_LONGFLOW}) {
+      lf_engine_config cfg;
+      lf_engine_config_default(&cfg);
+      cfg.model_path = m.c_str();
+      cfg.backend = LF_BACKEND_CUDA;
+      cfg.policy = pol;
+      cfg.budget = pol == LF_POLICY_FULL ? 160 : 16;
+      cfg.n_pools = 2;
+      cfg.sink = 2;
+      cfg.window = 4;
+      std::vector<Gen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
+                               {prompt_of(23, 256, 1), 30, 0.0f, 0},
+                               {prompt_of(5, 256, 2), 35, 0.8f, 7}}; // sampled: length only
+      const bool lead = g_comm->rank == 0;
+      lf_engine_t e = nullptr;
+      ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
+      auto tp = run(e, gens, lead);
+      lf_engine_free(e);
+      if (!lead) continue;
+      ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+      auto ref = run(e, gens, true);
+      lf_engine_free(e);
+      for (size_t k = 0; k < gens.size(); k++) {
+        EXPECT_EQ((int)tp[k].size(), gens[k].max_tokens) << m << " request " << k;
+        if (gens[k].temperature <= 0.0f) {
+          EXPECT_EQ(tp[k], ref[k]) << m << " " << lf_policy_str(pol) << " request " << k;
+        }
+      }
+    }
+  }
+}
+
+// Pools sized from free memory (n_pools 0): every rank ends up with the same count.
+TEST(MpiGpuTp, PoolCountAgrees) {
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = "random:tiny-llama:5";
+  cfg.backend = LF_BACKEND_CUDA;
+  cfg.budget = 64;
+  cfg.mem_util = 0.002; // a few thousand tiny pools, not all of the GPU
+  lf_engine_t e = nullptr;
+  ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
+  if (g_comm->rank != 0) {
+    EXPECT_EQ(lf_engine_follow(e), LF_OK) << lf_last_error();
+  } else {
+    lf_metrics mt;
+    EXPECT_EQ(lf_engine_metrics(e, &mt), LF_OK);
+  }
+  lf_engine_free(e);
+}
+
+int die_scenario(int die_rank, bool hang) {
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = "random:tiny-llama:5";
+  cfg.backend = LF_BACKEND_CUDA;
+  cfg.n_pools = 2;
+  lf_engine_t e = nullptr;
+  if (lf_engine_init(&cfg, g_comm, &e) != LF_OK) {
+    fprintf(stderr, "rank %d: %s\n", g_comm->rank, lf_last_error());
+    return 1;
+  }
+  if (g_comm->rank == die_rank) {
+    if (hang) { // alive but gone from the protocol: only the NCCL deadline can notice
+      fprintf(stderr, "rank %d: stopping without exiting\n", g_comm->rank);
+      std::this_thread::sleep_for(std::chrono::seconds(600));
+    }
+    fprintf(stderr, "rank %d: exiting on purpose\n", g_comm->rank);
+    std::_Exit(3);
+  }
+  if (g_comm->rank != 0) {
+    lf_status s = lf_engine_follow(e);
+    fprintf(stderr, "rank %d: follow returned %s: %s\n", g_comm->rank, lf_status_str(s),
+            lf_last_error());
+    return s == LF_OK ? 0 : 1;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::vector<int32_t> p = prompt_of(8, 256, 0);
+  lf_request rq{};
+  rq.prompt = p.data();
+  rq.n_prompt = (int)p.size();
+  rq.max_tokens = 1000;
+  rq.ignore_eos = 1;
+  uint64_t id;
+  lf_engine_submit(e, &rq, &id);
+  lf_event ev[16];
+  while (lf_engine_busy(e)) {
+    int n;
+    lf_status s = lf_engine_step(e, ev, 16, &n);
+    if (s != LF_OK) {
+      fprintf(stderr, "rank 0: step failed: %s: %s\n", lf_status_str(s), lf_last_error());
+      std::_Exit(1); // as a program would exit; no teardown behind a failed communicator
+    }
+  }
+  fprintf(stderr, "rank 0: finished without noticing the lost rank\n");
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  const bool env = getenv("LF_TP_RANK") != nullptr; // tests/tp_run.sh; else mpiexec
+  int rank = env ? atoi(getenv("LF_TP_RANK")) : 0;
+  int size = env && getenv("LF_TP_SIZE") ? atoi(getenv("LF_TP_SIZE")) : 1;
+#ifdef LF_HAVE_MPI
+  if (!env) {
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+  }
+#endif
+  auto finish = [&](int rc) {
+#ifdef LF_HAVE_MPI
+    if (!env) MPI_Finalize();
+#endif
+    return rc;
+  };
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess) n_dev = 0;
+  if (n_dev < 2 || size < 2 || size > n_dev) { // one node: every rank sees the same GPUs
+    if (rank == 0)
+      printf("mpi_gpu_tp: skipped: needs 2 ranks on 2 visible GPUs (ranks %d, GPUs %d)\n", size,
+             n_dev);
+    return finish(77);
+  }
+  lf_status s = env ? lf_comm_init_nccl_env(0.0, nullptr, &g_comm)
+                    : lf_comm_init_nccl_mpi(0.0, nullptr, &g_comm);
+  if (s != LF_OK) {
+    fprintf(stderr, "rank %d: %s\n", rank, lf_last_error());
+    std::_Exit(1); // the launcher ends the job
+  }
+  for (int i = 1; i + 1 < argc; i++)
+    if (!std::strcmp(argv[i], "--die-rank") || !std::strcmp(argv[i], "--hang-rank")) {
+      const int rc = die_scenario(std::atoi(argv[i + 1]), argv[i][2] == 'h');
+      if (rc != 0) std::_Exit(rc);
+      lf_comm_free(g_comm);
+      return finish(0);
+    }
+  ::testing::InitGoogleTest(&argc, argv);
+  if (rank != 0) {
+    auto &listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  } else {
+    printf("%d ranks, NCCL communicator (%s bootstrap)\n", g_comm->size, env ? "env" : "MPI");
+  }
+  int32_t rc = RUN_ALL_TESTS() ? 1 : 0;
+  if (g_comm->allreduce_sum(g_comm, &rc, 1, LF_COMM_I32, nullptr) != LF_OK) std::_Exit(1);
+  lf_comm_free(g_comm);
+  return finish(rc ? 1 : 0);
+}

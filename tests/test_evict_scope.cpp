@@ -1,0 +1,639 @@
+/* Eviction scope: `head` (one slot per layer and KV head, DESIGN §3) against `layer` (one slot
+ * per layer shared by all its KV heads, as the released LongFlow code does).
+ *
+ * The layer-scope oracle below shares no code with attention.c: it keeps one list of slots per
+ * layer, each holding (position, k and v of every KV head), computes every softmax in double via
+ * log-sum-exp, sums the per-head LongFlow scores s_g,i = ||v_g,i||_1 * sum_h alpha_h,i over the
+ * layer's heads and finds the argmin by sorting. Fresh random data every run (seed printed;
+ * replay with LF_TEST_SEED=<seed>).
+ */
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/attention.h"
+#include "engine/forward.h"
+#include "engine/model.h"
+#include "lfserve.h"
+#include "memory/pool.h"
+#include "tests/test_util.h"
+
+namespace {
+
+uint64_t seed_for(const char *test) {
+  static const uint64_t base = lf_test_seed();
+  std::printf("[ seed     ] %s: LF_TEST_SEED=%llu\n", test, (unsigned long long)base);
+  uint64_t h = base;
+  for (const char *c = test; *c; c++)
+    h = h * 1099511628211ull + (unsigned char)*c;
+  return h;
+}
+
+std::vector<float> normal(std::mt19937_64 &gen, size_t n, float sd = 1.0f) {
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> x(n);
+  for (auto &e : x)
+    e = d(gen);
+  return x;
+}
+
+lf_attn_params make_params(lf_policy pol, int sink, int group, int head_dim, int recent = 0,
+                           int window = 8) {
+  lf_attn_params p{};
+  p.policy = pol;
+  p.sink = sink;
+  p.window = window;
+  p.h2o_recent = recent;
+  p.group = group;
+  p.head_dim = head_dim;
+  p.scale = 1.0f / std::sqrt((float)head_dim);
+  p.scope = LF_EVICT_LAYER;
+  return p;
+}
+
+bool close_rel(double got, double want, double rtol, double atol) {
+  return std::fabs(got - want) <= atol + rtol * std::fabs(want);
+}
+
+struct Arena {
+  lf_kv_arena a{};
+  int pool = -1;
+  Arena(int n_kv, int budget, int head_dim) {
+    lf_pool_shape s{1, 1, n_kv, budget, head_dim};
+    EXPECT_EQ(lf_kv_arena_init(&a, &s), LF_OK) << lf_last_error();
+    EXPECT_EQ(lf_kv_arena_take(&a, &pool), LF_OK) << lf_last_error();
+  }
+  ~Arena() {
+    lf_kv_arena_free(&a);
+  }
+  std::vector<lf_kv_head> heads() const {
+    std::vector<lf_kv_head> h;
+    for (int g = 0; g < a.shape.n_kv_heads; g++)
+      h.push_back(lf_kv_arena_head(&a, pool, 0, g));
+    return h;
+  }
+};
+
+/* ---------------------------------------------------------------------------------------------
+ * The layer-scope oracle: one layer, n_kv KV heads, G query heads each. */
+struct LayerOracle {
+  struct Slot {
+    int32_t pos;
+    std::vector<std::vector<float>> k, v; /* [n_kv][D] */
+    std::vector<float> acc;               /* [n_kv] h2o, fp32 like the pool */
+  };
+  lf_policy policy;
+  int B, sink, G, D, n_kv, recent;
+  double scale;
+  std::vector<Slot> slots;
+  int next = -1;
+  /* results of the last step */
+  int w = -1;
+  bool evicted = false;
+  std::vector<double> out;   /* [n_kv][G][D] */
+  std::vector<double> total; /* [n] layer score */
+  std::vector<int> acceptable;
+
+  LayerOracle(const lf_attn_params &p, int budget, int n_kv_)
+      : policy(p.policy), B(budget), sink(p.sink), G(p.group), D(p.head_dim), n_kv(n_kv_),
+        recent(p.h2o_recent), scale(p.scale) {}
+
+  bool step(const float *q, const float *k, const float *v, int32_t pos) {
+    if ((int)slots.size() < B) {
+      w = (int)slots.size();
+      slots.push_back({});
+      evicted = false;
+    } else {
+      if (next < sink || next >= B) return false;
+      w = next;
+      evicted = true;
+    }
+    Slot s{pos, {}, {}, std::vector<float>(n_kv, 0.0f)};
+    for (int g = 0; g < n_kv; g++) {
+      s.k.emplace_back(k + g * D, k + (g + 1) * D);
+      s.v.emplace_back(v + g * D, v + (g + 1) * D);
+    }
+    slots[w] = s;
+    const int n = (int)slots.size();
+    out.assign((size_t)n_kv * G * D, 0.0);
+    total.assign(n, 0.0);
+    for (int g = 0; g < n_kv; g++) {
+      std::vector<double> mass(n, 0.0);
+      for (int h = 0; h < G; h++) {
+        const float *qh = q + ((size_t)g * G + h) * D;
+        std::vector<double> l(n);
+        for (int i = 0; i < n; i++) {
+          double d = 0;
+          for (int j = 0; j < D; j++)
+            d += (double)qh[j] * slots[i].k[g][j];
+          l[i] = d * scale;
+        }
+        const double m = *std::max_element(l.begin(), l.end());
+        double z = 0;
+        for (double x : l)
+          z += std::exp(x - m);
+        const double lse = m + std::log(z);
+        for (int i = 0; i < n; i++) {
+          const double a = std::exp(l[i] - lse);
+          mass[i] += a;
+          for (int j = 0; j < D; j++)
+            out[((size_t)g * G + h) * D + j] += a * slots[i].v[g][j];
+        }
+      }
+      for (int i = 0; i < n; i++) {
+        if (policy == LF_POLICY_H2O) {
+          slots[i].acc[g] = (i == w ? 0.0f : slots[i].acc[g]) + (float)mass[i];
+          total[i] += slots[i].acc[g];
+        } else if (policy == LF_POLICY_STREAMING) {
+          total[i] += slots[i].pos;
+        } else {
+          double l1 = 0;
+          for (float x : slots[i].v[g])
+            l1 += std::fabs((double)x);
+          total[i] += l1 * mass[i];
+        }
+      }
+    }
+    std::vector<char> protect(n, 0);
+    for (int i = 0; i < std::min(sink, n); i++)
+      protect[i] = 1;
+    protect[w] = 1;
+    if (policy == LF_POLICY_H2O) {
+      std::vector<int> by_recency(n);
+      std::iota(by_recency.begin(), by_recency.end(), 0);
+      std::sort(by_recency.begin(), by_recency.end(), [&](int a, int b) {
+        return slots[a].pos != slots[b].pos ? slots[a].pos > slots[b].pos : a > b;
+      });
+      for (int i = 0; i < std::min(recent, n); i++)
+        protect[by_recency[i]] = 1;
+    }
+    std::vector<int> cand;
+    for (int i = 0; i < n; i++)
+      if (!protect[i]) cand.push_back(i);
+    std::sort(cand.begin(), cand.end(),
+              [&](int a, int b) { return total[a] != total[b] ? total[a] < total[b] : a < b; });
+    acceptable.clear();
+    if (policy == LF_POLICY_FULL || cand.empty()) {
+      next = -1;
+      return true;
+    }
+    next = cand[0];
+    const double tol = policy == LF_POLICY_H2O ? 1e-5 : policy == LF_POLICY_STREAMING ? 0 : 1e-6;
+    for (int c : cand)
+      if (total[c] <= total[next] + tol * std::fabs(total[next])) acceptable.push_back(c);
+    return true;
+  }
+};
+
+struct Stats {
+  long steps = 0, evictions = 0, near_ties = 0, resyncs = 0, head_scope_diverged = 0;
+};
+
+/* Layer scope against the oracle, in lockstep, for `steps` decode steps. Alongside, the same
+ * data runs through per-head (scope head) calls on a second arena, to show they differ. */
+void lockstep(const lf_attn_params &p, int B, int n_kv, int steps, std::mt19937_64 &gen,
+              Stats &st) {
+  SCOPED_TRACE(::testing::Message() << "policy " << p.policy << " B " << B << " G " << p.group
+                                    << " D " << p.head_dim << " sink " << p.sink << " n_kv "
+                                    << n_kv << " recent " << p.h2o_recent);
+  const int G = p.group, D = p.head_dim;
+  Arena lay(n_kv, B, D), per(n_kv, B, D);
+  std::vector<lf_kv_head> hs = lay.heads(), hp = per.heads();
+  LayerOracle o(p, B, n_kv);
+  lf_attn_scratch ws{};
+  std::vector<float> out((size_t)n_kv * G * D), out_h((size_t)n_kv * G * D), scores(B);
+  lf_attn_params ph = p;
+  ph.scope = LF_EVICT_HEAD;
+  for (int s = 0; s < steps && !::testing::Test::HasFatalFailure(); s++) {
+    const float qsd = 0.5f + 2.0f * (float)(s % 5) / 4.0f;
+    std::vector<float> q = normal(gen, (size_t)n_kv * G * D, qsd), k = normal(gen, (size_t)n_kv * D),
+                       v = normal(gen, (size_t)n_kv * D);
+    ASSERT_TRUE(o.step(q.data(), k.data(), v.data(), s)) << "oracle has no slot at step " << s;
+    const int w_lib = lf_kv_write_slot(&hs[0]);
+    ASSERT_EQ(w_lib, o.w) << "step " << s;
+    int ev = -1;
+    std::fill(scores.begin(), scores.end(), NAN);
+    ASSERT_EQ(lf_attn_decode_layer_ref(&p, hs.data(), n_kv, q.data(), k.data(), v.data(), s,
+                                       out.data(), &ev, scores.data(), &ws),
+              LF_OK)
+        << lf_last_error();
+    ASSERT_EQ(ev, o.evicted ? n_kv : 0) << "step " << s;
+    st.evictions += ev;
+    const int n = *hs[0].n;
+    ASSERT_EQ(n, (int)o.slots.size());
+    /* Every head: same n, same next, the same position in every slot, equal to the oracle's;
+     * and its own k / v in the slot just written. */
+    for (int g = 0; g < n_kv; g++) {
+      ASSERT_EQ(*hs[g].n, n);
+      ASSERT_EQ(*hs[g].next, *hs[0].next);
+      for (int i = 0; i < n; i++)
+        ASSERT_EQ(hs[g].pos[i], o.slots[i].pos) << "head " << g << " slot " << i;
+      ASSERT_EQ(0, std::memcmp(hs[g].k + (size_t)o.w * D, k.data() + g * D, D * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(hs[g].v + (size_t)o.w * D, v.data() + g * D, D * sizeof(float)));
+      if (p.policy == LF_POLICY_H2O) {
+        for (int i = 0; i < n; i++)
+          ASSERT_EQ(hs[g].acc[i], o.slots[i].acc[g]) << "head " << g << " slot " << i;
+      }
+    }
+    for (int i = 0; i < std::min(p.sink, n); i++)
+      ASSERT_EQ(hs[0].pos[i], i);
+    for (size_t j = 0; j < out.size(); j++)
+      ASSERT_TRUE(close_rel(out[j], o.out[j], 1e-5, 1e-6))
+          << "step " << s << " out[" << j << "] " << out[j] << " vs " << o.out[j];
+    for (int i = 0; i < n; i++)
+      ASSERT_TRUE(close_rel(scores[i], o.total[i], 1e-5, 1e-12))
+          << "step " << s << " layer score[" << i << "] " << scores[i] << " vs " << o.total[i];
+    const int nx = *hs[0].next;
+    ASSERT_NE(nx, o.w);
+    ASSERT_TRUE(nx == -1 || (nx >= p.sink && nx < n)) << "next " << nx;
+    if (o.acceptable.size() > 1) st.near_ties++;
+    if (nx != o.next) {
+      const bool ok = std::find(o.acceptable.begin(), o.acceptable.end(), nx) != o.acceptable.end();
+      ASSERT_TRUE(ok) << "step " << s << ": next " << nx << " (score " << o.total[nx]
+                      << "), oracle " << o.next << " (score " << o.total[o.next] << ")";
+      o.next = nx;
+      st.resyncs++;
+    }
+
+    /* Scope head on the same data: outputs are attention over each head's own kept set, so they
+     * equal layer scope's bit for bit while both hold the same slots (before any eviction). */
+    for (int g = 0; g < n_kv; g++)
+      ASSERT_EQ(lf_attn_decode_ref_ws(&ph, &hp[g], q.data() + (size_t)g * G * D,
+                                      k.data() + (size_t)g * D, v.data() + (size_t)g * D, s,
+                                      out_h.data() + (size_t)g * G * D, nullptr, nullptr, &ws),
+                LF_OK)
+          << lf_last_error();
+    if (s < B) {
+      ASSERT_EQ(0, std::memcmp(out.data(), out_h.data(), out.size() * sizeof(float)))
+          << "step " << s;
+    }
+    bool diverged = false;
+    for (int g = 1; g < n_kv && !diverged; g++)
+      diverged = std::memcmp(hp[g].pos, hp[0].pos, sizeof(int32_t) * *hp[0].n) != 0;
+    st.head_scope_diverged += diverged;
+    st.steps++;
+  }
+  lf_attn_scratch_free(&ws);
+}
+
+void report(const char *what, const Stats &st) {
+  std::printf("[ layer    ] %s: %ld steps, %ld evictions, %ld near-ties, %ld resyncs; scope head "
+              "kept different positions across heads on %ld steps\n",
+              what, st.steps, st.evictions, st.near_ties, st.resyncs, st.head_scope_diverged);
+}
+
+} // namespace
+
+TEST(LayerScope, LongflowLockstepWithOracle) {
+  std::mt19937_64 gen(seed_for("LayerScope.LongflowLockstepWithOracle"));
+  Stats st;
+  struct Cfg {
+    int B, G, D, sink, n_kv, steps;
+  } fixed[] = {{4, 1, 4, 2, 2, 300},  {6, 3, 8, 4, 4, 300},   {5, 8, 64, 0, 2, 200},
+               {64, 4, 32, 4, 2, 400}, {33, 2, 16, 1, 3, 400}, {40, 1, 8, 4, 1, 300}};
+  for (const Cfg &c : fixed)
+    lockstep(make_params(LF_POLICY_LONGFLOW, c.sink, c.G, c.D), c.B, c.n_kv, c.steps, gen, st);
+  std::uniform_int_distribution<int> u(0, 1 << 30);
+  const int dims[] = {4, 8, 16, 32, 64};
+  for (int r = 0; r < 30 && !HasFatalFailure(); r++) {
+    const int B = 4 + u(gen) % 61, sink = u(gen) % (std::min(4, B - 2) + 1);
+    const int G = 1 + u(gen) % 6, D = dims[u(gen) % 5], n_kv = 1 + u(gen) % 4;
+    lockstep(make_params(LF_POLICY_LONGFLOW, sink, G, D), B, n_kv, 200 + u(gen) % 200, gen, st);
+  }
+  report("longflow", st);
+  EXPECT_LT(st.resyncs * 1000, st.steps + 1000);
+  EXPECT_GT(st.evictions, 0);
+  /* The scopes really differ: per-head eviction lets the heads keep different positions. */
+  EXPECT_GT(st.head_scope_diverged, 0);
+}
+
+TEST(LayerScope, H2OAndStreamingLockstepWithOracle) {
+  std::mt19937_64 gen(seed_for("LayerScope.H2OAndStreamingLockstepWithOracle"));
+  Stats st;
+  for (int r = 0; r < 12 && !HasFatalFailure(); r++) {
+    const int sink = r % 3, recent = r % 4, n_kv = 1 + r % 3, G = 1 + r % 4;
+    lockstep(make_params(LF_POLICY_H2O, sink, G, 8, recent), sink + recent + 2 + r * 3, n_kv, 200,
+             gen, st);
+    lockstep(make_params(LF_POLICY_STREAMING, sink, G, 8), sink + 2 + r * 3, n_kv, 150, gen, st);
+  }
+  report("h2o + streaming", st);
+  EXPECT_LT(st.resyncs * 1000, st.steps + 1000);
+}
+
+/* With one KV head, layer scope is head scope: the same bits everywhere. And lf_attn_decode_ref
+ * (its own scratch) equals lf_attn_decode_ref_ws (reused scratch). */
+TEST(LayerScope, OneHeadEqualsHeadScope) {
+  std::mt19937_64 gen(seed_for("LayerScope.OneHeadEqualsHeadScope"));
+  for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O, LF_POLICY_STREAMING}) {
+    const int B = 24, G = 3, D = 16;
+    lf_attn_params p = make_params(pol, 4, G, D, 3);
+    Arena a(1, B, D), b(1, B, D), c(1, B, D);
+    lf_kv_head ha = a.heads()[0], hb = b.heads()[0], hc = c.heads()[0];
+    lf_attn_scratch ws{};
+    std::vector<float> oa(G * D), ob(G * D), oc(G * D), sa(B), sb(B), sc(B);
+    for (int s = 0; s < 150; s++) {
+      std::vector<float> q = normal(gen, G * D, 2.0f), k = normal(gen, D), v = normal(gen, D);
+      int ea = 0, eb = 0, ec = 0;
+      ASSERT_EQ(lf_attn_decode_layer_ref(&p, &ha, 1, q.data(), k.data(), v.data(), s, oa.data(),
+                                         &ea, sa.data(), &ws),
+                LF_OK);
+      ASSERT_EQ(lf_attn_decode_ref(&p, &hb, q.data(), k.data(), v.data(), s, ob.data(), &eb,
+                                   sb.data()),
+                LF_OK);
+      ASSERT_EQ(lf_attn_decode_ref_ws(&p, &hc, q.data(), k.data(), v.data(), s, oc.data(), &ec,
+                                      sc.data(), &ws),
+                LF_OK);
+      ASSERT_EQ(ea, eb);
+      ASSERT_EQ(ea, ec);
+      ASSERT_EQ(0, std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(oa.data(), oc.data(), oa.size() * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(sa.data(), sb.data(), sizeof(float) * *ha.n));
+      ASSERT_EQ(*ha.next, *hb.next);
+      ASSERT_EQ(*ha.next, *hc.next);
+      ASSERT_EQ(0, std::memcmp(ha.pos, hb.pos, sizeof(int32_t) * B));
+      ASSERT_EQ(0, std::memcmp(ha.acc, hb.acc, sizeof(float) * B));
+    }
+    lf_attn_scratch_free(&ws);
+  }
+}
+
+/* Heads that disagree (touched by per-head calls) are a state error that changes nothing. */
+TEST(LayerScope, RejectsHeadsThatDisagree) {
+  const int B = 6, G = 1, D = 4, n_kv = 2;
+  lf_attn_params p = make_params(LF_POLICY_LONGFLOW, 1, G, D);
+  Arena a(n_kv, B, D);
+  std::vector<lf_kv_head> hs = a.heads();
+  float q[2 * D] = {1, 2, 3, 4, 4, 3, 2, 1}, k[2 * D] = {0}, v[2 * D] = {1, 1, 1, 1, 2, 2, 2, 2};
+  float out[2 * D];
+  ASSERT_EQ(lf_attn_decode_ref(&p, &hs[0], q, k, v, 0, out, nullptr, nullptr), LF_OK);
+  EXPECT_EQ(lf_attn_decode_layer_ref(&p, hs.data(), n_kv, q, k, v, 1, out, nullptr, nullptr,
+                                     nullptr),
+            LF_ERR_STATE);
+  EXPECT_EQ(*hs[0].n, 1);
+  EXPECT_EQ(*hs[1].n, 0);
+  EXPECT_EQ(lf_attn_decode_layer_ref(&p, hs.data(), 0, q, k, v, 1, out, nullptr, nullptr,
+                                     nullptr),
+            LF_ERR_INVALID_ARG);
+  lf_attn_params bad = p;
+  bad.scope = (lf_evict_scope)7;
+  EXPECT_EQ(lf_attn_params_check(&bad, B), LF_ERR_INVALID_ARG);
+  lf_evict_scope sc;
+  EXPECT_EQ(lf_evict_scope_parse("layer", &sc), LF_OK);
+  EXPECT_EQ(sc, LF_EVICT_LAYER);
+  EXPECT_EQ(lf_evict_scope_parse("head", &sc), LF_OK);
+  EXPECT_EQ(sc, LF_EVICT_HEAD);
+  EXPECT_EQ(lf_evict_scope_parse("layers", &sc), LF_ERR_INVALID_ARG);
+  EXPECT_STREQ(lf_evict_scope_str(LF_EVICT_LAYER), "layer");
+}
+
+/* Layer-wide SnapKV: the kept set is the top of the per-head SnapKV scores summed over the
+ * layer's heads, computed here the long way; every head keeps it; outputs are plain causal
+ * attention (the same as scope head's). */
+TEST(LayerScope, PrefillSnapKVIsLayerWide) {
+  std::mt19937_64 gen(seed_for("LayerScope.PrefillSnapKVIsLayerWide"));
+  long near = 0;
+  for (int r = 0; r < 16 && !HasFatalFailure(); r++) {
+    const int n_kv = 1 + r % 3, G = 1 + (r / 3) % 3, D = 8, B = 12 + r * 3, sink = r % 5,
+              window = 4 + r % 6, P = B + 5 + r * 7;
+    SCOPED_TRACE(::testing::Message() << "n_kv " << n_kv << " G " << G << " B " << B << " sink "
+                                      << sink << " window " << window << " P " << P);
+    lf_attn_params p = make_params(LF_POLICY_LONGFLOW, sink, G, D, 0, window);
+    const size_t qs = (size_t)n_kv * G * D, ks = (size_t)n_kv * D;
+    std::vector<float> q = normal(gen, P * qs, 1.5f), k = normal(gen, P * ks),
+                       v = normal(gen, P * ks);
+    Arena lay(n_kv, B, D), per(n_kv, B, D);
+    std::vector<lf_kv_head> hs = lay.heads(), hp = per.heads();
+    std::vector<float> out(P * qs, NAN), out_h(P * qs, NAN);
+    uint64_t ev = 0;
+    ASSERT_EQ(lf_attn_prefill_layer_ref(&p, hs.data(), n_kv, P, 0, q.data(), qs, k.data(),
+                                        v.data(), ks, out.data(), qs, &ev, nullptr),
+              LF_OK)
+        << lf_last_error();
+    EXPECT_EQ(ev, 0u);
+    for (int g = 0; g < n_kv; g++)
+      ASSERT_EQ(lf_attn_prefill_ref(&p, &hp[g], P, 0, q.data() + g * G * D, qs, k.data() + g * D,
+                                    v.data() + g * D, ks, out_h.data() + g * G * D, qs, nullptr),
+                LF_OK);
+    ASSERT_EQ(0, std::memcmp(out.data(), out_h.data(), out.size() * sizeof(float)));
+
+    /* Oracle: raw[j] = sum over heads g, their group's heads h and the last W queries t of
+     * softmax_t(h)[j]; width-5 zero-padded average; top n_mid of [sink, L), ties lower. */
+    const int W = std::max(0, std::min(window, B - 1 - sink)), L = P - W;
+    std::vector<double> raw(L, 0.0);
+    for (int g = 0; g < n_kv; g++)
+      for (int h = 0; h < G; h++)
+        for (int t = L; t < P; t++) {
+          std::vector<double> l(t + 1);
+          for (int j = 0; j <= t; j++) {
+            double d = 0;
+            for (int x = 0; x < D; x++)
+              d += (double)q[t * qs + (g * G + h) * D + x] * k[j * ks + g * D + x];
+            l[j] = d * (double)p.scale;
+          }
+          const double m = *std::max_element(l.begin(), l.end());
+          double z = 0;
+          for (double x : l)
+            z += std::exp(x - m);
+          for (int j = 0; j < L; j++)
+            raw[j] += std::exp(l[j] - m) / z;
+        }
+    std::vector<int> mid;
+    std::vector<double> pooled(L);
+    for (int j = 0; j < L; j++) {
+      double s = 0;
+      for (int i = j - 2; i <= j + 2; i++)
+        s += (i >= 0 && i < L) ? raw[i] : 0.0;
+      pooled[j] = s / 5.0;
+    }
+    for (int j = sink; j < L; j++)
+      mid.push_back(j);
+    std::stable_sort(mid.begin(), mid.end(), [&](int a, int b) { return pooled[a] > pooled[b]; });
+    const int n_mid = B - 1 - sink - W;
+    std::vector<int> want;
+    for (int j = 0; j < sink; j++)
+      want.push_back(j);
+    for (int i = 0; i < n_mid; i++)
+      want.push_back(mid[i]);
+    for (int j = L; j < P; j++)
+      want.push_back(j);
+    std::sort(want.begin(), want.end());
+    ASSERT_EQ(*hs[0].n, B - 1);
+    std::vector<int> got(hs[0].pos, hs[0].pos + B - 1);
+    if (got != want) {
+      /* only at a near-tie at the selection boundary */
+      ASSERT_GT(n_mid, 0) << "kept set differs from layer-wide SnapKV";
+      const double lo = pooled[mid[n_mid - 1]], hi = pooled[mid[n_mid]];
+      ASSERT_LE(lo - hi, 1e-9 * std::fabs(lo)) << "kept set differs from layer-wide SnapKV";
+      near++;
+    }
+    for (int g = 0; g < n_kv; g++) {
+      ASSERT_EQ(*hs[g].n, B - 1);
+      ASSERT_EQ(*hs[g].next, -1);
+      for (int i = 0; i < B - 1; i++) {
+        ASSERT_EQ(hs[g].pos[i], got[i]) << "head " << g << " slot " << i;
+        ASSERT_EQ(0, std::memcmp(hs[g].k + i * D, &k[got[i] * ks + g * D], D * sizeof(float)));
+        ASSERT_EQ(0, std::memcmp(hs[g].v + i * D, &v[got[i] * ks + g * D], D * sizeof(float)));
+      }
+    }
+    /* Decoding on from there keeps the heads in step, and a chunk that overflows runs as
+     * layer decode steps. */
+    const int more = B;
+    std::vector<float> q2 = normal(gen, more * qs), k2 = normal(gen, more * ks),
+                       v2 = normal(gen, more * ks), o2(more * qs);
+    uint64_t ev2 = 0;
+    ASSERT_EQ(lf_attn_prefill_layer_ref(&p, hs.data(), n_kv, more, P, q2.data(), qs, k2.data(),
+                                        v2.data(), ks, o2.data(), qs, &ev2, nullptr),
+              LF_OK)
+        << lf_last_error();
+    EXPECT_EQ(ev2, (uint64_t)(more - 1) * n_kv);
+    for (int g = 1; g < n_kv; g++)
+      ASSERT_EQ(0, std::memcmp(hs[g].pos, hs[0].pos, sizeof(int32_t) * B));
+  }
+  std::printf("[ snapkv   ] layer-wide near-ties accepted: %ld\n", near);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * End to end: the forward and the engine with layer scope. */
+
+namespace {
+
+struct GenRun {
+  std::vector<int32_t> tokens;
+  lf_request_stats stats{};
+  lf_status init = LF_OK;
+};
+
+GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind backend, int budget,
+             const std::vector<int32_t> &prompt, int max_tokens) {
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = model.c_str();
+  cfg.backend = backend;
+  cfg.budget = budget;
+  cfg.evict_scope = scope;
+  GenRun r;
+  lf_engine_t e = nullptr;
+  r.init = lf_engine_init(&cfg, nullptr, &e);
+  if (r.init != LF_OK) return r;
+  lf_request rq{};
+  rq.prompt = prompt.data();
+  rq.n_prompt = (int)prompt.size();
+  rq.max_tokens = max_tokens;
+  rq.ignore_eos = 1;
+  uint64_t id;
+  EXPECT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();
+  lf_event ev[8];
+  while (lf_engine_busy(e)) {
+    int n;
+    EXPECT_EQ(lf_engine_step(e, ev, 8, &n), LF_OK) << lf_last_error();
+    for (int i = 0; i < n; i++) {
+      if (ev[i].type == LF_EVENT_TOKEN) r.tokens.push_back(ev[i].token);
+      else EXPECT_NE(ev[i].reason, LF_FINISH_ERROR) << lf_status_str(ev[i].status);
+    }
+  }
+  EXPECT_EQ(lf_engine_request_stats(e, id, &r.stats), LF_OK);
+  lf_engine_free(e);
+  return r;
+}
+
+} // namespace
+
+/* The cpu forward with layer scope keeps every layer's heads in step through a compressed
+ * prompt and many evicting decode steps. */
+TEST(LayerScope, ForwardKeepsLayerHeadsInStep) {
+  const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
+  lf_checkpoint ck;
+  ASSERT_EQ(lf_checkpoint_open(dir.c_str(), &ck), LF_OK) << lf_last_error();
+  lf_weights w;
+  ASSERT_EQ(lf_weights_load_f32(&ck, &w), LF_OK) << lf_last_error();
+  const lf_model_config &c = ck.cfg;
+  ASSERT_GT(c.n_kv_heads, 1);
+  const int B = 24;
+  lf_kv_arena arena;
+  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, B, c.head_dim};
+  ASSERT_EQ(lf_kv_arena_init(&arena, &ps), LF_OK);
+  int pool;
+  ASSERT_EQ(lf_kv_arena_take(&arena, &pool), LF_OK);
+  lf_attn_params ap = make_params(LF_POLICY_LONGFLOW, 4, c.n_heads / c.n_kv_heads, c.head_dim, 0,
+                                  8);
+  lf_cpu_forward f;
+  ASSERT_EQ(lf_cpu_forward_init(&f, &c, &w, &arena, &ap), LF_OK) << lf_last_error();
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; i++)
+    prompt.push_back(1 + (i * 37) % (c.vocab_size - 1));
+  std::vector<float> logits(c.vocab_size);
+  uint64_t ev = 0;
+  ASSERT_EQ(lf_cpu_forward_run(&f, pool, 0, (int)prompt.size(), prompt.data(), logits.data(),
+                               nullptr, &ev),
+            LF_OK)
+      << lf_last_error();
+  int32_t pos = (int32_t)prompt.size();
+  for (int s = 0; s < 100; s++, pos++) {
+    const int32_t tok = (int32_t)(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    ASSERT_EQ(lf_cpu_forward_run(&f, pool, pos, 1, &tok, logits.data(), nullptr, &ev), LF_OK)
+        << lf_last_error();
+  }
+  EXPECT_EQ(ev, (uint64_t)(100 - 1) * c.n_layers * c.n_kv_heads);
+  bool layers_differ = false;
+  for (int l = 0; l < c.n_layers; l++) {
+    lf_kv_head h0 = lf_kv_arena_head(&arena, pool, l, 0);
+    ASSERT_EQ(*h0.n, B);
+    for (int g = 1; g < c.n_kv_heads; g++) {
+      lf_kv_head h = lf_kv_arena_head(&arena, pool, l, g);
+      ASSERT_EQ(*h.next, *h0.next);
+      ASSERT_EQ(0, std::memcmp(h.pos, h0.pos, sizeof(int32_t) * B)) << "layer " << l;
+    }
+    lf_kv_head first = lf_kv_arena_head(&arena, pool, 0, 0);
+    layers_differ |= std::memcmp(h0.pos, first.pos, sizeof(int32_t) * B) != 0;
+  }
+  (void)layers_differ; /* layers decide independently; they may or may not agree */
+  lf_cpu_forward_free(&f);
+  lf_kv_arena_free(&arena);
+  lf_weights_free(&ck.cfg, &w);
+  lf_checkpoint_close(&ck);
+}
+
+TEST(LayerScope, EngineEndToEnd) {
+  const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
+  std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
+  const int max_tokens = 200, budget = 32;
+  GenRun lay = generate(dir, LF_EVICT_LAYER, LF_BACKEND_AUTO, budget, prompt, max_tokens);
+  ASSERT_EQ(lay.init, LF_OK) << lf_last_error();
+  EXPECT_EQ((int)lay.tokens.size(), max_tokens);
+  EXPECT_EQ(lay.stats.slots_filled, budget);
+  /* every token past the pool's free slots overwrites one slot in each layer x KV head (2 x 2) */
+  const int written = (int)prompt.size() + max_tokens - 1;
+  EXPECT_EQ(lay.stats.evictions, (uint64_t)(written - budget) * 2 * 2);
+  GenRun head = generate(dir, LF_EVICT_HEAD, LF_BACKEND_CPU, budget, prompt, max_tokens);
+  ASSERT_EQ(head.init, LF_OK) << lf_last_error();
+  EXPECT_EQ(head.stats.evictions, lay.stats.evictions);
+  /* A pool that never fills: no eviction, so both scopes give the same tokens. */
+  GenRun lay_big = generate(dir, LF_EVICT_LAYER, LF_BACKEND_CPU, 256, prompt, 100);
+  GenRun head_big = generate(dir, LF_EVICT_HEAD, LF_BACKEND_CPU, 256, prompt, 100);
+  EXPECT_EQ(lay_big.tokens, head_big.tokens);
+  EXPECT_EQ(lay_big.stats.evictions, 0u);
+
+  /* Layer scope is cpu-only and single-rank. */
+  GenRun cuda = generate(dir, LF_EVICT_LAYER, LF_BACKEND_CUDA, budget, prompt, 4);
+  EXPECT_EQ(cuda.init, LF_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(lf_last_error()).find("layer"), std::string::npos) << lf_last_error();
+  GenRun bad = generate(dir, (lf_evict_scope)5, LF_BACKEND_CPU, budget, prompt, 4);
+  EXPECT_EQ(bad.init, LF_ERR_INVALID_ARG);
+}
+
+TEST(LayerScope, Stories260KWithLayerScope) {
+  const std::string bin = lf_test_data_dir() + "/models/stories260K/stories260K.bin";
+  if (!lf_path_exists(bin)) GTEST_SKIP() << "stories260K not found at " << bin;
+  GenRun r = generate(bin, LF_EVICT_LAYER, LF_BACKEND_CPU, 64, {1}, 511);
+  ASSERT_EQ(r.init, LF_OK) << lf_last_error();
+  EXPECT_EQ(r.tokens.size(), 511u);
+  EXPECT_EQ(r.stats.slots_filled, 64);
+  EXPECT_EQ(r.stats.evictions, uint64_t(511 - 64) * 5 * 4);
+}
