@@ -3,6 +3,7 @@
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "comm.h"
 #include "engine/error.h"
@@ -74,7 +75,22 @@ static lf_status mpi_bcast(lf_comm_t c, void *buf, size_t bytes, int root, void 
   if (root < 0 || root >= c->size)
     return lf_error(LF_ERR_INVALID_ARG, "rank %d: bcast root %d of %d ranks", c->rank, root,
                     c->size);
-  LF_MPI_CHECK(c, MPI_Bcast(buf, (int)bytes, MPI_BYTE, root, m->comm));
+  /* A follower waits here for rank 0's next step descriptor, possibly for a long idle time;
+   * a blocking MPI_Bcast busy-polls a core all that while. Poll a non-blocking broadcast
+   * instead: spin briefly (steps arrive back to back under load), then sleep with a backoff
+   * capped at 1 ms, which is all an idle server adds to its first step. */
+  MPI_Request req;
+  LF_MPI_CHECK(c, MPI_Ibcast(buf, (int)bytes, MPI_BYTE, root, m->comm, &req));
+  long sleep_ns = 0;
+  for (int spins = 0;; spins++) {
+    int done = 0;
+    LF_MPI_CHECK(c, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+    if (done) break;
+    if (spins < 2000) continue;
+    sleep_ns = sleep_ns ? (sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2) : 20000;
+    struct timespec ts = {0, sleep_ns};
+    nanosleep(&ts, NULL);
+  }
   return LF_OK;
 }
 
