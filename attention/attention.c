@@ -45,14 +45,12 @@ const char *lf_evict_scope_str(lf_evict_scope s) {
 }
 
 lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out) {
-  if (s && !strcmp(s, "head")) {
-    *out = LF_EVICT_HEAD;
-    return LF_OK;
-  }
-  if (s && !strcmp(s, "layer")) {
-    *out = LF_EVICT_LAYER;
-    return LF_OK;
-  }
+  static const lf_evict_scope all[] = {LF_EVICT_HEAD, LF_EVICT_LAYER};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    if (s && strcmp(s, lf_evict_scope_str(all[i])) == 0) {
+      *out = all[i];
+      return LF_OK;
+    }
   return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope '%s' (head, layer)",
                   s ? s : "(null)");
 }
@@ -84,6 +82,18 @@ lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
                     "h2o_recent %d)",
                     budget, p->sink, p->h2o_recent);
   return LF_OK;
+}
+
+lf_prefill_kind lf_prefill_kind_of(lf_policy policy, int budget, int n0, int n_tok) {
+  if (!policy_evicts(policy) || (int64_t)n0 + n_tok <= (int64_t)budget - 1)
+    return LF_PREFILL_APPEND;
+  return n0 == 0 ? LF_PREFILL_COMPRESS : LF_PREFILL_DECODE_STEPS;
+}
+
+int lf_snapkv_window(const lf_attn_params *p, int budget) {
+  const int fill = budget - 1 - p->sink;
+  const int w = p->policy == LF_POLICY_STREAMING || p->window > fill ? fill : p->window;
+  return w < 0 ? 0 : w;
 }
 
 int lf_kv_write_slot(const lf_kv_head *h) {
@@ -583,7 +593,8 @@ static lf_status prefill_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv,
 
   /* Evicting policy, a non-empty pool and a chunk that does not leave a free slot: the chunk is
    * a run of ordinary decode steps, so eviction decisions stay per token. */
-  if (evicts && n0 > 0 && n0 + n_tok > B - 1) {
+  const lf_prefill_kind kind = lf_prefill_kind_of(p->policy, B, n0, n_tok);
+  if (kind == LF_PREFILL_DECODE_STEPS) {
     for (int t = 0; t < n_tok; t++) {
       int ev = 0;
       LF_TRY(decode_impl(p, hs, n_kv, q + (size_t)t * q_stride, k + (size_t)t * kv_stride,
@@ -596,11 +607,8 @@ static lf_status prefill_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv,
 
   /* From here the chunk is attended in one pass, then appended (fits) or compressed into an
    * empty pool. W_eff shrinks the observation window when the budget cannot hold it whole. */
-  const int compress = evicts && n0 == 0 && n_tok > B - 1;
-  int w_eff = p->window < B - 1 - p->sink ? p->window : B - 1 - p->sink;
-  /* streaming keeps the sinks and the most recent tokens: a window that fills the pool */
-  if (p->policy == LF_POLICY_STREAMING) w_eff = B - 1 - p->sink;
-  if (w_eff < 0) w_eff = 0;
+  const int compress = kind == LF_PREFILL_COMPRESS;
+  const int w_eff = lf_snapkv_window(p, B);
   const int snap_from = n_tok - w_eff; /* L: prompt positions scored by SnapKV */
   const int want_colsum = p->policy == LF_POLICY_H2O;
 

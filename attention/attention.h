@@ -46,6 +46,23 @@ void lf_attn_scratch_free(lf_attn_scratch *s);
 /* Checks a policy/budget/sink/window combination; names the problem on failure. */
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget);
 
+/* How a prompt chunk of n_tok tokens enters a pool holding n0 of `budget` slots (the cases of
+ * lf_attn_prefill_ref below, so every backend splits them alike): appended when it leaves a
+ * free slot (the full policy always appends, or is LF_ERR_CONTEXT_FULL); otherwise compressed
+ * with SnapKV into an empty pool, or run token by token as decode steps. */
+typedef enum lf_prefill_kind {
+  LF_PREFILL_APPEND = 0,
+  LF_PREFILL_COMPRESS,
+  LF_PREFILL_DECODE_STEPS
+} lf_prefill_kind;
+
+lf_prefill_kind lf_prefill_kind_of(lf_policy policy, int budget, int n0, int n_tok);
+
+/* The SnapKV observation window W_eff a prefill keeps whole in a pool of `budget` slots: the
+ * params' window, shrunk to budget - 1 - sink when the pool cannot hold it; the streaming policy
+ * keeps the sinks and the most recent tokens, a window that fills the pool. Never negative. */
+int lf_snapkv_window(const lf_attn_params *p, int budget);
+
 /* The slot a new token is written to: n < budget ? n : next. */
 int lf_kv_write_slot(const lf_kv_head *h);
 

@@ -34,6 +34,9 @@ typedef struct lf_batch_result {
                          other items are unaffected */
 } lf_batch_result;
 
+/* mem_util when none is given (lf_engine_config.mem_util, lf_backend_params.mem_util == 0). */
+#define LF_MEM_UTIL_DEFAULT 0.9
+
 typedef struct lf_backend_params {
   lf_policy policy;
   lf_evict_scope scope; /* LF_EVICT_LAYER: cpu on one rank only (engine.c checks) */
@@ -42,7 +45,7 @@ typedef struct lf_backend_params {
                      pools_free() after create says how many. The cpu backend needs >= 1. */
   int n_threads;
   double mem_util; /* n_pools == 0: fraction of the memory left after weights and workspaces
-                      the pools take; 0: 0.9 */
+                      the pools take; 0: LF_MEM_UTIL_DEFAULT */
   int no_graphs;   /* cuda: 1 runs the decode step without CUDA graphs (tests, benchmarks) */
   /* Tensor parallelism: NULL or a single rank runs the whole model. With T > 1 ranks the
    * backend holds this rank's shard (parallel/shard.h) and its forward calls collectives, so

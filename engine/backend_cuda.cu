@@ -713,10 +713,7 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
   LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, tokens, (size_t)T * sizeof(int32_t),
                                 cudaMemcpyHostToDevice, c->stream));
   LF_TRY(embed_rows(c, c->ptok, T));
-  int w_eff = c->p.window < B - 1 - c->p.sink ? c->p.window : B - 1 - c->p.sink;
-  /* streaming keeps sinks + the most recent tokens (lf_attn_prefill_ref's rule) */
-  if (c->p.policy == LF_POLICY_STREAMING) w_eff = B - 1 - c->p.sink;
-  if (w_eff < 0) w_eff = 0;
+  const int w_eff = lf_snapkv_window(&c->ap, B);
   for (int l = 0; l < m->n_layers; l++) {
     const cuda_layer *L = &c->layers[l];
     LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_att, m->dim, m->norm_eps, T, c->xb, m->dim, NULL,
@@ -746,10 +743,17 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
                          m->norm_eps, 1, c->xf + (size_t)row * m->dim, m->dim, NULL, c->stream);
 }
 
+/* The host's mirror of a decode write into `pool`: the fill count grows until the pool is
+ * full, then every (layer, KV head) overwrites a slot. Returns those evictions. */
+static uint64_t note_decode_write(cuda_backend *c, int pool) {
+  if (c->host_n[pool] == c->p.budget) return (uint64_t)c->cfg.n_layers * c->cfg.n_kv_heads;
+  c->host_n[pool]++;
+  return 0;
+}
+
 /* One decode step of one sequence (a prompt chunk run token by token); xf[row] when last. */
 static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok, int row,
                             uint64_t *evictions) {
-  const int B = c->p.budget;
   c->h_step.tok[0] = tok;
   c->h_step.pool[0] = pool;
   c->h_step.pos[0] = pos;
@@ -759,8 +763,7 @@ static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok,
    * the step arrays are pinned) */
   LF_TRY(stream_wait(c));
   LF_TRY(decode_run(c, 1));
-  if (c->host_n[pool] == B) *evictions += (uint64_t)c->cfg.n_layers * c->cfg.n_kv_heads;
-  else c->host_n[pool]++;
+  *evictions += note_decode_write(c, pool);
   return LF_OK;
 }
 
@@ -807,7 +810,8 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
       r->status = lf_error(LF_ERR_CONTEXT_FULL,
                            "full policy: %d filled + %d new tokens exceed the budget of %d slots",
                            n0, it->n_tok, B);
-    else if (evicts && it->n_tok > 1 && n0 == 0 && it->n_tok > B - 1 && it->n_tok > c->max_chunk)
+    else if (it->n_tok > c->max_chunk &&
+             lf_prefill_kind_of(c->p.policy, B, n0, it->n_tok) == LF_PREFILL_COMPRESS)
       r->status = lf_error(LF_ERR_UNSUPPORTED,
                            "cuda: a %d-token prompt needs SnapKV compression over more than the "
                            "%d-token prefill chunk",
@@ -818,14 +822,13 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
   for (int i = 0; i < n; i++) {
     const lf_batch_item *it = &items[i];
     if (res[i].status != LF_OK || it->n_tok == 1) continue;
-    const int n0 = c->host_n[it->pool];
-    if (evicts && n0 > 0 && n0 + it->n_tok > B - 1) {
-      /* does not leave a free slot: a run of decode steps (attention.h) */
+    const lf_prefill_kind kind = lf_prefill_kind_of(c->p.policy, B, c->host_n[it->pool], it->n_tok);
+    if (kind == LF_PREFILL_DECODE_STEPS) {
       for (int t = 0; t < it->n_tok; t++)
         LF_TRY(decode_one(c, it->pool, it->pos0 + t, it->tokens[t], i, &res[i].evictions));
       continue;
     }
-    const int compress = evicts && n0 == 0 && it->n_tok > B - 1;
+    const int compress = kind == LF_PREFILL_COMPRESS;
     for (int off = 0; off < it->n_tok; off += c->max_chunk) {
       const int T = it->n_tok - off < c->max_chunk ? it->n_tok - off : c->max_chunk;
       LF_TRY(prefill_chunk(c, it->pool, it->pos0 + off, it->tokens + off, T, c->host_n[it->pool],
@@ -843,8 +846,7 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
     c->h_step.pos[nd] = it->pos0;
     c->h_step.rows[nd] = i;
     nd++;
-    if (c->host_n[it->pool] == B) res[i].evictions += (uint64_t)m->n_layers * m->n_kv_heads;
-    else c->host_n[it->pool]++;
+    res[i].evictions += note_decode_write(c, it->pool);
   }
   if (nd > 0) {
     LF_TRY(step_upload(c, nd));
@@ -1055,7 +1057,7 @@ static lf_status size_pools(cuda_backend *c) {
                          ((uint64_t)64 << 20) /* attention split workspace, graphs, slack */;
   size_t free_b = 0, total_b = 0;
   LF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  const double util = c->p.mem_util > 0 ? c->p.mem_util : 0.9;
+  const double util = c->p.mem_util > 0 ? c->p.mem_util : LF_MEM_UTIL_DEFAULT;
   if (!(util <= 1.0))
     return lf_error(LF_ERR_INVALID_ARG, "cuda backend: mem_util %g must be in (0, 1]",
                     c->p.mem_util);

@@ -76,7 +76,7 @@ void lf_engine_config_default(lf_engine_config *cfg) {
   cfg->policy = LF_POLICY_LONGFLOW;
   cfg->sink = 4;
   cfg->window = 32;
-  cfg->mem_util = 0.9;
+  cfg->mem_util = LF_MEM_UTIL_DEFAULT;
 }
 
 void lf_engine_free(lf_engine_t e) {
@@ -90,7 +90,7 @@ void lf_engine_free(lf_engine_t e) {
 /* n_pools (DESIGN §5): explicit when given; else floor(kv_memory_bytes * mem_util / pool bytes)
  * with the CPU arena's pool size; else 1. */
 static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc) {
-  const double util = cfg->mem_util > 0 ? cfg->mem_util : 0.9;
+  const double util = cfg->mem_util > 0 ? cfg->mem_util : LF_MEM_UTIL_DEFAULT;
   if (!(util <= 1.0))
     return lf_error(LF_ERR_INVALID_ARG, "mem_util %g must be in (0, 1]", cfg->mem_util);
   if (cfg->n_pools > 0) return LF_OK;

@@ -226,39 +226,27 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
       lf_rope_apply(qt, hq, hd, pos0 + t, f->inv_freq, c->rope_style);
       lf_rope_apply(kt, hkv, hd, pos0 + t, f->inv_freq, c->rope_style);
     }
-    /* Attention per KV head over this sequence's pool; eviction is local to the head. An error
-     * here (only LF_ERR_CONTEXT_FULL in practice) depends on the pool's fill alone, which is
-     * the same on every rank, so all ranks leave at the same point and no collective is
-     * left half-entered. */
-    if (f->ap.scope == LF_EVICT_LAYER) {
-      /* One eviction decision per layer, shared by its KV heads (layer scope). */
-      for (int g = 0; g < hkv; g++)
-        f->heads[g] = lf_kv_arena_head(f->arena, pool, l, g);
+    /* Attention over this sequence's pool, one call per eviction scope: a KV head (head scope)
+     * or all the layer's (layer scope, one eviction decision shared by its heads). With one
+     * head the *_layer_ref functions are exactly the per-head ones, and f->ws serves every
+     * call, prefill's decode steps included. An error here (only LF_ERR_CONTEXT_FULL in
+     * practice) depends on the pool's fill alone, which is the same on every rank, so all ranks
+     * leave at the same point and no collective is left half-entered. */
+    const int per = f->ap.scope == LF_EVICT_LAYER ? hkv : 1;
+    for (int g0 = 0; g0 < hkv; g0 += per) {
+      for (int g = 0; g < per; g++)
+        f->heads[g] = lf_kv_arena_head(f->arena, pool, l, g0 + g);
+      const size_t qo = (size_t)g0 * group * hd, ko = (size_t)g0 * hd;
       if (n_tok == 1) {
         int ev = 0;
-        LF_TRY(lf_attn_decode_layer_ref(&f->ap, f->heads, hkv, f->q, f->k, f->v, pos0, f->att,
-                                        &ev, NULL, &f->ws));
+        LF_TRY(lf_attn_decode_layer_ref(&f->ap, f->heads, per, f->q + qo, f->k + ko, f->v + ko,
+                                        pos0, f->att + qo, &ev, NULL, &f->ws));
         if (evictions) *evictions += (uint64_t)ev;
       } else {
-        LF_TRY(lf_attn_prefill_layer_ref(&f->ap, f->heads, hkv, n_tok, pos0, f->q, qd, f->k,
-                                         f->v, kd, f->att, qd, evictions, &f->ws));
+        LF_TRY(lf_attn_prefill_layer_ref(&f->ap, f->heads, per, n_tok, pos0, f->q + qo, qd,
+                                         f->k + ko, f->v + ko, kd, f->att + qo, qd, evictions,
+                                         &f->ws));
       }
-    }
-    for (int g = 0; g < hkv && f->ap.scope != LF_EVICT_LAYER; g++) {
-      lf_kv_head kh = lf_kv_arena_head(f->arena, pool, l, g);
-      lf_status s;
-      if (n_tok == 1) {
-        int ev = 0;
-        s = lf_attn_decode_ref_ws(&f->ap, &kh, f->q + (size_t)g * group * hd,
-                                  f->k + (size_t)g * hd, f->v + (size_t)g * hd, pos0,
-                                  f->att + (size_t)g * group * hd, &ev, NULL, &f->ws);
-        if (evictions) *evictions += (uint64_t)ev;
-      } else {
-        s = lf_attn_prefill_ref(&f->ap, &kh, n_tok, pos0, f->q + (size_t)g * group * hd, qd,
-                                f->k + (size_t)g * hd, f->v + (size_t)g * hd, kd,
-                                f->att + (size_t)g * group * hd, qd, evictions);
-      }
-      if (s != LF_OK) return s;
     }
     /* O-proj over the heads this rank owns: all computed heads, or (KV head replicated) this
      * rank's part of the group, packed into q (free now) as [n_tok][qd_own]. */

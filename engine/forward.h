@@ -10,11 +10,11 @@
  * is local), and the partial O-proj and down outputs are all-reduced: 2 per layer + 1. The LM
  * head gives this rank's vocabulary slice; the backend gathers (parallel/tp.h).
  *
- * Eviction scope (ap.scope): LF_EVICT_HEAD runs the attention step per KV head
- * (lf_attn_decode_ref_ws / lf_attn_prefill_ref); LF_EVICT_LAYER runs it once per layer over
- * all KV heads (lf_attn_decode_layer_ref / lf_attn_prefill_layer_ref: one eviction slot per
- * layer, layer-wide SnapKV). Layer scope needs the whole layer: with more than one rank it is
- * LF_ERR_UNSUPPORTED at init.
+ * Eviction scope (ap.scope): the attention step is lf_attn_decode_layer_ref /
+ * lf_attn_prefill_layer_ref, called per KV head for LF_EVICT_HEAD (with one head they are
+ * exactly the per-head functions) and once per layer over all KV heads for LF_EVICT_LAYER (one
+ * eviction slot per layer, layer-wide SnapKV). Layer scope needs the whole layer: with more
+ * than one rank it is LF_ERR_UNSUPPORTED at init.
  */
 #ifndef LF_FORWARD_H
 #define LF_FORWARD_H
@@ -41,7 +41,7 @@ typedef struct lf_cpu_forward {
   int n_threads;   /* OpenMP threads for the matmuls (0: OpenMP's default) */
   float *inv_freq; /* [head_dim/2] RoPE frequencies (after llama3 scaling) */
   lf_attn_scratch ws; /* the decode step's scratch, reused by every call */
-  lf_kv_head *heads;  /* [n_kv] one layer's head views (layer-scope eviction) */
+  lf_kv_head *heads;  /* [n_kv] head views of one eviction scope (a head, or a layer's) */
   /* scratch for up to cap_tok tokens, grown on demand */
   int cap_tok;
   float *x;   /* [tok][dim] residual stream */
