@@ -9,7 +9,6 @@
  * return an error instead of leaving the others in ncclCommInitRank. When the launcher shows
  * each rank exactly one GPU (CUDA_VISIBLE_DEVICES set per rank), that GPU is device 0.
  */
-#include <cuda_runtime.h>
 #include <mpi.h>
 #include <string.h>
 
@@ -33,21 +32,8 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
   MPI_Comm_free(&node);
 
   /* 1. this rank's device */
-  int n_dev = 0, dev = -1;
-  lf_status s = LF_OK;
-  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
-    cudaGetLastError();
-    s = lf_error(LF_ERR_UNAVAILABLE, "rank %d: no CUDA device visible", rank);
-  } else if (n_dev > 1 && local >= n_dev) {
-    s = lf_error(LF_ERR_INVALID_ARG,
-                 "rank %d: local rank %d but only %d GPUs on this node (one rank per GPU)", rank,
-                 local, n_dev);
-  } else {
-    dev = n_dev == 1 ? 0 : local;
-    if (cudaSetDevice(dev) != cudaSuccess)
-      s = lf_error(LF_ERR_BACKEND, "rank %d: cudaSetDevice(%d): %s", rank, dev,
-                   cudaGetErrorString(cudaGetLastError()));
-  }
+  int dev = -1;
+  lf_status s = lf_nccl_pick_device(rank, local, &dev);
   /* 2. rank 0's id, in one broadcast with rank 0's status */
   unsigned char msg[4 + LF_NCCL_ID_BYTES];
   memset(msg, 0, sizeof msg);

@@ -54,6 +54,10 @@ lf_status lf_comm_sync(struct lf_comm *c, void *stream);
  * Inside the library, bytes of an ncclUniqueId: */
 #define LF_NCCL_ID_BYTES 128
 
+/* NCCL bootstraps (built with LF_HAVE_NCCL): makes the CUDA device of node-local rank `local`
+ * current (device 0 when only one is visible) and sets *dev to it. */
+lf_status lf_nccl_pick_device(int rank, int local, int *dev);
+
 /* lf_comm_init_local, lf_comm_init_mpi (over MPI_COMM_WORLD, duplicated; MPI must be initialised
  * by the caller; LF_ERR_UNAVAILABLE without MPI), lf_comm_free, lf_comm_rank and lf_comm_size
  * are public: include/lfserve.h. */

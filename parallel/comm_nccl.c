@@ -40,6 +40,7 @@
 #include <time.h>
 
 #include "comm.h"
+#include "engine/clock.h"
 #include "engine/error.h"
 
 _Static_assert(sizeof(ncclUniqueId) == LF_NCCL_ID_BYTES, "ncclUniqueId size");
@@ -56,16 +57,10 @@ typedef struct nccl_impl {
   size_t stage_bytes;
 } nccl_impl;
 
-static double nc_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Polling cadence: yield for the first 20 ms (a decode step ends within that, and a sleep would
  * add its granularity to every step), then sleep 20 us between polls. */
 static void nc_pause(double t0) {
-  if (nc_now() - t0 < 0.02) {
+  if (lf_now_s() - t0 < 0.02) {
     sched_yield();
   } else {
     struct timespec ts = {0, 20000};
@@ -96,9 +91,9 @@ static lf_status nc_dead(lf_comm_t c) {
 static lf_status nc_settle(lf_comm_t c, ncclResult_t r, double timeout, const char *file,
                            int line, const char *stmt) {
   nccl_impl *m = c->impl;
-  const double t0 = nc_now();
+  const double t0 = lf_now_s();
   while (r == ncclInProgress) {
-    if (timeout > 0 && nc_now() - t0 > timeout) {
+    if (timeout > 0 && lf_now_s() - t0 > timeout) {
       char why[96];
       snprintf(why, sizeof why, "still in progress after %.0f s", timeout);
       return nc_fail(c, file, line, stmt, why);
@@ -140,7 +135,7 @@ static lf_status nc_settle(lf_comm_t c, ncclResult_t r, double timeout, const ch
 static lf_status nc_wait(lf_comm_t c, cudaStream_t st, double timeout, const char *what) {
   nccl_impl *m = c->impl;
   if (m->failed) return nc_dead(c);
-  const double t0 = nc_now();
+  const double t0 = lf_now_s();
   for (;;) {
     const cudaError_t e = cudaStreamQuery(st);
     if (e == cudaSuccess) return LF_OK;
@@ -155,7 +150,7 @@ static lf_status nc_wait(lf_comm_t c, cudaStream_t st, double timeout, const cha
                last ? last : "");
       return nc_fail(c, __FILE__, __LINE__, what, why);
     }
-    if (timeout > 0 && nc_now() - t0 > timeout) {
+    if (timeout > 0 && lf_now_s() - t0 > timeout) {
       char why[160];
       snprintf(why, sizeof why,
                "no completion after %.0f s: a peer rank is gone or stuck (LF_NCCL_TIMEOUT_S)",
@@ -269,7 +264,6 @@ static lf_status nc_barrier(lf_comm_t c) {
 
 static lf_status nc_sync(lf_comm_t c, void *stream) {
   nccl_impl *m = c->impl;
-  if (m->failed) return nc_dead(c);
   return nc_wait(c, stream ? (cudaStream_t)stream : m->hstream, m->timeout_s, "stream wait");
 }
 
@@ -375,6 +369,23 @@ lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, in
   return LF_OK;
 }
 
+lf_status lf_nccl_pick_device(int rank, int local, int *dev) {
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
+    cudaGetLastError();
+    return lf_error(LF_ERR_UNAVAILABLE, "rank %d: no CUDA device visible", rank);
+  }
+  if (n_dev > 1 && local >= n_dev)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "rank %d: local rank %d but only %d GPUs on this node (one rank per GPU)", rank,
+                    local, n_dev);
+  *dev = n_dev == 1 ? 0 : local;
+  if (cudaSetDevice(*dev) != cudaSuccess)
+    return lf_error(LF_ERR_BACKEND, "rank %d: cudaSetDevice(%d): %s", rank, *dev,
+                    cudaGetErrorString(cudaGetLastError()));
+  return LF_OK;
+}
+
 /* Bootstrap without MPI (one node): LF_TP_RANK, LF_TP_SIZE, LF_TP_ID_FILE (and optionally
  * LF_TP_LOCAL_RANK, default the rank) from a launcher such as tests/tp_run.sh. Rank 0 writes the
  * NCCL id to the file (a temporary name, then rename, so a reader never sees half of it); the
@@ -390,18 +401,8 @@ lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out) {
   const int rank = atoi(er), size = atoi(es), local = el ? atoi(el) : rank;
   if (size < 1 || rank < 0 || rank >= size || local < 0)
     return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_nccl_env: rank %d of %d", rank, size);
-  int n_dev = 0;
-  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
-    cudaGetLastError();
-    return lf_error(LF_ERR_UNAVAILABLE, "rank %d: no CUDA device visible", rank);
-  }
-  if (n_dev > 1 && local >= n_dev)
-    return lf_error(LF_ERR_INVALID_ARG, "rank %d: local rank %d but only %d GPUs", rank, local,
-                    n_dev);
-  const int dev = n_dev == 1 ? 0 : local;
-  if (cudaSetDevice(dev) != cudaSuccess)
-    return lf_error(LF_ERR_BACKEND, "rank %d: cudaSetDevice(%d): %s", rank, dev,
-                    cudaGetErrorString(cudaGetLastError()));
+  int dev = -1;
+  LF_TRY(lf_nccl_pick_device(rank, local, &dev));
   unsigned char id[LF_NCCL_ID_BYTES];
   if (rank == 0) {
     LF_TRY(lf_comm_nccl_unique_id(id));
@@ -413,13 +414,13 @@ lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out) {
     if (!ok || rename(tmp, ef) != 0)
       return lf_error(LF_ERR_IO, "rank 0: cannot write the NCCL id to %s", ef);
   } else {
-    const double t0 = nc_now(), limit = 10.0 * nc_default_timeout(timeout_s);
+    const double t0 = lf_now_s(), limit = 10.0 * nc_default_timeout(timeout_s);
     for (;;) {
       FILE *f = fopen(ef, "rb");
       const int ok = f && fread(id, 1, sizeof id, f) == sizeof id;
       if (f) fclose(f);
       if (ok) break;
-      if (nc_now() - t0 > limit)
+      if (lf_now_s() - t0 > limit)
         return lf_error(LF_ERR_BACKEND, "rank %d: no NCCL id in %s after %.0f s", rank, ef, limit);
       struct timespec ts = {0, 10000000};
       nanosleep(&ts, NULL);

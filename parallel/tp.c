@@ -78,12 +78,13 @@ enum { TP_MAGIC = 0x4c465450 /* "LFTP" */, TP_OP_FORWARD = 1, TP_OP_STOP = 2 };
 enum { H_MAGIC, H_OP, H_NOPS, H_NITEMS, H_NTOK, H_LOGITS, H_WORDS, H_COUNT = 8 };
 #define TP_ITEM_WORDS 9
 
-static lf_status grow_words(int32_t **buf, size_t *cap, size_t need) {
+/* Grows buf to at least `need` words; `what` names it in the error. */
+static lf_status grow_words(int32_t **buf, size_t *cap, size_t need, const char *what) {
   if (need <= *cap) return LF_OK;
   size_t c = *cap ? *cap : LF_TP_INLINE;
   while (c < need) c *= 2;
   int32_t *b = realloc(*buf, sizeof(int32_t) * c);
-  if (!b) return lf_error(LF_ERR_OUT_OF_MEMORY, "batch descriptor of %zu words", need);
+  if (!b) return lf_error(LF_ERR_OUT_OF_MEMORY, "%s of %zu words", what, need);
   *buf = b;
   *cap = c;
   return LF_OK;
@@ -94,7 +95,8 @@ typedef struct tp_lead {
   lf_backend *inner;
   lf_comm_t comm;
   int32_t *ops; /* [n_ops] pool ops since the last forward: take p -> p + 1, give p -> -(p + 1) */
-  int n_ops, cap_ops;
+  int n_ops;
+  size_t cap_ops;
   int32_t *msg; /* the descriptor being sent */
   size_t cap_msg;
   int failed;   /* a backend-wide failure: the followers are gone or out of step */
@@ -102,13 +104,7 @@ typedef struct tp_lead {
 } tp_lead;
 
 static lf_status lead_note(tp_lead *t, int32_t op) {
-  if (t->n_ops == t->cap_ops) {
-    const int c = t->cap_ops ? 2 * t->cap_ops : 64;
-    int32_t *o = realloc(t->ops, sizeof(int32_t) * (size_t)c);
-    if (!o) return lf_error(LF_ERR_OUT_OF_MEMORY, "pool op record");
-    t->ops = o;
-    t->cap_ops = c;
-  }
+  LF_TRY(grow_words(&t->ops, &t->cap_ops, (size_t)t->n_ops + 1, "pool op record"));
   t->ops[t->n_ops++] = op;
   return LF_OK;
 }
@@ -132,7 +128,8 @@ static lf_status lead_forward(lf_backend *b, const lf_batch_item *items, int n,
   for (int i = 0; i < n; i++) ntok += (size_t)items[i].n_tok;
   const size_t words = H_COUNT + (size_t)t->n_ops + (size_t)TP_ITEM_WORDS * n + ntok;
   if (words > (size_t)INT32_MAX) return lf_error(LF_ERR_INVALID_ARG, "batch too large");
-  LF_TRY(grow_words(&t->msg, &t->cap_msg, words > LF_TP_INLINE ? words : LF_TP_INLINE));
+  LF_TRY(grow_words(&t->msg, &t->cap_msg, words > LF_TP_INLINE ? words : LF_TP_INLINE,
+                    "batch descriptor"));
   int32_t *m = t->msg;
   m[H_MAGIC] = TP_MAGIC;
   m[H_OP] = TP_OP_FORWARD;
@@ -201,7 +198,7 @@ lf_status lf_backend_tp_stop(lf_backend *b) {
   if (!t || t->stopped) return LF_OK;
   t->stopped = 1;
   if (t->failed) return LF_OK; /* the job is going down anyway; a bcast could block */
-  LF_TRY(grow_words(&t->msg, &t->cap_msg, LF_TP_INLINE));
+  LF_TRY(grow_words(&t->msg, &t->cap_msg, LF_TP_INLINE, "batch descriptor"));
   memset(t->msg, 0, sizeof(int32_t) * LF_TP_INLINE);
   t->msg[H_MAGIC] = TP_MAGIC;
   t->msg[H_OP] = TP_OP_STOP;
@@ -258,7 +255,7 @@ static void follower_free(tp_follower *f) {
 }
 
 static lf_status follow_one(tp_follower *f, lf_backend *be, lf_comm_t comm, int vocab, int *stop) {
-  LF_TRY(grow_words(&f->msg, &f->cap_msg, LF_TP_INLINE));
+  LF_TRY(grow_words(&f->msg, &f->cap_msg, LF_TP_INLINE, "batch descriptor"));
   LF_TRY(comm->bcast(comm, f->msg, sizeof(int32_t) * LF_TP_INLINE, 0, NULL));
   int32_t *m = f->msg;
   if (m[H_MAGIC] != TP_MAGIC || m[H_WORDS] < H_COUNT)
@@ -269,7 +266,7 @@ static lf_status follow_one(tp_follower *f, lf_backend *be, lf_comm_t comm, int 
   }
   const size_t words = (size_t)m[H_WORDS];
   if (words > LF_TP_INLINE) {
-    LF_TRY(grow_words(&f->msg, &f->cap_msg, words));
+    LF_TRY(grow_words(&f->msg, &f->cap_msg, words, "batch descriptor"));
     m = f->msg;
     LF_TRY(comm->bcast(comm, m + LF_TP_INLINE, sizeof(int32_t) * (words - LF_TP_INLINE), 0,
                        NULL));

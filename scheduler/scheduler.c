@@ -14,8 +14,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "clock.h"
 #include "error.h"
 #include "sample.h"
 
@@ -103,12 +103,6 @@ static const double lat_bounds[LF_LATENCY_BUCKETS] = {0.001, 0.002, 0.005, 0.01,
 
 const double *lf_latency_bucket_bounds(void) {
   return lat_bounds;
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 int lf_sched_pools_for_memory(uint64_t kv_bytes_available, double util, uint64_t pool_bytes) {
@@ -314,7 +308,7 @@ lf_status lf_sched_init(const lf_sched_config *cfg, lf_backend *be, lf_sched **o
   s->be = be;
   s->pools_total = pools;
   s->next_id = 1;
-  s->t_init = now_s();
+  s->t_init = lf_now_s();
   s->running = calloc((size_t)pools, sizeof *s->running);
   s->items = calloc((size_t)pools, sizeof *s->items);
   s->res = calloc((size_t)pools, sizeof *s->res);
@@ -418,7 +412,7 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   lf_rng_seed(&r->rng, rq->sampling.seed);
   r->ignore_eos = rq->ignore_eos;
   r->pool = -1;
-  r->t_submit = now_s();
+  r->t_submit = lf_now_s();
   /* The `full` policy holds exactly `budget` tokens: a longer prompt can never run. It is
    * accepted (the caller gets an id) and finished at once with a clear status. */
   const int never_fits = c->policy == LF_POLICY_FULL && rq->n_prompt > c->budget;
@@ -471,7 +465,7 @@ lf_status lf_sched_cancel(lf_sched *s, uint64_t id) {
     const int k = finish_events(r);
     if ((st = ev_reserve(s, k)) == LF_OK) {
       wait_remove(s, r);
-      finish(s, r, LF_FINISH_CANCELLED, LF_OK, -1, 0, now_s());
+      finish(s, r, LF_FINISH_CANCELLED, LF_OK, -1, 0, lf_now_s());
       ev_release(s, k);
       req_free(r);
     }
@@ -556,6 +550,16 @@ static void compact_running(lf_sched *s) {
   s->n_running = k;
 }
 
+/* Appends r's tokens [pos0, pos0 + n_tok) to the step's batch as item *n. */
+static void batch_add(lf_sched *s, int *n, lf_sreq *r, int pos0, int n_tok) {
+  lf_batch_item *it = &s->items[*n];
+  it->pool = r->pool;
+  it->pos0 = pos0;
+  it->n_tok = n_tok;
+  it->tokens = r->tokens + pos0; /* position p's token is tokens[p] */
+  s->item_req[(*n)++] = r;
+}
+
 /* Builds the step's batch (lock held). Decodes first, then prefill chunks in admission order
  * under the token budget. A prompt's chunk boundaries depend only on its length and
  * max_batch_tokens (chunks of exactly max_batch_tokens, the last one shorter), never on what
@@ -566,13 +570,7 @@ static int build_batch(lf_sched *s) {
   int n = 0;
   for (int i = 0; i < s->n_running; i++) {
     lf_sreq *r = s->running[i];
-    if (r->n_prefilled < r->n_prompt) continue;
-    lf_batch_item *it = &s->items[n];
-    it->pool = r->pool;
-    it->pos0 = r->n_prompt + r->n_gen - 1;
-    it->n_tok = 1;
-    it->tokens = r->tokens + it->pos0;
-    s->item_req[n++] = r;
+    if (r->n_prefilled == r->n_prompt) batch_add(s, &n, r, r->n_prompt + r->n_gen - 1, 1);
   }
   const int C = s->cfg.max_batch_tokens;
   long budget = C > 0 ? C : LONG_MAX;
@@ -583,12 +581,7 @@ static int build_batch(lf_sched *s) {
     const int chunk = C > 0 && left > C ? C : left;
     if (chunk > budget) continue;
     budget -= chunk;
-    lf_batch_item *it = &s->items[n];
-    it->pool = r->pool;
-    it->pos0 = r->n_prefilled;
-    it->n_tok = chunk;
-    it->tokens = r->tokens + r->n_prefilled;
-    s->item_req[n++] = r;
+    batch_add(s, &n, r, r->n_prefilled, chunk);
   }
   return n;
 }
@@ -621,7 +614,7 @@ lf_status lf_sched_step(lf_sched *s, lf_event *events, int cap, int *n) {
     return lf_error(LF_ERR_STATE, "lf_engine_step called from two threads at once");
   }
   s->stepping = 1;
-  const double t0 = now_s();
+  const double t0 = lf_now_s();
   lf_status st = LF_OK;
   int reserved = 0, n_items = 0;
 
@@ -667,7 +660,7 @@ lf_status lf_sched_step(lf_sched *s, lf_event *events, int cap, int *n) {
   if (n_items > 0) fs = s->be->forward(s->be, s->items, n_items, s->res, NULL);
 
   pthread_mutex_lock(&s->mu);
-  const double t1 = now_s();
+  const double t1 = lf_now_s();
   uint64_t sampled_before = s->tokens_generated;
   if (fs != LF_OK) {
     /* A backend-wide failure leaves these sequences' pools in an unknown state: end them. */
@@ -706,7 +699,7 @@ lf_status lf_sched_step(lf_sched *s, lf_event *events, int cap, int *n) {
 out:
   ev_release(s, reserved);
   ev_drain(s, events, cap, n);
-  s->step_seconds += now_s() - t0;
+  s->step_seconds += lf_now_s() - t0;
   s->stepping = 0;
   pthread_mutex_unlock(&s->mu);
   return st;
@@ -725,7 +718,7 @@ int lf_sched_busy(lf_sched *s) {
 lf_status lf_sched_request_stats(lf_sched *s, uint64_t id, lf_request_stats *out) {
   if (!s || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_request_stats: NULL argument");
   lf_status st = LF_ERR_NOT_FOUND;
-  const double now = now_s();
+  const double now = lf_now_s();
   pthread_mutex_lock(&s->mu);
   for (int i = 0; i < s->n_running && st != LF_OK; i++)
     if (s->running[i]->id == id && !s->running[i]->done) {
@@ -753,7 +746,7 @@ lf_status lf_sched_request_stats(lf_sched *s, uint64_t id, lf_request_stats *out
 
 lf_status lf_sched_metrics(lf_sched *s, lf_metrics *m) {
   if (!s || !m) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_metrics: NULL argument");
-  const double now = now_s();
+  const double now = lf_now_s();
   pthread_mutex_lock(&s->mu);
   memset(m, 0, sizeof *m);
   m->running = s->n_running;
