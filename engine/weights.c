@@ -191,9 +191,15 @@ static lf_status wt_load_layer(const lf_checkpoint *ck, const lf_shard *sh, int 
   return LF_OK;
 }
 
+/* sh NULL: the whole model (the single-rank plan, which a valid config always has). */
 static lf_status wt_load_all(const lf_checkpoint *ck, const lf_shard *sh, lf_weights *w) {
   const lf_model_config *c = &ck->cfg;
   LF_TRY(lf_config_validate(c, NULL));
+  lf_shard whole;
+  if (!sh) {
+    LF_TRY(lf_shard_plan(0, 1, c->n_heads, c->n_kv_heads, c->hidden_dim, c->vocab_size, &whole));
+    sh = &whole;
+  }
   w->layers = calloc((size_t)c->n_layers, sizeof *w->layers);
   if (!w->layers) return lf_error(LF_ERR_OUT_OF_MEMORY, "out of memory (%d layers)", c->n_layers);
   LF_TRY(wt_load_rows(ck, "model.embed_tokens.weight", c->vocab_size, c->dim, sh->vocab0,
@@ -211,19 +217,9 @@ static lf_status wt_load_all(const lf_checkpoint *ck, const lf_shard *sh, lf_wei
   return LF_OK;
 }
 
-/* The plan of a single rank: everything. */
-static lf_shard wt_whole(const lf_model_config *c) {
-  lf_shard sh = {.rank = 0, .size = 1, .q0 = 0, .n_q = c->n_heads, .kv0 = 0,
-                 .n_kv = c->n_kv_heads, .cq0 = 0, .n_cq = c->n_heads, .replicas = 1,
-                 .hid0 = 0, .n_hid = c->hidden_dim, .vocab0 = 0, .n_vocab = c->vocab_size,
-                 .max_vocab = c->vocab_size};
-  return sh;
-}
-
 lf_status lf_weights_load_f32_shard(const lf_checkpoint *ck, const lf_shard *sh, lf_weights *w) {
   if (!ck || !w) return lf_error(LF_ERR_INVALID_ARG, "lf_weights_load_f32_shard: NULL argument");
   memset(w, 0, sizeof *w);
-  lf_shard whole = wt_whole(&ck->cfg);
   if (sh) {
     /* The plan must be one lf_shard_plan made for this model. */
     lf_shard chk;
@@ -233,7 +229,7 @@ lf_status lf_weights_load_f32_shard(const lf_checkpoint *ck, const lf_shard *sh,
       return lf_error(LF_ERR_INVALID_ARG, "shard plan of rank %d/%d does not match the model",
                       sh->rank, sh->size);
   }
-  lf_status st = wt_load_all(ck, sh ? sh : &whole, w);
+  lf_status st = wt_load_all(ck, sh, w);
   if (st != LF_OK) lf_weights_free(&ck->cfg, w);
   return st;
 }
