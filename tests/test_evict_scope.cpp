@@ -27,23 +27,6 @@
 
 namespace {
 
-uint64_t seed_for(const char *test) {
-  static const uint64_t base = lf_test_seed();
-  std::printf("[ seed     ] %s: LF_TEST_SEED=%llu\n", test, (unsigned long long)base);
-  uint64_t h = base;
-  for (const char *c = test; *c; c++)
-    h = h * 1099511628211ull + (unsigned char)*c;
-  return h;
-}
-
-std::vector<float> normal(std::mt19937_64 &gen, size_t n, float sd = 1.0f) {
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> x(n);
-  for (auto &e : x)
-    e = d(gen);
-  return x;
-}
-
 lf_attn_params make_params(lf_policy pol, int sink, int group, int head_dim, int recent = 0,
                            int window = 8) {
   lf_attn_params p{};
@@ -213,8 +196,8 @@ void lockstep(const lf_attn_params &p, int B, int n_kv, int steps, std::mt19937_
   ph.scope = LF_EVICT_HEAD;
   for (int s = 0; s < steps && !::testing::Test::HasFatalFailure(); s++) {
     const float qsd = 0.5f + 2.0f * (float)(s % 5) / 4.0f;
-    std::vector<float> q = normal(gen, (size_t)n_kv * G * D, qsd), k = normal(gen, (size_t)n_kv * D),
-                       v = normal(gen, (size_t)n_kv * D);
+    std::vector<float> q = lf_test_normal(gen, (size_t)n_kv * G * D, qsd), k = lf_test_normal(gen, (size_t)n_kv * D),
+                       v = lf_test_normal(gen, (size_t)n_kv * D);
     ASSERT_TRUE(o.step(q.data(), k.data(), v.data(), s)) << "oracle has no slot at step " << s;
     const int w_lib = lf_kv_write_slot(&hs[0]);
     ASSERT_EQ(w_lib, o.w) << "step " << s;
@@ -292,7 +275,7 @@ void report(const char *what, const Stats &st) {
 } // namespace
 
 TEST(LayerScope, LongflowLockstepWithOracle) {
-  std::mt19937_64 gen(seed_for("LayerScope.LongflowLockstepWithOracle"));
+  std::mt19937_64 gen(lf_test_seed_for("LayerScope.LongflowLockstepWithOracle"));
   Stats st;
   struct Cfg {
     int B, G, D, sink, n_kv, steps;
@@ -315,7 +298,7 @@ TEST(LayerScope, LongflowLockstepWithOracle) {
 }
 
 TEST(LayerScope, H2OAndStreamingLockstepWithOracle) {
-  std::mt19937_64 gen(seed_for("LayerScope.H2OAndStreamingLockstepWithOracle"));
+  std::mt19937_64 gen(lf_test_seed_for("LayerScope.H2OAndStreamingLockstepWithOracle"));
   Stats st;
   for (int r = 0; r < 12 && !HasFatalFailure(); r++) {
     const int sink = r % 3, recent = r % 4, n_kv = 1 + r % 3, G = 1 + r % 4;
@@ -330,7 +313,7 @@ TEST(LayerScope, H2OAndStreamingLockstepWithOracle) {
 /* With one KV head, layer scope is head scope: the same bits everywhere. And lf_attn_decode_ref
  * (its own scratch) equals lf_attn_decode_ref_ws (reused scratch). */
 TEST(LayerScope, OneHeadEqualsHeadScope) {
-  std::mt19937_64 gen(seed_for("LayerScope.OneHeadEqualsHeadScope"));
+  std::mt19937_64 gen(lf_test_seed_for("LayerScope.OneHeadEqualsHeadScope"));
   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O, LF_POLICY_STREAMING}) {
     const int B = 24, G = 3, D = 16;
     lf_attn_params p = make_params(pol, 4, G, D, 3);
@@ -339,7 +322,7 @@ TEST(LayerScope, OneHeadEqualsHeadScope) {
     lf_attn_scratch ws{};
     std::vector<float> oa(G * D), ob(G * D), oc(G * D), sa(B), sb(B), sc(B);
     for (int s = 0; s < 150; s++) {
-      std::vector<float> q = normal(gen, G * D, 2.0f), k = normal(gen, D), v = normal(gen, D);
+      std::vector<float> q = lf_test_normal(gen, G * D, 2.0f), k = lf_test_normal(gen, D), v = lf_test_normal(gen, D);
       int ea = 0, eb = 0, ec = 0;
       ASSERT_EQ(lf_attn_decode_layer_ref(&p, &ha, 1, q.data(), k.data(), v.data(), s, oa.data(),
                                          &ea, sa.data(), &ws),
@@ -397,7 +380,7 @@ TEST(LayerScope, RejectsHeadsThatDisagree) {
  * layer's heads, computed here the long way; every head keeps it; outputs are plain causal
  * attention (the same as scope head's). */
 TEST(LayerScope, PrefillSnapKVIsLayerWide) {
-  std::mt19937_64 gen(seed_for("LayerScope.PrefillSnapKVIsLayerWide"));
+  std::mt19937_64 gen(lf_test_seed_for("LayerScope.PrefillSnapKVIsLayerWide"));
   long near = 0;
   for (int r = 0; r < 16 && !HasFatalFailure(); r++) {
     const int n_kv = 1 + r % 3, G = 1 + (r / 3) % 3, D = 8, B = 12 + r * 3, sink = r % 5,
@@ -406,8 +389,8 @@ TEST(LayerScope, PrefillSnapKVIsLayerWide) {
                                       << sink << " window " << window << " P " << P);
     lf_attn_params p = make_params(LF_POLICY_LONGFLOW, sink, G, D, 0, window);
     const size_t qs = (size_t)n_kv * G * D, ks = (size_t)n_kv * D;
-    std::vector<float> q = normal(gen, P * qs, 1.5f), k = normal(gen, P * ks),
-                       v = normal(gen, P * ks);
+    std::vector<float> q = lf_test_normal(gen, P * qs, 1.5f), k = lf_test_normal(gen, P * ks),
+                       v = lf_test_normal(gen, P * ks);
     Arena lay(n_kv, B, D), per(n_kv, B, D);
     std::vector<lf_kv_head> hs = lay.heads(), hp = per.heads();
     std::vector<float> out(P * qs, NAN), out_h(P * qs, NAN);
@@ -485,8 +468,8 @@ TEST(LayerScope, PrefillSnapKVIsLayerWide) {
     /* Decoding on from there keeps the heads in step, and a chunk that overflows runs as
      * layer decode steps. */
     const int more = B;
-    std::vector<float> q2 = normal(gen, more * qs), k2 = normal(gen, more * ks),
-                       v2 = normal(gen, more * ks), o2(more * qs);
+    std::vector<float> q2 = lf_test_normal(gen, more * qs), k2 = lf_test_normal(gen, more * ks),
+                       v2 = lf_test_normal(gen, more * ks), o2(more * qs);
     uint64_t ev2 = 0;
     ASSERT_EQ(lf_attn_prefill_layer_ref(&p, hs.data(), n_kv, more, P, q2.data(), qs, k2.data(),
                                         v2.data(), ks, o2.data(), qs, &ev2, nullptr),

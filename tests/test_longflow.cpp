@@ -23,16 +23,6 @@
 
 namespace {
 
-uint64_t seed_for(const char *test) {
-  static const uint64_t base = lf_test_seed();
-  std::printf("[ seed     ] %s: LF_TEST_SEED=%llu\n", test, (unsigned long long)base);
-  /* Different streams per test, all replayed by the one printed seed. */
-  uint64_t h = base;
-  for (const char *c = test; *c; c++)
-    h = h * 1099511628211ull + (unsigned char)*c;
-  return h;
-}
-
 struct Rng {
   std::mt19937_64 gen;
   explicit Rng(uint64_t s) : gen(s) {}
@@ -284,7 +274,7 @@ void report(const char *what, const LockstepStats &st) {
 /* ------------------------------------------------------------------------------------------- */
 
 TEST(LongFlow, LockstepWithOracleRandomConfigs) {
-  Rng rng(seed_for("LongFlow.LockstepWithOracleRandomConfigs"));
+  Rng rng(lf_test_seed_for("LongFlow.LockstepWithOracleRandomConfigs"));
   const int dims[] = {4, 8, 16, 64};
   LockstepStats st;
   /* Edge configurations first: the tightest budget for each sink, the widest group. */
@@ -309,7 +299,7 @@ TEST(LongFlow, LockstepWithOracleRandomConfigs) {
 /* While the budget exceeds the sequence, eviction never happens and the output is plain causal
  * attention over every token so far, computed here in the simplest possible way. */
 TEST(LongFlow, BudgetLargerThanSequenceIsFullAttention) {
-  Rng rng(seed_for("LongFlow.BudgetLargerThanSequenceIsFullAttention"));
+  Rng rng(lf_test_seed_for("LongFlow.BudgetLargerThanSequenceIsFullAttention"));
   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_FULL, LF_POLICY_STREAMING, LF_POLICY_H2O}) {
     const int G = rng.uniform_int(1, 8), D = 16, steps = 150, B = 160;
     lf_attn_params p = make_params(pol, 4, G, D, 2);
@@ -355,7 +345,7 @@ TEST(LongFlow, BudgetLargerThanSequenceIsFullAttention) {
 /* A constructed case with an obvious answer: the slot whose value vector is tiny contributes
  * least and is evicted next, unless it is a sink. */
 TEST(LongFlow, TinyValueSlotIsEvictedButSinkIsNot) {
-  Rng rng(seed_for("LongFlow.TinyValueSlotIsEvictedButSinkIsNot"));
+  Rng rng(lf_test_seed_for("LongFlow.TinyValueSlotIsEvictedButSinkIsNot"));
   const int B = 8, G = 2, D = 16, sink = 2;
   lf_attn_params p = make_params(LF_POLICY_LONGFLOW, sink, G, D);
   OnePool pool(1, B, D);
@@ -384,7 +374,7 @@ TEST(LongFlow, TinyValueSlotIsEvictedButSinkIsNot) {
 /* Exact ties (identical keys, value vectors with the same L1 norm): the lowest candidate wins,
  * and the slot just written is skipped. */
 TEST(LongFlow, ExactTiesGoToLowestSlot) {
-  Rng rng(seed_for("LongFlow.ExactTiesGoToLowestSlot"));
+  Rng rng(lf_test_seed_for("LongFlow.ExactTiesGoToLowestSlot"));
   const int B = 10, G = 3, D = 8, sink = 3;
   lf_attn_params p = make_params(LF_POLICY_LONGFLOW, sink, G, D);
   OnePool pool(1, B, D);
@@ -410,7 +400,7 @@ TEST(LongFlow, ExactTiesGoToLowestSlot) {
 /* ------------------------------------------------------------------------------------------- */
 
 TEST(FullPolicy, ErrorsAtOverflowWithNothingModified) {
-  Rng rng(seed_for("FullPolicy.ErrorsAtOverflowWithNothingModified"));
+  Rng rng(lf_test_seed_for("FullPolicy.ErrorsAtOverflowWithNothingModified"));
   const int B = 8, G = 2, D = 8;
   lf_attn_params p = make_params(LF_POLICY_FULL, 4, G, D);
   OnePool pool(1, B, D);
@@ -448,7 +438,7 @@ TEST(FullPolicy, ErrorsAtOverflowWithNothingModified) {
 }
 
 TEST(FullPolicy, LockstepUntilFull) {
-  Rng rng(seed_for("FullPolicy.LockstepUntilFull"));
+  Rng rng(lf_test_seed_for("FullPolicy.LockstepUntilFull"));
   LockstepStats st;
   run_lockstep(make_params(LF_POLICY_FULL, 4, 4, 16), 48, 2, 48, rng, st);
   report("full", st);
@@ -456,7 +446,7 @@ TEST(FullPolicy, LockstepUntilFull) {
 }
 
 TEST(StreamingPolicy, LockstepWithOracle) {
-  Rng rng(seed_for("StreamingPolicy.LockstepWithOracle"));
+  Rng rng(lf_test_seed_for("StreamingPolicy.LockstepWithOracle"));
   LockstepStats st;
   for (int r = 0; r < 8 && !HasFatalFailure(); r++) {
     const int B = rng.uniform_int(4, 40), sink = rng.uniform_int(0, std::min(4, B - 2));
@@ -469,7 +459,7 @@ TEST(StreamingPolicy, LockstepWithOracle) {
 
 /* Streaming keeps exactly the sinks and the most recent B - sink positions. */
 TEST(StreamingPolicy, KeepsSinksAndMostRecent) {
-  Rng rng(seed_for("StreamingPolicy.KeepsSinksAndMostRecent"));
+  Rng rng(lf_test_seed_for("StreamingPolicy.KeepsSinksAndMostRecent"));
   const int B = 12, sink = 4, G = 2, D = 8, steps = 100;
   lf_attn_params p = make_params(LF_POLICY_STREAMING, sink, G, D);
   OnePool pool(1, B, D);
@@ -490,7 +480,7 @@ TEST(StreamingPolicy, KeepsSinksAndMostRecent) {
 }
 
 TEST(H2OPolicy, LockstepWithOracle) {
-  Rng rng(seed_for("H2OPolicy.LockstepWithOracle"));
+  Rng rng(lf_test_seed_for("H2OPolicy.LockstepWithOracle"));
   LockstepStats st;
   for (int r = 0; r < 10 && !HasFatalFailure(); r++) {
     const int sink = rng.uniform_int(0, 4), recent = rng.uniform_int(0, 4);
@@ -618,7 +608,7 @@ TEST(Pool, TakeGiveLifoAndErrors) {
 }
 
 TEST(Pool, TakeResetsMetadataAndViewsAreDisjoint) {
-  Rng rng(seed_for("Pool.TakeResetsMetadataAndViewsAreDisjoint"));
+  Rng rng(lf_test_seed_for("Pool.TakeResetsMetadataAndViewsAreDisjoint"));
   const lf_pool_shape s{2, 3, 2, 6, 4};
   lf_kv_arena a;
   ASSERT_EQ(lf_kv_arena_init(&a, &s), LF_OK);

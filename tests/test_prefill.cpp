@@ -18,23 +18,6 @@
 
 namespace {
 
-uint64_t seed_for(const char *test) {
-  static const uint64_t base = lf_test_seed();
-  std::printf("[ seed     ] %s: LF_TEST_SEED=%llu\n", test, (unsigned long long)base);
-  uint64_t h = base;
-  for (const char *c = test; *c; c++)
-    h = h * 1099511628211ull + (unsigned char)*c;
-  return h;
-}
-
-std::vector<float> normal(std::mt19937_64 &gen, size_t n, float sd = 1.0f) {
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> x(n);
-  for (auto &e : x)
-    e = d(gen);
-  return x;
-}
-
 lf_attn_params make_params(lf_policy pol, int sink, int window, int group, int head_dim) {
   lf_attn_params p{};
   p.policy = pol;
@@ -57,8 +40,8 @@ struct Tokens {
   int n, n_kv, G, D;
   std::vector<float> q, k, v;
   Tokens(std::mt19937_64 &gen, int n_, int n_kv_, int G_, int D_)
-      : n(n_), n_kv(n_kv_), G(G_), D(D_), q(normal(gen, (size_t)n_ * n_kv_ * G_ * D_, 1.5f)),
-        k(normal(gen, (size_t)n_ * n_kv_ * D_)), v(normal(gen, (size_t)n_ * n_kv_ * D_)) {}
+      : n(n_), n_kv(n_kv_), G(G_), D(D_), q(lf_test_normal(gen, (size_t)n_ * n_kv_ * G_ * D_, 1.5f)),
+        k(lf_test_normal(gen, (size_t)n_ * n_kv_ * D_)), v(lf_test_normal(gen, (size_t)n_ * n_kv_ * D_)) {}
   size_t q_stride() const {
     return (size_t)n_kv * G * D;
   }
@@ -294,7 +277,7 @@ void check_prompt(lf_policy pol, int P, int B, int sink, int window, int G, int 
 } // namespace
 
 TEST(Prefill, PromptsThatFitAreKeptInOrder) {
-  std::mt19937_64 gen(seed_for("Prefill.PromptsThatFitAreKeptInOrder"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.PromptsThatFitAreKeptInOrder"));
   for (int G : {1, 2, 4})
     for (int sink : {0, 4}) {
       check_prompt(LF_POLICY_LONGFLOW, 1, 16, sink, 32, G, 8, 2, gen);
@@ -305,7 +288,7 @@ TEST(Prefill, PromptsThatFitAreKeptInOrder) {
 }
 
 TEST(Prefill, SnapKVCompressionKeepsTheSpecSet) {
-  std::mt19937_64 gen(seed_for("Prefill.SnapKVCompressionKeepsTheSpecSet"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.SnapKVCompressionKeepsTheSpecSet"));
   for (int G : {1, 2, 4})
     for (int sink : {0, 4}) {
       check_prompt(LF_POLICY_LONGFLOW, 48, 48, sink, 32, G, 8, 2, gen);   /* P = B */
@@ -319,7 +302,7 @@ TEST(Prefill, SnapKVCompressionKeepsTheSpecSet) {
 /* Identical keys make every pooled score in the interior tie exactly; the zero padding lowers
  * the two positions at each end of the scored prefix. Ties go to the lower position. */
 TEST(Prefill, ExactTiesKeepLowerPositions) {
-  std::mt19937_64 gen(seed_for("Prefill.ExactTiesKeepLowerPositions"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.ExactTiesKeepLowerPositions"));
   for (int G : {1, 2, 4}) {
     std::vector<int> kept;
     check_prompt(LF_POLICY_LONGFLOW, 40, 12, 2, 3, G, 8, 2, gen, true, &kept);
@@ -336,7 +319,7 @@ TEST(Prefill, ExactTiesKeepLowerPositions) {
 
 /* Budgets too small for the whole window: W_eff = min(W, B - 1 - sink). */
 TEST(Prefill, WindowShrinksWithSmallBudgets) {
-  std::mt19937_64 gen(seed_for("Prefill.WindowShrinksWithSmallBudgets"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.WindowShrinksWithSmallBudgets"));
   for (int G : {1, 2, 4}) {
     check_prompt(LF_POLICY_LONGFLOW, 100, 8, 4, 32, G, 8, 2, gen); /* W_eff = 3, no middle */
     check_prompt(LF_POLICY_LONGFLOW, 100, 6, 4, 32, G, 8, 1, gen); /* W_eff = 1 */
@@ -348,7 +331,7 @@ TEST(Prefill, WindowShrinksWithSmallBudgets) {
 
 /* h2o compresses like longflow (SnapKV) and also seeds acc; streaming keeps sinks + recent. */
 TEST(Prefill, OtherEvictingPoliciesCompressToo) {
-  std::mt19937_64 gen(seed_for("Prefill.OtherEvictingPoliciesCompressToo"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.OtherEvictingPoliciesCompressToo"));
   check_prompt(LF_POLICY_STREAMING, 90, 32, 4, 16, 2, 8, 2, gen);
   check_prompt(LF_POLICY_H2O, 90, 32, 4, 16, 2, 8, 2, gen);
   check_prompt(LF_POLICY_H2O, 20, 32, 4, 16, 4, 8, 1, gen);
@@ -357,7 +340,7 @@ TEST(Prefill, OtherEvictingPoliciesCompressToo) {
 /* A prompt in chunks into a pool with room: every output is full attention over all tokens so
  * far, and the pool ends with every token in order. */
 TEST(Prefill, ChunkedExtensionThatFits) {
-  std::mt19937_64 gen(seed_for("Prefill.ChunkedExtensionThatFits"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.ChunkedExtensionThatFits"));
   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_FULL, LF_POLICY_H2O})
     for (int G : {1, 2, 4}) {
       const int B = 40, D = 8, n_kv = 2, P = pol == LF_POLICY_FULL ? 40 : 39;
@@ -409,7 +392,7 @@ TEST(Prefill, ChunkedExtensionThatFits) {
 
 /* A chunk that overflows a non-empty pool is exactly a run of decode steps. */
 TEST(Prefill, OverflowingChunkEqualsDecodeSteps) {
-  std::mt19937_64 gen(seed_for("Prefill.OverflowingChunkEqualsDecodeSteps"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.OverflowingChunkEqualsDecodeSteps"));
   struct Case {
     lf_policy pol;
     int first, second; /* chunk sizes; the first is compressed when > B - 1 */
@@ -462,7 +445,7 @@ TEST(Prefill, OverflowingChunkEqualsDecodeSteps) {
 
 /* The full policy holds exactly B tokens; more is an error that changes nothing. */
 TEST(Prefill, FullPolicyOverflowIsAnErrorAndChangesNothing) {
-  std::mt19937_64 gen(seed_for("Prefill.FullPolicyOverflowIsAnErrorAndChangesNothing"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.FullPolicyOverflowIsAnErrorAndChangesNothing"));
   const int B = 16, D = 8, G = 2, n_kv = 1;
   lf_attn_params p = make_params(LF_POLICY_FULL, 4, 32, G, D);
   {
@@ -496,7 +479,7 @@ TEST(Prefill, FullPolicyOverflowIsAnErrorAndChangesNothing) {
 }
 
 TEST(Prefill, ArgumentChecks) {
-  std::mt19937_64 gen(seed_for("Prefill.ArgumentChecks"));
+  std::mt19937_64 gen(lf_test_seed_for("Prefill.ArgumentChecks"));
   const int B = 8, D = 4, G = 2;
   lf_attn_params p = make_params(LF_POLICY_LONGFLOW, 2, 4, G, D);
   Tokens x(gen, 4, 1, G, D);
