@@ -32,6 +32,7 @@
 #include <stdint.h>
 
 #include "attention/cuda_check.h"
+#include "attention/cuda_ptx.cuh"
 
 #define DA_NW 4                    /* warps per block */
 #define DA_NT (DA_NW * 32)         /* threads per block */
@@ -64,14 +65,6 @@ typedef struct attn_params {
   float2 *ml;
   float *po, *lg;
 } attn_params;
-
-static __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
 
 static __device__ __forceinline__ uint32_t u4_get(const uint4 &x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;

@@ -6,17 +6,9 @@
 #include <stdint.h>
 
 #include "attention/cuda_check.h"
+#include "attention/cuda_ptx.cuh"
 
 #define GV_WARPS 8 /* warps (output rows) per block */
-
-/* Weights are read once per step: do not let them displace X (or anything else) from L1. */
-static __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
 
 static __device__ __forceinline__ void unpack8(const uint4 v, float f[8]) {
   const uint32_t u[4] = {v.x, v.y, v.z, v.w};
