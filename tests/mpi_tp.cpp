@@ -20,6 +20,7 @@
 #include "parallel/comm.h"
 #include "parallel/shard.h"
 #include "test_util.h"
+#include "tp_test_util.h"
 
 namespace {
 
@@ -64,52 +65,8 @@ bool all_agree(bool v) {
   return x != 0;
 }
 
-struct Gen {
-  std::vector<int32_t> prompt;
-  int max_tokens;
-  float temperature;
-  uint64_t seed;
-};
-
-// Runs the requests on engine e (rank 0 drives, others follow); returns rank 0's tokens.
-std::vector<std::vector<int32_t>> run(lf_engine_t e, const std::vector<Gen> &gens, bool lead) {
-  std::vector<std::vector<int32_t>> out(gens.size());
-  if (!lead) {
-    EXPECT_EQ(lf_engine_follow(e), LF_OK) << lf_last_error();
-    return out;
-  }
-  std::vector<uint64_t> ids;
-  for (const Gen &g : gens) {
-    lf_request rq{};
-    rq.prompt = g.prompt.data();
-    rq.n_prompt = (int)g.prompt.size();
-    rq.max_tokens = g.max_tokens;
-    rq.sampling.temperature = g.temperature;
-    rq.sampling.top_p = 1.0f;
-    rq.sampling.seed = g.seed;
-    rq.ignore_eos = 1;
-    uint64_t id;
-    EXPECT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();
-    ids.push_back(id);
-  }
-  lf_event ev[64];
-  while (lf_engine_busy(e)) {
-    int n = 0;
-    lf_status s = lf_engine_step(e, ev, 64, &n);
-    EXPECT_EQ(s, LF_OK) << lf_last_error();
-    if (s != LF_OK) break;
-    for (int i = 0; i < n; i++)
-      for (size_t k = 0; k < ids.size(); k++)
-        if (ev[i].id == ids[k]) {
-          if (ev[i].type == LF_EVENT_TOKEN) out[k].push_back(ev[i].token);
-          else EXPECT_EQ(ev[i].reason, LF_FINISH_LENGTH) << lf_status_str(ev[i].status);
-        }
-  }
-  return out;
-}
-
 void compare_engines(const std::string &path, lf_policy policy, int budget, int n_pools,
-                     const std::vector<Gen> &gens) {
+                     const std::vector<TpGen> &gens) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = path.c_str();
@@ -122,11 +79,11 @@ void compare_engines(const std::string &path, lf_policy policy, int budget, int 
   const bool lead = g_comm->rank == 0;
   lf_engine_t e = nullptr;
   ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
-  auto tp = run(e, gens, lead);
+  auto tp = lf_tp_test_run(e, gens, lead);
   lf_engine_free(e);
   if (!lead) return;
   ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
-  auto ref = run(e, gens, true);
+  auto ref = lf_tp_test_run(e, gens, true);
   lf_engine_free(e);
   for (size_t k = 0; k < gens.size(); k++) {
     ASSERT_EQ((int)ref[k].size(), gens[k].max_tokens);
@@ -147,7 +104,7 @@ TEST(MpiTp, GreedyTokensMatchSingleRank) {
     for (lf_policy pol : {LF_POLICY_FULL, LF_POLICY_LONGFLOW}) {
       // longflow with a small pool evicts from the first decode step on; full holds it all
       const int budget = pol == LF_POLICY_FULL ? 96 : 16;
-      std::vector<Gen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
+      std::vector<TpGen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
                                {prompt_of(23, 256, 1), 30, 0.0f, 0}, // SnapKV-compressed prompt
                                {prompt_of(5, 256, 2), 35, 0.8f, 7}}; // sampled, same u
       compare_engines(m.path, pol, budget, 2, gens); // 3 requests on 2 pools: pool reuse
