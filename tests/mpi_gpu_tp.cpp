@@ -244,32 +244,7 @@ int die_scenario(int die_rank, bool hang) {
     fprintf(stderr, "rank %d: exiting on purpose\n", g_comm->rank);
     std::_Exit(3);
   }
-  if (g_comm->rank != 0) {
-    lf_status s = lf_engine_follow(e);
-    fprintf(stderr, "rank %d: follow returned %s: %s\n", g_comm->rank, lf_status_str(s),
-            lf_last_error());
-    return s == LF_OK ? 0 : 1;
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  std::vector<int32_t> p = prompt_of(8, 256, 0);
-  lf_request rq{};
-  rq.prompt = p.data();
-  rq.n_prompt = (int)p.size();
-  rq.max_tokens = 1000;
-  rq.ignore_eos = 1;
-  uint64_t id;
-  lf_engine_submit(e, &rq, &id);
-  lf_event ev[16];
-  while (lf_engine_busy(e)) {
-    int n;
-    lf_status s = lf_engine_step(e, ev, 16, &n);
-    if (s != LF_OK) {
-      fprintf(stderr, "rank 0: step failed: %s: %s\n", lf_status_str(s), lf_last_error());
-      std::_Exit(1); // as a program would exit; no teardown behind a failed communicator
-    }
-  }
-  fprintf(stderr, "rank 0: finished without noticing the lost rank\n");
-  return 0;
+  return lf_tp_test_serve_after_loss(e, g_comm->rank, prompt_of(8, 256, 0), 1000, true);
 }
 
 } // namespace

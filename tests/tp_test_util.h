@@ -4,7 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
 #include <vector>
 
 #include "lfserve.h"
@@ -55,6 +59,39 @@ inline std::vector<std::vector<int32_t>> lf_tp_test_run(lf_engine_t e,
         }
   }
   return out;
+}
+
+/* The part of a lost-rank run after the deliberate failure: followers follow; rank 0 serves one
+ * long request until a step fails. Returns the process exit code: a follower's follow status,
+ * 1 when rank 0 noticed the loss, 0 when it finished without noticing. With hard_exit a failed
+ * step ends the process at once (no teardown behind a failed communicator). */
+inline int lf_tp_test_serve_after_loss(lf_engine_t e, int rank, std::vector<int32_t> prompt,
+                                       int max_tokens, bool hard_exit) {
+  if (rank != 0) {
+    lf_status s = lf_engine_follow(e);
+    fprintf(stderr, "rank %d: follow returned %s: %s\n", rank, lf_status_str(s), lf_last_error());
+    return s == LF_OK ? 0 : 1;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  lf_request rq{};
+  rq.prompt = prompt.data();
+  rq.n_prompt = (int)prompt.size();
+  rq.max_tokens = max_tokens;
+  rq.ignore_eos = 1;
+  uint64_t id;
+  lf_engine_submit(e, &rq, &id);
+  lf_event ev[16];
+  while (lf_engine_busy(e)) {
+    int n;
+    lf_status s = lf_engine_step(e, ev, 16, &n);
+    if (s != LF_OK) {
+      fprintf(stderr, "rank 0: step failed: %s: %s\n", lf_status_str(s), lf_last_error());
+      if (hard_exit) std::_Exit(1);
+      return 1; // lfgen's behaviour: exit non-zero
+    }
+  }
+  fprintf(stderr, "rank 0: finished without noticing the lost rank\n");
+  return 0;
 }
 
 #endif
