@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
@@ -89,7 +90,6 @@ class Server:
             if r.status != 200:
                 return r.status, [json.loads(r.read())], False
             chunks, done = [], False
-            buf = b""
             while True:
                 line = r.readline()
                 if not line:
@@ -143,3 +143,25 @@ def wait_idle(srv, timeout=30):
             raise AssertionError("server not idle: %s" % {k: v for k, v in m.items()
                                                           if re.match("lfserve_(pools|queue|requests_in)", k)})
         time.sleep(0.05)
+
+
+def run_suite(body):
+    """Runs body(servers), where body appends every Server it starts to servers. On an
+    exception: prints it, stops the servers and prints their logs. Leftover processes are
+    killed either way. Prints PASS/FAIL and returns the exit code."""
+    servers = []
+    ok = True
+    try:
+        body(servers)
+    except Exception:
+        ok = False
+        traceback.print_exc()
+        for s in servers:
+            s.stop()
+            print("---- server log ----\n" + s.read_log()[-6000:])
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.proc.kill()
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1

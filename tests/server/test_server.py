@@ -15,10 +15,9 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serverlib import ROOT, Server, make_tiny_chat_model, wait_idle  # noqa: E402
+from serverlib import ROOT, Server, make_tiny_chat_model, run_suite, wait_idle  # noqa: E402
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -287,9 +286,8 @@ def main():
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="lfserve-test-")
     model = make_tiny_chat_model(os.path.join(tmp, "tinychat"), context=8192)
-    servers = []
-    ok = True
-    try:
+
+    def run(servers):
         for args, fn in (
             ((model, "--budget", "64", "--pools", "4", "--max-body", "65536", "--timeout", "2", "--max-queue", "2",
               "--threads", "1"), tests_tokenizer_server),
@@ -305,18 +303,8 @@ def main():
             rc = s.stop()
             if rc != 0:
                 raise AssertionError("lfserve exited with %s:\n%s" % (rc, s.read_log()[-4000:]))
-    except Exception:
-        ok = False
-        traceback.print_exc()
-        for s in servers:
-            s.stop()
-            print("---- server log ----\n" + s.read_log()[-6000:])
-    finally:
-        for s in servers:
-            if s.proc.poll() is None:
-                s.proc.kill()
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+
+    return run_suite(run)
 
 
 if __name__ == "__main__":

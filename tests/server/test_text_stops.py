@@ -20,10 +20,9 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serverlib import Server, make_tiny_chat_model, wait_idle  # noqa: E402
+from serverlib import Server, make_tiny_chat_model, run_suite, wait_idle  # noqa: E402
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -199,8 +198,8 @@ def main():
     ap.add_argument("--lfserve", required=True)
     a = ap.parse_args()
     model = make_tiny_chat_model(os.path.join(tempfile.mkdtemp(prefix="lfstop-"), "tinychat"))
-    ok, servers = True, []
-    try:
+
+    def run(servers):
         s = Server(a.lfserve, model, "--pools", "4", "--threads", "1", "--budget", "128")
         servers.append(s)
         t0 = time.time()
@@ -215,18 +214,8 @@ def main():
         print("ok  --chat-content-special")
         rc = s.stop()
         assert rc == 0, "lfserve exited with %s" % rc
-    except Exception:
-        ok = False
-        traceback.print_exc()
-        for s in servers:
-            s.stop()
-            print("---- server log ----\n" + s.read_log()[-6000:])
-    finally:
-        for s in servers:
-            if s.proc.poll() is None:
-                s.proc.kill()
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+
+    return run_suite(run)
 
 
 if __name__ == "__main__":
