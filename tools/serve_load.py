@@ -13,7 +13,6 @@ carries a stop string cut from the middle of its reference text: it must end exa
 with finish_reason "stop" (the request is cancelled at the match, its pool returned at once).
 """
 import argparse
-import json
 import os
 import sys
 import tempfile

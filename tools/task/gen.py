@@ -46,7 +46,6 @@ tokenizer self-test needs the `tokenizers` package.
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import string
