@@ -23,6 +23,7 @@
 #include "engine/model.h"
 #include "lfserve.h"
 #include "memory/pool.h"
+#include "tests/engine_test_util.h"
 #include "tests/test_util.h"
 
 namespace {
@@ -487,42 +488,20 @@ TEST(LayerScope, PrefillSnapKVIsLayerWide) {
 
 namespace {
 
-struct GenRun {
-  std::vector<int32_t> tokens;
-  lf_request_stats stats{};
-  lf_status init = LF_OK;
-};
+using GenRun = LfRun;
 
 GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind backend, int budget,
-             const std::vector<int32_t> &prompt, int max_tokens) {
+                const std::vector<int32_t> &prompt, int max_tokens) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = model.c_str();
   cfg.backend = backend;
   cfg.budget = budget;
   cfg.evict_scope = scope;
-  GenRun r;
-  lf_engine_t e = nullptr;
-  r.init = lf_engine_init(&cfg, nullptr, &e);
-  if (r.init != LF_OK) return r;
-  lf_request rq{};
-  rq.prompt = prompt.data();
-  rq.n_prompt = (int)prompt.size();
-  rq.max_tokens = max_tokens;
-  rq.ignore_eos = 1;
-  uint64_t id;
-  EXPECT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();
-  lf_event ev[8];
-  while (lf_engine_busy(e)) {
-    int n;
-    EXPECT_EQ(lf_engine_step(e, ev, 8, &n), LF_OK) << lf_last_error();
-    for (int i = 0; i < n; i++) {
-      if (ev[i].type == LF_EVENT_TOKEN) r.tokens.push_back(ev[i].token);
-      else EXPECT_NE(ev[i].reason, LF_FINISH_ERROR) << lf_status_str(ev[i].status);
-    }
+  GenRun r = lf_test_run_one(cfg, prompt, max_tokens, true);
+  if (r.init == LF_OK) {
+    EXPECT_NE(r.reason, LF_FINISH_ERROR) << lf_status_str(r.finish_status);
   }
-  EXPECT_EQ(lf_engine_request_stats(e, id, &r.stats), LF_OK);
-  lf_engine_free(e);
   return r;
 }
 

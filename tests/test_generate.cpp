@@ -14,6 +14,7 @@
 #include "engine/forward.h"
 #include "engine/model.h"
 #include "lfserve.h"
+#include "engine_test_util.h"
 #include "test_util.h"
 
 namespace {
@@ -46,11 +47,7 @@ std::vector<double> json_numbers(const std::string &s, const std::string &key) {
   return out;
 }
 
-struct Generated {
-  std::vector<int32_t> tokens;
-  lf_finish_reason reason = LF_FINISH_NONE;
-  lf_request_stats stats{};
-};
+using Generated = LfRun;
 
 Generated generate(const std::string &model, const std::vector<int32_t> &prompt, int max_tokens,
                    lf_policy policy, int budget, bool ignore_eos) {
@@ -60,30 +57,8 @@ Generated generate(const std::string &model, const std::vector<int32_t> &prompt,
   cfg.backend = LF_BACKEND_CPU;
   cfg.policy = policy;
   cfg.budget = budget;
-  lf_engine_t e = nullptr;
-  Generated g;
-  lf_status s = lf_engine_init(&cfg, nullptr, &e);
-  EXPECT_EQ(s, LF_OK) << lf_last_error();
-  if (s != LF_OK) return g;
-  lf_request rq{};
-  rq.prompt = prompt.data();
-  rq.n_prompt = int(prompt.size());
-  rq.max_tokens = max_tokens;
-  rq.ignore_eos = ignore_eos;
-  uint64_t id;
-  EXPECT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();
-  lf_event ev[8];
-  while (lf_engine_busy(e)) {
-    int n;
-    EXPECT_EQ(lf_engine_step(e, ev, 8, &n), LF_OK) << lf_last_error();
-    for (int i = 0; i < n; i++) {
-      EXPECT_EQ(ev[i].id, id);
-      if (ev[i].type == LF_EVENT_TOKEN) g.tokens.push_back(ev[i].token);
-      else g.reason = ev[i].reason;
-    }
-  }
-  EXPECT_EQ(lf_engine_request_stats(e, id, &g.stats), LF_OK);
-  lf_engine_free(e);
+  Generated g = lf_test_run_one(cfg, prompt, max_tokens, ignore_eos);
+  EXPECT_EQ(g.init, LF_OK) << lf_last_error();
   return g;
 }
 
