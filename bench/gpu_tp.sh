@@ -4,7 +4,7 @@
 # batch 1 and 64; random:llama3-70b at TP=2, which does not fit one GPU). Logs and JSON under
 # $OUT (default ./out); a short table last.
 #
-#   bench/gpu_tp.sh                 everything (PHASES="build test comm step")
+#   bench/gpu_tp.sh                 everything (PHASES="build test serve comm step")
 #   PHASES="build test" bench/gpu_tp.sh     a part (each phase fits a 10-minute call)
 #   STEPS=20 BUDGET=1024            lfbench step options
 #
@@ -15,7 +15,7 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-PHASES=${PHASES:-build test comm step}
+PHASES=${PHASES:-build test serve comm step}
 STEPS=${STEPS:-30}
 BUDGET=${BUDGET:-1024}
 B=build-tp-gpu
@@ -41,12 +41,24 @@ if has build; then
       cmake --build /tmp/gtest-build -j32 >>"$LOG" 2>&1 && cmake --install /tmp/gtest-build >>"$LOG" 2>&1
   fi
   [ -d /tmp/gtest-install ] && extra+=(-DCMAKE_PREFIX_PATH=/tmp/gtest-install)
+  # lfserve needs libmicrohttpd; a machine without it builds the source tarball carried in
+  # build-deps/ (plain HTTP, no TLS), about 10 s.
+  if ! pkg-config --exists libmicrohttpd 2>/dev/null && ls build-deps/libmicrohttpd_*.orig.tar.* >/dev/null 2>&1; then
+    say "building libmicrohttpd from build-deps/"
+    rm -rf /tmp/mhd-src && mkdir -p /tmp/mhd-src && tar xf build-deps/libmicrohttpd_*.orig.tar.* -C /tmp/mhd-src &&
+      (cd /tmp/mhd-src/libmicrohttpd-* && ./configure -q --prefix=/tmp/mhd-install --disable-https --disable-doc \
+        --disable-examples --disable-curl --disable-static && make -j32 -s && make -s install) >>"$LOG" 2>&1 ||
+      say "libmicrohttpd build FAILED (no lfserve)"
+  fi
+  [ -d /tmp/mhd-install ] && export PKG_CONFIG_PATH=/tmp/mhd-install/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
   say "configure + build ($B, sm_90)"
   t0=$(date +%s)
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "${extra[@]}" \
     >>"$LOG" 2>&1 || { say "configure FAILED"; tail -30 "$LOG"; exit 1; }
   grep -E "NCCL|MPI|mpi_gpu_tp" "$LOG" | tail -5
-  cmake --build $B -j32 --target lfbench lfgen mpi_gpu_tp >>"$LOG" 2>&1 ||
+  targets=(lfbench lfgen mpi_gpu_tp)
+  grep -q "lfserve_server" $B/build.ninja && targets+=(lfserve_server)
+  cmake --build $B -j32 --target "${targets[@]}" >>"$LOG" 2>&1 ||
     { say "build FAILED"; grep -E "error" "$LOG" | head -30; exit 1; }
   say "build took $(( $(date +%s) - t0 )) s"
 fi
@@ -60,11 +72,11 @@ if grep -q "LF_HAVE_MPI" $B/build.ninja 2>/dev/null && command -v mpirun >/dev/n
              LF_CUDA_GRAPHS_TP; do
       [ -n "${!v:-}" ] && x+=(-x "$v")
     done
-    mpirun -np "$n" "${x[@]}" "$@"
+    timeout "${LT:-300}" mpirun -np "$n" "${x[@]}" "$@"
   }
   launcher=mpirun
 else
-  launch() { local n=$1; shift; bash tests/tp_run.sh "$n" "$@"; }
+  launch() { local n=$1; shift; timeout "${LT:-300}" bash tests/tp_run.sh "$n" "$@"; }
   launcher=tp_run
 fi
 export LF_NCCL_TIMEOUT_S=${LF_NCCL_TIMEOUT_S:-60}
@@ -80,16 +92,27 @@ if has test; then
       $B/tests/mpi_gpu_tp "$1" "$2" >"$OUT/die_$1_$2.txt" 2>&1 || { rc=1; say "die $1 $2 FAILED"; }
     grep -E "mpi_gpu_tp_die|FAIL|rank" "$OUT/die_$1_$2.txt" | tail -4 | tee -a "$LOG"
   done
-  say "lfgen TP=2 vs TP=1, random:llama3-8b, greedy 64 tokens"
+  say "lfgen TP=2 vs TP=1, random:llama3-8b, greedy 128 tokens"
   ids=128000,9906,11,1268,527,499,30
-  $B/lfgen --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 64 --budget 1024 --ignore-eos --print-ids \
+  $B/lfgen --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 128 --budget 1024 --ignore-eos --print-ids \
     >"$OUT/lfgen_tp1.txt" 2>&1 || rc=1
-  launch 2 $B/lfgen --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 64 --budget 1024 --ignore-eos \
+  launch 2 $B/lfgen --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 128 --budget 1024 --ignore-eos \
     --print-ids >"$OUT/lfgen_tp2.txt" 2>&1 || rc=1
   if diff <(grep -v "^lfgen" "$OUT/lfgen_tp1.txt") <(grep -v "^lfgen" "$OUT/lfgen_tp2.txt") >/dev/null; then
     say "lfgen: TP=2 tokens == TP=1 tokens"
   else
     say "lfgen: TP=2 tokens DIFFER from TP=1 (see lfgen_tp*.txt)"
+  fi
+fi
+
+if has serve; then
+  if [ -x $B/lfserve ] && [ $launcher = mpirun ]; then
+    say "lfserve under mpirun -np 2 --backend cuda (tests/server/test_server_mpi.py)"
+    timeout 300 python3 tests/server/test_server_mpi.py --lfserve $B/lfserve --mpiexec "$(command -v mpirun)" \
+      --backend cuda >"$OUT/server_mpi_cuda.txt" 2>&1 || { rc=1; say "server mpi cuda FAILED"; }
+    grep -E "^ok|up in|Error|assert" "$OUT/server_mpi_cuda.txt" | tail -12 | tee -a "$LOG"
+  else
+    say "serve: skipped (no lfserve binary or no mpirun)"
   fi
 fi
 

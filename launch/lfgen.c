@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "engine/tokenizer.h"
+#include "launch/tp_launch.h"
 #include "lfserve.h"
 #ifdef LF_HAVE_MPI
 #include <mpi.h>
@@ -97,42 +98,6 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
   return 0;
 }
 
-/* Tensor parallelism: under mpirun (or with --tp) every rank runs lfgen; MPI starts here, in
- * the program, not in the library. Launchers' size variables tell whether to start it. */
-static int launched_multi_rank(void) {
-  static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
-                                     "MPI_LOCALNRANKS", "LF_TP_SIZE"};
-  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-    const char *v = getenv(vars[i]);
-    if (v && atoi(v) > 1) return 1;
-  }
-  return 0;
-}
-
-/* GPU ranks (backend cuda, or auto in a build with NCCL) get an NCCL communicator through the
- * MPI bootstrap (one GPU per local rank); auto falls back to MPI when no rank has a GPU (the
- * bootstrap agrees on that before entering NCCL, so every rank falls back alike). */
-static lf_status tp_start(int *argc, char ***argv, lf_backend_kind backend, lf_comm_t *comm) {
-  /* tests/tp_run.sh (GPU ranks on one node, no MPI) */
-  if (getenv("LF_TP_RANK") && backend != LF_BACKEND_CPU)
-    return lf_comm_init_nccl_env(0.0, NULL, comm);
-#ifdef LF_HAVE_MPI
-  int inited = 0;
-  MPI_Initialized(&inited);
-  if (!inited && MPI_Init(argc, argv) != MPI_SUCCESS) return LF_ERR_BACKEND;
-#ifdef LF_HAVE_NCCL
-  if (backend != LF_BACKEND_CPU) {
-    const lf_status s = lf_comm_init_nccl_mpi(0.0, NULL, comm);
-    if (s == LF_OK || backend == LF_BACKEND_CUDA || s != LF_ERR_UNAVAILABLE) return s;
-  }
-#endif
-  (void)backend;
-  return lf_comm_init_mpi(comm);
-#else
-  (void)argc, (void)argv, (void)backend;
-  return lf_comm_init_mpi(comm); /* LF_ERR_UNAVAILABLE with its message */
-#endif
-}
 
 static void tp_end(lf_comm_t comm) {
   if (!comm) return;
@@ -160,7 +125,7 @@ int main(int argc, char **argv) {
   int32_t *ids = NULL;
   const char *prompt_text = NULL;
   int chat = 0, print_ids = 0;
-  int want_tp = launched_multi_rank();
+  int want_tp = lf_launched_multi_rank();
   lf_comm_t comm = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -330,7 +295,7 @@ int main(int argc, char **argv) {
   const double t_load = now_s();
   lf_engine_t e;
   lf_status s = LF_OK;
-  if (want_tp && (s = tp_start(&argc, &argv, cfg.backend, &comm)) != LF_OK) {
+  if (want_tp && (s = lf_tp_start(&argc, &argv, cfg.backend, &comm)) != LF_OK) {
     fprintf(stderr, "lfgen: --tp: %s: %s\n", lf_status_str(s), lf_last_error());
     free(ids);
     return 1;

@@ -36,6 +36,7 @@
 #include "engine/tokenizer.h"
 #include "launch/http_json.h"
 #include "launch/http_request.h"
+#include "launch/tp_launch.h"
 #include "lfserve.h"
 #ifdef LF_HAVE_MPI
 #include <mpi.h>
@@ -999,16 +1000,6 @@ static void usage(FILE *f) {
           "                          (default: content is plain text)\n");
 }
 
-/* Launchers' world-size variables: more than one rank means tensor parallelism. */
-static int launched_multi_rank(void) {
-  static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
-                                     "MPI_LOCALNRANKS"};
-  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-    const char *v = getenv(vars[i]);
-    if (v && atoi(v) > 1) return 1;
-  }
-  return 0;
-}
 
 static int parse_long(const char *s, long lo, long hi, long *out) {
   char *end;
@@ -1137,16 +1128,8 @@ int main(int argc, char **argv) {
   memset(&si, 0, sizeof si);
   const double t0 = now_s();
   lf_status s = LF_OK;
-  if (launched_multi_rank()) {
-#ifdef LF_HAVE_MPI
-    int inited = 0;
-    MPI_Initialized(&inited);
-    if (!inited && MPI_Init(&argc, &argv) != MPI_SUCCESS) {
-      fprintf(stderr, "lfserve: MPI_Init failed\n");
-      return 1;
-    }
-#endif
-    s = lf_comm_init_mpi(&comm);
+  if (lf_launched_multi_rank()) {
+    s = lf_tp_start(&argc, &argv, cfg.backend, &comm);
     if (s != LF_OK) {
       fprintf(stderr, "lfserve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
       return 1;

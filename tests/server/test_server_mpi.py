@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""lfserve under mpiexec -np 2 on the CPU backend: rank 0 serves HTTP, rank 1 follows.
+"""lfserve under mpiexec -np 2: rank 0 serves HTTP, rank 1 follows.
 
     python3 tests/server/test_server_mpi.py --lfserve build/lfserve [--mpiexec mpiexec]
+                                            [--backend cpu|cuda]
+
+CI runs it on the CPU backend (MPI between the ranks); bench/gpu_tp.sh runs it with
+--backend cuda on two GPUs (NCCL between the ranks, one GPU per rank).
 
 A single-rank server first gives greedy references (completions from text and from token ids,
 one long enough to evict under a 64-slot budget, chat, streamed and whole, a stop string); the
@@ -84,13 +88,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lfserve", required=True)
     ap.add_argument("--mpiexec", default=shutil.which("mpiexec") or "mpiexec")
+    ap.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
     a = ap.parse_args()
     env = os.environ.copy()
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
     launcher = [a.mpiexec, "-np", "2", "--oversubscribe"]
+    if a.backend == "cuda":
+        launcher = [a.mpiexec, "-np", "2", "-x", "NCCL_NVLS_ENABLE=0"]
     model = make_tiny_chat_model(os.path.join(tempfile.mkdtemp(prefix="lfmpi-"), "tinychat"))
-    args = ("--budget", "64", "--pools", "4", "--threads", "1")
+    args = ("--budget", "64", "--pools", "4", "--threads", "1", "--backend", a.backend)
     servers, ok = [], True
     try:
         s = Server(a.lfserve, model, *args, env=env)
