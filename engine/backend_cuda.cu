@@ -968,13 +968,8 @@ extern "C" lf_status lf_backend_cuda_limit_pools(lf_backend *b, int n_pools) {
   return LF_OK;
 }
 
-static void cuda_free(lf_backend *b) {
-  cuda_backend *c = (cuda_backend *)b;
-  if (!c) return;
-  cudaSetDevice(c->device);
-  /* under TP a peer may be gone: the communicator's wait gives up (and aborts) at its deadline */
-  if (c->stream && (!c->comm || lf_comm_sync(c->comm, c->stream) == LF_OK))
-    cudaStreamSynchronize(c->stream);
+/* Everything cuda_free releases on the device side (memory, graphs, handles, the stream). */
+static void free_device_side(cuda_backend *c) {
   if (c->layers) {
     for (int l = 0; l < c->cfg.n_layers; l++) {
       cuda_layer *L = &c->layers[l];
@@ -988,7 +983,6 @@ static void cuda_free(lf_backend *b) {
       cudaFree(L->q_norm);
       cudaFree(L->k_norm);
     }
-    free(c->layers);
   }
   if (c->lm_head != c->embed) cudaFree(c->lm_head);
   cudaFree(c->embed);
@@ -1011,9 +1005,6 @@ static void cuda_free(lf_backend *b) {
   if (c->graph)
     for (int r = 0; r <= c->max_items; r++)
       if (c->graph[r]) cudaGraphExecDestroy(c->graph[r]);
-  free(c->graph);
-  free(c->graph_used);
-  free(c->graph_seen);
   cudaFree(c->blas_ws);
   for (int i = 0; c->tunes && i < c->n_tunes; i++) {
     gemm_tune *t = &c->tunes[i];
@@ -1022,10 +1013,26 @@ static void cuda_free(lf_backend *b) {
     if (t->b) cublasLtMatrixLayoutDestroy(t->b);
     if (t->y) cublasLtMatrixLayoutDestroy(t->y);
   }
-  free(c->tunes);
   if (c->lt) cublasLtDestroy(c->lt);
   if (c->blas) cublasDestroy(c->blas);
   if (c->stream) cudaStreamDestroy(c->stream);
+}
+
+static void cuda_free(lf_backend *b) {
+  cuda_backend *c = (cuda_backend *)b;
+  if (!c) return;
+  cudaSetDevice(c->device);
+  /* under TP a peer may be gone: the communicator's wait gives up (and aborts) at its deadline.
+   * Then the device may still run a kernel that never ends (an abandoned NCCL abort), and
+   * cudaFree would wait for it: the device memory is left to the process's exit. */
+  const int dev_ok = !c->comm || !c->stream || lf_comm_sync(c->comm, c->stream) == LF_OK;
+  if (c->stream && dev_ok) cudaStreamSynchronize(c->stream);
+  if (dev_ok) free_device_side(c);
+  free(c->layers);
+  free(c->graph);
+  free(c->graph_used);
+  free(c->graph_seen);
+  free(c->tunes);
   free(c->free_list);
   free(c->in_use);
   free(c->host_n);

@@ -33,28 +33,34 @@
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "ar_ipc.h"
 #include "comm.h"
 #include "engine/clock.h"
 #include "engine/error.h"
 
 _Static_assert(sizeof(ncclUniqueId) == LF_NCCL_ID_BYTES, "ncclUniqueId size");
 _Static_assert(LF_NCCL_ID_BYTES == LF_NCCL_UNIQUE_ID_BYTES, "public id size");
+_Static_assert(sizeof(lf_ar_record) % 4 == 0, "records travel as int32");
 
 typedef struct nccl_impl {
   ncclComm_t comm;
   int owned;          /* created here: finalized and destroyed by lf_comm_free */
   int failed;         /* aborted: every later call fails at once */
+  int aborted;        /* the abort finished (else NCCL kernels may still spin on the device) */
   int dev;            /* the communicator's CUDA device */
   double timeout_s;
   cudaStream_t hstream; /* host-buffer collectives */
   void *stage;          /* device staging for them */
   size_t stage_bytes;
+  lf_ar_ipc *ar;        /* one-shot IPC all-reduce for small device messages, or NULL */
 } nccl_impl;
 
 /* Polling cadence: yield for the first 20 ms (a decode step ends within that, and a sleep would
@@ -68,17 +74,62 @@ static void nc_pause(double t0) {
   }
 }
 
+/* ncclCommAbort on its own thread: recent NCCL versions synchronise with the peers' aborts
+ * inside ncclCommAbort, so with a peer that is stuck (alive, not in NCCL) it may never return
+ * (measured on 2 x H200, NCCL 2.28: the rank hung in it). The failing call waits for it a
+ * bounded time, then returns its error anyway; the thread is left behind, and the program is
+ * expected to exit (lfgen, lfserve and the tests do). */
+typedef struct {
+  ncclComm_t comm;
+  atomic_int done;
+} nc_abort_job;
+
+static void *nc_abort_main(void *arg) {
+  nc_abort_job *j = (nc_abort_job *)arg;
+  ncclCommAbort(j->comm); /* also ends this rank's spinning NCCL kernels */
+  atomic_store(&j->done, 1);
+  return NULL;
+}
+
+/* 1 when the abort finished within `wait_s`. The job is leaked when it did not (its thread
+ * still uses it). */
+static int nc_abort_bounded(ncclComm_t comm, double wait_s) {
+  nc_abort_job *j = (nc_abort_job *)calloc(1, sizeof *j);
+  if (!j) return 0;
+  j->comm = comm;
+  pthread_t th;
+  if (pthread_create(&th, NULL, nc_abort_main, j) != 0) {
+    free(j);
+    return 0;
+  }
+  const double t0 = lf_now_s();
+  while (!atomic_load(&j->done) && lf_now_s() - t0 < wait_s) {
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  if (!atomic_load(&j->done)) {
+    pthread_detach(th);
+    return 0;
+  }
+  pthread_join(th, NULL);
+  free(j);
+  return 1;
+}
+
 /* Aborts (once) and records the failure; returns LF_ERR_BACKEND. */
 static lf_status nc_fail(lf_comm_t c, const char *file, int line, const char *stmt,
                          const char *why) {
   nccl_impl *m = c->impl;
+  int aborted = 1;
   if (!m->failed) {
     m->failed = 1;
-    if (m->comm) ncclCommAbort(m->comm); /* also ends this rank's spinning NCCL kernels */
+    if (m->comm) aborted = nc_abort_bounded(m->comm, 3.0);
+    m->aborted = aborted;
     m->comm = NULL;
   }
-  return lf_error(LF_ERR_BACKEND, "rank %d: %s:%d: %s: %s (NCCL communicator aborted)", c->rank,
-                  file, line, stmt, why);
+  return lf_error(LF_ERR_BACKEND, "rank %d: %s:%d: %s: %s (NCCL communicator %s)", c->rank, file,
+                  line, stmt, why,
+                  aborted ? "aborted" : "abandoned: its abort did not finish within 3 s");
 }
 
 static lf_status nc_dead(lf_comm_t c) {
@@ -138,6 +189,10 @@ static lf_status nc_wait(lf_comm_t c, cudaStream_t st, double timeout, const cha
   const double t0 = lf_now_s();
   for (;;) {
     const cudaError_t e = cudaStreamQuery(st);
+    if (m->ar && lf_ar_ipc_failed(m->ar)) /* its kernel gave up on a peer, then returned */
+      return nc_fail(c, __FILE__, __LINE__, what,
+                     "a peer did not reach the IPC all-reduce within the timeout: it is gone or "
+                     "stuck (LF_NCCL_TIMEOUT_S)");
     if (e == cudaSuccess) return LF_OK;
     if (e != cudaErrorNotReady) return nc_fail(c, __FILE__, __LINE__, what, cudaGetErrorString(e));
     ncclResult_t a = ncclSuccess;
@@ -198,6 +253,12 @@ static lf_status nc_allreduce(lf_comm_t c, void *buf, size_t n, lf_comm_dtype t,
   nccl_impl *m = c->impl;
   if (n == 0) return LF_OK;
   if (stream) {
+    if (m->failed) return nc_dead(c);
+    /* small fp32/bf16 messages: the one-shot IPC kernel (the choice depends only on the size,
+     * type and alignment, the same on every rank) */
+    if (m->ar && (t == LF_COMM_F32 || t == LF_COMM_BF16) &&
+        lf_ar_ipc_fits(m->ar, buf, n * lf_comm_dtype_size(t)))
+      return lf_ar_ipc_run(m->ar, buf, n, t == LF_COMM_BF16, stream);
     LF_NCCL_CHECK(c, ncclAllReduce(buf, buf, n, nc_type(t), ncclSum, m->comm,
                                    (cudaStream_t)stream), m->timeout_s);
     return LF_OK;
@@ -278,8 +339,11 @@ static void nc_destroy(lf_comm_t c) {
                     "ncclCommFinalize") == LF_OK)
         ncclCommDestroy(m->comm);
     }
-    if (m->stage) cudaFree(m->stage);
-    if (m->hstream) cudaStreamDestroy(m->hstream);
+    /* behind an abandoned abort a kernel may still spin: freeing could block, so leak */
+    const int dev_ok = !m->failed || m->aborted;
+    lf_ar_ipc_free(m->ar, dev_ok);
+    if (m->stage && dev_ok) cudaFree(m->stage);
+    if (m->hstream && dev_ok) cudaStreamDestroy(m->hstream);
     free(m);
   }
   free(c);
@@ -299,6 +363,37 @@ static double nc_default_timeout(double timeout_s) {
   const char *e = getenv("LF_NCCL_TIMEOUT_S");
   const double v = e ? atof(e) : 0.0;
   return v > 0 ? v : 60.0;
+}
+
+/* The IPC all-reduce (ar_ipc.h) when every rank can take part: each allocates its region and
+ * publishes a record, all records are gathered, each maps its peers, and all must succeed
+ * (else every rank keeps NCCL). LF_CUSTOM_AR=0 turns it off; LF_CUSTOM_AR_BYTES sets the
+ * largest message it takes (default 8 MiB: beyond that NCCL's bandwidth wins anyway). Only a
+ * communicator failure is an error. */
+static lf_status nc_ar_setup(lf_comm_t c) {
+  nccl_impl *m = c->impl;
+  const char *on = getenv("LF_CUSTOM_AR");
+  if (c->size < 2 || c->size > LF_AR_MAX_RANKS || (on && !strcmp(on, "0"))) return LF_OK;
+  const char *cb = getenv("LF_CUSTOM_AR_BYTES");
+  size_t cap = cb && atol(cb) > 0 ? (size_t)atol(cb) : ((size_t)8 << 20);
+  lf_ar_record rec;
+  lf_ar_ipc *a = NULL;
+  (void)lf_ar_ipc_prepare(cap, m->timeout_s, &a, &rec); /* rec.ok = 0 on failure */
+  lf_ar_record *all = (lf_ar_record *)calloc((size_t)c->size, sizeof *all);
+  if (!all) {
+    lf_ar_ipc_free(a, 1);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "IPC all-reduce records");
+  }
+  lf_status s = nc_allgather(c, &rec, all, sizeof rec / 4, LF_COMM_I32, NULL);
+  int32_t ok = s == LF_OK && a && lf_ar_ipc_attach(a, c->rank, c->size, all) == LF_OK;
+  free(all);
+  if (s == LF_OK) s = nc_allreduce(c, &ok, 1, LF_COMM_I32, NULL);
+  if (s == LF_OK && ok == c->size) {
+    m->ar = a;
+  } else {
+    lf_ar_ipc_free(a, 1);
+  }
+  return s;
 }
 
 lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, int size,
@@ -357,9 +452,10 @@ lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, in
   if (s == LF_OK && cudaStreamCreateWithFlags(&m->hstream, cudaStreamNonBlocking) != cudaSuccess)
     s = lf_error(LF_ERR_BACKEND, "rank %d: cudaStreamCreateWithFlags: %s", c->rank,
                  cudaGetErrorString(cudaGetLastError()));
+  if (s == LF_OK) s = nc_ar_setup(c);
   if (s != LF_OK) {
     if (!nccl_comm) m->failed = 1; /* aborted by nc_settle, or never made */
-    if (!nccl_comm && m->comm) ncclCommAbort(m->comm);
+    if (!nccl_comm && m->comm) nc_abort_bounded(m->comm, 3.0);
     m->comm = NULL;
     m->owned = 0;
     nc_destroy(c);

@@ -10,10 +10,25 @@ mpiexec=$1 np=$2 bin=$3 mode=$4 rank=$5
 export LF_NCCL_TIMEOUT_S=5 NCCL_NVLS_ENABLE=0
 start=$(date +%s)
 if [ "$mpiexec" = tp_run ]; then
-  timeout 120 bash "$(dirname "$0")/tp_run.sh" "$np" "$bin" --$mode-rank "$rank"
+  timeout 120 bash "$(dirname "$0")/tp_run.sh" "$np" "$bin" --$mode-rank "$rank" &
 else
-  timeout 120 "$mpiexec" -np "$np" -x LF_NCCL_TIMEOUT_S -x NCCL_NVLS_ENABLE "$bin" --$mode-rank "$rank"
+  timeout 120 "$mpiexec" -np "$np" -x LF_NCCL_TIMEOUT_S -x NCCL_NVLS_ENABLE "$bin" --$mode-rank "$rank" &
 fi
+job=$!
+# a job still running after 60 s is hung: show where the ranks are before timeout ends it
+waited=0
+while kill -0 $job 2>/dev/null && [ $waited -lt 60 ]; do sleep 1; waited=$((waited + 1)); done
+if kill -0 $job 2>/dev/null; then
+  for pid in $(pgrep -x "$(basename "$bin" | cut -c1-15)"); do
+    echo "---- stacks of pid $pid ($(tr '\0' ' ' </proc/$pid/cmdline 2>/dev/null | cut -c1-80))"
+    if command -v gdb >/dev/null; then
+      gdb -p "$pid" -batch -ex "thread apply all bt 12" 2>/dev/null | grep -E "^#|^Thread" | head -60
+    else
+      for t in /proc/$pid/task/*; do echo "$t: $(cat $t/wchan 2>/dev/null)"; done | head -20
+    fi
+  done
+fi
+wait $job
 rc=$?
 took=$(( $(date +%s) - start ))
 echo "mpi_gpu_tp_die: rank $rank ($mode) of $np; job ended with status $rc after ${took}s"
