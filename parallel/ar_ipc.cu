@@ -1,0 +1,277 @@
+/* One-shot IPC all-reduce: see ar_ipc.h. */
+#include "parallel/ar_ipc.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/error.h"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kMaxBlocks = 64;
+/* flags: [2 buffers][kMaxBlocks][LF_AR_MAX_RANKS] uint32, then the two data buffers */
+constexpr size_t kFlagBytes = 2 * kMaxBlocks * LF_AR_MAX_RANKS * sizeof(uint32_t);
+constexpr size_t kDataOffset = (kFlagBytes + 4095) / 4096 * 4096;
+
+struct Params {
+  char *region[LF_AR_MAX_RANKS]; /* every rank's region, mapped here (own included) */
+  uint32_t *ctr;                 /* own: [0] calls made, [1] blocks done in this call */
+  int *err;                      /* host-mapped */
+  size_t cap;
+  unsigned long long timeout_ns;
+  int rank, size;
+};
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 ld_volatile(const uint4 *p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t *flag_at(char *region, uint32_t buf, int block, int from) {
+  return reinterpret_cast<uint32_t *>(region) + (buf * kMaxBlocks + block) * LF_AR_MAX_RANKS + from;
+}
+
+template <bool BF16> __device__ __forceinline__ void add_vec(float *acc, const uint4 &u) {
+  if (BF16) {
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  } else {
+    const float *f = reinterpret_cast<const float *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] += f[i];
+  }
+}
+
+template <bool BF16> __device__ __forceinline__ uint4 pack_vec(const float *acc) {
+  uint4 u;
+  if (BF16) {
+    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  } else {
+    float *f = reinterpret_cast<float *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] = acc[i];
+  }
+  return u;
+}
+
+/* This call's number and buffer, read from the device counter (so graph replays alternate). */
+__device__ __forceinline__ uint32_t next_call(const Params &p) {
+  return *reinterpret_cast<volatile uint32_t *>(p.ctr) + 1;
+}
+
+/* Kernel 1: x into this rank's buffer of this call. A kernel of its own: the peers read the
+ * copy only after it completed, when its stores are visible system-wide. (One kernel that
+ * copied, fenced and raised the flags gave wrong sums now and then at 0.5-4 MB on 2 x H200,
+ * with a fence by the flag-raising thread or by every thread.) */
+__global__ void __launch_bounds__(kThreads) ar_copy_kernel(Params p, const uint4 *x, size_t nvec) {
+  const uint32_t buf = next_call(p) & 1u;
+  uint4 *own = reinterpret_cast<uint4 *>(p.region[p.rank] + kDataOffset + buf * p.cap);
+  for (size_t v = (size_t)blockIdx.x * kThreads + threadIdx.x; v < nvec;
+       v += (size_t)gridDim.x * kThreads)
+    own[v] = x[v];
+}
+
+/* Kernel 2: flags, wait, sum. nvec 16-byte vectors of x, block b owns the contiguous range
+ * [b * per, (b + 1) * per): it raises flag b in every peer, waits for flag b of every peer,
+ * then sums that range of every rank's buffer. */
+template <bool BF16> __global__ void __launch_bounds__(kThreads) ar_kernel(Params p, uint4 *x,
+                                                                            size_t nvec) {
+  __shared__ uint32_t s_call;
+  if (threadIdx.x == 0) s_call = next_call(p);
+  __syncthreads();
+  const uint32_t call = s_call, buf = call & 1u;
+  const size_t per = (nvec + gridDim.x - 1) / gridDim.x;
+  const size_t v0 = (size_t)blockIdx.x * per;
+  const size_t v1 = v0 + per < nvec ? v0 + per : nvec;
+  if (threadIdx.x < (unsigned)p.size) {
+    const int r = (int)threadIdx.x;
+    st_release_sys(flag_at(p.region[r], buf, blockIdx.x, p.rank), call);
+    const uint32_t *mine = flag_at(p.region[p.rank], buf, blockIdx.x, r);
+    const unsigned long long t0 = global_ns();
+    unsigned spins = 0;
+    while (ld_acquire_sys(mine) != call) {
+      if ((++spins & 255u) == 0 && global_ns() - t0 > p.timeout_ns) {
+        atomicExch_system(p.err, 1);
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  __threadfence_system(); /* every reading thread ordered after the flags it depends on */
+  constexpr int kPer = BF16 ? 8 : 4;
+  for (size_t v = v0 + threadIdx.x; v < v1; v += kThreads) {
+    float acc[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; i++) acc[i] = 0.0f;
+    for (int r = 0; r < p.size; r++) /* rank order: the same bits on every rank */
+      add_vec<BF16>(acc, ld_volatile(reinterpret_cast<const uint4 *>(p.region[r] + kDataOffset +
+                                                                     buf * p.cap) + v));
+    x[v] = pack_vec<BF16>(acc);
+  }
+  /* the last block to finish counts the call */
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(p.ctr + 1, 1u) == gridDim.x - 1) {
+      p.ctr[1] = 0;
+      __threadfence();
+      atomicExch(p.ctr, call);
+    }
+  }
+}
+
+} // namespace
+
+struct lf_ar_ipc {
+  Params p;
+  char *own;         /* this rank's region (cudaMalloc) */
+  int opened[LF_AR_MAX_RANKS];
+  int *err_host;     /* host-mapped error flag */
+  int attached;
+};
+
+extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc **out,
+                                       lf_ar_record *rec) {
+  memset(rec, 0, sizeof *rec);
+  *out = NULL;
+  gethostname(rec->host, sizeof rec->host - 1);
+  cudaGetDevice(&rec->device);
+  cap = (cap + 4095) / 4096 * 4096;
+  lf_ar_ipc *a = (lf_ar_ipc *)calloc(1, sizeof *a);
+  if (!a) return lf_error(LF_ERR_OUT_OF_MEMORY, "IPC all-reduce");
+  a->p.cap = cap;
+  a->p.timeout_ns = (unsigned long long)(timeout_s * 1e9);
+  cudaError_t e = cudaMalloc((void **)&a->own, kDataOffset + 2 * cap);
+  if (e == cudaSuccess) e = cudaMemset(a->own, 0, kFlagBytes);
+  if (e == cudaSuccess) e = cudaMalloc((void **)&a->p.ctr, 2 * sizeof(uint32_t));
+  if (e == cudaSuccess) e = cudaMemset(a->p.ctr, 0, 2 * sizeof(uint32_t));
+  if (e == cudaSuccess) e = cudaHostAlloc((void **)&a->err_host, sizeof(int), cudaHostAllocMapped);
+  if (e == cudaSuccess) {
+    *a->err_host = 0;
+    e = cudaHostGetDevicePointer((void **)&a->p.err, a->err_host, 0);
+  }
+  cudaIpcMemHandle_t h;
+  if (e == cudaSuccess) e = cudaIpcGetMemHandle(&h, a->own);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    lf_ar_ipc_free(a, 1);
+    return lf_error(LF_ERR_BACKEND, "IPC all-reduce: %s", cudaGetErrorString(e));
+  }
+  static_assert(sizeof h <= sizeof rec->handle, "cudaIpcMemHandle_t size");
+  memcpy(rec->handle, &h, sizeof h);
+  rec->ok = 1;
+  *out = a;
+  return LF_OK;
+}
+
+extern "C" lf_status lf_ar_ipc_attach(lf_ar_ipc *a, int rank, int size, const lf_ar_record *recs) {
+  if (!a || size < 2 || size > LF_AR_MAX_RANKS || rank < 0 || rank >= size)
+    return lf_error(LF_ERR_UNSUPPORTED, "IPC all-reduce: %d ranks (2..%d)", size, LF_AR_MAX_RANKS);
+  for (int r = 0; r < size; r++) {
+    if (!recs[r].ok) return lf_error(LF_ERR_UNAVAILABLE, "IPC all-reduce: rank %d has no region", r);
+    if (strncmp(recs[r].host, recs[rank].host, sizeof recs[r].host))
+      return lf_error(LF_ERR_UNSUPPORTED, "IPC all-reduce: ranks on several hosts");
+    if (r == rank) continue;
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, recs[rank].device, recs[r].device) != cudaSuccess || !can) {
+      cudaGetLastError();
+      return lf_error(LF_ERR_UNSUPPORTED, "IPC all-reduce: GPU %d cannot access GPU %d",
+                      recs[rank].device, recs[r].device);
+    }
+  }
+  a->p.rank = rank;
+  a->p.size = size;
+  for (int r = 0; r < size; r++) {
+    if (r == rank) {
+      a->p.region[r] = a->own;
+      continue;
+    }
+    cudaIpcMemHandle_t h;
+    memcpy(&h, recs[r].handle, sizeof h);
+    void *ptr = NULL;
+    const cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return lf_error(LF_ERR_UNAVAILABLE, "IPC all-reduce: opening rank %d's memory: %s", r,
+                      cudaGetErrorString(e));
+    }
+    a->p.region[r] = (char *)ptr;
+    a->opened[r] = 1;
+  }
+  a->attached = 1;
+  return LF_OK;
+}
+
+extern "C" int lf_ar_ipc_fits(const lf_ar_ipc *a, const void *buf, size_t bytes) {
+  return a && a->attached && bytes > 0 && bytes <= a->p.cap && bytes % 16 == 0 &&
+         ((uintptr_t)buf & 15) == 0;
+}
+
+extern "C" lf_status lf_ar_ipc_run(lf_ar_ipc *a, void *buf, size_t n, int bf16, void *stream) {
+  const size_t bytes = n * (bf16 ? 2 : 4);
+  if (!lf_ar_ipc_fits(a, buf, bytes))
+    return lf_error(LF_ERR_INTERNAL, "IPC all-reduce: %zu bytes do not fit", bytes);
+  const size_t nvec = bytes / 16;
+  /* ~2 vectors per thread: one block up to 16 KB, 64 blocks from 1 MB */
+  size_t blocks = (nvec + 2 * kThreads - 1) / (2 * kThreads);
+  if (blocks > (size_t)kMaxBlocks) blocks = kMaxBlocks;
+  if (blocks < 1) blocks = 1;
+  cudaStream_t st = (cudaStream_t)stream;
+  size_t cblocks = (nvec + 4 * kThreads - 1) / (4 * kThreads);
+  if (cblocks > 132) cblocks = 132;
+  if (cblocks < 1) cblocks = 1;
+  ar_copy_kernel<<<(unsigned)cblocks, kThreads, 0, st>>>(a->p, (const uint4 *)buf, nvec);
+  if (bf16)
+    ar_kernel<true><<<(unsigned)blocks, kThreads, 0, st>>>(a->p, (uint4 *)buf, nvec);
+  else
+    ar_kernel<false><<<(unsigned)blocks, kThreads, 0, st>>>(a->p, (uint4 *)buf, nvec);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return lf_error(LF_ERR_BACKEND, "IPC all-reduce launch: %s", cudaGetErrorString(e));
+  return LF_OK;
+}
+
+extern "C" int lf_ar_ipc_failed(const lf_ar_ipc *a) {
+  return a && a->err_host && *(volatile int *)a->err_host != 0;
+}
+
+extern "C" void lf_ar_ipc_free(lf_ar_ipc *a, int device_ok) {
+  if (!a) return;
+  if (device_ok) {
+    for (int r = 0; r < LF_AR_MAX_RANKS; r++)
+      if (a->opened[r]) cudaIpcCloseMemHandle(a->p.region[r]);
+    cudaFree(a->own);
+    cudaFree(a->p.ctr);
+    if (a->err_host) cudaFreeHost(a->err_host);
+  }
+  free(a);
+}
