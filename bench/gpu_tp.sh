@@ -51,6 +51,14 @@ if has build; then
       say "libmicrohttpd build FAILED (no lfserve)"
   fi
   [ -d /tmp/mhd-install ] && export PKG_CONFIG_PATH=/tmp/mhd-install/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  # and PCRE2 for the byte-level BPE pre-tokenizer (static, about 10 s)
+  if ! pkg-config --exists libpcre2-8 2>/dev/null && ls build-deps/pcre2_*.orig.tar.* >/dev/null 2>&1; then
+    say "building PCRE2 from build-deps/"
+    rm -rf /tmp/pcre2-src && mkdir -p /tmp/pcre2-src && tar xf build-deps/pcre2_*.orig.tar.* -C /tmp/pcre2-src &&
+      (cd /tmp/pcre2-src/pcre2-* && ./configure -q --prefix=/tmp/pcre2-install --disable-shared --with-pic &&
+        make -j32 -s && make -s install) >>"$LOG" 2>&1 || say "PCRE2 build FAILED"
+  fi
+  [ -d /tmp/pcre2-install ] && export PKG_CONFIG_PATH=/tmp/pcre2-install/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
   say "configure + build ($B, sm_90)"
   t0=$(date +%s)
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "${extra[@]}" \
@@ -69,7 +77,7 @@ if grep -q "LF_HAVE_MPI" $B/build.ninja 2>/dev/null && command -v mpirun >/dev/n
     local n=$1 x=()
     shift
     for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS LF_NCCL_TIMEOUT_S \
-             LF_CUDA_GRAPHS_TP; do
+             LF_CUDA_GRAPHS_TP LF_CUSTOM_AR LF_CUSTOM_AR_BYTES; do
       [ -n "${!v:-}" ] && x+=(-x "$v")
     done
     timeout "${LT:-300}" mpirun -np "$n" "${x[@]}" "$@"
@@ -84,7 +92,7 @@ export LF_NCCL_TIMEOUT_S=${LF_NCCL_TIMEOUT_S:-60}
 if has test; then
   say "mpi_gpu_tp (2 ranks, $launcher)"
   launch 2 $B/tests/mpi_gpu_tp >"$OUT/mpi_gpu_tp.txt" 2>&1 || { rc=1; say "mpi_gpu_tp FAILED"; }
-  grep -E "worst logit|OK \]|FAILED|Failure|PASSED|skipped" "$OUT/mpi_gpu_tp.txt" | tail -40 | tee -a "$LOG"
+  grep -E "worst logit|vs the fp32|TP equals|OK \]|FAILED|Failure|PASSED|skipped" "$OUT/mpi_gpu_tp.txt" | tail -40 | tee -a "$LOG"
   for m in "die 1" "die 0" "hang 1"; do
     set -- $m
     say "killed rank: $1 rank $2"
@@ -98,11 +106,23 @@ if has test; then
     >"$OUT/lfgen_tp1.txt" 2>&1 || rc=1
   launch 2 $B/lfgen --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 128 --budget 1024 --ignore-eos \
     --print-ids >"$OUT/lfgen_tp2.txt" 2>&1 || rc=1
-  if diff <(grep -v "^lfgen" "$OUT/lfgen_tp1.txt") <(grep -v "^lfgen" "$OUT/lfgen_tp2.txt") >/dev/null; then
-    say "lfgen: TP=2 tokens == TP=1 tokens"
-  else
-    say "lfgen: TP=2 tokens DIFFER from TP=1 (see lfgen_tp*.txt)"
-  fi
+  # greedy tokens of the two runs: how many agree before the first difference (bf16 on a random
+  # model meets near-ties; the issue asks for 100+ identical tokens)
+  same=$(python3 - "$OUT/lfgen_tp1.txt" "$OUT/lfgen_tp2.txt" <<'PY'
+import re, sys
+def ids(p):
+    # lfgen prints a header line, the ids, then its summary right after the last id
+    t = open(p).read().split("\n", 1)[1].split("lfgen:")[0]
+    return [int(x) for x in re.findall(r"-?\d+", t)]
+a, b = ids(sys.argv[1]), ids(sys.argv[2])
+n = 0
+while n < min(len(a), len(b)) and a[n] == b[n]:
+    n += 1
+print("%d of %d" % (n, len(a)))
+PY
+)
+  say "lfgen: TP=2 tokens equal to TP=1 for the first $same generated tokens"
+  case "$same" in [0-9]\ * | [0-9][0-9]\ *) rc=1; say "lfgen: fewer than 100 identical tokens" ;; esac
 fi
 
 if has serve; then
@@ -118,10 +138,14 @@ fi
 
 if has comm; then
   for t in f32 bf16; do
-    say "lfbench comm nccl $t ($launcher)"
-    launch 2 $B/lfbench comm --comm nccl --type $t --json "$OUT/comm_nccl_$t.json" \
-      >"$OUT/comm_nccl_$t.txt" 2>&1 || { rc=1; say "comm FAILED"; }
-    grep -v "^lfbench" "$OUT/comm_nccl_$t.txt" | grep -E "^ |^#" | tee -a "$LOG"
+    for ar in 1 0; do
+      tag=$([ $ar = 1 ] && echo ipc || echo nccl)
+      say "lfbench comm $t, $tag ($launcher; LF_CUSTOM_AR=$ar: small messages by the IPC kernel or NCCL)"
+      (export LF_CUSTOM_AR=$ar
+       launch 2 $B/lfbench comm --comm nccl --type $t --json "$OUT/comm_${tag}_$t.json" \
+         >"$OUT/comm_${tag}_$t.txt" 2>&1) || { rc=1; say "comm FAILED"; }
+      grep -v "^lfbench" "$OUT/comm_${tag}_$t.txt" | grep -E "^ |^#" | tee -a "$LOG"
+    done
   done
 fi
 
@@ -155,4 +179,6 @@ if has step; then
   } | tee "$OUT/gpu_tp_table.txt" | tee -a "$LOG"
 fi
 say "done, status $rc"
+# the device tool brings back a limited number of files: pack the per-run logs into one
+(cd "$OUT" && ls *.txt 2>/dev/null | grep -v '^gpu_tp_log.txt$' | tar czf logs.tgz -T - --remove-files) 2>/dev/null
 exit $rc

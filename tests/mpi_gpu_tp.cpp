@@ -8,8 +8,10 @@
 //    asking for logits (the gathered-logits path) and not (the distributed argmax path). On the
 //    tiny HF models (tests/data/hf_tiny: qwen3 has Hkv = 1, so T = 2 replicates its KV head),
 //    random tiny models, and random:llama3-8b for 128 tokens.
+//    Where the model is small, the fp32 CPU backend is the oracle too: TP's distance to it
+//    must stay within 2x (mean) / 3x (worst) of the single GPU's distance to it.
 //  - Engine level: lf_engine_init with the NCCL communicator (rank 0 leads, the other follows),
-//    greedy tokens identical to the single-GPU engine; full and longflow.
+//    greedy tokens identical to the single-GPU engine on the HF tiny models; full and longflow.
 //  - `mpi_gpu_tp --die-rank R` / `--hang-rank R` are not tests: rank R exits (or stops
 //    following without exiting) after start-up; tests/mpi_gpu_tp_die.sh checks that the job
 //    ends with an error within seconds (the hang case is caught by the NCCL deadline alone).
@@ -26,6 +28,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -85,26 +88,38 @@ void compare_backends(const std::string &path, lf_policy policy, int budget, int
   p.window = 4;
   p.n_pools = 2;
   p.comm = g_comm;
-  lf_backend *tp = nullptr, *ref = nullptr;
+  lf_backend *tp = nullptr, *ref = nullptr, *cpu = nullptr;
   lf_status s = lf_backend_cuda_create(&ck, &p, &tp);
   // a failure on one rank must not leave the other in a collective
   const bool all_ok = all_true(s == LF_OK);
   ASSERT_EQ(s, LF_OK) << lf_last_error();
   ASSERT_TRUE(all_ok);
+  // The fp32 CPU backend is the oracle where it is quick (the tiny models): bf16 on the GPU
+  // drifts from it by an amount the model decides (random weights amplify rounding more than
+  // trained ones), so TP is judged by its distance to the CPU against the single GPU's.
+  const bool with_cpu = lead && ck.cfg.dim <= 1024;
   if (lead) {
     p.comm = nullptr;
     ASSERT_EQ(lf_backend_cuda_create(&ck, &p, &ref), LF_OK) << lf_last_error();
+    if (with_cpu) {
+      p.n_threads = 4;
+      ASSERT_EQ(lf_backend_cpu_create(&ck, &p, &cpu), LF_OK) << lf_last_error();
+    }
   }
-  int pa = -1, pb = -1;
+  int pa = -1, pb = -1, pc = -1;
   ASSERT_EQ(tp->pool_take(tp, &pa), LF_OK);
   if (lead) {
     ASSERT_EQ(ref->pool_take(ref, &pb), LF_OK);
+    if (cpu) {
+      ASSERT_EQ(cpu->pool_take(cpu, &pc), LF_OK);
+    }
   }
   std::vector<int32_t> toks = prompt_of(budget > 40 ? 24 : budget + 5, vocab, 3); // > B: SnapKV
-  std::vector<float> la(vocab), lb(vocab);
+  std::vector<float> la(vocab), lb(vocab), lc(vocab);
   int32_t pos = 0, n = (int32_t)toks.size();
-  double worst = 0;
-  int mismatches = 0, near_ties = 0;
+  double worst = 0, last_diff = 0;               // TP vs single GPU
+  double e_gpu = 0, e_tp = 0, w_gpu = 0, w_tp = 0; // each vs the CPU: sums and worst
+  int mismatches = 0, near_ties = 0, logit_steps = 0;
   for (int step = 0; step < steps; step++) {
     lf_batch_item it{};
     it.pool = pa;
@@ -126,15 +141,37 @@ void compare_backends(const std::string &path, lf_policy policy, int budget, int
       if (want_logits) {
         for (int i = 0; i < vocab; i++) diff = std::fmax(diff, std::fabs(la[i] - lb[i]));
         worst = std::fmax(worst, diff / std::fmax(scale, 1e-30f));
-        EXPECT_LT(diff / std::fmax(scale, 1e-30f), 2e-2) << path << " step " << step;
+        last_diff = diff;
+        logit_steps++;
+        if (cpu) {
+          lf_batch_result rc{};
+          it.pool = pc;
+          EXPECT_EQ(cpu->forward(cpu, &it, 1, &rc, lc.data()), LF_OK) << lf_last_error();
+          float dg = 0, dt = 0;
+          for (int i = 0; i < vocab; i++) {
+            dg = std::fmax(dg, std::fabs(lb[i] - lc[i]));
+            dt = std::fmax(dt, std::fabs(la[i] - lc[i]));
+          }
+          const double sc = std::fmax(scale, 1e-30f);
+          e_gpu += dg / sc, e_tp += dt / sc;
+          w_gpu = std::fmax(w_gpu, dg / sc), w_tp = std::fmax(w_tp, dt / sc);
+        } else {
+          EXPECT_LT(diff / std::fmax(scale, 1e-30f), 2e-2) << path << " step " << step;
+        }
+      } else if (cpu) {
+        lf_batch_result rc{};
+        it.pool = pc;
+        EXPECT_EQ(cpu->forward(cpu, &it, 1, &rc, nullptr), LF_OK) << lf_last_error();
       }
       if (ra.token != rb.token) {
         mismatches++;
         // acceptable only at a near-tie: the single-GPU logits of the two tokens are closer
-        // than the noise (this step's measured difference, at least 1e-3 of the scale)
+        // than the noise (the difference measured on this step, or on the last step that
+        // compared logits when this one took the distributed argmax; at least 1e-3 of the
+        // scale)
         const bool valid = ra.token >= 0 && ra.token < vocab;
         const float gap = lb[rb.token] - (valid ? lb[ra.token] : -1e30f);
-        const float noise = std::fmax(3.0f * diff, 1e-3f * scale);
+        const float noise = std::fmax(3.0f * (float)std::fmax(diff, last_diff), 1e-3f * scale);
         if (gap <= noise) near_ties++;
         else
           ADD_FAILURE() << path << " step " << step << ": TP token " << ra.token << ", single-GPU "
@@ -151,7 +188,16 @@ void compare_backends(const std::string &path, lf_policy policy, int budget, int
     printf("%s %s: %d steps, worst logit difference %.2e of max |logit|, %d token mismatches "
            "(%d at near-ties)\n",
            path.c_str(), lf_policy_str(policy), steps, worst, mismatches, near_ties);
-    EXPECT_LE(mismatches, 2) << path;
+    if (cpu && logit_steps > 0) {
+      e_gpu /= logit_steps, e_tp /= logit_steps;
+      printf("    vs the fp32 cpu backend: single GPU mean %.2e worst %.2e; TP mean %.2e worst "
+             "%.2e (of max |logit|)\n", e_gpu, w_gpu, e_tp, w_tp);
+      // a TP defect shows as TP far from the CPU where the single GPU is close to it
+      EXPECT_LE(e_tp, 2.0 * e_gpu + 1e-4) << path << " " << lf_policy_str(policy);
+      EXPECT_LE(w_tp, 3.0 * w_gpu + 1e-3) << path << " " << lf_policy_str(policy);
+      cpu->free(cpu);
+    }
+    EXPECT_LE(mismatches, std::max(2, steps / 20)) << path;
     ref->free(ref);
   }
   tp->free(tp);
@@ -174,6 +220,12 @@ TEST(MpiGpuTp, Llama3_8bShapeMatchesSingleGpu) {
 
 TEST(MpiGpuTp, EngineGreedyTokensMatchSingleGpu) {
   for (const std::string &m : tiny_models()) {
+    // Free-running greedy decoding follows the first flipped near-tie into a different
+    // continuation. The random tiny models (vocab 1024, flat logits, bf16 drift from the fp32
+    // model of 1e-2 to 3e-1 of the largest logit, measured on the single GPU) meet one within
+    // ~10-30 tokens whichever side is right; they are checked teacher-forced above, against
+    // the CPU. The trained-shape HF models keep TP within 5e-4 of the single GPU: exact here.
+    if (m.rfind("random:", 0) == 0) continue;
     for (lf_policy pol : {LF_POLICY_FULL, LF_POLICY_LONGFLOW}) {
       lf_engine_config cfg;
       lf_engine_config_default(&cfg);
@@ -198,9 +250,20 @@ TEST(MpiGpuTp, EngineGreedyTokensMatchSingleGpu) {
       lf_engine_free(e);
       for (size_t k = 0; k < gens.size(); k++) {
         EXPECT_EQ((int)tp[k].size(), gens[k].max_tokens) << m << " request " << k;
-        if (gens[k].temperature <= 0.0f) {
-          EXPECT_EQ(tp[k], ref[k]) << m << " " << lf_policy_str(pol) << " request " << k;
+        if (gens[k].temperature > 0.0f) continue;
+        if (pol == LF_POLICY_FULL) {
+          EXPECT_EQ(tp[k], ref[k]) << m << " full request " << k;
+          continue;
         }
+        // longflow: an eviction decided by a score near-tie (the 1e-7 fp32 reordering of the
+        // TP sums reaches the bf16 K/V) may pick another slot and the continuations part; the
+        // tokens must agree at least until the pool has been evicting for a while.
+        size_t same = 0;
+        while (same < tp[k].size() && same < ref[k].size() && tp[k][same] == ref[k][same]) same++;
+        if (same < ref[k].size())
+          printf("%s longflow request %zu: TP equals one GPU for %zu of %zu tokens\n", m.c_str(),
+                 k, same, ref[k].size());
+        EXPECT_GE(same, (size_t)24) << m << " longflow request " << k;
       }
     }
   }
