@@ -28,6 +28,7 @@ static void usage(FILE *f) {
              "  step     one decode step of the random 8B models vs the weights + KV floor\n"
              "  serve    long-output workload through the engine (lfbench serve --help)\n"
              "  comm     all-reduce latency / bus bandwidth under mpirun (lfbench comm --help)\n"
+             "  eval     trace-task accuracy against KV budget per policy (lfbench eval --help)\n"
              "kernel options:\n"
              "  --batches LIST    comma list (default 1,8,32,128)\n"
              "  --budgets LIST    comma list (default 1024,2048,3200)\n"
@@ -587,6 +588,7 @@ int main(int argc, char **argv) {
   if (!strcmp(argv[1], "step")) { int bench_step(int, char **); return bench_step(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "serve")) { int bench_serve(int, char **); return bench_serve(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "comm")) { int bench_comm(int, char **); return bench_comm(argc - 1, argv + 1); }
+  if (!strcmp(argv[1], "eval")) { int bench_eval(int, char **); return bench_eval(argc - 1, argv + 1); }
   fprintf(stderr, "lfbench: unknown subcommand '%s'\n", argv[1]);
   usage(stderr);
   return 2;
