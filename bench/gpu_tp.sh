@@ -59,6 +59,19 @@ if has build; then
         make -j32 -s && make -s install) >>"$LOG" 2>&1 || say "PCRE2 build FAILED"
   fi
   [ -d /tmp/pcre2-install ] && export PKG_CONFIG_PATH=/tmp/pcre2-install/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  # and cJSON, which parses lfserve's requests (static, about 5 s)
+  if ! pkg-config --exists libcjson 2>/dev/null && ls build-deps/cjson_*.orig.tar.* >/dev/null 2>&1; then
+    say "building cJSON from build-deps/"
+    rm -rf /tmp/cjson-src /tmp/cjson-build && mkdir -p /tmp/cjson-src && tar xf build-deps/cjson_*.orig.tar.* -C /tmp/cjson-src &&
+      (cmake -S /tmp/cjson-src/cJSON-* -B /tmp/cjson-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_INSTALL_PREFIX=/tmp/cjson-install -DENABLE_CJSON_TEST=OFF -DENABLE_CUSTOM_COMPILER_FLAGS=OFF \
+        -DBUILD_SHARED_LIBS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON && cmake --build /tmp/cjson-build -j32 &&
+        cmake --install /tmp/cjson-build) >>"$LOG" 2>&1 || say "cJSON build FAILED (no lfserve)"
+  fi
+  # (GNUInstallDirs picks lib or lib64, by distribution)
+  for d in /tmp/cjson-install/lib /tmp/cjson-install/lib64; do
+    if [ -f $d/pkgconfig/libcjson.pc ]; then export PKG_CONFIG_PATH=$d/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}; fi
+  done
   say "configure + build ($B, sm_90)"
   t0=$(date +%s)
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "${extra[@]}" \

@@ -1,5 +1,6 @@
-/* libFuzzer target: the server's request parser (launch/http_request.c) and JSON writer, with a
- * real byte-level BPE tokenizer and chat template, on arbitrary bodies.
+/* libFuzzer target: the server's request parser (launch/http_request.c: its RFC 8259 checks, then
+ * cJSON) and JSON writer, with a real byte-level BPE tokenizer and chat template, on arbitrary
+ * bodies.
  * The first byte picks the endpoint (completions / chat) and the policy (longflow / full). */
 #include <stdint.h>
 #include <stdio.h>
@@ -51,7 +52,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   } else {
     if (err.status < 400 || err.status > 599 || !err.message[0]) abort();
   }
-  /* The writer must turn any bytes into a valid JSON string. */
+  /* The writer must turn any bytes into a valid JSON string: checked with the engine's strict
+   * parser (engine/json.c validates UTF-8; cJSON, which parses the requests, does not). */
   lfs_buf b = {0};
   lfs_buf_json_str(&b, (const char *)data, size);
   lf_json *j = NULL;

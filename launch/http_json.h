@@ -3,7 +3,8 @@
  * Appends never fail loudly: an allocation failure sets `oom` and later appends do nothing, so a
  * writer builds a whole response and checks once at the end. Strings are escaped for JSON and
  * forced to valid UTF-8 (an invalid byte becomes U+FFFD), so a response is always valid JSON
- * whatever bytes a tokenizer or a client handed us.
+ * whatever bytes a tokenizer or a client handed us. (Requests are parsed with cJSON, but cJSON's
+ * printer copies invalid UTF-8 through unchanged, so responses are written here.)
  */
 #ifndef LF_HTTP_JSON_H
 #define LF_HTTP_JSON_H

@@ -8,6 +8,9 @@
  * LFS_MAX_STOP_BYTES bytes each; ids and id arrays on tokens), stop_token_ids [int], stream,
  * stream_options {include_usage}, n (1 only), ignore_eos and return_token_ids (extensions, as in
  * vLLM). Unknown members are ignored; a known member of the wrong type is an error.
+ * Bodies are parsed with cJSON behind strict RFC 8259 checks (http_request.c has the details):
+ * integers are read through doubles, a duplicate member's first occurrence counts, and strings
+ * holding "\u0000" are refused.
  */
 #ifndef LF_HTTP_REQUEST_H
 #define LF_HTTP_REQUEST_H

@@ -3,7 +3,7 @@
 set -euo pipefail
 need=()
 for p in build-essential cmake ninja-build libgtest-dev openmpi-bin libopenmpi-dev libpcre2-dev \
-         libmicrohttpd-dev clang python3 pkg-config; do
+         libmicrohttpd-dev libcjson-dev clang python3 pkg-config; do
   dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
