@@ -14,4 +14,27 @@ static __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
   return r;
 }
 
+/* Programmatic dependent launch (Hopper; attention/cuda_launch.cuh launches with it when
+ * LF_PDL=1). A kernel so launched may start while its predecessor on the stream still runs, so
+ * every such kernel calls pdl_wait() before touching memory the predecessor writes or reads (it
+ * returns once the predecessor grid has completed and its writes are visible; without a
+ * programmatic dependency it returns at once). pdl_trigger() lets the successor launch early
+ * (its own pdl_wait still waits for this grid's completion). Both are no-ops before sm_90. */
+static __device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* A hint: bring the 128-byte line at p into L2 (read-only data such as weights, safe to touch
+ * before pdl_wait()). */
+static __device__ __forceinline__ void prefetch_l2(const void *p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 #endif

@@ -32,6 +32,7 @@
 #include <stdint.h>
 
 #include "attention/cuda_check.h"
+#include "attention/cuda_launch.cuh"
 #include "attention/cuda_ptx.cuh"
 
 #define DA_NW 4                    /* warps per block */
@@ -144,10 +145,6 @@ static __device__ void score_argmin(const attn_params &p, size_t hidx, int n, in
   }
 }
 
-static __device__ __forceinline__ void prefetch_l2(const void *ptr) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-}
-
 template <int D, int MINB>
 static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const attn_params p) {
   constexpr int NJ = D / 32;  /* 16-byte K loads per slot per thread */
@@ -159,6 +156,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   __shared__ unsigned long long red_key[DA_NW];
   __shared__ int is_last;
 
+  pdl_wait(); /* q, pools and the step's tables come from earlier kernels (cuda_launch.cuh) */
   const int G = p.group, B = p.budget;
   const int split = blockIdx.x, S = gridDim.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -509,7 +507,7 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     smem_set = smem;
   }
-  decode_attn_kernel<D, MINB><<<grid, DA_NT, smem, stream>>>(p);
+  lf_launch(decode_attn_kernel<D, MINB>, grid, dim3(DA_NT), smem, stream, p);
   LF_CUDA_CHECK_LAUNCH("decode_attn_kernel");
   return LF_OK;
 }

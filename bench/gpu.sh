@@ -99,6 +99,17 @@ if [ -z "${SKIP_BENCH:-}" ] && [ -z "${SKIP_STEP:-}" ]; then
   build-gpu/lfbench step ${STEP_ARGS:-} --json "$OUT/lfbench_step.json" >"$OUT/lfbench_step.txt" 2>&1 ||
     { rc=1; say "lfbench step FAILED"; }
   cat "$OUT/lfbench_step.txt" | tee -a "$LOG"
+  # programmatic dependent launch (attention/cuda_launch.cuh), opt-in until measured: the same
+  # steps with LF_PDL=1, then the gpu tests that compare tokens and logits with it on
+  say "lfbench step with LF_PDL=1"
+  LF_PDL=1 build-gpu/lfbench step ${STEP_ARGS:-} --json "$OUT/lfbench_step_pdl.json" \
+    >"$OUT/lfbench_step_pdl.txt" 2>&1 || { rc=1; say "lfbench step (PDL) FAILED"; }
+  cat "$OUT/lfbench_step_pdl.txt" | tee -a "$LOG"
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    say "ctest -L gpu with LF_PDL=1"
+    (cd build-gpu && LF_PDL=1 ctest -L gpu) >"$OUT/ctest_gpu_pdl.txt" 2>&1 || { rc=1; say "PDL tests FAILED"; }
+    grep -E "tests passed|FAILED" "$OUT/ctest_gpu_pdl.txt" | tail -8 | tee -a "$LOG"
+  fi
 fi
 if [ -n "${PROFILE:-}" ]; then
   say "ncu: decode steps of random:llama3-8b, batch ${PROFILE_BATCH:-1} (graphs off so kernels are seen)"

@@ -7,6 +7,7 @@
 
 #include "attention/cuda_check.h"
 #include "attention/cuda_ptx.cuh"
+#include "attention/cuda_launch.cuh"
 
 #define GV_WARPS 8 /* warps (output rows) per block */
 
@@ -35,6 +36,14 @@ static __global__ void __launch_bounds__(GV_WARPS * 32)
 #pragma unroll
   for (int r = 0; r < R; r++)
     wr[r] = (const uint4 *)(W + ((size_t)row + (size_t)r * n_out) * (size_t)n_in);
+  /* The weights do not depend on the previous kernel: start this warp's first chunks towards L2
+   * while it finishes, then wait for X (programmatic dependent launch, cuda_launch.cuh). */
+#pragma unroll
+  for (int u = 0; u < U; u++)
+    if (lane + 32 * u < nch)
+#pragma unroll
+      for (int r = 0; r < R; r++) prefetch_l2(wr[r] + lane + 32 * u);
+  pdl_wait();
   float acc[R][NT];
 #pragma unroll
   for (int r = 0; r < R; r++)
@@ -68,6 +77,7 @@ static __global__ void __launch_bounds__(GV_WARPS * 32)
       }
     }
   }
+  pdl_trigger();
 #pragma unroll
   for (int r = 0; r < R; r++)
 #pragma unroll
@@ -100,16 +110,19 @@ static void launch_mode(int nt, dim3 grid, cudaStream_t st, const __nv_bfloat16 
                         const __nv_bfloat16 *X, size_t ldx, int n_in, int n_out, void *Y,
                         size_t ldy, float beta) {
   const int nth = GV_WARPS * 32;
+  void (*k)(const __nv_bfloat16 *, const __nv_bfloat16 *, size_t, int, int, void *, size_t,
+            float);
   switch (nt) {
-  case 1: gemv_kernel<1, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
-  case 2: gemv_kernel<2, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
-  case 3: gemv_kernel<3, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
-  case 4: gemv_kernel<4, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
-  case 5: gemv_kernel<5, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
-  case 6: gemv_kernel<6, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
-  case 7: gemv_kernel<7, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
-  default: gemv_kernel<8, MODE><<<grid, nth, 0, st>>>(W, X, ldx, n_in, n_out, Y, ldy, beta); break;
+  case 1: k = gemv_kernel<1, MODE>; break;
+  case 2: k = gemv_kernel<2, MODE>; break;
+  case 3: k = gemv_kernel<3, MODE>; break;
+  case 4: k = gemv_kernel<4, MODE>; break;
+  case 5: k = gemv_kernel<5, MODE>; break;
+  case 6: k = gemv_kernel<6, MODE>; break;
+  case 7: k = gemv_kernel<7, MODE>; break;
+  default: k = gemv_kernel<8, MODE>; break;
   }
+  lf_launch(k, grid, dim3(nth), 0, st, W, X, ldx, n_in, n_out, Y, ldy, beta);
 }
 
 extern "C" lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out,

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include "attention/cuda_check.h"
+#include "attention/cuda_ptx.cuh"
+#include "attention/cuda_launch.cuh"
 
 #define NORM_NT 256
 
@@ -13,6 +15,8 @@ static __global__ void rmsnorm_kernel(const float *x, size_t x_stride, const flo
                                       float eps, __nv_bfloat16 *out, size_t out_stride,
                                       const int32_t *out_rows) {
   __shared__ float red[NORM_NT / 32];
+  pdl_wait(); /* x comes from the previous kernel (attention/cuda_launch.cuh) */
+  pdl_trigger();
   const int r = blockIdx.x;
   const float *xr = x + (size_t)r * x_stride;
   float ss = 0.0f;
@@ -37,8 +41,8 @@ extern "C" lf_status lf_cuda_rmsnorm(const float *x, size_t x_stride, const floa
   if (!x || !w || !out || n < 1 || n_rows < 0)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_rmsnorm: bad arguments");
   if (n_rows == 0) return LF_OK;
-  rmsnorm_kernel<<<n_rows, NORM_NT, 0, stream>>>(x, x_stride, w, n, eps, (__nv_bfloat16 *)out,
-                                                 out_stride, out_rows);
+  lf_launch(rmsnorm_kernel, dim3((unsigned)n_rows), dim3(NORM_NT), 0, stream, x, x_stride, w, n,
+            eps, (__nv_bfloat16 *)out, out_stride, out_rows);
   LF_CUDA_CHECK_LAUNCH("rmsnorm_kernel");
   return LF_OK;
 }

@@ -6,12 +6,16 @@
 #include <cuda_runtime.h>
 
 #include "attention/cuda_check.h"
+#include "attention/cuda_ptx.cuh"
+#include "attention/cuda_launch.cuh"
 
 #define ROPE_DMAX 256
 
 /* One warp per (head, token): grid [n_heads + n_kv_heads, n_tok]. Block x < n_heads is a query
  * head; the others are KV head g = x - n_heads and do both k and v. */
 static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
+  pdl_wait(); /* qkv comes from the previous kernel (attention/cuda_launch.cuh) */
+  pdl_trigger();
   __shared__ float buf[ROPE_DMAX];
   const int t = blockIdx.y, lane = threadIdx.x, D = a.head_dim, half = D / 2;
   const int is_q = (int)blockIdx.x < a.n_heads;
@@ -95,7 +99,7 @@ extern "C" lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, cudaStream_t st
                 a->layer < 0 || a->layer >= a->n_layers || a->budget < 1))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: incomplete pool write");
   if (a->n_tok == 0) return LF_OK;
-  qkv_rope_kernel<<<dim3(a->n_heads + a->n_kv_heads, a->n_tok), 32, 0, stream>>>(*a);
+  lf_launch(qkv_rope_kernel, dim3(a->n_heads + a->n_kv_heads, a->n_tok), dim3(32), 0, stream, *a);
   LF_CUDA_CHECK_LAUNCH("qkv_rope_kernel");
   return LF_OK;
 }

@@ -1,0 +1,55 @@
+/* Kernel launches with programmatic dependent launch (PDL) on Hopper, opt-in with LF_PDL=1.
+ *
+ * A decode step at batch 1 is ~260 dependent kernels (8 per layer), each short; between two of
+ * them the GPU drains the first grid, then launches and ramps up the second. With PDL the second
+ * grid may be launched while the first finishes (the launch attribute
+ * cudaLaunchAttributeProgrammaticStreamSerialization; CUDA graphs capture it as programmatic
+ * edges): its blocks do their independent work (a GEMV
+ * prefetches its weight rows) and then wait in pdl_wait() (attention/cuda_ptx.cuh) for the first
+ * grid's results. Every kernel launched through lf_launch must call pdl_wait() before touching
+ * memory its predecessor writes or reads. Off by default until measured on the GPU
+ * (bench/gpu.sh runs the step both ways).
+ */
+#ifndef LF_CUDA_LAUNCH_CUH
+#define LF_CUDA_LAUNCH_CUH
+
+#include <cuda_runtime.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* LF_PDL=1 on a device of compute capability 9.0 or newer (read once per translation unit). */
+static inline int lf_pdl_enabled(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *e = getenv("LF_PDL");
+    int on = e && !strcmp(e, "1");
+    if (on) {
+      int dev = 0, major = 0;
+      on = cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+           major >= 9;
+      cudaGetLastError();
+    }
+    v = on;
+  }
+  return v;
+}
+
+/* kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled. */
+template <typename... KArgs, typename... Args>
+static cudaError_t lf_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = lf_pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+#endif
