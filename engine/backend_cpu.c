@@ -26,6 +26,8 @@ typedef struct cpu_backend {
   float *lmax;     /* [cap_items] */
   int32_t *lid;    /* [cap_items] */
   int32_t *greedy; /* [cap_items] */
+  float *kloc;     /* [cap_items][n_vocab] slices of the items sampled by distributed top-k */
+  int *kk;         /* [cap_items] their top_k */
 } cpu_backend;
 
 static lf_status grow_items(cpu_backend *c, int n) {
@@ -41,16 +43,27 @@ static lf_status grow_items(cpu_backend *c, int n) {
   if (i) c->lid = i;
   int32_t *g = realloc(c->greedy, sizeof(int32_t) * (size_t)n);
   if (g) c->greedy = g;
-  if (!l || !f || !m || !i || !g) return lf_error(LF_ERR_OUT_OF_MEMORY, "batch of %d items", n);
+  float *kl = realloc(c->kloc, sizeof(float) * nv * (size_t)n);
+  if (kl) c->kloc = kl;
+  int *kk = realloc(c->kk, sizeof(int) * (size_t)n);
+  if (kk) c->kk = kk;
+  if (!l || !f || !m || !i || !g || !kl || !kk)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "batch of %d items", n);
   c->cap_items = n;
   return LF_OK;
 }
 
+/* Sampled with top-k from the ranks' candidates (lf_tp_topk_logits) rather than whole logits. */
+static int tp_topk_item(const lf_batch_item *it, int vocab, const float *logits_out) {
+  return !logits_out && it->sampling.temperature > 0.0f && it->sampling.top_k >= 1 &&
+         it->sampling.top_k <= LF_TP_TOPK_MAX && it->sampling.top_k < vocab;
+}
+
 /* Tensor-parallel forward: every rank runs every item on its shard, then the tokens are chosen
- * from the vocab-parallel logits with one all-gather of (max, id) per batch (greedy) and, for
- * items that sample or when logits are wanted, one all-gather of the logit slices. Which
- * collectives run depends only on the items and on logits_out being NULL, the same on every
- * rank. */
+ * from the vocab-parallel logits with one all-gather of (max, id) per batch (greedy), one of
+ * the ranks' top-k candidates for the items that sample with top-k, and one of the logit slices
+ * for the other items that sample or when logits are wanted. Which collectives run depends only
+ * on the items and on logits_out being NULL, the same on every rank. */
 static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int n,
                                 lf_batch_result *res, float *logits_out) {
   const lf_shard *sh = &c->fwd.sh;
@@ -73,18 +86,31 @@ static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int 
     c->lid[i] = sh->vocab0 + a;
   }
   LF_TRY(lf_tp_argmax(c->fwd.comm, n, c->lmax, c->lid, c->greedy));
-  /* Items whose whole logits are needed, packed in order into local[0..k). */
-  int k = 0;
+  /* Items sampled by top-k: their slices copied to kloc[0..nk). Then the items whose whole
+   * logits are needed, packed in order into local[0..k). full holds the gathered rows, then the
+   * top-k ones. */
+  int k = 0, nk = 0;
+  for (int i = 0; i < n; i++) {
+    if (!tp_topk_item(&items[i], vocab, logits_out)) continue;
+    memcpy(c->kloc + (size_t)nk * nv, c->local + (size_t)i * nv, sizeof(float) * nv);
+    c->kk[nk++] = items[i].sampling.top_k;
+  }
   for (int i = 0; i < n; i++) {
     if (!logits_out && items[i].sampling.temperature <= 0.0f) continue;
+    if (tp_topk_item(&items[i], vocab, logits_out)) continue;
     if (k != i)
       memmove(c->local + (size_t)k * nv, c->local + (size_t)i * nv, sizeof(float) * nv);
     k++;
   }
   LF_TRY(lf_tp_gather_logits(c->fwd.comm, sh, vocab, k, c->local, c->full));
-  for (int i = 0, j = 0; i < n; i++) {
-    const int need = logits_out || items[i].sampling.temperature > 0.0f;
-    const float *full = need ? c->full + (size_t)j++ * vocab : NULL;
+  LF_TRY(lf_tp_topk_logits(c->fwd.comm, sh, vocab, nk, c->kk, c->kloc,
+                           c->full + (size_t)k * vocab));
+  for (int i = 0, j = 0, jk = k; i < n; i++) {
+    const float *full = NULL;
+    if (tp_topk_item(&items[i], vocab, logits_out))
+      full = c->full + (size_t)jk++ * vocab;
+    else if (logits_out || items[i].sampling.temperature > 0.0f)
+      full = c->full + (size_t)j++ * vocab;
     if (res[i].status != LF_OK) continue;
     if (logits_out) memcpy(logits_out + (size_t)i * vocab, full, sizeof(float) * vocab);
     res[i].token = items[i].sampling.temperature > 0.0f
@@ -138,6 +164,8 @@ static void cpu_free(lf_backend *b) {
   free(c->lmax);
   free(c->lid);
   free(c->greedy);
+  free(c->kloc);
+  free(c->kk);
   lf_sampler_free(&c->sampler);
   lf_cpu_forward_free(&c->fwd);
   lf_kv_arena_free(&c->arena);

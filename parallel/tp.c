@@ -1,5 +1,6 @@
 #include "tp.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -69,6 +70,81 @@ lf_status lf_tp_gather_logits(lf_comm_t comm, const lf_shard *sh, int vocab, int
     }
   free(send);
   free(recv);
+  return s;
+}
+
+/* (value, id) before (value', id') in top-k order: larger value first, lower id on ties. */
+static int topk_before(float a, int32_t ia, float b, int32_t ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+/* The k best of v[0..nv) (ids id0 + j) into val/ids, best first: a bounded insertion (k is
+ * small beside the slice). */
+static int topk_select(const float *v, int nv, int32_t id0, int k, float *val, int32_t *ids) {
+  int m = 0;
+  for (int j = 0; j < nv; j++) {
+    const float x = v[j];
+    const int32_t id = id0 + j;
+    if (m == k && !topk_before(x, id, val[m - 1], ids[m - 1])) continue;
+    int p = m < k ? m++ : k - 1;
+    while (p > 0 && topk_before(x, id, val[p - 1], ids[p - 1])) {
+      val[p] = val[p - 1];
+      ids[p] = ids[p - 1];
+      p--;
+    }
+    val[p] = x;
+    ids[p] = id;
+  }
+  return m;
+}
+
+lf_status lf_tp_topk_logits(lf_comm_t comm, const lf_shard *sh, int vocab, int n,
+                            const int *top_k, const float *local, float *full) {
+  if (n <= 0) return LF_OK;
+  const int T = comm->size;
+  int kmax = 0;
+  for (int i = 0; i < n; i++) {
+    if (top_k[i] < 1 || top_k[i] > LF_TP_TOPK_MAX)
+      return lf_error(LF_ERR_INTERNAL, "lf_tp_topk_logits: top_k %d", top_k[i]);
+    if (top_k[i] > kmax) kmax = top_k[i];
+  }
+  const size_t per = (size_t)n * (size_t)kmax * 2; /* int32 words per rank: [n][kmax][2] */
+  int32_t *send = malloc(sizeof(int32_t) * per);
+  int32_t *recv = malloc(sizeof(int32_t) * per * (size_t)T);
+  float *val = malloc(sizeof(float) * (size_t)kmax);
+  int32_t *ids = malloc(sizeof(int32_t) * (size_t)kmax);
+  if (!send || !recv || !val || !ids) {
+    free(send);
+    free(recv);
+    free(val);
+    free(ids);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "rank %d: top-k gather of %d x %d", comm->rank, n, kmax);
+  }
+  for (int i = 0; i < n; i++) {
+    const int m = topk_select(local + (size_t)i * sh->n_vocab, sh->n_vocab, sh->vocab0,
+                              top_k[i], val, ids);
+    int32_t *o = send + (size_t)i * kmax * 2;
+    for (int j = 0; j < kmax; j++) {
+      const float v = j < m ? val[j] : -INFINITY;
+      memcpy(&o[2 * j], &v, 4);
+      o[2 * j + 1] = j < m ? ids[j] : -1;
+    }
+  }
+  lf_status s = comm->allgather(comm, send, recv, per, LF_COMM_I32, NULL);
+  if (s == LF_OK)
+    for (int i = 0; i < n; i++) {
+      float *f = full + (size_t)i * vocab;
+      for (int v = 0; v < vocab; v++) f[v] = -INFINITY;
+      for (int r = 0; r < T; r++) {
+        const int32_t *c = recv + (size_t)r * per + (size_t)i * kmax * 2;
+        for (int j = 0; j < kmax; j++)
+          if (c[2 * j + 1] >= 0 && c[2 * j + 1] < vocab) memcpy(&f[c[2 * j + 1]], &c[2 * j], 4);
+      }
+    }
+  free(send);
+  free(recv);
+  free(val);
+  free(ids);
   return s;
 }
 

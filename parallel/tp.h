@@ -28,6 +28,18 @@ lf_status lf_tp_argmax(lf_comm_t comm, int n, const float *local_max, const int3
 lf_status lf_tp_gather_logits(lf_comm_t comm, const lf_shard *sh, int vocab, int n,
                               const float *local, float *full);
 
+/* Distributed top-k sampling: the largest-k candidates of every rank's slice instead of the
+ * whole logits. Items with 1 <= top_k[i] <= LF_TP_TOPK_MAX: each rank selects the top_k[i]
+ * largest logits of its slice (ties: lower id first), one padded all-gather of [n][kmax]
+ * (value, id) pairs, and full[i] gets those values at their ids and -inf elsewhere. The global
+ * top-k is among the candidates and lf_sample() of a top-k request reads nothing else (-inf
+ * has probability 0, and the tokens it keeps and its draw depend only on the k largest), so
+ * sampling full[i] gives exactly the token the whole logits give. kmax = the largest top_k[i];
+ * each rank sends n * kmax pairs instead of n * max_vocab floats. */
+#define LF_TP_TOPK_MAX 1024
+lf_status lf_tp_topk_logits(lf_comm_t comm, const lf_shard *sh, int vocab, int n,
+                            const int *top_k, const float *local, float *full);
+
 /* ---- rank 0 decides, the others follow ---------------------------------------------------------
  *
  * The scheduler runs on rank 0 only and talks to a backend; lf_backend_tp_lead wraps rank 0's

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <random>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -17,8 +19,10 @@
 
 #include "engine/backend.h"
 #include "engine/model.h"
+#include "engine/sample.h"
 #include "parallel/comm.h"
 #include "parallel/shard.h"
+#include "parallel/tp.h"
 #include "test_util.h"
 #include "tp_test_util.h"
 
@@ -106,10 +110,56 @@ TEST(MpiTp, GreedyTokensMatchSingleRank) {
       const int budget = pol == LF_POLICY_FULL ? 96 : 16;
       std::vector<TpGen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
                                {prompt_of(23, 256, 1), 30, 0.0f, 0}, // SnapKV-compressed prompt
-                               {prompt_of(5, 256, 2), 35, 0.8f, 7}}; // sampled, same u
-      compare_engines(m.path, pol, budget, 2, gens); // 3 requests on 2 pools: pool reuse
+                               {prompt_of(5, 256, 2), 35, 0.8f, 7},  // sampled, same u
+                               {prompt_of(7, 256, 3), 30, 1.0f, 11, 20},        // top-k
+                               {prompt_of(6, 256, 4), 30, 0.9f, 12, 5, 0.8f}}; // top-k, top-p
+      compare_engines(m.path, pol, budget, 2, gens); // 5 requests on 2 pools: pool reuse
     }
   }
+}
+
+// Distributed top-k sampling (lf_tp_topk_logits: each rank's k best, one gather) against the
+// whole logits (lf_tp_gather_logits): lf_sample must return the same token for every draw.
+// Logits drawn per rank with repeated values (ties across and within slices) and a vocab that
+// does not divide by the ranks.
+TEST(MpiTp, TopkCandidatesSampleLikeWholeLogits) {
+  const int vocab = 1001, n = 4;
+  lf_shard sh;
+  ASSERT_EQ(lf_shard_plan(g_comm->rank, g_comm->size, 8, 8, 64, vocab, &sh), LF_OK);
+  std::mt19937 rng(1234u + 77u * (unsigned)g_comm->rank);
+  std::uniform_int_distribution<int> level(0, 40);
+  std::vector<float> local((size_t)n * sh.n_vocab);
+  for (float &v : local) v = 0.25f * (float)level(rng) - 3.0f; // coarse: many exact ties
+  std::vector<float> whole((size_t)n * vocab), cand((size_t)n * vocab);
+  ASSERT_EQ(lf_tp_gather_logits(g_comm, &sh, vocab, n, local.data(), whole.data()), LF_OK);
+  lf_sampler smp;
+  ASSERT_EQ(lf_sampler_init(&smp, vocab), LF_OK);
+  std::mt19937 urng(99u); // the same draws on every rank
+  std::uniform_real_distribution<float> U(0.0f, 1.0f);
+  int checked = 0;
+  for (int k : {1, 2, 7, 50, 300, 1000}) {
+    std::vector<int> ks(n, k);
+    ks[1] = std::max(1, k / 2); // items of one gather may ask for different k
+    ASSERT_EQ(lf_tp_topk_logits(g_comm, &sh, vocab, n, ks.data(), local.data(), cand.data()),
+              LF_OK);
+    for (int i = 0; i < n; i++)
+      for (float temp : {0.3f, 1.0f, 2.5f})
+        for (float top_p : {1.0f, 0.9f, 0.5f}) {
+          lf_sampling sp{};
+          sp.temperature = temp;
+          sp.top_k = ks[i];
+          sp.top_p = top_p;
+          for (int d = 0; d < 40; d++) {
+            const float u = U(urng);
+            const int a = lf_sample(&smp, whole.data() + (size_t)i * vocab, &sp, u);
+            const int b = lf_sample(&smp, cand.data() + (size_t)i * vocab, &sp, u);
+            ASSERT_EQ(a, b) << "k " << ks[i] << " T " << temp << " p " << top_p << " u " << u;
+            checked++;
+          }
+        }
+  }
+  lf_sampler_free(&smp);
+  EXPECT_EQ(checked, 6 * n * 9 * 40);
 }
 
 // The sharded backend's logits against the whole model's, step by step.

@@ -18,6 +18,8 @@ struct TpGen {
   int max_tokens;
   float temperature;
   uint64_t seed;
+  int top_k = 0;      /* 0: off */
+  float top_p = 1.0f; /* 1: off */
 };
 
 /* Runs the requests on engine e, rank 0 driving and the others following in lf_engine_follow;
@@ -38,7 +40,8 @@ inline std::vector<std::vector<int32_t>> lf_tp_test_run(lf_engine_t e,
     rq.n_prompt = (int)g.prompt.size();
     rq.max_tokens = g.max_tokens;
     rq.sampling.temperature = g.temperature;
-    rq.sampling.top_p = 1.0f;
+    rq.sampling.top_k = g.top_k;
+    rq.sampling.top_p = g.top_p;
     rq.sampling.seed = g.seed;
     rq.ignore_eos = 1;
     uint64_t id;
