@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "error.h"
+#include "utf8.h"
 
 typedef struct json_parser {
   const unsigned char *s; /* [len] */
@@ -76,31 +77,6 @@ static size_t json_put_utf8(unsigned char *o, unsigned cp) {
   return 4;
 }
 
-/* Length of the well-formed UTF-8 sequence at s[0..n), or 0 (overlongs, encoded surrogates and
- * code points above U+10FFFF are ill-formed: Unicode 15, table 3-7). */
-static size_t json_utf8_len(const unsigned char *s, size_t n) {
-  unsigned c = s[0];
-  unsigned lo = 0x80, hi = 0xBF;
-  size_t need;
-  if (c >= 0xC2 && c <= 0xDF)
-    need = 1;
-  else if (c >= 0xE0 && c <= 0xEF) {
-    need = 2;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    need = 3;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else
-    return 0;
-  if (n < need + 1) return 0;
-  if (s[1] < lo || s[1] > hi) return 0;
-  for (size_t i = 2; i <= need; i++)
-    if (s[i] < 0x80 || s[i] > 0xBF) return 0;
-  return need + 1;
-}
-
 /* Parses the string starting at the opening quote into a fresh NUL-terminated buffer. */
 static int json_string(json_parser *p, char **out, size_t *out_len) {
   size_t start = ++p->pos; /* after '"' */
@@ -123,7 +99,7 @@ static int json_string(json_parser *p, char **out, size_t *out_len) {
       return json_fail(p, i, LF_ERR_FORMAT, "control character in string");
     }
     if (c >= 0x80) {
-      size_t k = json_utf8_len(p->s + i, end - i);
+      size_t k = lf_utf8_len(p->s + i, end - i);
       if (!k) {
         free(buf);
         return json_fail(p, i, LF_ERR_FORMAT, "invalid UTF-8 in string");

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/utf8.h"
+
 void lfs_buf_free(lfs_buf *b) {
   free(b->data);
   memset(b, 0, sizeof *b);
@@ -70,30 +72,6 @@ void lfs_buf_printf(lfs_buf *b, const char *fmt, ...) {
   b->len += (size_t)n;
 }
 
-/* Length of the valid UTF-8 character at s[0..n), or 0 when it is not one. */
-static size_t utf8_char(const unsigned char *s, size_t n) {
-  unsigned c = s[0];
-  size_t k;
-  unsigned min;
-  if (c < 0x80) return 1;
-  if (c >= 0xc2 && c <= 0xdf)
-    k = 2, min = 0x80;
-  else if (c >= 0xe0 && c <= 0xef)
-    k = 3, min = 0x800;
-  else if (c >= 0xf0 && c <= 0xf4)
-    k = 4, min = 0x10000;
-  else
-    return 0;
-  if (n < k) return 0;
-  unsigned cp = c & (0x7f >> k);
-  for (size_t i = 1; i < k; i++) {
-    if ((s[i] & 0xc0) != 0x80) return 0;
-    cp = (cp << 6) | (s[i] & 0x3f);
-  }
-  if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
-  return k;
-}
-
 void lfs_buf_json_str(lfs_buf *b, const char *s, size_t n) {
   const unsigned char *u = (const unsigned char *)s;
   lfs_buf_put(b, "\"", 1);
@@ -110,7 +88,7 @@ void lfs_buf_json_str(lfs_buf *b, const char *s, size_t n) {
     }
     unsigned c = u[i];
     if (c >= 0x80) {
-      size_t k = utf8_char(u + i, n - i);
+      size_t k = lf_utf8_len(u + i, n - i);
       if (k) {
         lfs_buf_put(b, s + i, k);
         i += k;

@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/utf8.h"
+
 #define LFS_JSON_MAX_DEPTH 64
 
 void lfs_error_set(lfs_error *e, int status, const char *type, const char *code, const char *param,
@@ -72,29 +74,6 @@ void lfs_request_free(lfs_request *r) {
     free(r->stop_strs[i].s);
   free(r->stop_strs);
   memset(r, 0, sizeof *r);
-}
-
-/* Length of the well-formed UTF-8 sequence at s[0..n), or 0 (overlongs, encoded surrogates and
- * code points above U+10FFFF are ill-formed: Unicode 15, table 3-7). */
-static size_t utf8_len(const unsigned char *s, size_t n) {
-  unsigned c = s[0], lo = 0x80, hi = 0xBF;
-  size_t need;
-  if (c >= 0xC2 && c <= 0xDF)
-    need = 1;
-  else if (c >= 0xE0 && c <= 0xEF) {
-    need = 2;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    need = 3;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else
-    return 0;
-  if (n < need + 1 || s[1] < lo || s[1] > hi) return 0;
-  for (size_t i = 2; i <= need; i++)
-    if (s[i] < 0x80 || s[i] > 0xBF) return 0;
-  return need + 1;
 }
 
 static int is_digit(unsigned char c) {
@@ -153,7 +132,7 @@ static int json_precheck(const unsigned char *s, size_t len, size_t *at, const c
             i += 2; /* cJSON checks the other escapes */
           }
         } else if (c >= 0x80) {
-          size_t k = utf8_len(s + i, len - i);
+          size_t k = lf_utf8_len(s + i, len - i);
           if (!k) PRE_FAIL(i, "invalid UTF-8 in string");
           i += k;
         } else {
