@@ -93,6 +93,9 @@ def main():
         n = args.max_tokens or p["output_tokens"] + 16
         hf, margins = hf_greedy(model, prompt, n)
         ours = lfgen_run(args.lfgen, args.model, prompt, n, ["--policy", "full"])
+        if len(ours) < n and (not ours or ours[-1] != gen.EOS_ID):
+            # lfgen stops at <eos> without printing it; hf_greedy keeps it (as gen.check expects)
+            ours = ours + [gen.EOS_ID]
         same = hf == ours
         first = next((i for i in range(min(len(hf), len(ours))) if hf[i] != ours[i]),
                      None if len(hf) == len(ours) else min(len(hf), len(ours)))
