@@ -239,15 +239,9 @@ TEST(MpiGpuTp, EngineGreedyTokensMatchSingleGpu) {
       std::vector<TpGen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
                                {prompt_of(23, 256, 1), 30, 0.0f, 0},
                                {prompt_of(5, 256, 2), 35, 0.8f, 7}}; // sampled: length only
-      const bool lead = g_comm->rank == 0;
-      lf_engine_t e = nullptr;
-      ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
-      auto tp = lf_tp_test_run(e, gens, lead);
-      lf_engine_free(e);
-      if (!lead) continue;
-      ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
-      auto ref = lf_tp_test_run(e, gens, true);
-      lf_engine_free(e);
+      auto [tp, ref] = lf_tp_test_run_both(cfg, g_comm, gens);
+      if (g_comm->rank != 0) continue;
+      ASSERT_EQ(ref.size(), gens.size());
       for (size_t k = 0; k < gens.size(); k++) {
         EXPECT_EQ((int)tp[k].size(), gens[k].max_tokens) << m << " request " << k;
         if (gens[k].temperature > 0.0f) continue;

@@ -80,15 +80,9 @@ void compare_engines(const std::string &path, lf_policy policy, int budget, int 
   cfg.n_pools = n_pools;
   cfg.sink = 2;
   cfg.window = 4;
-  const bool lead = g_comm->rank == 0;
-  lf_engine_t e = nullptr;
-  ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
-  auto tp = lf_tp_test_run(e, gens, lead);
-  lf_engine_free(e);
-  if (!lead) return;
-  ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
-  auto ref = lf_tp_test_run(e, gens, true);
-  lf_engine_free(e);
+  auto [tp, ref] = lf_tp_test_run_both(cfg, g_comm, gens);
+  if (g_comm->rank != 0) return;
+  ASSERT_EQ(ref.size(), gens.size());
   for (size_t k = 0; k < gens.size(); k++) {
     ASSERT_EQ((int)ref[k].size(), gens[k].max_tokens);
     EXPECT_EQ(tp[k], ref[k]) << path << " " << lf_policy_str(policy) << " request " << k;
