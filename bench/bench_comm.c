@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/clock.h"
 #include "lfserve.h"
 
 #include "parallel/comm.h"
@@ -29,12 +30,6 @@
 #ifdef LF_HAVE_NCCL
 #include <cuda_runtime.h>
 #endif
-
-static double comm_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static uint16_t to_bf16(float f) { /* exact for the small integers used here */
   uint32_t u;
@@ -231,10 +226,10 @@ int bench_comm(int argc, char **argv) {
       for (int i = 0; i < warmup; i++)
         if (comm->allreduce_sum(comm, host, n, type, NULL) != LF_OK) COMM_FAIL("warm-up");
       if (comm->barrier(comm) != LF_OK) COMM_FAIL("barrier");
-      const double t0 = comm_now();
+      const double t0 = lf_now_s();
       for (int i = 0; i < iters; i++)
         if (comm->allreduce_sum(comm, host, n, type, NULL) != LF_OK) COMM_FAIL("timed run");
-      t_us = 1e6 * (comm_now() - t0) / iters;
+      t_us = 1e6 * (lf_now_s() - t0) / iters;
     }
     /* the slowest rank's time, as nccl-tests reports, and every rank's wrong count: one
      * host-path gather of (time, wrong) through the communicator itself */

@@ -31,6 +31,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/clock.h"
 #include "engine/backend.h"
 #include "engine/json.h"
 #include "engine/model.h"
@@ -43,12 +44,6 @@ int bench_eval(int argc, char **argv);
 #define EV_NAME "lfbench eval"
 
 /* ---- small helpers ----------------------------------------------------------------------- */
-
-static double ev_now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static char *ev_strdup(const char *s) {
   size_t n = strlen(s) + 1;
@@ -728,7 +723,7 @@ static void print_progress(ev_ctx *c, const ev_run *r) {
   if (r->fi >= 0) py_float(c->o->fractions[r->fi], b, sizeof b);
   snprintf(tag, sizeof tag, "%s%s%s", se->name, r->fi >= 0 ? "@" : "", b);
   printf("[%d/%d %6.0fs] %14s %-15s budget %5d answer %s trace %s first_err ", c->runs_done,
-         c->n_runs, ev_now() - c->t0, c->probs[r->problem].id, tag, r->budget,
+         c->n_runs, lf_now_s() - c->t0, c->probs[r->problem].id, tag, r->budget,
          r->answer_ok ? "ok " : "bad", r->trace_ok ? "ok " : "bad");
   if (r->first_error >= 0)
     printf("%d", r->first_error);
@@ -759,10 +754,10 @@ static void run_group(ev_ctx *c, ev_group *g) {
   g->pools = g->n < o->max_concurrent ? g->n : o->max_concurrent;
   cfg.n_pools = g->pools;
   lf_engine_t e = NULL;
-  const double t0 = ev_now();
+  const double t0 = lf_now_s();
   g->start_s = t0 - c->t0;
   lf_status s = lf_engine_init(&cfg, NULL, &e);
-  g->init_s = ev_now() - t0;
+  g->init_s = lf_now_s() - t0;
   enum { EV_CAP = 1024 };
   lf_event *ev = NULL;
   if (s == LF_OK && !(ev = malloc(sizeof *ev * EV_CAP))) s = LF_ERR_OUT_OF_MEMORY;
@@ -861,7 +856,7 @@ static void run_group(ev_ctx *c, ev_group *g) {
     }
     pthread_mutex_unlock(&c->lock);
   }
-  g->wall_s = ev_now() - t0;
+  g->wall_s = lf_now_s() - t0;
   free(ev);
   lf_engine_free(e);
 }
@@ -1287,7 +1282,7 @@ int bench_eval(int argc, char **argv) {
     rc = 1;
     goto out;
   }
-  c.t0 = ev_now();
+  c.t0 = lf_now_s();
   const int nw = o.jobs < c.n_groups ? o.jobs : c.n_groups;
   if (nw <= 1) {
     worker(&c);
@@ -1300,7 +1295,7 @@ int bench_eval(int argc, char **argv) {
     for (int i = 0; i < started; i++)
       pthread_join(th[i], NULL);
   }
-  const double wall = ev_now() - c.t0;
+  const double wall = lf_now_s() - c.t0;
   pthread_mutex_destroy(&c.lock);
 
   int *fe = malloc(sizeof(int) * (size_t)(c.n_probs + 1));

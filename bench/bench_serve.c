@@ -24,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/clock.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "lfserve.h"
@@ -40,12 +41,6 @@
 int bench_serve(int argc, char **argv);
 
 /* ---- small helpers ----------------------------------------------------------------------- */
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static void sleep_s(double s) {
   if (s <= 0) return;
@@ -411,9 +406,9 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   if (!cuda) rss_peak_reset();
   r->mem_before = mem_used(cuda);
   lf_engine_t e = NULL;
-  double t = now_s();
+  double t = lf_now_s();
   lf_status s = lf_engine_init(&cfg, NULL, &e);
-  r->init_s = now_s() - t;
+  r->init_s = lf_now_s() - t;
   if (s != LF_OK) {
     fprintf(stderr, "lfbench serve: %s: lf_engine_init: %s: %s\n", r->policy, lf_status_str(s),
             lf_last_error());
@@ -446,11 +441,11 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   enum { EV_CAP = 4096 };
   static lf_event ev[EV_CAP];
   int next_sub = 0, done = 0, rc = 0;
-  const double t0 = now_s();
+  const double t0 = lf_now_s();
   double last_mem = t0, last_util = t0, last_print = t0;
   double t_end, cutoff = -1.0;
   while (done < N) {
-    double tn = now_s();
+    double tn = lf_now_s();
     if (o->duration > 0 && cutoff < 0 && tn - t0 >= o->duration) {
       /* End of the window: cancel everything still open and drain. */
       cutoff = t0 + o->duration;
@@ -478,19 +473,19 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
     }
     if (!lf_engine_busy(e)) {
       if (next_sub < N) {
-        double w = t0 + rq[next_sub].arrival - now_s();
-        if (o->duration > 0 && w > t0 + o->duration - now_s()) w = t0 + o->duration - now_s();
-        const double ts = now_s();
+        double w = t0 + rq[next_sub].arrival - lf_now_s();
+        if (o->duration > 0 && w > t0 + o->duration - lf_now_s()) w = t0 + o->duration - lf_now_s();
+        const double ts = lf_now_s();
         sleep_s(w);
-        r->idle_s += now_s() - ts;
+        r->idle_s += lf_now_s() - ts;
         continue;
       }
       break; /* nothing left: every request ended */
     }
     int n = 0;
-    const double ts = now_s();
+    const double ts = lf_now_s();
     s = lf_engine_step(e, ev, EV_CAP, &n);
-    const double te = now_s();
+    const double te = lf_now_s();
     if (cutoff < 0) { /* steps that drain cancellations after the window are not counted */
       const double lim = o->duration > 0 ? t0 + o->duration : te;
       r->step_s += (te < lim ? te : lim) - ts;
@@ -539,7 +534,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       last_print = te;
     }
   }
-  t_end = cutoff >= 0 ? cutoff : now_s();
+  t_end = cutoff >= 0 ? cutoff : lf_now_s();
 
   r->wall_s = t_end - t0;
   r->mem_end = mem_used(cuda);

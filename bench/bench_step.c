@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/clock.h"
 #include "lfserve.h"
 
 #if defined(LF_HAVE_CUDA) && defined(LF_HAVE_CUDA_BACKEND)
@@ -42,12 +43,6 @@
 #endif
 
 #define STEP_MAX_LIST 16
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int cmp_double(const void *a, const void *b) {
   const double x = *(const double *)a, y = *(const double *)b;
@@ -152,7 +147,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   p.n_pools = max_b;
   p.comm = comm;
   const int tp = comm ? comm->size : 1;
-  double t0 = now_s();
+  double t0 = lf_now_s();
   if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);
   if (comm && comm->rank != 0) { /* a follower: rank 0's descriptors until it stops */
     if (lf_backend_tp_follow(b, comm, m->vocab_size) != LF_OK)
@@ -164,7 +159,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
     if (lf_backend_tp_lead(b, comm, &lead) != LF_OK) STEP_FAIL("tensor-parallel lead");
     b = lead; /* frees the inner backend, and stops the followers, when freed */
   }
-  const double t_create = now_s() - t0;
+  const double t_create = lf_now_s() - t0;
   pools = calloc((size_t)max_b, sizeof *pools);
   prompt = calloc((size_t)budget, sizeof *prompt);
   last = calloc((size_t)max_b, sizeof *last);
@@ -176,7 +171,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
     rc = 1;
     goto done;
   }
-  t0 = now_s();
+  t0 = lf_now_s();
   for (int i = 0; i < max_b; i++) {
     if (b->pool_take(b, &pools[i]) != LF_OK) STEP_FAIL("pool_take");
     for (int k = 0; k < budget - 1; k++) prompt[k] = (int32_t)rnd((uint32_t)m->vocab_size);
@@ -189,7 +184,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
       STEP_FAIL("prefill of pool %d", i);
     last[i] = res[0].token;
   }
-  const double t_fill = now_s() - t0;
+  const double t_fill = lf_now_s() - t0;
   int32_t pos = budget - 1;
   const double wb = weight_bytes(m);
   for (int bi = 0; bi < nb; bi++) {
@@ -203,9 +198,9 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
         items[i].n_tok = 1;
         items[i].tokens = &last[i];
       }
-      t0 = now_s();
+      t0 = lf_now_s();
       if (b->forward(b, items, bs, res, NULL) != LF_OK) STEP_FAIL("decode step");
-      const double dt = now_s() - t0;
+      const double dt = lf_now_s() - t0;
       for (int i = 0; i < bs; i++) {
         if (res[i].status != LF_OK) STEP_FAIL("decode step, item %d", i);
         last[i] = res[i].token;

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "engine/clock.h"
 #include "engine/tokenizer.h"
 #include "launch/tp_launch.h"
 #include "lfserve.h"
@@ -107,12 +108,6 @@ static void tp_end(lf_comm_t comm) {
   MPI_Initialized(&inited);
   if (inited) MPI_Finalize();
 #endif
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 int main(int argc, char **argv) {
@@ -292,7 +287,7 @@ int main(int argc, char **argv) {
   }
   rq.prompt = ids;
 
-  const double t_load = now_s();
+  const double t_load = lf_now_s();
   lf_engine_t e;
   lf_status s = LF_OK;
   if (want_tp && (s = lf_tp_start(&argc, &argv, cfg.backend, &comm)) != LF_OK) {
@@ -324,7 +319,7 @@ int main(int argc, char **argv) {
           mi.model_type, mi.n_layers, mi.n_heads, mi.n_kv_heads, mi.vocab_size,
           lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
           cfg.budget ? cfg.budget : mi.max_seq_len,
-          now_s() - t_load);
+          lf_now_s() - t_load);
 
   uint64_t id;
   s = lf_engine_submit(e, &rq, &id);

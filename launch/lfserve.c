@@ -33,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/clock.h"
 #include "engine/tokenizer.h"
 #include "launch/http_json.h"
 #include "launch/http_request.h"
@@ -100,12 +101,6 @@ static struct srv {
   atomic_int open_streams;
   time_t started;
 } S;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void count_code(int status) {
   for (int i = 0; i < N_CODES; i++)
@@ -507,7 +502,7 @@ static void stream_format(conn *c, const int32_t *toks, int n, int finished, con
 static int wait_job(conn *c) {
   job *j = c->j;
   /* Tokens may keep arriving (no timeout ever fires): look at the socket every 200 ms anyway. */
-  const double t = now_s();
+  const double t = lf_now_s();
   if (t - c->last_peer_check > 0.2) {
     c->last_peer_check = t;
     pthread_mutex_unlock(&S.mu);
@@ -1126,7 +1121,7 @@ int main(int argc, char **argv) {
   int launcher_abort = 0; /* the launcher is ending the job: MPI_Finalize would never return */
   siginfo_t si;
   memset(&si, 0, sizeof si);
-  const double t0 = now_s();
+  const double t0 = lf_now_s();
   lf_status s = LF_OK;
   if (lf_launched_multi_rank()) {
     s = lf_tp_start(&argc, &argv, cfg.backend, &comm);
@@ -1233,7 +1228,7 @@ int main(int argc, char **argv) {
           "tokenizer %s, chat %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n",
           S.model_name, S.mi.model_type, S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
           lf_policy_str(cfg.policy), S.budget, S.tok ? "yes" : "no", S.tmpl ? "yes" : "no", host,
-          di ? (unsigned)di->port : (unsigned)port, now_s() - t0, (long)getpid(),
+          di ? (unsigned)di->port : (unsigned)port, lf_now_s() - t0, (long)getpid(),
           lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "");
   fflush(stderr);
 
