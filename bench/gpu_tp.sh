@@ -25,6 +25,23 @@ say() { echo "== $*" | tee -a "$LOG"; }
 has() { case " $PHASES " in *" $1 "*) return 0 ;; esac; return 1; }
 rc=0
 
+# dep PC GLOB PREFIX CMD...: when pkg-config has no PC, unpack build-deps/GLOB and run CMD in its
+# source folder (installing into PREFIX); then PREFIX's pkgconfig folder (lib or lib64, by
+# distribution) goes on PKG_CONFIG_PATH.
+dep() {
+  local pc=$1 glob=$2 prefix=$3 d
+  shift 3
+  if ! pkg-config --exists "$pc" 2>/dev/null && ls build-deps/$glob >/dev/null 2>&1; then
+    say "building $pc from build-deps/"
+    rm -rf "$prefix-src" && mkdir -p "$prefix-src" && tar xf build-deps/$glob -C "$prefix-src" &&
+      (cd "$prefix-src"/*/ && "$@") >>"$LOG" 2>&1 || say "$pc build FAILED"
+  fi
+  for d in "$prefix/lib" "$prefix/lib64"; do
+    [ -f "$d/pkgconfig/$pc.pc" ] && export PKG_CONFIG_PATH=$d/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  done
+  return 0
+}
+
 if has build; then
   say "machine"
   { nvidia-smi -L; nvidia-smi topo -m; nvcc --version | tail -1; command -v mpirun || echo "no mpirun";
@@ -41,37 +58,18 @@ if has build; then
       cmake --build /tmp/gtest-build -j32 >>"$LOG" 2>&1 && cmake --install /tmp/gtest-build >>"$LOG" 2>&1
   fi
   [ -d /tmp/gtest-install ] && extra+=(-DCMAKE_PREFIX_PATH=/tmp/gtest-install)
-  # lfserve needs libmicrohttpd; a machine without it builds the source tarball carried in
-  # build-deps/ (plain HTTP, no TLS), about 10 s.
-  if ! pkg-config --exists libmicrohttpd 2>/dev/null && ls build-deps/libmicrohttpd_*.orig.tar.* >/dev/null 2>&1; then
-    say "building libmicrohttpd from build-deps/"
-    rm -rf /tmp/mhd-src && mkdir -p /tmp/mhd-src && tar xf build-deps/libmicrohttpd_*.orig.tar.* -C /tmp/mhd-src &&
-      (cd /tmp/mhd-src/libmicrohttpd-* && ./configure -q --prefix=/tmp/mhd-install --disable-https --disable-doc \
-        --disable-examples --disable-curl --disable-static && make -j32 -s && make -s install) >>"$LOG" 2>&1 ||
-      say "libmicrohttpd build FAILED (no lfserve)"
-  fi
-  [ -d /tmp/mhd-install ] && export PKG_CONFIG_PATH=/tmp/mhd-install/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-  # and PCRE2 for the byte-level BPE pre-tokenizer (static, about 10 s)
-  if ! pkg-config --exists libpcre2-8 2>/dev/null && ls build-deps/pcre2_*.orig.tar.* >/dev/null 2>&1; then
-    say "building PCRE2 from build-deps/"
-    rm -rf /tmp/pcre2-src && mkdir -p /tmp/pcre2-src && tar xf build-deps/pcre2_*.orig.tar.* -C /tmp/pcre2-src &&
-      (cd /tmp/pcre2-src/pcre2-* && ./configure -q --prefix=/tmp/pcre2-install --disable-shared --with-pic &&
-        make -j32 -s && make -s install) >>"$LOG" 2>&1 || say "PCRE2 build FAILED"
-  fi
-  [ -d /tmp/pcre2-install ] && export PKG_CONFIG_PATH=/tmp/pcre2-install/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-  # and cJSON, which parses lfserve's requests (static, about 5 s)
-  if ! pkg-config --exists libcjson 2>/dev/null && ls build-deps/cjson_*.orig.tar.* >/dev/null 2>&1; then
-    say "building cJSON from build-deps/"
-    rm -rf /tmp/cjson-src /tmp/cjson-build && mkdir -p /tmp/cjson-src && tar xf build-deps/cjson_*.orig.tar.* -C /tmp/cjson-src &&
-      (cmake -S /tmp/cjson-src/cJSON-* -B /tmp/cjson-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DCMAKE_INSTALL_PREFIX=/tmp/cjson-install -DENABLE_CJSON_TEST=OFF -DENABLE_CUSTOM_COMPILER_FLAGS=OFF \
-        -DBUILD_SHARED_LIBS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON && cmake --build /tmp/cjson-build -j32 &&
-        cmake --install /tmp/cjson-build) >>"$LOG" 2>&1 || say "cJSON build FAILED (no lfserve)"
-  fi
-  # (GNUInstallDirs picks lib or lib64, by distribution)
-  for d in /tmp/cjson-install/lib /tmp/cjson-install/lib64; do
-    if [ -f $d/pkgconfig/libcjson.pc ]; then export PKG_CONFIG_PATH=$d/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}; fi
-  done
+  # lfserve needs libmicrohttpd and cJSON, the tokenizers PCRE2; a machine without them builds
+  # the source tarballs carried in build-deps/ (bench/README.md), each in seconds.
+  dep libmicrohttpd 'libmicrohttpd_*.orig.tar.*' /tmp/mhd-install sh -c \
+    './configure -q --prefix=/tmp/mhd-install --disable-https --disable-doc --disable-examples \
+      --disable-curl --disable-static && make -j32 -s && make -s install'
+  dep libpcre2-8 'pcre2_*.orig.tar.*' /tmp/pcre2-install sh -c \
+    './configure -q --prefix=/tmp/pcre2-install --disable-shared --with-pic && make -j32 -s && \
+      make -s install'
+  dep libcjson 'cjson_*.orig.tar.*' /tmp/cjson-install sh -c \
+    'cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/tmp/cjson-install \
+      -DENABLE_CJSON_TEST=OFF -DENABLE_CUSTOM_COMPILER_FLAGS=OFF -DBUILD_SHARED_LIBS=OFF \
+      -DCMAKE_POSITION_INDEPENDENT_CODE=ON && cmake --build build -j32 && cmake --install build'
   say "configure + build ($B, sm_90)"
   t0=$(date +%s)
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 "${extra[@]}" \
