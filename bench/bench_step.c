@@ -32,6 +32,7 @@
 #include "lfserve.h"
 
 #if defined(LF_HAVE_CUDA) && defined(LF_HAVE_CUDA_BACKEND)
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include "engine/backend.h"
@@ -198,9 +199,14 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
         items[i].n_tok = 1;
         items[i].tokens = &last[i];
       }
+      /* LF_PROFILE_STEP=1: the last step of each batch size is the profiler's range
+       * (`ncu --profile-from-start off` then sees exactly one decode step) */
+      const int prof = st == warmup + steps - 1 && getenv("LF_PROFILE_STEP") != NULL;
+      if (prof) cudaProfilerStart();
       t0 = lf_now_s();
       if (b->forward(b, items, bs, res, NULL) != LF_OK) STEP_FAIL("decode step");
       const double dt = lf_now_s() - t0;
+      if (prof) cudaProfilerStop();
       for (int i = 0; i < bs; i++) {
         if (res[i].status != LF_OK) STEP_FAIL("decode step, item %d", i);
         last[i] = res[i].token;

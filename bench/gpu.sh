@@ -9,9 +9,9 @@
 #                                (SWEEP_BATCHES=1,8 limits the batch sizes)
 #   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out (SKIP_KERNEL=1 / SKIP_STEP=1: one benchmark)
 #   STEP_ARGS="--batches 1,8,64"  extra options for `lfbench step`
-#   PROFILE=1                    also ncu (clocks left alone) over a few decode steps of
-#                                random:llama3-8b at batch PROFILE_BATCH (default 1): per-kernel
-#                                time and DRAM throughput, to split the step's time by kernel
+#   PROFILE=1                    also ncu (clocks left alone) over one decode step of
+#                                random:llama3-8b at each batch of PROFILE_BATCHES (default
+#                                "1 64"): per-kernel time and DRAM throughput
 #
 # The machine has no network: if GTest is not installed there, a googletest source tree carried
 # in build-deps/googletest is built first.
@@ -112,15 +112,15 @@ if [ -z "${SKIP_BENCH:-}" ] && [ -z "${SKIP_STEP:-}" ]; then
   fi
 fi
 if [ -n "${PROFILE:-}" ]; then
-  say "ncu: decode steps of random:llama3-8b, batch ${PROFILE_BATCH:-1} (graphs off so kernels are seen)"
-  # Skip the start-up (weights, prefill) launches; capture one step's worth of kernels.
-  LF_CUDA_GRAPHS=0 ncu --clock-control none --launch-skip "${PROFILE_SKIP:-2000}" \
-    --launch-count "${PROFILE_COUNT:-400}" \
+  for pb in ${PROFILE_BATCHES:-1 64}; do
+  say "ncu: one decode step of random:llama3-8b, batch $pb (graphs off so kernels are seen)"
+  # lfbench step opens the profiler's range around its last step only (LF_PROFILE_STEP).
+  LF_CUDA_GRAPHS=0 LF_PROFILE_STEP=1 ncu --clock-control none --profile-from-start off \
     --metrics gpu__time_duration.sum,dram__bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-    --csv build-gpu/lfbench step --models random:llama3-8b --batches "${PROFILE_BATCH:-1}" \
-    --steps 3 --warmup 1 >"$OUT/ncu_step.csv" 2>"$OUT/ncu_step.err" || { rc=1; say "ncu FAILED"; }
+    --csv build-gpu/lfbench step --models random:llama3-8b --batches "$pb" \
+    --steps 2 --warmup 1 >"$OUT/ncu_step_b$pb.csv" 2>"$OUT/ncu_step_b$pb.err" || { rc=1; say "ncu FAILED"; }
   # Time per kernel name, largest first.
-  python3 - "$OUT/ncu_step.csv" <<'PY' | tee -a "$LOG"
+  python3 - "$OUT/ncu_step_b$pb.csv" <<'PY' | tee -a "$LOG"
 import csv, sys, collections
 t, n, b = collections.Counter(), collections.Counter(), collections.Counter()
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
@@ -135,10 +135,11 @@ for r in rows[1:]:
         b[r[ki][:60]] += v * {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(r[ui], 1)
 tot = sum(t.values())
 print(f"{'kernel':60s} {'calls':>6s} {'us':>10s} {'share':>6s} {'GB/s':>8s}")
-for k, v in t.most_common(15):
+for k, v in t.most_common(20):
     print(f"{k:60s} {n[k]:6d} {v:10.1f} {100 * v / tot:5.1f}% {b[k] / (v * 1e3) if v else 0:8.0f}")
 print(f"total {tot:.1f} us over {sum(n.values())} kernels")
 PY
+  done
 fi
 say "exit $rc"
 exit $rc
