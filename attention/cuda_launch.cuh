@@ -7,8 +7,8 @@
  * edges): its blocks do their independent work (a GEMV
  * prefetches its weight rows) and then wait in pdl_wait() (attention/cuda_ptx.cuh) for the first
  * grid's results. Every kernel launched through lf_launch must call pdl_wait() before touching
- * memory its predecessor writes or reads. Off by default until measured on the GPU
- * (bench/gpu.sh runs the step both ways).
+ * memory its predecessor writes or reads. Off by default: on an H200 it made single-GPU decode
+ * steps 1-3% faster but the TP=2 step at batch 64 5% slower (one run each; bench/RESULTS.md).
  */
 #ifndef LF_CUDA_LAUNCH_CUH
 #define LF_CUDA_LAUNCH_CUH

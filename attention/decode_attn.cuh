@@ -52,14 +52,16 @@ typedef struct lf_decode_attn_args {
   /* Split-K (flash decoding): each (sequence, KV head) is cut into n_splits blocks of slots.
    * 0: lf_cuda_decode_attn_splits() picks it. A request is raised to the fewest splits whose
    * logits fit in shared memory (64 KB per block) and capped at 64; the workspace size follows
-   * the same rule. */
+   * the same rule. On sm_90, 2..8 splits combine inside a thread-block cluster (no workspace
+   * used; LF_ATTN_CLUSTER=0 turns that off), more through the workspace. */
   int n_splits;
   void *workspace; /* >= lf_cuda_decode_attn_workspace_bytes(), prepared once with
                     * lf_cuda_decode_attn_workspace_init() and reused by every call */
   size_t workspace_bytes;
 } lf_decode_attn_args;
 
-/* The split count the launcher uses for n_splits == 0 on a device with n_sm multiprocessors. */
+/* The split count the launcher uses for n_splits == 0 on a device with n_sm multiprocessors
+ * (at most 8, one cluster, when the current device takes the cluster combine). */
 int lf_cuda_decode_attn_splits(int n_seq, int n_kv_heads, int budget, int group, int head_dim,
                                int n_sm);
 

@@ -7,8 +7,10 @@
 #   SANITIZE=1 bench/gpu.sh      also compute-sanitizer on a subset of gpu_decode_attn
 #   SWEEP="1 2 4" bench/gpu.sh   also lfbench kernel with each forced split count
 #                                (SWEEP_BATCHES=1,8 limits the batch sizes)
-#   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out (SKIP_KERNEL=1 / SKIP_STEP=1: one benchmark)
+#   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out (SKIP_KERNEL=1 / SKIP_STEP=1: one benchmark;
+#                                SKIP_PDL_TESTS=1: not the second ctest run with LF_PDL=1)
 #   STEP_ARGS="--batches 1,8,64"  extra options for `lfbench step`
+#   AB_ENV="LF_ATTN_CLUSTER=0"   also lfbench kernel (batches 1, 8) and step with that setting
 #   PROFILE=1                    also ncu (clocks left alone) over one decode step of
 #                                random:llama3-8b at each batch of PROFILE_BATCHES (default
 #                                "1 64"): per-kernel time and DRAM throughput
@@ -24,6 +26,7 @@ LOG=$OUT/gpu_log.txt
 : >"$LOG"
 say() { echo "== $*" | tee -a "$LOG"; }
 rc=0
+peer=()
 
 say "machine"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv;
@@ -105,11 +108,20 @@ if [ -z "${SKIP_BENCH:-}" ] && [ -z "${SKIP_STEP:-}" ]; then
   LF_PDL=1 build-gpu/lfbench step ${STEP_ARGS:-} --json "$OUT/lfbench_step_pdl.json" \
     >"$OUT/lfbench_step_pdl.txt" 2>&1 || { rc=1; say "lfbench step (PDL) FAILED"; }
   cat "$OUT/lfbench_step_pdl.txt" | tee -a "$LOG"
-  if [ -z "${SKIP_TESTS:-}" ]; then
+  if [ -z "${SKIP_TESTS:-}" ] && [ -z "${SKIP_PDL_TESTS:-}" ]; then
     say "ctest -L gpu with LF_PDL=1"
     (cd build-gpu && LF_PDL=1 ctest -L gpu) >"$OUT/ctest_gpu_pdl.txt" 2>&1 || { rc=1; say "PDL tests FAILED"; }
     grep -E "tests passed|FAILED" "$OUT/ctest_gpu_pdl.txt" | tail -8 | tee -a "$LOG"
   fi
+fi
+if [ -z "${SKIP_BENCH:-}" ] && [ -n "${AB_ENV:-}" ]; then
+  # the same benchmarks with one setting changed, e.g. AB_ENV="LF_ATTN_CLUSTER=0" (A/B)
+  say "A/B: lfbench kernel (batches 1,8) and step with $AB_ENV"
+  env $AB_ENV build-gpu/lfbench kernel --batches 1,8 --iters 100 "${peer[@]}" >"$OUT/ab_kernel.txt" 2>&1 || rc=1
+  grep -v "^# [dt]" "$OUT/ab_kernel.txt" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  env $AB_ENV build-gpu/lfbench step ${STEP_ARGS:-} >"$OUT/ab_step.txt" 2>&1 || rc=1
+  grep -v "^# device" "$OUT/ab_step.txt" | tee -a "$LOG"
 fi
 if [ -n "${PROFILE:-}" ]; then
   for pb in ${PROFILE_BATCHES:-1 64}; do

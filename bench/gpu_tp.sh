@@ -7,6 +7,8 @@
 #   bench/gpu_tp.sh                 everything (PHASES="build test serve comm step")
 #   PHASES="build test" bench/gpu_tp.sh     a part (each phase fits a 10-minute call)
 #   STEPS=20 BUDGET=1024            lfbench step options
+#   TP_MODELS=random:llama3-8b      the TP=2 step models (default: llama3-8b and llama3-70b)
+#   STEP_VARIANTS="LF_CUSTOM_AR LF_PDL"   also the TP=2 step with each opt-in path on (graphs on)
 #
 # Ranks are launched by mpirun when the machine has it (and the build found MPI), else by
 # tests/tp_run.sh (NCCL's id through a file: lf_comm_init_nccl_env). NVLink multicast stays off.
@@ -88,7 +90,7 @@ if grep -q "LF_HAVE_MPI" $B/build.ninja 2>/dev/null && command -v mpirun >/dev/n
     local n=$1 x=()
     shift
     for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS LF_NCCL_TIMEOUT_S \
-             LF_CUDA_GRAPHS_TP LF_CUSTOM_AR LF_CUSTOM_AR_BYTES; do
+             LF_CUDA_GRAPHS_TP LF_CUSTOM_AR LF_CUSTOM_AR_BYTES LF_PDL LF_ATTN_CLUSTER; do
       [ -n "${!v:-}" ] && x+=(-x "$v")
     done
     timeout "${LT:-300}" mpirun -np "$n" "${x[@]}" "$@"
@@ -164,8 +166,8 @@ if has step; then
   say "lfbench step TP=1, random:llama3-8b"
   $B/lfbench step --models random:llama3-8b --batches 1,64 --budget "$BUDGET" --steps "$STEPS" \
     --json "$OUT/step_tp1.json" >"$OUT/step_tp1.txt" 2>&1 || { rc=1; say "step tp1 FAILED"; }
-  say "lfbench step --tp (2 ranks), random:llama3-8b and random:llama3-70b"
-  launch 2 $B/lfbench step --tp --models random:llama3-8b,random:llama3-70b --batches 1,64 \
+  say "lfbench step --tp (2 ranks), ${TP_MODELS:-random:llama3-8b,random:llama3-70b}"
+  launch 2 $B/lfbench step --tp --models "${TP_MODELS:-random:llama3-8b,random:llama3-70b}" --batches 1,64 \
     --budget "$BUDGET" --steps "$STEPS" --json "$OUT/step_tp2.json" >"$OUT/step_tp2.txt" 2>&1 ||
     { rc=1; say "step tp2 FAILED"; }
   say "TP=2 CUDA graphs on (LF_CUDA_GRAPHS_TP=1), random:llama3-8b"
@@ -173,6 +175,15 @@ if has step; then
    launch 2 $B/lfbench step --tp --models random:llama3-8b --batches 1,64 --budget "$BUDGET" \
      --steps "$STEPS" --json "$OUT/step_tp2_graphs.json" >"$OUT/step_tp2_graphs.txt" 2>&1) ||
     { rc=1; say "step tp2 graphs FAILED"; }
+  # opt-in paths, each with graphs on: the IPC all-reduce (LF_CUSTOM_AR=1), PDL (LF_PDL=1)
+  for v in ${STEP_VARIANTS:-}; do
+    say "TP=2 graphs on, $v=1, random:llama3-8b"
+    (export LF_CUDA_GRAPHS_TP=1 "$v=1"
+     launch 2 $B/lfbench step --tp --models random:llama3-8b --batches 1,64 --budget "$BUDGET" \
+       --steps "$STEPS" --json "$OUT/step_tp2_$v.json" >"$OUT/step_tp2_$v.txt" 2>&1) ||
+      { rc=1; say "step tp2 $v FAILED"; }
+    grep -E "^random" "$OUT/step_tp2_$v.txt" | tee -a "$LOG"
+  done
   {
     echo "step (ms, median)         batch  TP=1     TP=2    TP=2+graphs  ratio(TP2/TP1)"
     for b in 1 64; do
@@ -191,5 +202,7 @@ if has step; then
 fi
 say "done, status $rc"
 # the device tool brings back a limited number of files: pack the per-run logs into one
-(cd "$OUT" && ls *.txt 2>/dev/null | grep -v '^gpu_tp_log.txt$' | tar czf logs.tgz -T - --remove-files) 2>/dev/null
+# (this script's own logs only: $OUT may hold another script's files, still being written)
+(cd "$OUT" && ls mpi_gpu_tp.txt die_*.txt lfgen_tp*.txt server_mpi_cuda.txt comm_*.txt step_tp*.txt \
+   gpu_tp_table.txt 2>/dev/null | tar czf tp_logs.tgz -T - --remove-files) 2>/dev/null
 exit $rc

@@ -376,8 +376,9 @@ TEST_P(DecodeAttn, MatchesCpuReference) {
   run_case(GetParam());
 }
 
-/* Single steps over the shape grid, each with one split and with several (exercising both the
- * in-block finish and the cross-block combine), then multi-step runs that evict. */
+/* Single steps over the shape grid, each with one split and with several (exercising the
+ * in-block finish and the cross-block combines: on sm_90, 2..8 splits combine in a thread-block
+ * cluster, more through the workspace), then multi-step runs that evict. */
 std::vector<Case> cases() {
   std::vector<Case> v;
   const lf_policy LF = LF_POLICY_LONGFLOW;
@@ -395,6 +396,10 @@ std::vector<Case> cases() {
     v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 0, 1});
     v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 7, 1});
   }
+  /* the largest cluster combine (8 splits) and the ticket combine past it (16) */
+  v.push_back({128, 4, 4096, 8, 1, 1, LF, 4, 8, 1});
+  v.push_back({128, 4, 4096, 8, 1, 1, LF, 4, 16, 1});
+  v.push_back({64, 8, 2048, 2, 3, 2, LF_POLICY_STREAMING, 4, 8, 2});
   /* sink 0, other policies */
   v.push_back({128, 4, 512, 2, 3, 2, LF, 0, 5, 1});
   v.push_back({128, 4, 512, 2, 3, 2, LF_POLICY_STREAMING, 4, 0, 3});

@@ -462,7 +462,8 @@ TEST(GpuKernels, RmsNorm) {
   const uint64_t seed = lf_test_seed();
   std::mt19937_64 r(seed);
   std::normal_distribution<float> nd(0.f, 2.f);
-  for (int n : {8, 64, 257, 4096}) {
+  // 257 and 12300 take the scalar kernel, the others the register-held float4 one (1..8 per thread)
+  for (int n : {8, 64, 257, 1000, 4096, 5120, 8192, 12300}) {
     const int rows = 5;
     std::vector<float> x(static_cast<size_t>(rows) * n), w(static_cast<size_t>(n));
     for (auto &v : x) v = nd(r);
@@ -642,11 +643,14 @@ TEST(GpuKernels, SamplingMatchesHost) {
   std::mt19937_64 r(seed);
   std::normal_distribution<float> nd(0.f, 3.f);
   std::uniform_real_distribution<float> ud(0.f, 1.f);
-  for (int vocab : {300, 5000, 151936}) {
+  // 5003: rows start off 16-byte alignment, so the argmax's unaligned head and tail are used
+  for (int vocab : {300, 5000, 5003, 151936}) {
     const int n = 24;
     std::vector<float> lg(static_cast<size_t>(n) * vocab);
     for (auto &v : lg) v = nd(r);
     lg[7] = lg[8] = 40.f; // a tie in row 0: greedy picks the lower id
+    // row 6 (greedy): a three-way tie across the head / first group / next group of a row
+    lg[size_t(6) * vocab + 2] = lg[size_t(6) * vocab + 3] = lg[size_t(6) * vocab + 9] = 41.f;
     std::vector<lf_sample_params> sp(static_cast<size_t>(n));
     std::vector<lf_sampling> hs(static_cast<size_t>(n));
     for (int i = 0; i < n; i++) {
@@ -686,6 +690,7 @@ TEST(GpuKernels, SamplingMatchesHost) {
                                       << " p " << hs[size_t(i)].top_p << " seed " << seed;
     }
     EXPECT_EQ(tok[0], 7);
+    EXPECT_EQ(tok[6], 2);
     lf_sampler_free(&smp);
     cudaFree(dl);
     cudaFree(dp);
