@@ -1,16 +1,113 @@
 #!/usr/bin/env bash
 # Builds lfserve and generates with the default backend (CUDA where a GPU is present, else CPU).
-# Uses stories260K from $LF_TEST_DATA (default ../shared) when present, else the tiny llama model
-# the project ships under tests/data. Extra arguments go to lfgen.
+#  1. The trained `trace` task model (models/trace, docs/TASK.md) solves one held-out problem with
+#     LongFlow: prints the prompt, runs lfgen (greedy, --policy longflow), prints the trace it
+#     generates (first and last lines) and checks the answer as tools/task/gen.py does.
+#     Extra arguments go to this lfgen (a later --budget or --policy overrides the demo's).
+#  2. The earlier smoke demo: stories260K from $LF_TEST_DATA (default ../shared) when present,
+#     else the tiny llama the project ships under tests/data; LongFlow at 64 slots, token ids.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/deps.sh
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)" --target lfgen
+
+# ---- 1. the trace task with LongFlow ---------------------------------------------------------
+# Problem demo-0-0 (split demo, seed 0): 111 prompt and 2218 output tokens (<bos>, <eos> included).
+# Budget: KV slots per layer and KV head, as a fraction of the output length. On the CPU backend
+# LongFlow got this problem wrong at 0.5, 0.6, 0.7, 0.8, 0.9 and 1.0 (each time within ~15-100
+# tokens of the first eviction; streaming solves it at 0.5); 1.10 leaves room for the whole
+# sequence, so no slot is evicted and the answer does not depend on backend rounding.
+# `bash tools/run.sh --budget 1109` shows 0.5.
+FRACTION=1.10
+demo=build/demo
+mkdir -p "$demo"
+python3 tools/task/gen.py --n 1 --split demo --seed 0 --min-len 2000 --max-len 2500 \
+  --out "$demo/problem.jsonl" >/dev/null
+read -r out_tokens budget < <(python3 - "$demo" "$FRACTION" <<'PY'
+import json, math, sys
+d, frac = sys.argv[1], float(sys.argv[2])
+p = json.loads(open(f"{d}/problem.jsonl").readline())
+open(f"{d}/prompt.txt", "w").write(p["prompt"])
+print(f"== the trace task (docs/TASK.md): problem {p['id']}, {p['prompt_tokens']} prompt tokens "
+      f"(with <bos>), expected output {p['output_tokens']} tokens (with <eos>) ==", file=sys.stderr)
+print(f"-- prompt --\n{p['prompt']}-- end of prompt --", file=sys.stderr)
+print(p["output_tokens"], math.ceil(frac * p["output_tokens"]))
+PY
+)
+[ -n "${budget:-}" ] || { echo "run.sh: could not read the demo problem"; exit 1; }
+prompt="$(cat "$demo/prompt.txt"; echo .)"
+prompt="${prompt%.}" # keep the prompt's final newline
+echo "\$ ./build/lfgen --model models/trace --prompt \"<the prompt above>\" --max-tokens $((out_tokens + 32))" \
+  "--temperature 0 --policy longflow --budget $budget $*"
+if [ $# -eq 0 ]; then
+  echo "(budget: $budget KV slots per layer and KV head = $FRACTION x the output length; generating...)"
+else
+  echo "(extra arguments: $*; generating...)"
+fi
+if ! ./build/lfgen --model models/trace --prompt "$prompt" --max-tokens $((out_tokens + 32)) \
+    --temperature 0 --policy longflow --budget "$budget" "$@" >"$demo/output.txt" 2>"$demo/lfgen.err"; then
+  cat "$demo/lfgen.err"
+  exit 1
+fi
+status=0
+python3 - "$demo" <<'PY' || status=1
+import json, os, re, sys
+d = sys.argv[1]
+sys.path.insert(0, "tools/task")
+import gen
+p = json.loads(open(f"{d}/problem.jsonl").readline())
+out = open(f"{d}/output.txt").read()
+err = open(f"{d}/lfgen.err").read()
+stopped = re.search(r"finish stop", err) is not None
+if re.fullmatch(r"[0-9 ]*\n", out):  # --print-ids was passed: ids, not text
+    ids = [int(x) for x in out.split()]
+    text = gen.decode(ids)
+else:
+    text = out[:-1] if out.endswith("\n") else out  # lfgen ends its output with a newline
+    ids = gen.encode(text, bos=False)
+if stopped:  # lfgen does not print the <eos> it stopped on
+    ids.append(gen.EOS_ID)
+lines = text.rstrip("\n").split("\n")
+head, tail = 40, 15
+print("-- generated trace --")
+if len(lines) > head + tail + 1:
+    print("\n".join(lines[:head]))
+    print(f"... ({len(lines) - head - tail} lines omitted) ...")
+    print("\n".join(lines[-tail:]))
+else:
+    print("\n".join(lines))
+print("-- end of generated trace" + (" (<eos>) --" if stopped else " (no <eos>) --"))
+for line in err.splitlines():
+    if not line.startswith("lfgen: llama model"):
+        print(line)
+c = gen.check(p, ids)
+if c["answer_ok"]:
+    print("answer: correct (matches the expected final registers: " + p["answer"] + ")")
+else:
+    print(f"answer: WRONG: got {c['answer']!r}, expected {p['answer']!r}")
+if c["trace_ok"]:
+    print(f"trace: exact, all {p['output_tokens']} output tokens as expected")
+else:
+    e = c["first_error"]
+    print(f"trace: first wrong token at output position {e} (line "
+          f"{p['output'][:e].count(chr(10)) + 1} of {p['output'].count(chr(10))})")
+m = re.search(r"slots filled (\d+) of (\d+); evictions (\d+)", err)
+if m:
+    filled, budget, ev = map(int, m.groups())
+    print(f"budget: {budget} slots = {budget / p['output_tokens']:.2f} x the output length; "
+          f"KV evictions: {ev} (slot overwrites over all layers and KV heads)"
+          + (f"; the pool held all {filled} tokens, so none was needed" if ev == 0 else ""))
+sys.exit(0 if c["answer_ok"] else 1)
+PY
+
+# ---- 2. smoke demo: stories260K or the tiny llama (token ids) --------------------------------
 data="${LF_TEST_DATA:-../shared}"
 model="$data/models/stories260K/stories260K.bin"
 [ -f "$model" ] || model="tests/data/hf_tiny/llama"
-set -x
-./build/lfgen --model "$model" --prompt-ids 1 --max-tokens 200 --temperature 0 --policy longflow \
-  --budget 64 --print-ids "$@"
+echo
+echo "== smoke demo: $model, LongFlow at 64 slots (token ids) =="
+(set -x; ./build/lfgen --model "$model" --prompt-ids 1 --max-tokens 200 --temperature 0 \
+  --policy longflow --budget 64 --print-ids)
+exit $status
