@@ -331,7 +331,7 @@ int bench_step(int argc, char **argv) {
   if (lead)
   printf("# device %s, copy bandwidth %.1f GB/s (2 GiB D2D, read + write); cuda graphs %s, "
          "gemv max %s; timed: host clock around forward(), median of %d after %d; tp %d\n",
-         prop.name, copy_gbs, graphs_on ? "on" : "off", gemv ? gemv : "8", steps, warmup,
+         prop.name, copy_gbs, graphs_on ? "on" : "off", gemv ? gemv : "1", steps, warmup,
          comm ? comm->size : 1);
   if (lead)
   printf("# %-16s %6s %7s %10s %10s %10s %8s %8s %9s %9s\n", "model", "batch", "budget",
@@ -347,7 +347,7 @@ int bench_step(int argc, char **argv) {
             "%s, \"gemv_max\": \"%s\", \"timer\": \"host clock around forward(), median\",\n"
             "  \"rows\": [",
             prop.name, copy_gbs, graphs_on ? "true" : "false",
-            gemv ? gemv : "8");
+            gemv ? gemv : "1");
   int rc = 0, first = 1;
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))

@@ -1286,7 +1286,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->graph_cap = 64;
   e = getenv("LF_CUDA_GRAPH_CACHE");
   if (e && atoi(e) > 0) c->graph_cap = atoi(e);
-  c->gemv_max = LF_GEMV_MAX_TOK;
+  /* The GEMV only at batch 1: on an H200 (random:llama3-8b, session 3) it beat cuBLAS there
+   * (5.05 vs 5.72 ms a step in session 2's attribution) but lost from batch 2 on (2: 5.47 vs
+   * 5.23 ms, 4: 6.37 vs 5.19, 8: 9.92 vs 5.37), its per-token X reads growing with the batch. */
+  c->gemv_max = 1;
   e = getenv("LF_CUDA_GEMV_MAX");
   if (e) c->gemv_max = atoi(e) < 0 ? 0 : atoi(e) > LF_GEMV_MAX_TOK ? LF_GEMV_MAX_TOK : atoi(e);
   c->tune_on = 1;

@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "attention/cuda_check.h"
 #include "attention/cuda_ptx.cuh"
@@ -20,29 +22,35 @@ static __device__ __forceinline__ void unpack8(const uint4 v, float f[8]) {
   }
 }
 
-/* One warp per output row o (MODE GLU: rows o and n_out + o). Lane l reads the 16-byte chunks
- * l, l + 32, ... of the row; U chunks per row are in flight before any is used. */
-template <int NT, int MODE>
+/* KS warps per output row o (MODE GLU: rows o and n_out + o), 8 / KS rows per block. Part p of
+ * a row reads the groups of 32 * U chunks p, p + KS, ... (a chunk is 16 bytes; lane l takes
+ * chunk l + 32 u of a group), all U loads of a group in flight before any is used; the KS
+ * partial sums meet in shared memory in part order, so the result is deterministic. */
+template <int NT, int MODE, int U0, int KS>
 static __global__ void __launch_bounds__(GV_WARPS * 32)
     gemv_kernel(const __nv_bfloat16 *__restrict__ W, const __nv_bfloat16 *__restrict__ X,
                 size_t ldx, int n_in, int n_out, void *__restrict__ Y, size_t ldy, float beta) {
   constexpr int R = MODE == LF_GEMV_GLU ? 2 : 1;
-  constexpr int U = R == 2 ? 4 : 8;
-  const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
-  if (row >= n_out) return;
-  const int nch = n_in >> 3;
+  constexpr int U = R == 2 ? U0 / 2 : U0;
+  constexpr int RPB = GV_WARPS / KS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int part = warp % KS;
+  const int row = blockIdx.x * RPB + warp / KS;
+  if (KS == 1 && row >= n_out) return;
+  const bool valid = row < n_out;
+  const int nch = valid ? n_in >> 3 : 0;
   const uint4 *wr[R];
 #pragma unroll
   for (int r = 0; r < R; r++)
-    wr[r] = (const uint4 *)(W + ((size_t)row + (size_t)r * n_out) * (size_t)n_in);
+    wr[r] = (const uint4 *)(W + ((size_t)(valid ? row : 0) + (size_t)r * n_out) * (size_t)n_in);
+  const int c_first = lane + 32 * U * part, c_step = 32 * U * KS;
   /* The weights do not depend on the previous kernel: start this warp's first chunks towards L2
    * while it finishes, then wait for X (programmatic dependent launch, cuda_launch.cuh). */
 #pragma unroll
   for (int u = 0; u < U; u++)
-    if (lane + 32 * u < nch)
+    if (c_first + 32 * u < nch)
 #pragma unroll
-      for (int r = 0; r < R; r++) prefetch_l2(wr[r] + lane + 32 * u);
+      for (int r = 0; r < R; r++) prefetch_l2(wr[r] + c_first + 32 * u);
   pdl_wait();
   float acc[R][NT];
 #pragma unroll
@@ -50,7 +58,7 @@ static __global__ void __launch_bounds__(GV_WARPS * 32)
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
 
-  for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+  for (int c0 = c_first; c0 < nch; c0 += c_step) {
     uint4 wv[R][U];
 #pragma unroll
     for (int u = 0; u < U; u++) {
@@ -84,6 +92,25 @@ static __global__ void __launch_bounds__(GV_WARPS * 32)
     for (int t = 0; t < NT; t++)
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
+  if (KS > 1) {
+    __shared__ float red[GV_WARPS][R][NT];
+    if (lane == 0)
+#pragma unroll
+      for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) red[warp][r][t] = acc[r][t];
+    __syncthreads();
+    if (part != 0 || !valid) return;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+      for (int t = 0; t < NT; t++) {
+        float a = red[warp][r][t];
+#pragma unroll
+        for (int q = 1; q < KS; q++) a += red[warp + q][r][t];
+        acc[r][t] = a;
+      }
+  }
   if (lane != 0) return;
 #pragma unroll
   for (int t = 0; t < NT; t++) {
@@ -105,42 +132,76 @@ extern "C" int lf_cuda_gemv_ok(const void *W, const void *X, int n_in, size_t ld
          ldx % 8 == 0 && ((uintptr_t)W & 15) == 0 && ((uintptr_t)X & 15) == 0;
 }
 
-template <int MODE>
-static void launch_mode(int nt, dim3 grid, cudaStream_t st, const __nv_bfloat16 *W,
-                        const __nv_bfloat16 *X, size_t ldx, int n_in, int n_out, void *Y,
-                        size_t ldy, float beta) {
-  const int nth = GV_WARPS * 32;
-  void (*k)(const __nv_bfloat16 *, const __nv_bfloat16 *, size_t, int, int, void *, size_t,
-            float);
+typedef void (*gemv_fn)(const __nv_bfloat16 *, const __nv_bfloat16 *, size_t, int, int, void *,
+                        size_t, float);
+
+template <int MODE, int U0, int KS> static gemv_fn pick_nt(int nt) {
   switch (nt) {
-  case 1: k = gemv_kernel<1, MODE>; break;
-  case 2: k = gemv_kernel<2, MODE>; break;
-  case 3: k = gemv_kernel<3, MODE>; break;
-  case 4: k = gemv_kernel<4, MODE>; break;
-  case 5: k = gemv_kernel<5, MODE>; break;
-  case 6: k = gemv_kernel<6, MODE>; break;
-  case 7: k = gemv_kernel<7, MODE>; break;
-  default: k = gemv_kernel<8, MODE>; break;
+  case 1: return gemv_kernel<1, MODE, U0, KS>;
+  case 2: return gemv_kernel<2, MODE, U0, KS>;
+  case 3: return gemv_kernel<3, MODE, U0, KS>;
+  case 4: return gemv_kernel<4, MODE, U0, KS>;
+  case 5: return gemv_kernel<5, MODE, U0, KS>;
+  case 6: return gemv_kernel<6, MODE, U0, KS>;
+  case 7: return gemv_kernel<7, MODE, U0, KS>;
+  default: return gemv_kernel<8, MODE, U0, KS>;
   }
-  lf_launch(k, grid, dim3(nth), 0, st, W, X, ldx, n_in, n_out, Y, ldy, beta);
 }
 
-extern "C" lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out,
-                                  int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
-                                  cudaStream_t stream) {
+/* The kernel of (mode, variant): the base variant for every mode; the deeper loads (16 chunks in
+ * flight per lane) for F32 and GLU; split rows (2 or 4 warps a row) for F32 only. */
+static gemv_fn pick(lf_gemv_out mode, int nt, int udeep, int ks) {
+  if (mode == LF_GEMV_BF16) return pick_nt<LF_GEMV_BF16, 8, 1>(nt);
+  if (mode == LF_GEMV_GLU) return udeep ? pick_nt<LF_GEMV_GLU, 16, 1>(nt) : pick_nt<LF_GEMV_GLU, 8, 1>(nt);
+  if (ks == 4) return udeep ? pick_nt<LF_GEMV_F32, 16, 4>(nt) : pick_nt<LF_GEMV_F32, 8, 4>(nt);
+  if (ks == 2) return udeep ? pick_nt<LF_GEMV_F32, 16, 2>(nt) : pick_nt<LF_GEMV_F32, 8, 2>(nt);
+  return udeep ? pick_nt<LF_GEMV_F32, 16, 1>(nt) : pick_nt<LF_GEMV_F32, 8, 1>(nt);
+}
+
+extern "C" lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t ldx, int n_in,
+                                          int n_out, int n_tok, void *Y, size_t ldy,
+                                          lf_gemv_out mode, float beta, int variant,
+                                          cudaStream_t stream) {
   if (!lf_cuda_gemv_ok(W, X, n_in, ldx, n_tok) || !Y || n_out < 1 || ldy < (size_t)n_out)
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_gemv: unsupported shape (n_in %d, ldx %zu, n_out %d, n_tok %d, ldy "
                     "%zu) or misaligned pointer",
                     n_in, ldx, n_out, n_tok, ldy);
-  const dim3 grid((unsigned)((n_out + GV_WARPS - 1) / GV_WARPS));
-  const __nv_bfloat16 *w = (const __nv_bfloat16 *)W, *x = (const __nv_bfloat16 *)X;
-  switch (mode) {
-  case LF_GEMV_F32: launch_mode<LF_GEMV_F32>(n_tok, grid, stream, w, x, ldx, n_in, n_out, Y, ldy, beta); break;
-  case LF_GEMV_BF16: launch_mode<LF_GEMV_BF16>(n_tok, grid, stream, w, x, ldx, n_in, n_out, Y, ldy, beta); break;
-  case LF_GEMV_GLU: launch_mode<LF_GEMV_GLU>(n_tok, grid, stream, w, x, ldx, n_in, n_out, Y, ldy, beta); break;
-  default: return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_gemv: mode %d", (int)mode);
-  }
+  if (mode != LF_GEMV_F32 && mode != LF_GEMV_BF16 && mode != LF_GEMV_GLU)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_gemv: mode %d", (int)mode);
+  if (variant & ~(LF_GEMV_DEEP | LF_GEMV_KS2 | LF_GEMV_KS4))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_gemv: variant %#x", (unsigned)variant);
+  const int udeep = (variant & LF_GEMV_DEEP) != 0;
+  const int ks = mode != LF_GEMV_F32 ? 1 : (variant & LF_GEMV_KS4) ? 4 : (variant & LF_GEMV_KS2) ? 2 : 1;
+  const int rpb = GV_WARPS / ks;
+  const dim3 grid((unsigned)((n_out + rpb - 1) / rpb));
+  lf_launch(pick(mode, n_tok, udeep, ks), grid, dim3(GV_WARPS * 32), 0, stream,
+            (const __nv_bfloat16 *)W, (const __nv_bfloat16 *)X, ldx, n_in, n_out, Y, ldy, beta);
   LF_CUDA_CHECK_LAUNCH("gemv_kernel");
   return LF_OK;
+}
+
+/* LF_GEMV (read once): a comma list of deep, ks2, ks4 (split rows only where n_in >= 8192;
+ * "none": the base kernel everywhere). Default ks4: on an H200 four warps per row of the
+ * down projection (n_in 14336) made the batch-1 8B step 1% faster (5.064 vs 5.106 ms) and deeper
+ * loads made it 12% slower (bench/RESULTS.md). */
+static int env_variant(int n_in) {
+  static int v = -1;
+  if (v < 0) {
+    const char *e = getenv("LF_GEMV");
+    v = e ? 0 : LF_GEMV_KS4;
+    if (e) {
+      if (strstr(e, "deep")) v |= LF_GEMV_DEEP;
+      if (strstr(e, "ks2")) v |= LF_GEMV_KS2;
+      if (strstr(e, "ks4")) v |= LF_GEMV_KS4;
+    }
+  }
+  return n_in >= 8192 ? v : (v & LF_GEMV_DEEP);
+}
+
+extern "C" lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out,
+                                  int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
+                                  cudaStream_t stream) {
+  return lf_cuda_gemv_variant(W, X, ldx, n_in, n_out, n_tok, Y, ldy, mode, beta,
+                              env_variant(n_in), stream);
 }

@@ -1,11 +1,12 @@
 /* Bandwidth-bound matrix-vector products for small decode batches (n_tok <= LF_GEMV_MAX_TOK).
  *
  * Y[t][o] = sum_i W[o][i] X[t][i] with W bf16 [n_out][n_in] (row-major, the checkpoint's layout),
- * X bf16 [n_tok][ldx], fp32 accumulation. At batch 1..8 a decode step only streams the weights
- * once; cuBLAS's n = 1 path does not reach the copy bandwidth, so one warp owns one output row
- * (two for the gated MLP), reads it with 128-bit streaming loads and reads X through L1.
- * Each token's sum is formed in the same order whatever n_tok is, so a sequence's result does not
- * depend on what else is in the batch.
+ * X bf16 [n_tok][ldx], fp32 accumulation. A decode step at small batch only streams the
+ * weights once; cuBLAS's n = 1 path does not reach the copy bandwidth, so one warp (or KS warps)
+ * owns one output row (two for the gated MLP), reads it with 128-bit streaming loads and reads X
+ * through L1. Each token's sum is formed in the same order whatever n_tok is, so a sequence's
+ * result does not depend on what else is in the batch. The engine uses it at batch 1 only: from
+ * batch 2 on cuBLAS was faster on an H200 (engine/backend_cuda.cu, LF_CUDA_GEMV_MAX).
  *
  * Includable from C; bf16 buffers are void *; every pointer is device memory.
  */
@@ -39,6 +40,16 @@ int lf_cuda_gemv_ok(const void *W, const void *X, int n_in, size_t ldx, int n_to
 lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out, int n_tok,
                        void *Y, size_t ldy, lf_gemv_out mode, float beta,
                        struct CUstream_st *stream);
+
+/* Kernel variants (lf_cuda_gemv: ks4 where n_in >= 8192, else the base one, unless LF_GEMV
+ * names others: "deep", "ks2", "ks4", comma-separated, or "none"; split rows only where
+ * n_in >= 8192). Same results up to the order of the fp32 sums. */
+#define LF_GEMV_DEEP 1 /* 16 chunks of 16 bytes in flight per lane instead of 8 */
+#define LF_GEMV_KS2 2  /* F32 mode: two warps per output row, each half the row */
+#define LF_GEMV_KS4 4  /* F32 mode: four warps per output row */
+lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t ldx, int n_in, int n_out,
+                               int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
+                               int variant, struct CUstream_st *stream);
 
 #ifdef __cplusplus
 }

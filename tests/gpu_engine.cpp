@@ -389,12 +389,14 @@ TEST(GpuKernels, RandomWeightsMatchHost) {
   cudaFree(d);
 }
 
-// Small-batch GEMV against a double reference, every output mode; a token's result must not
-// depend on the batch it runs in (bitwise equal to running that token alone).
+// Small-batch GEMV against a double reference, every output mode and kernel variant; a token's
+// result must not depend on the batch it runs in (bitwise equal to running that token alone).
 TEST(GpuKernels, GemvVsHost) {
   NEED_GPU();
-  std::mt19937_64 rng(42);
+  const uint64_t seed = lf_test_seed();
+  std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> U(-1.0f, 1.0f);
+  for (int variant : {0, LF_GEMV_DEEP, LF_GEMV_KS2, LF_GEMV_KS4, LF_GEMV_DEEP | LF_GEMV_KS2})
   for (int n_in : {64, 1000, 4104})
     for (int n_out : {1, 37, 300})
       for (int nt : {1, 3, 8})
@@ -411,8 +413,9 @@ TEST(GpuKernels, GemvVsHost) {
           CK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
           CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
           CK(cudaMemcpy(dy, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
-          ASSERT_EQ(lf_cuda_gemv(dw, dx, size_t(n_in), n_in, n_out, nt, dy, size_t(n_out), om,
-                                 mode == 1 ? 1.0f : 0.0f, nullptr),
+          ASSERT_EQ(lf_cuda_gemv_variant(dw, dx, size_t(n_in), n_in, n_out, nt, dy,
+                                         size_t(n_out), om, mode == 1 ? 1.0f : 0.0f, variant,
+                                         nullptr),
                     LF_OK)
               << lf_last_error();
           CK(cudaDeviceSynchronize());
@@ -438,17 +441,19 @@ TEST(GpuKernels, GemvVsHost) {
               const double tol = 1e-5 * mag + (om == LF_GEMV_F32 ? 1e-6 : 8e-3 * std::fabs(ref)) +
                                  (om == LF_GEMV_GLU ? 1e-5 * mag * std::fabs(acc[1]) : 0.0);
               ASSERT_NEAR(got, ref, tol) << "n_in " << n_in << " n_out " << n_out << " nt " << nt
-                                         << " mode " << mode << " t " << t << " o " << o;
+                                         << " mode " << mode << " variant " << variant << " t "
+                                         << t << " o " << o << " seed " << seed;
             }
           if (mode == 0 && nt > 1) // batch invariance: the last token alone
             for (int t = 0; t < nt; t++) {
-              ASSERT_EQ(lf_cuda_gemv(dw, dx + size_t(t) * n_in, size_t(n_in), n_in, n_out, 1, dy1,
-                                     size_t(n_out), om, 0.0f, nullptr),
+              ASSERT_EQ(lf_cuda_gemv_variant(dw, dx + size_t(t) * n_in, size_t(n_in), n_in,
+                                             n_out, 1, dy1, size_t(n_out), om, 0.0f, variant,
+                                             nullptr),
                         LF_OK);
               std::vector<float> alone(static_cast<size_t>(n_out));
               CK(cudaMemcpy(alone.data(), dy1, alone.size() * 4, cudaMemcpyDeviceToHost));
               ASSERT_EQ(0, std::memcmp(alone.data(), y.data() + size_t(t) * n_out, alone.size() * 4))
-                  << "token " << t << " differs when run alone";
+                  << "token " << t << " differs when run alone (variant " << variant << ")";
             }
           cudaFree(dw);
           cudaFree(dx);
