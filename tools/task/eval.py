@@ -105,7 +105,7 @@ def plot(summary, fractions, path, title):
     ax.set_ylabel("answer accuracy (%)")
     ax.set_ylim(-3, 103)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="center left")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
