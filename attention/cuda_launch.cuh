@@ -17,20 +17,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Nonzero when the current device has compute capability 9.0 or newer. */
+static inline int lf_device_sm90(void) {
+  int dev = 0, major = 0;
+  const int ok = cudaGetDevice(&dev) == cudaSuccess &&
+                 cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                 major >= 9;
+  cudaGetLastError();
+  return ok;
+}
+
 /* LF_PDL=1 on a device of compute capability 9.0 or newer (read once per translation unit). */
 static inline int lf_pdl_enabled(void) {
   static int v = -1;
   if (v < 0) {
     const char *e = getenv("LF_PDL");
-    int on = e && !strcmp(e, "1");
-    if (on) {
-      int dev = 0, major = 0;
-      on = cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-           major >= 9;
-      cudaGetLastError();
-    }
-    v = on;
+    v = e && !strcmp(e, "1") && lf_device_sm90();
   }
   return v;
 }

@@ -161,6 +161,26 @@ static __device__ __forceinline__ int32_t key_slot(unsigned long long best) {
   return best == ~0ull ? -1 : (int32_t)(best & 0xffffffffu);
 }
 
+/* Head h's final max M and 1 / L from every split's (m, l) (ml(s) gives split s's), and the
+ * weights cw[s][h] = exp(m_s - M) / L of the splits' partial outputs: the exact combine. */
+template <class ML>
+static __device__ __forceinline__ void combine_weights(ML ml, int S, int G, int h, float *cw,
+                                                       float *fin_m, float *fin_il) {
+  float m = -INFINITY, l = 0.0f;
+  for (int s = 0; s < S; s++)
+    m = fmaxf(m, ml(s).x);
+  for (int s = 0; s < S; s++) {
+    const float2 x = ml(s);
+    const float c = x.y > 0.0f ? exp2f((x.x - m) * DA_LOG2E) : 0.0f;
+    cw[s * G + h] = c;
+    l += c * x.y;
+  }
+  fin_m[h] = m;
+  fin_il[h] = 1.0f / l;
+  for (int s = 0; s < S; s++)
+    cw[s * G + h] *= 1.0f / l;
+}
+
 template <int D, int MINB, bool CL>
 static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const attn_params p) {
   constexpr int NJ = D / 32;  /* 16-byte K loads per slot per thread */
@@ -387,21 +407,9 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       cl_ml[tid] = make_float2(m, l);
     }
     cl.sync(); /* every split's (m, l) and o_s are written */
-    if (tid < G) {
-      float m = -INFINITY, l = 0.0f;
-      for (int s = 0; s < S; s++)
-        m = fmaxf(m, cl.map_shared_rank(cl_ml, s)[tid].x);
-      for (int s = 0; s < S; s++) {
-        const float2 x = cl.map_shared_rank(cl_ml, s)[tid];
-        const float c = x.y > 0.0f ? exp2f((x.x - m) * DA_LOG2E) : 0.0f;
-        cw[s * G + tid] = c;
-        l += c * x.y;
-      }
-      fin_m[tid] = m;
-      fin_il[tid] = 1.0f / l;
-      for (int s = 0; s < S; s++)
-        cw[s * G + tid] *= 1.0f / l;
-    }
+    if (tid < G)
+      combine_weights([&](int s) { return cl.map_shared_rank(cl_ml, s)[tid]; }, S, G, tid, cw,
+                      fin_m, fin_il);
     __syncthreads();
     /* this split's share of the output, from every split's o_s */
     for (int i = split * DA_NT + tid; i < G * D / 2; i += S * DA_NT) {
@@ -455,21 +463,8 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   for (int i = tid; i < S * G; i += DA_NT)
     mls[i] = __ldcg(ml + i);
   __syncthreads();
-  if (tid < G) {
-    float m = -INFINITY, l = 0.0f;
-    for (int s = 0; s < S; s++)
-      m = fmaxf(m, mls[s * G + tid].x);
-    for (int s = 0; s < S; s++) {
-      const float2 x = mls[s * G + tid];
-      const float c = x.y > 0.0f ? exp2f((x.x - m) * DA_LOG2E) : 0.0f;
-      cw[s * G + tid] = c;
-      l += c * x.y;
-    }
-    fin_m[tid] = m;
-    fin_il[tid] = 1.0f / l;
-    for (int s = 0; s < S; s++)
-      cw[s * G + tid] *= 1.0f / l;
-  }
+  if (tid < G)
+    combine_weights([&](int s) { return mls[s * G + tid]; }, S, G, tid, cw, fin_m, fin_il);
   __syncthreads();
   for (int i = tid; i < G * D / 2; i += DA_NT) {
     const int h = i / (D / 2), d = 2 * (i % (D / 2));
@@ -527,15 +522,7 @@ static int cluster_enabled(void) {
   static int v = -1;
   if (v < 0) {
     const char *e = getenv("LF_ATTN_CLUSTER");
-    int on = !(e && !strcmp(e, "0"));
-    if (on) {
-      int dev = 0, major = 0;
-      on = cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-           major >= 9;
-      cudaGetLastError();
-    }
-    v = on;
+    v = !(e && !strcmp(e, "0")) && lf_device_sm90();
   }
   return v;
 }

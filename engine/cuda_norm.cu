@@ -11,6 +11,21 @@
 
 #define NORM_NT 256
 
+/* 1 / sqrt(mean + eps) from each thread's partial sum of squares: warp sums, then the block's
+ * in warp order, so both kernels below round alike. Every thread gets it. */
+static __device__ __forceinline__ float rms_scale(float ss, float *red, int n, float eps) {
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    ss = threadIdx.x < NORM_NT / 32 ? red[threadIdx.x] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x == 0) red[0] = ss;
+  }
+  __syncthreads();
+  return 1.0f / sqrtf(red[0] / (float)n + eps);
+}
+
 /* One block per row; the sum of squares in fp32 like the CPU reference (order differs). */
 static __global__ void rmsnorm_kernel(const float *x, size_t x_stride, const float *w, int n,
                                       float eps, __nv_bfloat16 *out, size_t out_stride,
@@ -22,16 +37,7 @@ static __global__ void rmsnorm_kernel(const float *x, size_t x_stride, const flo
   const float *xr = x + (size_t)r * x_stride;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < n; i += NORM_NT) ss += xr[i] * xr[i];
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    ss = threadIdx.x < NORM_NT / 32 ? red[threadIdx.x] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x == 0) red[0] = ss;
-  }
-  __syncthreads();
-  const float rs = 1.0f / sqrtf(red[0] / (float)n + eps);
+  const float rs = rms_scale(ss, red, n, eps);
   __nv_bfloat16 *o = out + (size_t)(out_rows ? out_rows[r] : r) * out_stride;
   for (int i = threadIdx.x; i < n; i += NORM_NT) o[i] = __float2bfloat16(w[i] * (xr[i] * rs));
 }
@@ -65,16 +71,7 @@ static __global__ void rmsnorm_vec_kernel(const float *x, size_t x_stride, const
 #pragma unroll
   for (int j = 0; j < VPT; j++)
     ss += xv[j].x * xv[j].x + xv[j].y * xv[j].y + xv[j].z * xv[j].z + xv[j].w * xv[j].w;
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    ss = threadIdx.x < NORM_NT / 32 ? red[threadIdx.x] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x == 0) red[0] = ss;
-  }
-  __syncthreads();
-  const float rs = 1.0f / sqrtf(red[0] / (float)n + eps);
+  const float rs = rms_scale(ss, red, n, eps);
   __nv_bfloat16 *o = out + (size_t)(out_rows ? out_rows[r] : r) * out_stride;
 #pragma unroll
   for (int j = 0; j < VPT; j++) {
