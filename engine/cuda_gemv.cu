@@ -26,12 +26,12 @@ static __device__ __forceinline__ void unpack8(const uint4 v, float f[8]) {
  * a row reads the groups of 32 * U chunks p, p + KS, ... (a chunk is 16 bytes; lane l takes
  * chunk l + 32 u of a group), all U loads of a group in flight before any is used; the KS
  * partial sums meet in shared memory in part order, so the result is deterministic. */
-template <int NT, int MODE, int U0, int KS>
+template <int NT, int MODE, int KS>
 static __global__ void __launch_bounds__(GV_WARPS * 32)
     gemv_kernel(const __nv_bfloat16 *__restrict__ W, const __nv_bfloat16 *__restrict__ X,
                 size_t ldx, int n_in, int n_out, void *__restrict__ Y, size_t ldy, float beta) {
   constexpr int R = MODE == LF_GEMV_GLU ? 2 : 1;
-  constexpr int U = R == 2 ? U0 / 2 : U0;
+  constexpr int U = R == 2 ? 4 : 8;
   constexpr int RPB = GV_WARPS / KS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int part = warp % KS;
@@ -135,27 +135,27 @@ extern "C" int lf_cuda_gemv_ok(const void *W, const void *X, int n_in, size_t ld
 typedef void (*gemv_fn)(const __nv_bfloat16 *, const __nv_bfloat16 *, size_t, int, int, void *,
                         size_t, float);
 
-template <int MODE, int U0, int KS> static gemv_fn pick_nt(int nt) {
+template <int MODE, int KS> static gemv_fn pick_nt(int nt) {
   switch (nt) {
-  case 1: return gemv_kernel<1, MODE, U0, KS>;
-  case 2: return gemv_kernel<2, MODE, U0, KS>;
-  case 3: return gemv_kernel<3, MODE, U0, KS>;
-  case 4: return gemv_kernel<4, MODE, U0, KS>;
-  case 5: return gemv_kernel<5, MODE, U0, KS>;
-  case 6: return gemv_kernel<6, MODE, U0, KS>;
-  case 7: return gemv_kernel<7, MODE, U0, KS>;
-  default: return gemv_kernel<8, MODE, U0, KS>;
+  case 1: return gemv_kernel<1, MODE, KS>;
+  case 2: return gemv_kernel<2, MODE, KS>;
+  case 3: return gemv_kernel<3, MODE, KS>;
+  case 4: return gemv_kernel<4, MODE, KS>;
+  case 5: return gemv_kernel<5, MODE, KS>;
+  case 6: return gemv_kernel<6, MODE, KS>;
+  case 7: return gemv_kernel<7, MODE, KS>;
+  default: return gemv_kernel<8, MODE, KS>;
   }
 }
 
-/* The kernel of (mode, variant): the base variant for every mode; the deeper loads (16 chunks in
- * flight per lane) for F32 and GLU; split rows (2 or 4 warps a row) for F32 only. */
-static gemv_fn pick(lf_gemv_out mode, int nt, int udeep, int ks) {
-  if (mode == LF_GEMV_BF16) return pick_nt<LF_GEMV_BF16, 8, 1>(nt);
-  if (mode == LF_GEMV_GLU) return udeep ? pick_nt<LF_GEMV_GLU, 16, 1>(nt) : pick_nt<LF_GEMV_GLU, 8, 1>(nt);
-  if (ks == 4) return udeep ? pick_nt<LF_GEMV_F32, 16, 4>(nt) : pick_nt<LF_GEMV_F32, 8, 4>(nt);
-  if (ks == 2) return udeep ? pick_nt<LF_GEMV_F32, 16, 2>(nt) : pick_nt<LF_GEMV_F32, 8, 2>(nt);
-  return udeep ? pick_nt<LF_GEMV_F32, 16, 1>(nt) : pick_nt<LF_GEMV_F32, 8, 1>(nt);
+/* The kernel of (mode, split): 8 chunks of 16 bytes in flight per lane (16 measured slower on an
+ * H200: more registers, fewer warps); split rows (2 or 4 warps a row) for F32 only. */
+static gemv_fn pick(lf_gemv_out mode, int nt, int ks) {
+  if (mode == LF_GEMV_BF16) return pick_nt<LF_GEMV_BF16, 1>(nt);
+  if (mode == LF_GEMV_GLU) return pick_nt<LF_GEMV_GLU, 1>(nt);
+  if (ks == 4) return pick_nt<LF_GEMV_F32, 4>(nt);
+  if (ks == 2) return pick_nt<LF_GEMV_F32, 2>(nt);
+  return pick_nt<LF_GEMV_F32, 1>(nt);
 }
 
 extern "C" lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t ldx, int n_in,
@@ -169,34 +169,29 @@ extern "C" lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t l
                     n_in, ldx, n_out, n_tok, ldy);
   if (mode != LF_GEMV_F32 && mode != LF_GEMV_BF16 && mode != LF_GEMV_GLU)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_gemv: mode %d", (int)mode);
-  if (variant & ~(LF_GEMV_DEEP | LF_GEMV_KS2 | LF_GEMV_KS4))
+  if (variant & ~(LF_GEMV_KS2 | LF_GEMV_KS4))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_gemv: variant %#x", (unsigned)variant);
-  const int udeep = (variant & LF_GEMV_DEEP) != 0;
   const int ks = mode != LF_GEMV_F32 ? 1 : (variant & LF_GEMV_KS4) ? 4 : (variant & LF_GEMV_KS2) ? 2 : 1;
   const int rpb = GV_WARPS / ks;
   const dim3 grid((unsigned)((n_out + rpb - 1) / rpb));
-  lf_launch(pick(mode, n_tok, udeep, ks), grid, dim3(GV_WARPS * 32), 0, stream,
+  lf_launch(pick(mode, n_tok, ks), grid, dim3(GV_WARPS * 32), 0, stream,
             (const __nv_bfloat16 *)W, (const __nv_bfloat16 *)X, ldx, n_in, n_out, Y, ldy, beta);
   LF_CUDA_CHECK_LAUNCH("gemv_kernel");
   return LF_OK;
 }
 
-/* LF_GEMV (read once): a comma list of deep, ks2, ks4 (split rows only where n_in >= 8192;
- * "none": the base kernel everywhere). Default ks4: on an H200 four warps per row of the
- * down projection (n_in 14336) made the batch-1 8B step 1% faster (5.064 vs 5.106 ms) and deeper
- * loads made it 12% slower (bench/RESULTS.md). */
+/* LF_GEMV (read once): ks2 or ks4 (split rows only where n_in >= 8192), or "none": one warp a
+ * row everywhere. Default ks4: on an H200 four warps per row of the down projection (n_in 14336)
+ * made the batch-1 8B step 1% faster (5.064 vs 5.106 ms; bench/RESULTS.md). */
 static int env_variant(int n_in) {
   static int v = -1;
   if (v < 0) {
     const char *e = getenv("LF_GEMV");
     v = e ? 0 : LF_GEMV_KS4;
-    if (e) {
-      if (strstr(e, "deep")) v |= LF_GEMV_DEEP;
-      if (strstr(e, "ks2")) v |= LF_GEMV_KS2;
-      if (strstr(e, "ks4")) v |= LF_GEMV_KS4;
-    }
+    if (e && strstr(e, "ks4")) v = LF_GEMV_KS4;
+    else if (e && strstr(e, "ks2")) v = LF_GEMV_KS2;
   }
-  return n_in >= 8192 ? v : (v & LF_GEMV_DEEP);
+  return n_in >= 8192 ? v : 0;
 }
 
 extern "C" lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out,
