@@ -12,7 +12,13 @@
  * boundaries from the events, per request), wall time, pools, memory (device used on cuda,
  * via cudaMemGetInfo; RSS on the cpu), the fraction of wall time inside lf_engine_step vs
  * outside it (host overhead: submit, event handling) vs idle (waiting for Poisson arrivals),
- * NVML GPU utilisation sampled during the run on cuda, evictions.
+ * NVML GPU utilisation sampled during the run on cuda, evictions, and an FNV-1a hash of every
+ * request's generated tokens (in request order), so two runs can be compared token for token.
+ *
+ * Under mpirun -np T (tensor parallelism, DESIGN §4) every rank builds the same engines, rank 0
+ * drives and reports, the others follow (lf_engine_follow). --kv-gb is then per rank: a rank
+ * holds 1/T of each pool's KV heads (all of one when T > KV heads), so T ranks get about T
+ * times the pools; memory and GPU utilisation are rank 0's.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
@@ -29,6 +35,11 @@
 #include "engine/model.h"
 #include "lfserve.h"
 #include "memory/pool.h"
+#include "launch/tp_launch.h"
+
+#ifdef LF_HAVE_MPI
+#include <mpi.h>
+#endif
 
 #ifdef LF_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -191,12 +202,14 @@ static double gpu_util_close(gpu_util *g) {
  *         budget * (2 * head_dim * 2 [bf16 K, V] + 4 [vnorm] + 4 [pos]) + 8 [n, next].
  * The per-item workspaces (logits, sampling scratch: about 8 * vocab bytes per pool on cuda)
  * are not counted: they come out of the memory left beside --kv-gb. */
-static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, int budget) {
+static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, int budget, int tp) {
+  /* KV heads a rank holds: its 1/tp share, or one replicated head when tp > KV heads */
+  const int kv = tp <= 1 ? m->n_kv_heads : tp <= m->n_kv_heads ? m->n_kv_heads / tp : 1;
   if (!cuda) {
-    lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, budget, m->head_dim};
+    lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim};
     return lf_pool_bytes(&ps);
   }
-  const uint64_t heads = (uint64_t)m->n_layers * (uint64_t)m->n_kv_heads;
+  const uint64_t heads = (uint64_t)m->n_layers * (uint64_t)kv;
   return heads * ((uint64_t)budget * (4u * (uint64_t)m->head_dim + 8u) + 8u);
 }
 
@@ -349,6 +362,7 @@ typedef struct req_state {
   double arrival; /* offset from the start, seconds */
   double submit_t, first_t, last_t;
   int tokens;     /* TOKEN events */
+  uint64_t hash;  /* FNV-1a over the tokens */
   int finished;
   lf_finish_reason reason;
   lf_status status;
@@ -367,15 +381,29 @@ typedef struct serve_row {
   double eng_ttft_p50, eng_ttft_p99, eng_tpot_p50, eng_tpot_p99;
   double step_s, host_s, idle_s, mean_step_ms, gpu_busy;
   uint64_t mem_before, mem_init, mem_peak, mem_end;
+  uint64_t tokens_hash; /* FNV-1a over the requests' token hashes, in request order */
 } serve_row;
 
+#define FNV_OFFSET 1469598103934665603ull
+#define FNV_PRIME 1099511628211ull
+
+static uint64_t fnv1a(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; i++) {
+    h ^= (v >> (8 * i)) & 0xffu;
+    h *= FNV_PRIME;
+  }
+  return h;
+}
+
+/* One policy's engine and workload. Under TP (comm) every rank calls this with the same
+ * arguments; ranks other than 0 only build the engine and follow rank 0's steps. */
 static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, lf_policy pol,
-                      serve_row *r) {
+                      lf_comm_t comm, serve_row *r) {
   memset(r, 0, sizeof *r);
   r->policy = lf_policy_str(pol);
   r->budget = pol == LF_POLICY_FULL ? (o->full_budget ? o->full_budget : o->prompt + o->output)
                                     : o->budget;
-  r->pool_bytes = pool_bytes_for(cuda, mc, r->budget);
+  r->pool_bytes = pool_bytes_for(cuda, mc, r->budget, lf_comm_size(comm));
   if (o->n_pools) {
     r->pools = o->n_pools;
   } else if (o->kv_gb > 0) {
@@ -407,12 +435,20 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   r->mem_before = mem_used(cuda);
   lf_engine_t e = NULL;
   double t = lf_now_s();
-  lf_status s = lf_engine_init(&cfg, NULL, &e);
+  lf_status s = lf_engine_init(&cfg, comm, &e);
   r->init_s = lf_now_s() - t;
   if (s != LF_OK) {
-    fprintf(stderr, "lfbench serve: %s: lf_engine_init: %s: %s\n", r->policy, lf_status_str(s),
-            lf_last_error());
+    fprintf(stderr, "lfbench serve: rank %d: %s: lf_engine_init: %s: %s\n", lf_comm_rank(comm),
+            r->policy, lf_status_str(s), lf_last_error());
     return 1;
+  }
+  if (lf_comm_rank(comm) != 0) { /* a follower: rank 0's steps until it frees its engine */
+    s = lf_engine_follow(e);
+    if (s != LF_OK)
+      fprintf(stderr, "lfbench serve: rank %d: %s: %s: %s\n", lf_comm_rank(comm), r->policy,
+              lf_status_str(s), lf_last_error());
+    lf_engine_free(e);
+    return s == LF_OK ? 0 : 1;
   }
   r->mem_init = r->mem_peak = mem_used(cuda);
 
@@ -507,9 +543,13 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       req_state *q = &rq[i];
       if (ev[k].type == LF_EVENT_TOKEN) {
         if (cutoff >= 0) continue; /* after the window */
-        if (!q->tokens) q->first_t = te;
+        if (!q->tokens) {
+          q->first_t = te;
+          q->hash = FNV_OFFSET;
+        }
         q->last_t = te;
         q->tokens++;
+        q->hash = fnv1a(q->hash, (uint64_t)(uint32_t)ev[k].token);
       } else {
         q->finished = 1;
         q->reason = ev[k].reason;
@@ -546,9 +586,11 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   {
     double *ttft = malloc(sizeof(double) * (size_t)N), *tpot = malloc(sizeof(double) * (size_t)N);
     int nt = 0, np = 0;
+    r->tokens_hash = FNV_OFFSET;
     for (int i = 0; i < N; i++) {
       const req_state *q = &rq[i];
       r->output_tokens += (uint64_t)q->tokens;
+      r->tokens_hash = fnv1a(r->tokens_hash, q->tokens ? q->hash : 0);
       if (q->finished && q->reason == LF_FINISH_LENGTH) r->finished_length++;
       else if (q->finished && q->reason != LF_FINISH_CANCELLED) r->finished_other++;
       else r->not_finished++;
@@ -612,7 +654,7 @@ static void print_row(const serve_row *r) {
 }
 
 static int write_json(const serve_opts *o, const char *backend, const lf_model_config *mc,
-                      const serve_row *rows, int n) {
+                      const serve_row *rows, int n, int tp) {
   FILE *f = fopen(o->json, "w");
   if (!f) {
     fprintf(stderr, "lfbench serve: cannot write %s\n", o->json);
@@ -628,11 +670,11 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
           "\"output\": %d, \"arrival\": \"%s\", \"rate\": %g, \"kv_gb\": %g, \"mem_util\": %g, "
           "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"duration\": %g, "
-          "\"seed\": %llu, \"mem_kind\": \"%s\",\n \"rows\": [\n",
+          "\"seed\": %llu, \"mem_kind\": \"%s\", \"tp\": %d,\n \"rows\": [\n",
           o->model, backend, host, mc->n_layers, mc->n_kv_heads, mc->head_dim, o->prompt,
           o->output, o->poisson ? "poisson" : "all", o->poisson ? o->rate : 0.0, o->kv_gb,
           o->mem_util, o->max_batch_tokens, o->sink, o->window, o->duration,
-          (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used");
+          (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used", tp);
   for (int i = 0; i < n; i++) {
     const serve_row *r = &rows[i];
     char gpu[32] = "null";
@@ -648,7 +690,7 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             "\"steps\": %llu, \"mean_step_ms\": %.4f, \"step_fraction\": %.5f, "
             "\"host_fraction\": %.5f, \"idle_fraction\": %.5f, \"gpu_busy\": %s, "
             "\"mem_before\": %llu, \"mem_init\": %llu, \"mem_peak\": %llu, \"mem_end\": %llu, "
-            "\"evictions\": %llu}%s\n",
+            "\"evictions\": %llu, \"tokens_fnv1a\": \"%016llx\"}%s\n",
             r->policy, r->budget, r->pools, (unsigned long long)r->pool_bytes, r->n_req,
             r->finished_length, r->finished_other, r->not_finished,
             (unsigned long long)r->output_tokens, r->wall_s, r->init_s, r->tokens_per_s,
@@ -657,11 +699,23 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             r->step_s / w, r->host_s / w, r->idle_s / w, gpu, (unsigned long long)r->mem_before,
             (unsigned long long)r->mem_init, (unsigned long long)r->mem_peak,
             (unsigned long long)r->mem_end, (unsigned long long)r->evictions,
-            i + 1 < n ? "," : "");
+            (unsigned long long)r->tokens_hash, i + 1 < n ? "," : "");
   }
   fprintf(f, "]}\n");
   fclose(f);
   return 0;
+}
+
+/* MPI ends here when this program started it (lf_tp_start); a failed run exits without it and
+ * the launcher ends the job. */
+static void tp_end(lf_comm_t comm) {
+  if (!comm) return;
+  lf_comm_free(comm);
+#ifdef LF_HAVE_MPI
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) MPI_Finalize();
+#endif
 }
 
 int bench_serve(int argc, char **argv) {
@@ -690,13 +744,33 @@ int bench_serve(int argc, char **argv) {
             o.prompt + o.output, mc.max_seq_len);
     return 2;
   }
+  lf_comm_t comm = NULL;
+  if (lf_launched_multi_rank()) {
+    s = lf_tp_start(&argc, &argv, cuda ? LF_BACKEND_CUDA : LF_BACKEND_CPU, &comm);
+    if (s != LF_OK) {
+      fprintf(stderr, "lfbench serve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
+      return 1;
+    }
+  }
+  const int tp = lf_comm_size(comm);
+  if (lf_comm_rank(comm) != 0) { /* a follower: the same engines, in the same order */
+    int rc = 0;
+    serve_row row;
+    for (int i = 0; i < o.n_policies && !rc; i++)
+      rc = run_policy(&o, &mc, cuda, o.policies[i], comm, &row);
+    if (rc) return 1;
+    tp_end(comm);
+    return 0;
+  }
 
   printf("# lfbench serve: model %s, backend %s, prompt %d, output %d, arrival %s", o.model,
          backend, o.prompt, o.output, o.poisson ? "poisson" : "all");
   if (o.poisson) printf(" (%g/s)", o.rate);
   if (o.n_pools) printf(", n_pools %d", o.n_pools);
-  else if (o.kv_gb > 0) printf(", kv %g GB x %g", o.kv_gb, o.mem_util);
-  printf(", max_batch_tokens %d%s\n", o.max_batch_tokens, o.duration > 0 ? ", windowed" : "");
+  else if (o.kv_gb > 0) printf(", kv %g GB x %g%s", o.kv_gb, o.mem_util, tp > 1 ? " per rank" : "");
+  printf(", max_batch_tokens %d%s", o.max_batch_tokens, o.duration > 0 ? ", windowed" : "");
+  if (tp > 1) printf(", tensor parallel over %d ranks (memory: rank 0's)", tp);
+  printf("\n");
   printf("# times in seconds; step%% = wall inside lf_engine_step, host%% = outside it, idle%% = "
          "waiting for arrivals; mem = %s after init, peak during the run\n",
          cuda ? "device used (cudaMemGetInfo)" : "RSS");
@@ -704,8 +778,9 @@ int bench_serve(int argc, char **argv) {
   serve_row rows[MAX_POLICIES];
   int rc = 0, n = 0;
   for (int i = 0; i < o.n_policies; i++) {
-    int r = run_policy(&o, &mc, cuda, o.policies[i], &rows[n]);
+    int r = run_policy(&o, &mc, cuda, o.policies[i], comm, &rows[n]);
     if (r == 1) {
+      if (comm) return 1; /* the followers are in that engine: the launcher ends the job */
       rc = 1;
       continue;
     }
@@ -713,6 +788,9 @@ int bench_serve(int argc, char **argv) {
     print_row(&rows[n]);
     n++;
   }
+  for (int i = 0; i < n; i++)
+    printf("# %s: generated tokens, FNV-1a over the requests in order: %016llx\n", rows[i].policy,
+           (unsigned long long)rows[i].tokens_hash);
   /* The headline ratio, when both are there. */
   const serve_row *full = NULL, *lf = NULL;
   for (int i = 0; i < n; i++) {
@@ -722,6 +800,7 @@ int bench_serve(int argc, char **argv) {
   if (full && lf && full->tokens_per_s > 0)
     printf("# longflow / full output tokens/s: %.2fx (pools %d vs %d)\n",
            lf->tokens_per_s / full->tokens_per_s, lf->pools, full->pools);
-  if (o.json && n && write_json(&o, backend, &mc, rows, n)) rc = 1;
+  if (o.json && n && write_json(&o, backend, &mc, rows, n, tp)) rc = 1;
+  if (rc == 0 || !comm) tp_end(comm);
   return rc;
 }
