@@ -73,6 +73,7 @@ typedef struct attn_params {
   int group, sink, policy;
   float scale;
   int chunk_max; /* slots of the largest split, sizes the shared logits */
+  int prefetch;  /* LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles a step ahead */
   unsigned *cnt;
   float2 *ml;
   float *po, *lg;
@@ -110,6 +111,22 @@ static __device__ __forceinline__ unsigned long long warp_min_u64(unsigned long 
     x = y < x ? y : x;
   }
   return x;
+}
+
+/* Asks L2 for the DA_UNR tiles this warp reads next (first tile index ti, DA_NW apart) of a
+ * split's slots [s0, s1) of K or V: one 128-byte line per lane per tile, so the next
+ * iteration's loads find their lines on chip while this one computes. A hint only. */
+template <int D>
+static __device__ __forceinline__ void prefetch_tiles(const __nv_bfloat16 *base, int s0, int s1,
+                                                      int ti, int lane) {
+  constexpr int LINES = DA_TILE * D * 2 / 128; /* lines per tile: 32 (D 128) or 16 (D 64) */
+#pragma unroll
+  for (int u = 0; u < DA_UNR; u++) {
+    const int first = s0 + (ti + u * DA_NW) * DA_TILE;
+    /* lane's line holds slot first + lane * 128 / (2 D): only lines of the split's slots */
+    if (lane < LINES && first + lane * 64 / D < s1)
+      prefetch_l2((const char *)(base + (size_t)first * D) + 128 * lane);
+  }
 }
 
 /* Scores of slots [lo, hi) from logits lg [hi - lo][G] (shared memory, or global written by
@@ -244,6 +261,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
    * 2t + 1 of both. */
   float mx0 = -INFINITY, mx1 = -INFINITY;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
+    if (p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 kr[DA_UNR][2][NJ];
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++)
@@ -313,6 +331,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   float psum = 0.0f;
   const float mg2 = m_g * DA_LOG2E;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
+    if (p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 vr[DA_UNR][4][NC];
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++)
@@ -619,6 +638,17 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   return LF_OK;
 }
 
+/* LF_ATTN_PREFETCH=1 (read once): the L2 prefetch of each warp's next tiles. Off by default:
+ * not measured yet. */
+static int prefetch_enabled(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *e = getenv("LF_ATTN_PREFETCH");
+    v = e && !strcmp(e, "1");
+  }
+  return v;
+}
+
 template <int D, int MINB>
 static lf_status launch_any(const attn_params &p, dim3 grid, int cl, cudaStream_t stream) {
   return cl ? launch<D, MINB, true>(p, grid, stream) : launch<D, MINB, false>(p, grid, stream);
@@ -687,6 +717,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.policy = (int)a->policy;
   p.scale = a->scale;
   p.chunk_max = ((a->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
+  p.prefetch = prefetch_enabled();
   char *ws = (char *)a->workspace;
   p.cnt = S > 1 && !cl ? (unsigned *)(ws + wl.cnt) : NULL;
   p.ml = S > 1 && !cl ? (float2 *)(ws + wl.ml) : NULL;

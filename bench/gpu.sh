@@ -10,7 +10,8 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out (SKIP_KERNEL=1 / SKIP_STEP=1: one benchmark;
 #                                SKIP_PDL_TESTS=1: not the second ctest run with LF_PDL=1)
 #   STEP_ARGS="--batches 1,8,64"  extra options for `lfbench step`
-#   AB_ENV="LF_ATTN_CLUSTER=0"   also lfbench kernel (batches 1, 8) and step with that setting
+#   AB_ENV="LF_ATTN_CLUSTER=0"   also ctest -L gpu, lfbench kernel (batches AB_BATCHES, default
+#                                1,8) and step with that setting, e.g. LF_ATTN_PREFETCH=1
 #   PROFILE=1                    also ncu (clocks left alone) over one decode step of
 #                                random:llama3-8b at each batch of PROFILE_BATCHES (default
 #                                "1 64"): per-kernel time and DRAM throughput
@@ -116,8 +117,13 @@ if [ -z "${SKIP_BENCH:-}" ] && [ -z "${SKIP_STEP:-}" ]; then
 fi
 if [ -z "${SKIP_BENCH:-}" ] && [ -n "${AB_ENV:-}" ]; then
   # the same benchmarks with one setting changed, e.g. AB_ENV="LF_ATTN_CLUSTER=0" (A/B)
-  say "A/B: lfbench kernel (batches 1,8) and step with $AB_ENV"
-  env $AB_ENV build-gpu/lfbench kernel --batches 1,8 --iters 100 "${peer[@]}" >"$OUT/ab_kernel.txt" 2>&1 || rc=1
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    say "A/B: ctest -L gpu with $AB_ENV"
+    (cd build-gpu && env $AB_ENV ctest -L gpu) >"$OUT/ab_ctest.txt" 2>&1 || { rc=1; say "A/B tests FAILED"; }
+    grep -E "tests passed|FAILED" "$OUT/ab_ctest.txt" | tail -8 | tee -a "$LOG"
+  fi
+  say "A/B: lfbench kernel (batches ${AB_BATCHES:-1,8}) and step with $AB_ENV"
+  env $AB_ENV build-gpu/lfbench kernel --batches "${AB_BATCHES:-1,8}" --iters 100 "${peer[@]}" >"$OUT/ab_kernel.txt" 2>&1 || rc=1
   grep -v "^# [dt]" "$OUT/ab_kernel.txt" | tee -a "$LOG"
   # shellcheck disable=SC2086
   env $AB_ENV build-gpu/lfbench step ${STEP_ARGS:-} >"$OUT/ab_step.txt" 2>&1 || rc=1
