@@ -188,7 +188,10 @@ int bench_comm(int argc, char **argv) {
     void *buf = host;
 #ifdef LF_HAVE_NCCL
     if (nccl) {
-      if (cudaMemcpy(dbuf, host, n * es, cudaMemcpyHostToDevice) != cudaSuccess)
+      /* on st: a plain cudaMemcpy from pageable memory returns before its DMA ends, and st (a
+       * non-blocking stream) would not wait for it; the first versions of the IPC all-reduce,
+       * whose first kernel starts at once, read half-uploaded inputs and were counted wrong */
+      if (cudaMemcpyAsync(dbuf, host, n * es, cudaMemcpyHostToDevice, st) != cudaSuccess)
         COMM_FAIL("upload");
       buf = dbuf;
     }

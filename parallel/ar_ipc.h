@@ -17,9 +17,10 @@
  * waits check the flag (lf_ar_ipc_failed) and fail the job as for an NCCL error.
  *
  * Set up through parallel/comm_nccl.c (which exchanges the handles), opt-in with LF_CUSTOM_AR=1
- * and experimental: on 2 x H200 both the one-kernel version (8.4-13 us from 8 KB to 1 MB against
- * NCCL's 32-38 us) and this two-kernel one (11.8-17 us) gave wrong sums at some sizes
- * (bench/RESULTS.md); the fault is not found yet.
+ * until measured again: on 2 x H200 the one-kernel version (8.4-13 us from 8 KB to 1 MB against
+ * NCCL's 32-38 us) and this two-kernel one (11.8-17 us) were counted wrong at some sizes, by a
+ * check whose inputs were still uploading when the kernel started (lfbench comm, fixed since;
+ * bench/RESULTS.md).
  */
 #ifndef LF_AR_IPC_H
 #define LF_AR_IPC_H

@@ -367,8 +367,9 @@ static double nc_default_timeout(double timeout_s) {
 
 /* The IPC all-reduce (ar_ipc.h) when every rank can take part: each allocates its region and
  * publishes a record, all records are gathered, each maps its peers, and all must succeed
- * (else every rank keeps NCCL). Opt-in, LF_CUSTOM_AR=1, and not to be used yet: both versions
- * gave wrong sums at some sizes on 2 x H200 (bench/RESULTS.md, session 3). LF_CUSTOM_AR_BYTES
+ * (else every rank keeps NCCL). Opt-in, LF_CUSTOM_AR=1, until it is measured again: the wrong
+ * sums seen on 2 x H200 came from lfbench comm's own upload racing the kernel (fixed; see
+ * bench/RESULTS.md, session 3), and no correct run exists yet. LF_CUSTOM_AR_BYTES
  * sets the largest message it takes (default 8 MiB: beyond that NCCL's bandwidth wins anyway).
  * Only a communicator failure is an error. */
 static lf_status nc_ar_setup(lf_comm_t c) {
