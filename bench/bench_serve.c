@@ -37,10 +37,6 @@
 #include "memory/pool.h"
 #include "launch/tp_launch.h"
 
-#ifdef LF_HAVE_MPI
-#include <mpi.h>
-#endif
-
 #ifdef LF_HAVE_CUDA
 #include <cuda_runtime.h>
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
@@ -706,18 +702,6 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
   return 0;
 }
 
-/* MPI ends here when this program started it (lf_tp_start); a failed run exits without it and
- * the launcher ends the job. */
-static void tp_end(lf_comm_t comm) {
-  if (!comm) return;
-  lf_comm_free(comm);
-#ifdef LF_HAVE_MPI
-  int inited = 0;
-  MPI_Initialized(&inited);
-  if (inited) MPI_Finalize();
-#endif
-}
-
 int bench_serve(int argc, char **argv) {
   serve_opts o;
   if (parse_args(argc, argv, &o)) {
@@ -759,7 +743,7 @@ int bench_serve(int argc, char **argv) {
     for (int i = 0; i < o.n_policies && !rc; i++)
       rc = run_policy(&o, &mc, cuda, o.policies[i], comm, &row);
     if (rc) return 1;
-    tp_end(comm);
+    lf_tp_end(comm);
     return 0;
   }
 
@@ -801,6 +785,6 @@ int bench_serve(int argc, char **argv) {
     printf("# longflow / full output tokens/s: %.2fx (pools %d vs %d)\n",
            lf->tokens_per_s / full->tokens_per_s, lf->pools, full->pools);
   if (o.json && n && write_json(&o, backend, &mc, rows, n, tp)) rc = 1;
-  if (rc == 0 || !comm) tp_end(comm);
+  if (rc == 0 || !comm) lf_tp_end(comm);
   return rc;
 }

@@ -17,9 +17,6 @@
 #include "engine/tokenizer.h"
 #include "launch/tp_launch.h"
 #include "lfserve.h"
-#ifdef LF_HAVE_MPI
-#include <mpi.h>
-#endif
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -99,16 +96,6 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
   return 0;
 }
 
-
-static void tp_end(lf_comm_t comm) {
-  if (!comm) return;
-  lf_comm_free(comm);
-#ifdef LF_HAVE_MPI
-  int inited = 0;
-  MPI_Initialized(&inited);
-  if (inited) MPI_Finalize();
-#endif
-}
 
 int main(int argc, char **argv) {
   lf_engine_config cfg;
@@ -309,7 +296,7 @@ int main(int argc, char **argv) {
     lf_engine_free(e);
     free(ids);
     if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
-    tp_end(comm);
+    lf_tp_end(comm);
     return 0;
   }
   lf_model_info mi;
@@ -389,6 +376,6 @@ int main(int argc, char **argv) {
   lf_engine_free(e); /* releases the followers */
   lf_tokenizer_free(tok);
   free(ids);
-  if (rc == 0) tp_end(comm);
+  if (rc == 0) lf_tp_end(comm);
   return rc;
 }

@@ -36,3 +36,13 @@ lf_status lf_tp_start(int *argc, char ***argv, lf_backend_kind backend, lf_comm_
   return lf_comm_init_mpi(comm); /* LF_ERR_UNAVAILABLE with its message */
 #endif
 }
+
+void lf_tp_end(lf_comm_t comm) {
+  if (!comm) return;
+  lf_comm_free(comm);
+#ifdef LF_HAVE_MPI
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) MPI_Finalize();
+#endif
+}

@@ -21,6 +21,10 @@ int lf_launched_multi_rank(void);
  * Starts MPI when it has not started. */
 lf_status lf_tp_start(int *argc, char ***argv, lf_backend_kind backend, lf_comm_t *comm);
 
+/* After a successful run: frees comm and finalizes MPI where it was started (no-op for NULL).
+ * A failed rank skips this and exits: the launcher then ends the job. */
+void lf_tp_end(lf_comm_t comm);
+
 #ifdef __cplusplus
 }
 #endif
