@@ -35,6 +35,7 @@
 #include "engine/model.h"
 #include "lfserve.h"
 #include "memory/pool.h"
+#include "parallel/shard.h"
 #include "launch/tp_launch.h"
 
 #ifdef LF_HAVE_CUDA
@@ -199,8 +200,11 @@ static double gpu_util_close(gpu_util *g) {
  * The per-item workspaces (logits, sampling scratch: about 8 * vocab bytes per pool on cuda)
  * are not counted: they come out of the memory left beside --kv-gb. */
 static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, int budget, int tp) {
-  /* KV heads a rank holds: its 1/tp share, or one replicated head when tp > KV heads */
-  const int kv = tp <= 1 ? m->n_kv_heads : tp <= m->n_kv_heads ? m->n_kv_heads / tp : 1;
+  /* KV heads a rank holds, from the engine's own sharding plan (an impossible tp keeps them
+   * all here: the engine's start-up then reports it) */
+  lf_shard sh;
+  const int kv = lf_shard_plan(0, tp, m->n_heads, m->n_kv_heads, m->hidden_dim, m->vocab_size,
+                               &sh) == LF_OK ? sh.n_kv : m->n_kv_heads;
   if (!cuda) {
     lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim};
     return lf_pool_bytes(&ps);
