@@ -471,11 +471,7 @@ static lf_status load_weights(cuda_backend *c) {
                          L->wdown));
 #undef NM
   }
-  /* The whole device, not only c->stream: a cudaMemcpy from pageable host memory returns once
-   * its data is staged, and the DMA still in flight on the legacy stream is not ordered before
-   * c->stream's kernels (a non-blocking stream). */
-  LF_CUDA_CHECK(cudaDeviceSynchronize());
-  return LF_OK;
+  return LF_OK; /* create() synchronises the device before any kernel reads these */
 }
 
 /* ---- tensor parallelism -------------------------------------------------------------------
@@ -1232,7 +1228,10 @@ static lf_status create(cuda_backend *c) {
   c->d_step.rows = d + 3 * mi, c->h_step.rows = h + 3 * mi;
   c->d_tok_out = d + 4 * mi, c->h_tok_out = h + 4 * mi;
   c->d_sp = (lf_sample_params *)(d + 5 * mi), c->h_sp = (lf_sample_params *)(h + 5 * mi);
-  LF_CUDA_CHECK(cudaDeviceSynchronize()); /* the uploads above too (see load_weights' end) */
+  /* The whole device, not only c->stream: a cudaMemcpy from pageable host memory (the weight
+   * and table uploads above) returns once its data is staged, and the DMA still in flight on the
+   * legacy stream is not ordered before c->stream's kernels (a non-blocking stream). */
+  LF_CUDA_CHECK(cudaDeviceSynchronize());
   return LF_OK;
 }
 
