@@ -10,6 +10,8 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out (SKIP_KERNEL=1 / SKIP_STEP=1: one benchmark;
 #                                SKIP_PDL_TESTS=1: not the second ctest run with LF_PDL=1)
 #   STEP_ARGS="--batches 1,8,64"  extra options for `lfbench step`
+#   STEP_ENVS="LF_PDL=1 LF_L2_PREFETCH_ROWS=0+LF_PDL=1"  the step again with each setting
+#                                (default LF_PDL=1)
 #   AB_ENV="LF_ATTN_CLUSTER=0"   also ctest -L gpu, lfbench kernel (batches AB_BATCHES, default
 #                                1,8) and step with that setting, e.g. LF_ATTN_PREFETCH=1
 #   PROFILE=1                    also ncu (clocks left alone) over one decode step of
@@ -103,12 +105,15 @@ if [ -z "${SKIP_BENCH:-}" ] && [ -z "${SKIP_STEP:-}" ]; then
   build-gpu/lfbench step ${STEP_ARGS:-} --json "$OUT/lfbench_step.json" >"$OUT/lfbench_step.txt" 2>&1 ||
     { rc=1; say "lfbench step FAILED"; }
   cat "$OUT/lfbench_step.txt" | tee -a "$LOG"
-  # programmatic dependent launch (attention/cuda_launch.cuh), opt-in until measured: the same
-  # steps with LF_PDL=1, then the gpu tests that compare tokens and logits with it on
-  say "lfbench step with LF_PDL=1"
-  LF_PDL=1 build-gpu/lfbench step ${STEP_ARGS:-} --json "$OUT/lfbench_step_pdl.json" \
-    >"$OUT/lfbench_step_pdl.txt" 2>&1 || { rc=1; say "lfbench step (PDL) FAILED"; }
-  cat "$OUT/lfbench_step_pdl.txt" | tee -a "$LOG"
+  # the same steps once per setting of STEP_ENVS (default: programmatic dependent launch,
+  # attention/cuda_launch.cuh); a setting is NAME=VALUE[+NAME=VALUE...]
+  for se in ${STEP_ENVS:-LF_PDL=1}; do
+    st=$(echo "$se" | tr '+=' '_-')
+    say "lfbench step with $se"
+    env ${se//+/ } build-gpu/lfbench step ${STEP_ARGS:-} --json "$OUT/lfbench_step_$st.json" \
+      >"$OUT/lfbench_step_$st.txt" 2>&1 || { rc=1; say "lfbench step ($se) FAILED"; }
+    grep -v "^# device" "$OUT/lfbench_step_$st.txt" | tee -a "$LOG"
+  done
   if [ -z "${SKIP_TESTS:-}" ] && [ -z "${SKIP_PDL_TESTS:-}" ]; then
     say "ctest -L gpu with LF_PDL=1"
     (cd build-gpu && LF_PDL=1 ctest -L gpu) >"$OUT/ctest_gpu_pdl.txt" 2>&1 || { rc=1; say "PDL tests FAILED"; }
