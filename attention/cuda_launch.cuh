@@ -1,4 +1,4 @@
-/* Kernel launches with programmatic dependent launch (PDL) on Hopper, opt-in with LF_PDL=1.
+/* Kernel launches with programmatic dependent launch (PDL) on Hopper (LF_PDL=0 turns it off).
  *
  * A decode step at batch 1 is ~260 dependent kernels (8 per layer), each short; between two of
  * them the GPU drains the first grid, then launches and ramps up the second. With PDL the second
@@ -7,8 +7,9 @@
  * edges): its blocks do their independent work (a GEMV
  * prefetches its weight rows) and then wait in pdl_wait() (attention/cuda_ptx.cuh) for the first
  * grid's results. Every kernel launched through lf_launch must call pdl_wait() before touching
- * memory its predecessor writes or reads. Off by default: on an H200 it made single-GPU decode
- * steps 1-3% faster but the TP=2 step at batch 64 5% slower (one run each; bench/RESULTS.md).
+ * memory its predecessor writes or reads. On by default since session 4: on an H200 it made the
+ * single-GPU batch-1 decode step 1-3% faster in every run (bench/RESULTS.md); at batch 64 it is
+ * within noise.
  */
 #ifndef LF_CUDA_LAUNCH_CUH
 #define LF_CUDA_LAUNCH_CUH
@@ -27,12 +28,13 @@ static inline int lf_device_sm90(void) {
   return ok;
 }
 
-/* LF_PDL=1 on a device of compute capability 9.0 or newer (read once per translation unit). */
+/* On a device of compute capability 9.0 or newer unless LF_PDL=0 (read once per translation
+ * unit). */
 static inline int lf_pdl_enabled(void) {
   static int v = -1;
   if (v < 0) {
     const char *e = getenv("LF_PDL");
-    v = e && !strcmp(e, "1") && lf_device_sm90();
+    v = !(e && !strcmp(e, "0")) && lf_device_sm90();
   }
   return v;
 }

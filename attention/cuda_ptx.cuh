@@ -37,4 +37,28 @@ static __device__ __forceinline__ void prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+/* Asks L2 for bytes [p, p + bytes) (16-byte aligned, bytes a multiple of 16, < 4 GiB) with one
+ * bulk prefetch (sm_90: cp.async.bulk.prefetch.L2; nothing before it). A hint, fire and forget. */
+static __device__ __forceinline__ void prefetch_l2_bulk(const void *p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+/* Block b of n asks L2 for its share of [base, base + bytes): 16 KB pieces, one per lane of
+ * warp 0, the pieces dealt round-robin over the grid's lanes. */
+static __device__ __forceinline__ void prefetch_l2_share(const void *base, size_t bytes,
+                                                         unsigned b, unsigned n) {
+  if (!base || threadIdx.x >= 32) return;
+  const size_t piece = 16384, pieces = (bytes + piece - 1) / piece;
+  for (size_t i = (size_t)b * 32 + threadIdx.x; i < pieces; i += (size_t)n * 32) {
+    const size_t off = i * piece;
+    const size_t len = bytes - off < piece ? bytes - off : piece;
+    if (len >= 16) prefetch_l2_bulk((const char *)base + off, (uint32_t)(len & ~(size_t)15));
+  }
+}
+
 #endif

@@ -74,6 +74,8 @@ typedef struct attn_params {
   float scale;
   int chunk_max; /* slots of the largest split, sizes the shared logits */
   int prefetch;  /* LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles a step ahead */
+  const void *l2_next; /* lf_decode_attn_args.l2_next */
+  size_t l2_next_bytes;
   unsigned *cnt;
   float2 *ml;
   float *po, *lg;
@@ -209,6 +211,10 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   __shared__ unsigned long long red_key[DA_NW];
   __shared__ int is_last;
 
+  /* the next kernels' inputs that depend on nothing here (lf_decode_attn_args.l2_next) */
+  prefetch_l2_share(p.l2_next, p.l2_next_bytes,
+                    blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                    gridDim.x * gridDim.y * gridDim.z);
   pdl_wait(); /* q, pools and the step's tables come from earlier kernels (cuda_launch.cuh) */
   const int G = p.group, B = p.budget;
   const int split = blockIdx.x, S = gridDim.x, kvh = blockIdx.y, seq = blockIdx.z;
@@ -718,6 +724,8 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.scale = a->scale;
   p.chunk_max = ((a->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
   p.prefetch = prefetch_enabled();
+  p.l2_next = ((uintptr_t)a->l2_next & 15) ? NULL : a->l2_next;
+  p.l2_next_bytes = p.l2_next ? a->l2_next_bytes : 0;
   char *ws = (char *)a->workspace;
   p.cnt = S > 1 && !cl ? (unsigned *)(ws + wl.cnt) : NULL;
   p.ml = S > 1 && !cl ? (float2 *)(ws + wl.ml) : NULL;

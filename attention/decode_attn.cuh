@@ -58,6 +58,13 @@ typedef struct lf_decode_attn_args {
   void *workspace; /* >= lf_cuda_decode_attn_workspace_bytes(), prepared once with
                     * lf_cuda_decode_attn_workspace_init() and reused by every call */
   size_t workspace_bytes;
+  /* Optional (NULL / 0: none): memory the next kernels read that does not depend on this one (the
+   * O projection's weights), asked into L2 with bulk prefetches at the kernel's start, spread
+   * over its blocks. At small batches this kernel is latency-bound and leaves DRAM idle; the
+   * prefetch uses that time so the O GEMV then reads from L2. A hint only: results are the same
+   * with or without. 16-byte aligned; bytes rounded down to a multiple of 16. sm_90 and newer. */
+  const void *l2_next;
+  size_t l2_next_bytes;
 } lf_decode_attn_args;
 
 /* The split count the launcher uses for n_splits == 0 on a device with n_sm multiprocessors

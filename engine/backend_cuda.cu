@@ -41,6 +41,7 @@
 #include "cuda_sample.cuh"
 #include "error.h"
 #include "forward.h"
+#include "parallel/ar_ipc.h"
 #include "parallel/comm.h"
 #include "parallel/shard.h"
 #include "random_weights.h"
@@ -171,6 +172,8 @@ typedef struct cuda_backend {
   int n_tunes;
   int gemv_max;    /* GEMMs with at most this many tokens use lf_cuda_gemv (0: never) */
   int attn_splits; /* decode attention split count (0: automatic) */
+  int l2_prefetch_rows; /* decode attention asks L2 for the O weights up to this batch
+                           (LF_L2_PREFETCH_ROWS, default 0: never) */
   int skip_attn;   /* benchmark knob (LF_CUDA_SKIP_ATTN=1): decode attention is not run; the
                       results are wrong, only the time of the rest is meaningful */
   int device;      /* the CUDA device at create: set again on every entry (server threads) */
@@ -493,6 +496,11 @@ static lf_status load_weights(cuda_backend *c) {
  *     are added), ~1e-6 relative; bf16 would round the residual stream at every layer and move
  *     greedy tokens. The bytes hardly matter: batch 1 of an 8B model is 16 KB per call, latency
  *     bound either way.
+ *     With the IPC path (comm->ipc, LF_CUSTOM_AR=1) the residual adds take the fused route
+ *     instead (fused_ar below): every rank writes its partial into a staging buffer, and one
+ *     kernel sums the ranks' partials in rank order, adds x_old and computes the next RMSNorm,
+ *     so a layer makes 2 launches where NCCL needs 2 all-reduces and 2 norms. The order of the
+ *     fp32 sums is x_old + (p_0 + ... + p_T-1), again the same bits on every rank.
  *   - replicated KV heads (T > Hkv): attention runs for the whole group (exact eviction, see
  *     shard.h); only the own heads' columns of att are packed (into qb, free by then) for O;
  *   - LM head on the vocab slice; greedy batches: each rank's (max, id) per item, one all-gather
@@ -502,9 +510,9 @@ static lf_status load_weights(cuda_backend *c) {
  *     single-rank sampling code on them (distributed top-k is a later optimisation).
  *   - every wait on the stream goes through lf_comm_sync (a dead peer is an error within the
  *     communicator's timeout, not a hang).
- *   - CUDA graphs: NCCL collectives can be captured (NCCL >= 2.9), and the capture happens at
- *     the same step on every rank (a batch size's second run), but until that is measured on
- *     the 2-GPU machine graphs are off under TP unless LF_CUDA_GRAPHS_TP=1.
+ *   - CUDA graphs: NCCL collectives and the IPC kernels can be captured (NCCL >= 2.9), and the
+ *     capture happens at the same step on every rank (a batch size's second run). On under TP
+ *     too (LF_CUDA_GRAPHS_TP=0 turns them off there): 3.88 vs 4.10 ms at batch 1 on 2 x H200.
  * Which collectives run depends only on the items (the same on every rank: parallel/tp.h) and
  * on logits being wanted, so the ranks' NCCL calls always pair up. */
 
@@ -526,19 +534,63 @@ static lf_status stream_wait(cuda_backend *c) {
   return LF_OK;
 }
 
-/* x[t] = embedding of tokens[t] (device ids), over the ranks' vocab slices under TP. */
-static lf_status embed_rows(cuda_backend *c, const int32_t *tokens, int rows) {
+/* The fused residual all-reduce (parallel/ar_ipc.h) for a pass of `rows` rows: under TP with the
+ * IPC path, when the rows fit its staging buffers. The same answer on every rank. Then the O and
+ * down projections write their partial sums into a staging slot (beta 0) instead of adding into
+ * x, and one kernel sums the ranks' partials into x and norms the result for the next GEMM:
+ * per layer two launches instead of two all-reduces and two norms. The slots alternate
+ * (embedding 2, O 0, down 1), so two calls in a row never share one. */
+enum { AR_SLOT_O = 0, AR_SLOT_DOWN = 1, AR_SLOT_EMBED = 2 };
+
+static int fused_ar(const cuda_backend *c, int rows) {
+  return c->comm && c->comm->ipc && lf_ar_ipc_norm_fits(c->comm->ipc, rows, c->cfg.dim);
+}
+
+/* Where a GEMM whose result adds into the residual stream writes, and with which beta. */
+static float *res_out(cuda_backend *c, int rows, int slot, float *beta) {
+  if (fused_ar(c, rows)) {
+    *beta = 0.0f;
+    return lf_ar_ipc_stage(c->comm->ipc, slot);
+  }
+  *beta = res_beta(c);
+  return c->x;
+}
+
+/* After res_out's GEMM: x complete on every rank, then (w non-NULL) out[out_rows[r] or r] =
+ * RMSNorm(x[r]) * w. */
+static lf_status res_norm(cuda_backend *c, int rows, int slot, const float *w, void *out,
+                          const int32_t *out_rows) {
   const lf_model_config *m = &c->cfg;
-  if (!c->comm) return lf_cuda_embed(c->embed, m->dim, tokens, rows, c->x, c->stream);
-  LF_TRY(lf_cuda_embed_slice(c->embed, m->dim, c->sh.vocab0, c->nv, tokens, rows, c->x,
-                             c->stream));
-  return tp_allreduce_x(c, rows);
+  if (fused_ar(c, rows))
+    return lf_ar_ipc_residual_norm(c->comm->ipc, slot, c->x, slot != AR_SLOT_EMBED, rows, m->dim,
+                                   w, m->norm_eps, out, (size_t)m->dim, out_rows, c->stream);
+  LF_TRY(tp_allreduce_x(c, rows));
+  if (!w) return LF_OK;
+  return lf_cuda_rmsnorm(c->x, m->dim, w, m->dim, m->norm_eps, rows, out, m->dim, out_rows,
+                         c->stream);
+}
+
+/* x[t] = embedding of tokens[t] (device ids), over the ranks' vocab slices under TP; then
+ * xb = RMSNorm(x) * w (the first layer's attention norm). */
+static lf_status embed_rows(cuda_backend *c, const int32_t *tokens, int rows, const float *w) {
+  const lf_model_config *m = &c->cfg;
+  if (!c->comm) {
+    LF_TRY(lf_cuda_embed(c->embed, m->dim, tokens, rows, c->x, c->stream));
+  } else {
+    float beta;
+    float *dst = res_out(c, rows, AR_SLOT_EMBED, &beta);
+    LF_TRY(lf_cuda_embed_slice(c->embed, m->dim, c->sh.vocab0, c->nv, tokens, rows, dst,
+                               c->stream));
+  }
+  return res_norm(c, rows, AR_SLOT_EMBED, w, c->xb, NULL);
 }
 
 /* ---- the layers ---------------------------------------------------------------------------- */
 
-/* Everything after attention of one layer: O-proj (+= x), RMSNorm, gate|up, SiLU*up, down. */
-static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows) {
+/* Everything after attention of one layer: O-proj (+= x), RMSNorm, gate|up, SiLU*up, down (+= x),
+ * then (next_w non-NULL) the next norm: out[out_rows[r] or r] = RMSNorm(x[r]) * next_w. */
+static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows, const float *next_w,
+                            void *out, const int32_t *out_rows) {
   const lf_model_config *m = &c->cfg;
   const bf16 *att = c->att;
   if (c->qd_own != c->qd) { /* replicated KV head: this rank's heads of the group only */
@@ -548,10 +600,10 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows) {
                                     c->stream));
     att = c->qb;
   }
-  LF_TRY(gemm(c, L->wo, att, c->x, CUDA_R_32F, m->dim, c->qd_own, rows, res_beta(c)));
-  LF_TRY(tp_allreduce_x(c, rows));
-  LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_ffn, m->dim, m->norm_eps, rows, c->xb, m->dim, NULL,
-                         c->stream));
+  float beta;
+  float *dst = res_out(c, rows, AR_SLOT_O, &beta);
+  LF_TRY(gemm(c, L->wo, att, dst, CUDA_R_32F, m->dim, c->qd_own, rows, beta));
+  LF_TRY(res_norm(c, rows, AR_SLOT_O, L->rms_ffn, c->xb, NULL));
   if (rows <= c->gemv_max && lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
     /* SiLU(gate) * up in the GEMV's epilogue: no fp32 gate|up round trip */
     LF_TRY(lf_cuda_gemv(L->wgu, c->xb, (size_t)m->dim, m->dim, m->hidden_dim, rows, c->hb,
@@ -560,8 +612,9 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows) {
     LF_TRY(gemm(c, L->wgu, c->xb, c->gu, CUDA_R_32F, 2 * m->hidden_dim, m->dim, rows, 0.0f));
     LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
   }
-  LF_TRY(gemm(c, L->wdown, c->hb, c->x, CUDA_R_32F, m->dim, m->hidden_dim, rows, res_beta(c)));
-  return tp_allreduce_x(c, rows);
+  dst = res_out(c, rows, AR_SLOT_DOWN, &beta);
+  LF_TRY(gemm(c, L->wdown, c->hb, dst, CUDA_R_32F, m->dim, m->hidden_dim, rows, beta));
+  return res_norm(c, rows, AR_SLOT_DOWN, next_w, out, out_rows);
 }
 
 static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows) {
@@ -588,11 +641,10 @@ static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows
  * normed row of sequence r goes to xf[rows_out[r]]. */
 static lf_status decode_pass(cuda_backend *c, int rows) {
   const lf_model_config *m = &c->cfg;
-  LF_TRY(embed_rows(c, c->d_step.tok, rows));
+  LF_TRY(embed_rows(c, c->d_step.tok, rows, c->layers[0].rms_att));
   for (int l = 0; l < m->n_layers; l++) {
     const cuda_layer *L = &c->layers[l];
-    LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_att, m->dim, m->norm_eps, rows, c->xb, m->dim,
-                           NULL, c->stream));
+    /* xb = RMSNorm(x) * rms_att: done by the step before (embedding or the last layer_tail) */
     LF_TRY(gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, rows, 0.0f));
     lf_qkv_rope_args a = rope_args(c, L, rows);
     a.pos = c->d_step.pos;
@@ -639,16 +691,21 @@ static lf_status decode_pass(cuda_backend *c, int rows) {
       d.n_splits = c->attn_splits;
       d.workspace = c->attn_ws;
       d.workspace_bytes = c->attn_ws_bytes;
+      if (rows <= c->l2_prefetch_rows) { /* see lf_decode_attn_args.l2_next */
+        d.l2_next = L->wo;
+        d.l2_next_bytes = (size_t)m->dim * c->qd_own * sizeof(bf16);
+      }
       LF_TRY(lf_cuda_decode_attn(&d, c->stream));
     } else {
       LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, rows, c->d_step.pool, c->w, m->n_heads, c->qb,
                                         c->ap.scale, c->p.sink, c->p.policy, c->att,
                                         c->simple_scratch, c->stream));
     }
-    LF_TRY(layer_tail(c, L, rows));
+    const int last = l + 1 == m->n_layers;
+    LF_TRY(layer_tail(c, L, rows, last ? c->rms_final : c->layers[l + 1].rms_att,
+                      last ? (void *)c->xf : (void *)c->xb, last ? c->d_step.rows : NULL));
   }
-  return lf_cuda_rmsnorm(c->x, m->dim, c->rms_final, m->dim, m->norm_eps, rows, c->xf, m->dim,
-                         c->d_step.rows, c->stream);
+  return LF_OK;
 }
 
 /* decode_pass through the graph cache (see cuda_backend.graph). */
@@ -711,12 +768,10 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
   const int B = c->p.budget;
   LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, tokens, (size_t)T * sizeof(int32_t),
                                 cudaMemcpyHostToDevice, c->stream));
-  LF_TRY(embed_rows(c, c->ptok, T));
+  LF_TRY(embed_rows(c, c->ptok, T, c->layers[0].rms_att));
   const int w_eff = lf_snapkv_window(&c->ap, B);
   for (int l = 0; l < m->n_layers; l++) {
     const cuda_layer *L = &c->layers[l];
-    LF_TRY(lf_cuda_rmsnorm(c->x, m->dim, L->rms_att, m->dim, m->norm_eps, T, c->xb, m->dim, NULL,
-                           c->stream));
     LF_TRY(gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, T, 0.0f));
     lf_qkv_rope_args a = rope_args(c, L, T);
     a.pos0 = pos0;
@@ -734,7 +789,8 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
     } else {
       LF_TRY(lf_cuda_kv_store(&c->pv, pool, l, T, pos0, c->kb, c->vb, NULL, n0, n0 + T, c->stream));
     }
-    LF_TRY(layer_tail(c, L, T));
+    /* the last layer leaves x alone: only its last row is normed, below */
+    LF_TRY(layer_tail(c, L, T, l + 1 < m->n_layers ? c->layers[l + 1].rms_att : NULL, c->xb, NULL));
   }
   c->host_n[pool] = compress ? B - 1 : n0 + T;
   if (!last) return LF_OK;
@@ -1281,10 +1337,17 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->use_graphs = !p->no_graphs;
   e = getenv("LF_CUDA_GRAPHS");
   if (e && !strcmp(e, "0")) c->use_graphs = 0;
-  if (comm) { /* NCCL inside captured graphs: opt-in until measured (see tp_allreduce_x) */
+  if (comm) { /* collectives inside captured graphs: measured on 2 x H200 (see tp_allreduce_x) */
     e = getenv("LF_CUDA_GRAPHS_TP");
-    if (!e || strcmp(e, "1")) c->use_graphs = 0;
+    if (e && !strcmp(e, "0")) c->use_graphs = 0;
   }
+  /* At small batches decode attention is latency-bound (~20 us a layer at batch 1 on an H200
+   * for 4 MB of K/V) and DRAM idles meanwhile; LF_L2_PREFETCH_ROWS=N has it prefetch the O
+   * projection into L2 up to batch N. Off: on an H200 it made the batch-1 step 1.3% slower
+   * (5.148 vs 5.080 ms, llama3-8b; bench/RESULTS.md, session 4). */
+  c->l2_prefetch_rows = 0;
+  e = getenv("LF_L2_PREFETCH_ROWS");
+  if (e) c->l2_prefetch_rows = atoi(e);
   c->graph_cap = 64;
   e = getenv("LF_CUDA_GRAPH_CACHE");
   if (e && atoi(e) > 0) c->graph_cap = atoi(e);

@@ -13,9 +13,21 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kMaxBlocks = 64;
-/* flags: [2 buffers][kMaxBlocks][LF_AR_MAX_RANKS] uint32, then the two data buffers */
+constexpr int kNormThreads = 256;  /* the fused residual + RMSNorm kernel */
+constexpr int kNormBlocks = 128;   /* its largest grid (rows beyond it: grid-stride) */
+constexpr int kNormMaxVpt = 8;     /* float4 per thread: rows up to 8192 wide */
+/* Region layout:
+ *   flags of the plain all-reduce: [2 buffers][kMaxBlocks][LF_AR_MAX_RANKS] uint32
+ *   flags of the fused calls:      [LF_AR_SLOTS][kNormBlocks][LF_AR_MAX_RANKS] uint32
+ *   call counters of the fused calls, own use only: [LF_AR_SLOTS][kNormBlocks] uint32
+ *   (page-aligned) the two data buffers of the plain all-reduce, then the LF_AR_SLOTS staging
+ *   buffers, `cap` bytes each. */
 constexpr size_t kFlagBytes = 2 * kMaxBlocks * LF_AR_MAX_RANKS * sizeof(uint32_t);
-constexpr size_t kDataOffset = (kFlagBytes + 4095) / 4096 * 4096;
+constexpr size_t kNormFlagOffset = kFlagBytes;
+constexpr size_t kNormFlagBytes = (size_t)LF_AR_SLOTS * kNormBlocks * LF_AR_MAX_RANKS * sizeof(uint32_t);
+constexpr size_t kNormCtrOffset = kNormFlagOffset + kNormFlagBytes;
+constexpr size_t kCtlBytes = kNormCtrOffset + (size_t)LF_AR_SLOTS * kNormBlocks * sizeof(uint32_t);
+constexpr size_t kDataOffset = (kCtlBytes + 4095) / 4096 * 4096;
 
 struct Params {
   char *region[LF_AR_MAX_RANKS]; /* every rank's region, mapped here (own included) */
@@ -148,6 +160,135 @@ template <bool BF16> __global__ void __launch_bounds__(kThreads) ar_kernel(Param
   }
 }
 
+/* ---- fused: x += sum of the ranks' partials, then RMSNorm ------------------------------------
+ * Every rank's partial sums for this call are in its staging buffer `slot` (written by the
+ * kernels before this one on its stream). Block b of every rank raises its flag b in every
+ * peer's region, waits for flag b of every peer, then owns rows b, b + grid, ...: it reads the
+ * row of every rank's partials (rank order, the same bits everywhere), adds the fp32 residual
+ * x, writes x back and the normed bf16 row. The flag value is the call number of (slot, block),
+ * a counter only this block of this rank touches: block b of every rank takes part in exactly
+ * the same calls (the grid depends only on the row count, the same on every rank), so the
+ * counters move in step without any atomics. Two calls in a row never use the same slot (the
+ * backend alternates O / down and gives the embedding the third), so a rank one call ahead
+ * writes its next partials into a buffer no peer still reads: a rank finishes call k only once
+ * every peer started it, i.e. finished call k - 1. */
+struct NormArgs {
+  float *x;          /* [rows][dim] residual, updated in place */
+  const float *w;    /* [dim] norm weight, or NULL: no norm */
+  __nv_bfloat16 *out;
+  const int32_t *out_rows;
+  size_t ld_out;
+  float eps;
+  int rows, dim, slot, add_x;
+};
+
+/* 1 / sqrt(mean + eps) from each thread's partial sum of squares, in the order of
+ * engine/cuda_norm.cu's kernels (warp sums, then the warps' in order), so the normed row equals
+ * lf_cuda_rmsnorm's of the same x bit for bit. */
+__device__ __forceinline__ float norm_scale(float ss, float *red, int n, float eps) {
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    ss = threadIdx.x < kNormThreads / 32 ? red[threadIdx.x] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x == 0) red[kNormThreads / 32] = ss;
+  }
+  __syncthreads();
+  const float r = 1.0f / sqrtf(red[kNormThreads / 32] / (float)n + eps);
+  __syncthreads(); /* red is reused by the next row */
+  return r;
+}
+
+template <int VPT>
+__global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArgs a) {
+  __shared__ uint32_t s_call;
+  __shared__ float red[kNormThreads / 32 + 1];
+  uint32_t *ctr = reinterpret_cast<uint32_t *>(p.region[p.rank] + kNormCtrOffset) +
+                  a.slot * kNormBlocks + blockIdx.x;
+  if (threadIdx.x == 0) s_call = *reinterpret_cast<volatile uint32_t *>(ctr) + 1;
+  const int n4 = a.dim >> 2;
+  float4 wv[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; j++) {
+    const int i = threadIdx.x + j * kNormThreads;
+    wv[j] = a.w && i < n4 ? reinterpret_cast<const float4 *>(a.w)[i] : make_float4(0, 0, 0, 0);
+  }
+  __syncthreads();
+  const uint32_t call = s_call;
+  if (threadIdx.x < (unsigned)p.size) {
+    const int r = (int)threadIdx.x;
+    uint32_t *flags = reinterpret_cast<uint32_t *>(p.region[r] + kNormFlagOffset);
+    __threadfence_system(); /* the partials (earlier kernels) before the flag, for every peer */
+    st_release_sys(flags + ((size_t)a.slot * kNormBlocks + blockIdx.x) * LF_AR_MAX_RANKS + p.rank,
+                   call);
+    const uint32_t *mine = reinterpret_cast<const uint32_t *>(p.region[p.rank] + kNormFlagOffset) +
+                           ((size_t)a.slot * kNormBlocks + blockIdx.x) * LF_AR_MAX_RANKS + r;
+    const unsigned long long t0 = global_ns();
+    unsigned spins = 0;
+    while (ld_acquire_sys(mine) != call) {
+      if ((++spins & 255u) == 0 && global_ns() - t0 > p.timeout_ns) {
+        atomicExch_system(p.err, 1);
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const size_t off = (size_t)row * a.dim; /* floats */
+    float4 v[VPT];
+#pragma unroll
+    for (int j = 0; j < VPT; j++) v[j] = make_float4(0, 0, 0, 0);
+    for (int r = 0; r < p.size; r++) { /* rank order */
+      const uint4 *src = reinterpret_cast<const uint4 *>(p.region[r] + kDataOffset +
+                                                         (2 + (size_t)a.slot) * p.cap) +
+                         off / 4;
+#pragma unroll
+      for (int j = 0; j < VPT; j++) {
+        const int i = threadIdx.x + j * kNormThreads;
+        if (i < n4) {
+          const uint4 u = ld_volatile(src + i);
+          v[j].x += __uint_as_float(u.x);
+          v[j].y += __uint_as_float(u.y);
+          v[j].z += __uint_as_float(u.z);
+          v[j].w += __uint_as_float(u.w);
+        }
+      }
+    }
+    float4 *xr = reinterpret_cast<float4 *>(a.x + off);
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPT; j++) {
+      const int i = threadIdx.x + j * kNormThreads;
+      if (i < n4) {
+        if (a.add_x) {
+          const float4 o = xr[i];
+          v[j] = make_float4(o.x + v[j].x, o.y + v[j].y, o.z + v[j].z, o.w + v[j].w);
+        }
+        xr[i] = v[j];
+        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+      }
+    }
+    if (!a.w) continue;
+    const float rs = norm_scale(ss, red, a.dim, a.eps);
+    __nv_bfloat16 *o = a.out + (size_t)(a.out_rows ? a.out_rows[row] : row) * a.ld_out;
+#pragma unroll
+    for (int j = 0; j < VPT; j++) {
+      const int i = threadIdx.x + j * kNormThreads;
+      if (i < n4) {
+        union {
+          __nv_bfloat162 h[2];
+          uint2 u;
+        } y;
+        y.h[0] = __floats2bfloat162_rn(wv[j].x * (v[j].x * rs), wv[j].y * (v[j].y * rs));
+        y.h[1] = __floats2bfloat162_rn(wv[j].z * (v[j].z * rs), wv[j].w * (v[j].w * rs));
+        *reinterpret_cast<uint2 *>(o + 4 * (size_t)i) = y.u;
+      }
+    }
+  }
+  if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t *>(ctr) = call;
+}
+
 } // namespace
 
 struct lf_ar_ipc {
@@ -169,8 +310,8 @@ extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc *
   if (!a) return lf_error(LF_ERR_OUT_OF_MEMORY, "IPC all-reduce");
   a->p.cap = cap;
   a->p.timeout_ns = (unsigned long long)(timeout_s * 1e9);
-  cudaError_t e = cudaMalloc((void **)&a->own, kDataOffset + 2 * cap);
-  if (e == cudaSuccess) e = cudaMemset(a->own, 0, kFlagBytes);
+  cudaError_t e = cudaMalloc((void **)&a->own, kDataOffset + (2 + LF_AR_SLOTS) * cap);
+  if (e == cudaSuccess) e = cudaMemset(a->own, 0, kCtlBytes);
   if (e == cudaSuccess) e = cudaMalloc((void **)&a->p.ctr, 2 * sizeof(uint32_t));
   if (e == cudaSuccess) e = cudaMemset(a->p.ctr, 0, 2 * sizeof(uint32_t));
   if (e == cudaSuccess) e = cudaHostAlloc((void **)&a->err_host, sizeof(int), cudaHostAllocMapped);
@@ -257,6 +398,53 @@ extern "C" lf_status lf_ar_ipc_run(lf_ar_ipc *a, void *buf, size_t n, int bf16, 
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return lf_error(LF_ERR_BACKEND, "IPC all-reduce launch: %s", cudaGetErrorString(e));
+  return LF_OK;
+}
+
+extern "C" float *lf_ar_ipc_stage(lf_ar_ipc *a, int slot) {
+  if (!a || !a->attached || slot < 0 || slot >= LF_AR_SLOTS) return NULL;
+  return reinterpret_cast<float *>(a->own + kDataOffset + (2 + (size_t)slot) * a->p.cap);
+}
+
+extern "C" int lf_ar_ipc_norm_fits(const lf_ar_ipc *a, int rows, int dim) {
+  return a && a->attached && rows >= 1 && dim >= 4 && dim % 4 == 0 &&
+         dim / 4 <= kNormThreads * kNormMaxVpt && (size_t)rows * dim * sizeof(float) <= a->p.cap;
+}
+
+extern "C" lf_status lf_ar_ipc_residual_norm(lf_ar_ipc *a, int slot, float *x, int add_x, int rows,
+                                             int dim, const float *w, float eps, void *out,
+                                             size_t ld_out, const int32_t *out_rows,
+                                             void *stream) {
+  if (!lf_ar_ipc_norm_fits(a, rows, dim) || slot < 0 || slot >= LF_AR_SLOTS || !x ||
+      ((uintptr_t)x & 15) || (w && (((uintptr_t)w & 15) || !out || ((uintptr_t)out & 7) ||
+                                   ld_out % 4)))
+    return lf_error(LF_ERR_INTERNAL, "IPC residual all-reduce: %d rows of %d do not fit", rows,
+                    dim);
+  NormArgs na;
+  na.x = x;
+  na.w = w;
+  na.out = (__nv_bfloat16 *)out;
+  na.out_rows = out_rows;
+  na.ld_out = ld_out;
+  na.eps = eps;
+  na.rows = rows;
+  na.dim = dim;
+  na.slot = slot;
+  na.add_x = add_x;
+  const unsigned grid = (unsigned)(rows < kNormBlocks ? rows : kNormBlocks);
+  const int vpt = (dim / 4 + kNormThreads - 1) / kNormThreads;
+  cudaStream_t st = (cudaStream_t)stream;
+  if (vpt <= 1)
+    ar_norm_kernel<1><<<grid, kNormThreads, 0, st>>>(a->p, na);
+  else if (vpt <= 2)
+    ar_norm_kernel<2><<<grid, kNormThreads, 0, st>>>(a->p, na);
+  else if (vpt <= 4)
+    ar_norm_kernel<4><<<grid, kNormThreads, 0, st>>>(a->p, na);
+  else
+    ar_norm_kernel<8><<<grid, kNormThreads, 0, st>>>(a->p, na);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return lf_error(LF_ERR_BACKEND, "IPC residual all-reduce launch: %s", cudaGetErrorString(e));
   return LF_OK;
 }
 

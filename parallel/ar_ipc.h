@@ -16,11 +16,10 @@
  * error flag in host-mapped memory and returns, so the stream always drains; the communicator's
  * waits check the flag (lf_ar_ipc_failed) and fail the job as for an NCCL error.
  *
- * Set up through parallel/comm_nccl.c (which exchanges the handles), opt-in with LF_CUSTOM_AR=1
- * until measured again: on 2 x H200 the one-kernel version (8.4-13 us from 8 KB to 1 MB against
- * NCCL's 32-38 us) and this two-kernel one (11.8-17 us) were counted wrong at some sizes, by a
- * check whose inputs were still uploading when the kernel started (lfbench comm, fixed since;
- * bench/RESULTS.md).
+ * Set up through parallel/comm_nccl.c (which exchanges the handles), on unless LF_CUSTOM_AR=0.
+ * On 2 x H200 (session 4, bench/RESULTS.md) this two-kernel version takes 11.5-17 us from 8 KB
+ * to 1 MB against NCCL's 31-67 us, correct at every size (session 3's wrong counts were the
+ * benchmark's upload race); the fused residual call below took 0.2-0.6 ms off a TP=2 decode step.
  */
 #ifndef LF_AR_IPC_H
 #define LF_AR_IPC_H
@@ -35,6 +34,7 @@ extern "C" {
 #endif
 
 #define LF_AR_MAX_RANKS 8
+#define LF_AR_SLOTS 3 /* staging buffers of the fused residual all-reduce */
 
 /* What a rank publishes to the others (fixed size, a multiple of 4 bytes). */
 typedef struct lf_ar_record {
@@ -59,6 +59,20 @@ int lf_ar_ipc_fits(const lf_ar_ipc *a, const void *buf, size_t bytes);
 
 /* In place: buf[n] = sum over ranks; bf16 = 1 for bfloat16 elements, else fp32. */
 lf_status lf_ar_ipc_run(lf_ar_ipc *a, void *buf, size_t n, int bf16, void *stream);
+
+/* The fused residual all-reduce of tensor-parallel decoding (engine/backend_cuda.cu): the O and
+ * down projections write their partial sums (fp32, [rows][dim]) straight into this rank's
+ * staging buffer `slot` (lf_ar_ipc_stage, `cap` bytes), then one kernel per call:
+ *   x[r] (+)= sum over ranks of partial[r]   (add_x = 0: x[r] = the sum; the embedding)
+ *   out[out_rows ? out_rows[r] : r] = bf16(w * x[r] / sqrt(mean(x[r]^2) + eps))   (w non-NULL)
+ * i.e. the all-reduce, the residual add and the next RMSNorm (the same bits as
+ * engine/cuda_norm.cu's) in one launch instead of three. Consecutive calls must use different
+ * slots (see ar_ipc.cu for why that is enough). x 16-byte aligned, dim % 4 == 0. */
+float *lf_ar_ipc_stage(lf_ar_ipc *a, int slot);
+int lf_ar_ipc_norm_fits(const lf_ar_ipc *a, int rows, int dim);
+lf_status lf_ar_ipc_residual_norm(lf_ar_ipc *a, int slot, float *x, int add_x, int rows, int dim,
+                                  const float *w, float eps, void *out, size_t ld_out,
+                                  const int32_t *out_rows, void *stream);
 
 /* 1 once a call gave up waiting for a peer. */
 int lf_ar_ipc_failed(const lf_ar_ipc *a);

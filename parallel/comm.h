@@ -44,6 +44,10 @@ struct lf_comm {
    *   a peer is gone. A device backend calls it where it would call cudaStreamSynchronize. */
   int device;
   lf_status (*sync)(struct lf_comm *c, void *stream);
+  /* The one-shot IPC all-reduce of this communicator's GPUs (parallel/ar_ipc.h) when every rank
+   * set it up (NCCL, unless LF_CUSTOM_AR=0), else NULL: the CUDA backend's fused residual
+   * all-reduce. */
+  struct lf_ar_ipc *ipc;
 };
 
 /* comm->sync when the communicator has one; LF_OK otherwise (host communicators block). */

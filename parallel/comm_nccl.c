@@ -367,15 +367,14 @@ static double nc_default_timeout(double timeout_s) {
 
 /* The IPC all-reduce (ar_ipc.h) when every rank can take part: each allocates its region and
  * publishes a record, all records are gathered, each maps its peers, and all must succeed
- * (else every rank keeps NCCL). Opt-in, LF_CUSTOM_AR=1, until it is measured again: the wrong
- * sums seen on 2 x H200 came from lfbench comm's own upload racing the kernel (fixed; see
- * bench/RESULTS.md, session 3), and no correct run exists yet. LF_CUSTOM_AR_BYTES
+ * (else every rank keeps NCCL). On unless LF_CUSTOM_AR=0 (measured correct and 2-4x faster
+ * than NCCL below 1 MB on 2 x H200: bench/RESULTS.md, session 4). LF_CUSTOM_AR_BYTES
  * sets the largest message it takes (default 8 MiB: beyond that NCCL's bandwidth wins anyway).
  * Only a communicator failure is an error. */
 static lf_status nc_ar_setup(lf_comm_t c) {
   nccl_impl *m = c->impl;
   const char *on = getenv("LF_CUSTOM_AR");
-  if (c->size < 2 || c->size > LF_AR_MAX_RANKS || !on || strcmp(on, "1")) return LF_OK;
+  if (c->size < 2 || c->size > LF_AR_MAX_RANKS || (on && !strcmp(on, "0"))) return LF_OK;
   const char *cb = getenv("LF_CUSTOM_AR_BYTES");
   size_t cap = cb && atol(cb) > 0 ? (size_t)atol(cb) : ((size_t)8 << 20);
   lf_ar_record rec;
@@ -392,6 +391,7 @@ static lf_status nc_ar_setup(lf_comm_t c) {
   if (s == LF_OK) s = nc_allreduce(c, &ok, 1, LF_COMM_I32, NULL);
   if (s == LF_OK && ok == c->size) {
     m->ar = a;
+    c->ipc = a;
   } else {
     lf_ar_ipc_free(a, 1);
   }

@@ -197,7 +197,16 @@ void compare_backends(const std::string &path, lf_policy policy, int budget, int
       EXPECT_LE(w_tp, 3.0 * w_gpu + 1e-3) << path << " " << lf_policy_str(policy);
       cpu->free(cpu);
     }
-    EXPECT_LE(mismatches, std::max(2, steps / 20)) << path;
+    /* Token agreement with the single GPU, beyond each mismatch being a near-tie: required
+     * where nothing better judges TP. With the fp32 oracle and an evicting policy it is not: one
+     * eviction near-tie decided the other way leaves the two caches different for the rest of
+     * the run (teacher forcing fixes the tokens, not the pools), and on a random model the
+     * count then measures luck (random:tiny-llama:5 longflow on 2 x H200: 4 mismatches with
+     * NCCL, 19 with the fused IPC all-reduce, both as close to the fp32 CPU as the single GPU);
+     * the oracle checks above are the verdict there. */
+    if (!cpu || policy == LF_POLICY_FULL) {
+      EXPECT_LE(mismatches, std::max(2, steps / 20)) << path;
+    }
     ref->free(ref);
   }
   tp->free(tp);
