@@ -171,6 +171,9 @@ typedef struct cuda_backend {
   gemm_tune *tunes;  /* [n_tunes] */
   int n_tunes;
   int gemv_max;    /* GEMMs with at most this many tokens use lf_cuda_gemv (0: never) */
+  int prefill_gemv; /* ... and in prefill chunks of at most this many (LF_CUDA_PREFILL_GEMV) */
+  int gemv_parts;   /* K parts of the residual GEMVs over all ranks (LF_GEMV_PARTS; 0: off) */
+  int in_prefill;   /* set while prefill_chunk runs */
   int attn_splits; /* decode attention split count (0: automatic) */
   int l2_prefetch_rows; /* decode attention asks L2 for the O weights up to this batch
                            (LF_L2_PREFETCH_ROWS, default 0: never) */
@@ -293,9 +296,17 @@ static lf_status tuned_lookup(cuda_backend *c, int n_out, int n_in, int n_tok, i
   return LF_OK;
 }
 
+static int fused_ar(const cuda_backend *c, int rows);
+
+/* Largest n_tok on the GEMV: gemv_max in decode; in a prefill chunk at least prefill_gemv, so a
+ * short prompt takes the same kernels (and bits) at every TP degree (see gemm_res). */
+static int gemv_lim(const cuda_backend *c) {
+  return c->in_prefill && c->prefill_gemv > c->gemv_max ? c->prefill_gemv : c->gemv_max;
+}
+
 static lf_status gemm(cuda_backend *c, const bf16 *W, const bf16 *X, void *Y, cudaDataType yt,
                       int n_out, int n_in, int n_tok, float beta) {
-  if (n_tok <= c->gemv_max && lf_cuda_gemv_ok(W, X, n_in, (size_t)n_in, n_tok))
+  if (n_tok <= gemv_lim(c) && lf_cuda_gemv_ok(W, X, n_in, (size_t)n_in, n_tok))
     return lf_cuda_gemv(W, X, (size_t)n_in, n_in, n_out, n_tok, Y, (size_t)n_out,
                         yt == CUDA_R_32F ? LF_GEMV_F32 : LF_GEMV_BF16, beta, c->stream);
   const float alpha = 1.0f;
@@ -312,6 +323,21 @@ static lf_status gemm(cuda_backend *c, const bf16 *W, const bf16 *X, void *Y, cu
                                CUDA_R_16BF, n_in, X, CUDA_R_16BF, n_in, &beta, Y, yt, n_out,
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return LF_OK;
+}
+
+/* A GEMM whose result adds into the residual stream (O, down: K is cut across the TP ranks).
+ * On the GEMV path it runs with K in gemv_parts / T parts (lf_cuda_gemv_parts), and the fused
+ * all-reduce adds the ranks' results in the same tree, so TP=T gives the single GPU's bits; the
+ * rest of a batch-1 step is row-parallel and identical anyway. */
+static lf_status gemm_res(cuda_backend *c, const bf16 *W, const bf16 *X, float *Y, int n_out,
+                          int n_in, int n_tok, float beta) {
+  const int T = c->comm ? c->comm->size : 1;
+  const int parts = c->gemv_parts > 0 && c->gemv_parts % T == 0 ? c->gemv_parts / T : 0;
+  if (parts > 0 && n_tok <= gemv_lim(c) && lf_cuda_gemv_ok(W, X, n_in, (size_t)n_in, n_tok) &&
+      lf_cuda_gemv_parts_ok(n_in, parts) && (T == 1 || fused_ar(c, n_tok)))
+    return lf_cuda_gemv_parts(W, X, (size_t)n_in, n_in, n_out, n_tok, Y, (size_t)n_out, parts,
+                              beta, c->stream);
+  return gemm(c, W, X, Y, CUDA_R_32F, n_out, n_in, n_tok, beta);
 }
 
 /* ---- weights ------------------------------------------------------------------------------ */
@@ -602,9 +628,9 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows, cons
   }
   float beta;
   float *dst = res_out(c, rows, AR_SLOT_O, &beta);
-  LF_TRY(gemm(c, L->wo, att, dst, CUDA_R_32F, m->dim, c->qd_own, rows, beta));
+  LF_TRY(gemm_res(c, L->wo, att, dst, m->dim, c->qd_own, rows, beta));
   LF_TRY(res_norm(c, rows, AR_SLOT_O, L->rms_ffn, c->xb, NULL));
-  if (rows <= c->gemv_max && lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
+  if (rows <= gemv_lim(c) && lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
     /* SiLU(gate) * up in the GEMV's epilogue: no fp32 gate|up round trip */
     LF_TRY(lf_cuda_gemv(L->wgu, c->xb, (size_t)m->dim, m->dim, m->hidden_dim, rows, c->hb,
                         (size_t)m->hidden_dim, LF_GEMV_GLU, 0.0f, c->stream));
@@ -613,7 +639,7 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows, cons
     LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
   }
   dst = res_out(c, rows, AR_SLOT_DOWN, &beta);
-  LF_TRY(gemm(c, L->wdown, c->hb, dst, CUDA_R_32F, m->dim, m->hidden_dim, rows, beta));
+  LF_TRY(gemm_res(c, L->wdown, c->hb, dst, m->dim, m->hidden_dim, rows, beta));
   return res_norm(c, rows, AR_SLOT_DOWN, next_w, out, out_rows);
 }
 
@@ -760,6 +786,9 @@ static lf_status step_upload(cuda_backend *c, int rows) {
   return LF_OK;
 }
 
+static lf_status prefill_layers(cuda_backend *c, int pool, int32_t pos0, int T, int n0,
+                                int compress);
+
 /* A chunk of one sequence's prompt, n0 slots already filled: attention, then the pool write
  * (compress: SnapKV into the empty pool). last: the final normed last row goes to xf[row]. */
 static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const int32_t *tokens,
@@ -768,6 +797,21 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
   const int B = c->p.budget;
   LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, tokens, (size_t)T * sizeof(int32_t),
                                 cudaMemcpyHostToDevice, c->stream));
+  c->in_prefill = 1;
+  const lf_status st = prefill_layers(c, pool, pos0, T, n0, compress);
+  c->in_prefill = 0;
+  LF_TRY(st);
+  c->host_n[pool] = compress ? B - 1 : n0 + T;
+  if (!last) return LF_OK;
+  return lf_cuda_rmsnorm(c->x + (size_t)(T - 1) * m->dim, m->dim, c->rms_final, m->dim,
+                         m->norm_eps, 1, c->xf + (size_t)row * m->dim, m->dim, NULL, c->stream);
+}
+
+/* prefill_chunk's embedding and layers (in_prefill set). */
+static lf_status prefill_layers(cuda_backend *c, int pool, int32_t pos0, int T, int n0,
+                                int compress) {
+  const lf_model_config *m = &c->cfg;
+  const int B = c->p.budget;
   LF_TRY(embed_rows(c, c->ptok, T, c->layers[0].rms_att));
   const int w_eff = lf_snapkv_window(&c->ap, B);
   for (int l = 0; l < m->n_layers; l++) {
@@ -792,10 +836,7 @@ static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const in
     /* the last layer leaves x alone: only its last row is normed, below */
     LF_TRY(layer_tail(c, L, T, l + 1 < m->n_layers ? c->layers[l + 1].rms_att : NULL, c->xb, NULL));
   }
-  c->host_n[pool] = compress ? B - 1 : n0 + T;
-  if (!last) return LF_OK;
-  return lf_cuda_rmsnorm(c->x + (size_t)(T - 1) * m->dim, m->dim, c->rms_final, m->dim,
-                         m->norm_eps, 1, c->xf + (size_t)row * m->dim, m->dim, NULL, c->stream);
+  return LF_OK;
 }
 
 /* The host's mirror of a decode write into `pool`: the fill count grows until the pool is
@@ -1354,6 +1395,14 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   /* The GEMV only at batch 1: on an H200 (random:llama3-8b, session 3) it beat cuBLAS there
    * (5.05 vs 5.72 ms a step in session 2's attribution) but lost from batch 2 on (2: 5.47 vs
    * 5.23 ms, 4: 6.37 vs 5.19, 8: 9.92 vs 5.37), its per-token X reads growing with the batch. */
+  /* Prompt chunks of up to 8 tokens on the GEMVs, and the residual GEMVs in 8 K parts: with
+   * them batch-1 decoding of a short prompt gives the same bits at TP = 1, 2, 4 and 8 (gemm_res). */
+  c->prefill_gemv = 8;
+  e = getenv("LF_CUDA_PREFILL_GEMV");
+  if (e) c->prefill_gemv = atoi(e) < 0 ? 0 : atoi(e) > LF_GEMV_MAX_TOK ? LF_GEMV_MAX_TOK : atoi(e);
+  c->gemv_parts = 8;
+  e = getenv("LF_GEMV_PARTS");
+  if (e) c->gemv_parts = atoi(e);
   c->gemv_max = 1;
   e = getenv("LF_CUDA_GEMV_MAX");
   if (e) c->gemv_max = atoi(e) < 0 ? 0 : atoi(e) > LF_GEMV_MAX_TOK ? LF_GEMV_MAX_TOK : atoi(e);

@@ -194,6 +194,153 @@ static int env_variant(int n_in) {
   return n_in >= 8192 ? v : 0;
 }
 
+/* K in P contiguous parts (F32 mode): lane l of part p accumulates the part's chunks l, l + 32,
+ * ... in that order, each part's sum is reduced over the warp alone, and the P sums meet in a
+ * fixed pairwise tree ((a0 + a1) + (a2 + a3)) + ... So a part's bits depend only on its own
+ * K slice, and a matrix cut into T column blocks, each block's GEMV run with P / T parts and the
+ * blocks' results added by the same tree, gives exactly the bits of the whole matrix run with P
+ * parts: the tensor-parallel O and down projections equal one GPU's (backend_cuda.cu).
+ * KS warps per row, each owning P / KS whole parts; every warp keeps 8 loads per lane in flight
+ * (UJ = 8 / parts-per-warp per part). */
+template <int NT, int P, int KS>
+static __global__ void __launch_bounds__(GV_WARPS * 32)
+    gemv_parts_kernel(const __nv_bfloat16 *__restrict__ W, const __nv_bfloat16 *__restrict__ X,
+                      size_t ldx, int n_in, int n_out, float *__restrict__ Y, size_t ldy,
+                      float beta) {
+  constexpr int PW = P / KS;             /* parts per warp */
+  constexpr int UJ = PW >= 8 ? 1 : 8 / PW; /* loads per part per iteration */
+  constexpr int RPB = GV_WARPS / KS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wpart = warp % KS;
+  const int row = blockIdx.x * RPB + warp / KS;
+  const bool valid = row < n_out;
+  const int cpp = valid ? (n_in >> 3) / P : 0; /* 16-byte chunks per part */
+  const uint4 *wr = (const uint4 *)(W + (size_t)(valid ? row : 0) * (size_t)n_in);
+  const int p0 = wpart * PW;
+#pragma unroll
+  for (int q = 0; q < PW; q++)
+#pragma unroll
+    for (int u = 0; u < UJ; u++)
+      if (lane + 32 * u < cpp) prefetch_l2(wr + (size_t)(p0 + q) * cpp + lane + 32 * u);
+  pdl_wait();
+  float acc[PW][NT];
+#pragma unroll
+  for (int q = 0; q < PW; q++)
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[q][t] = 0.0f;
+  for (int j0 = lane; j0 < cpp; j0 += 32 * UJ) {
+    uint4 wv[PW][UJ];
+#pragma unroll
+    for (int q = 0; q < PW; q++)
+#pragma unroll
+      for (int u = 0; u < UJ; u++) {
+        const int c = j0 + 32 * u;
+        wv[q][u] = c < cpp ? ld_stream(wr + (size_t)(p0 + q) * cpp + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int q = 0; q < PW; q++)
+#pragma unroll
+      for (int u = 0; u < UJ; u++) {
+        const int c = j0 + 32 * u;
+        if (c < cpp) {
+          float wf[8];
+          unpack8(wv[q][u], wf);
+          const int xc = (p0 + q) * cpp + c;
+#pragma unroll
+          for (int t = 0; t < NT; t++) {
+            float xf[8];
+            unpack8(__ldg((const uint4 *)(X + (size_t)t * ldx) + xc), xf);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[q][t] = fmaf(wf[k], xf[k], acc[q][t]);
+          }
+        }
+      }
+  }
+  pdl_trigger();
+#pragma unroll
+  for (int q = 0; q < PW; q++)
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[q][t] += __shfl_xor_sync(0xffffffffu, acc[q][t], o);
+  __shared__ float red[GV_WARPS / KS][P][NT];
+  if (lane == 0)
+#pragma unroll
+    for (int q = 0; q < PW; q++)
+#pragma unroll
+      for (int t = 0; t < NT; t++) red[warp / KS][p0 + q][t] = acc[q][t];
+  if (KS > 1) __syncthreads();
+  if (wpart != 0 || lane != 0 || !valid) return;
+#pragma unroll
+  for (int t = 0; t < NT; t++) {
+    float a[P];
+#pragma unroll
+    for (int q = 0; q < P; q++) a[q] = red[warp / KS][q][t];
+#pragma unroll
+    for (int s = 1; s < P; s *= 2)
+#pragma unroll
+      for (int i = 0; i + s < P; i += 2 * s) a[i] += a[i + s];
+    float *y = Y + (size_t)t * ldy + row;
+    *y = beta != 0.0f ? a[0] + beta * *y : a[0];
+  }
+}
+
+typedef void (*gemv_parts_fn)(const __nv_bfloat16 *, const __nv_bfloat16 *, size_t, int, int,
+                              float *, size_t, float);
+
+template <int P, int KS> static gemv_parts_fn pick_parts_nt(int nt) {
+  switch (nt) {
+  case 1: return gemv_parts_kernel<1, P, KS>;
+  case 2: return gemv_parts_kernel<2, P, KS>;
+  case 3: return gemv_parts_kernel<3, P, KS>;
+  case 4: return gemv_parts_kernel<4, P, KS>;
+  case 5: return gemv_parts_kernel<5, P, KS>;
+  case 6: return gemv_parts_kernel<6, P, KS>;
+  case 7: return gemv_parts_kernel<7, P, KS>;
+  default: return gemv_parts_kernel<8, P, KS>;
+  }
+}
+
+/* (parts, warps per row): 4 warps a row where the row is long and the parts allow it (the
+ * down projection: 1% faster with 4 warps on an H200, session 3). */
+static gemv_parts_fn pick_parts(int parts, int n_in, int nt, int *ks) {
+  const int want4 = n_in >= 8192 && env_variant(n_in) == LF_GEMV_KS4;
+  switch (parts) {
+  case 1: *ks = 1; return pick_parts_nt<1, 1>(nt);
+  case 2: *ks = 1; return pick_parts_nt<2, 1>(nt);
+  case 4:
+    *ks = want4 ? 4 : 1;
+    return want4 ? pick_parts_nt<4, 4>(nt) : pick_parts_nt<4, 1>(nt);
+  case 8:
+    *ks = want4 ? 4 : 1;
+    return want4 ? pick_parts_nt<8, 4>(nt) : pick_parts_nt<8, 1>(nt);
+  default: return NULL;
+  }
+}
+
+extern "C" int lf_cuda_gemv_parts_ok(int n_in, int parts) {
+  return (parts == 1 || parts == 2 || parts == 4 || parts == 8) && n_in % (8 * parts) == 0;
+}
+
+extern "C" lf_status lf_cuda_gemv_parts(const void *W, const void *X, size_t ldx, int n_in,
+                                        int n_out, int n_tok, float *Y, size_t ldy, int parts,
+                                        float beta, cudaStream_t stream) {
+  if (!lf_cuda_gemv_ok(W, X, n_in, ldx, n_tok) || !Y || n_out < 1 || ldy < (size_t)n_out ||
+      !lf_cuda_gemv_parts_ok(n_in, parts))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_gemv_parts: unsupported shape (n_in %d in %d parts, ldx %zu, n_out "
+                    "%d, n_tok %d) or misaligned pointer",
+                    n_in, parts, ldx, n_out, n_tok);
+  int ks = 1;
+  const gemv_parts_fn f = pick_parts(parts, n_in, n_tok, &ks);
+  const int rpb = GV_WARPS / ks;
+  const dim3 grid((unsigned)((n_out + rpb - 1) / rpb));
+  lf_launch(f, grid, dim3(GV_WARPS * 32), 0, stream, (const __nv_bfloat16 *)W,
+            (const __nv_bfloat16 *)X, ldx, n_in, n_out, Y, ldy, beta);
+  LF_CUDA_CHECK_LAUNCH("gemv_parts_kernel");
+  return LF_OK;
+}
+
 extern "C" lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out,
                                   int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
                                   cudaStream_t stream) {

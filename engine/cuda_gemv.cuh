@@ -49,6 +49,16 @@ lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t ldx, int n_i
                                int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
                                int variant, struct CUstream_st *stream);
 
+/* F32 mode with K cut into `parts` contiguous parts (1, 2, 4 or 8; n_in a multiple of 8 * parts),
+ * each part summed on its own and the parts added in a fixed pairwise tree. Running the column
+ * block r of T (n_in / T inputs) with parts / T parts on each of T ranks, and adding the T
+ * results in the same tree, gives bit for bit what one call over the whole matrix gives: the
+ * tensor-parallel residual projections (O, down) equal the single GPU's. Y = acc + beta Y. */
+int lf_cuda_gemv_parts_ok(int n_in, int parts);
+lf_status lf_cuda_gemv_parts(const void *W, const void *X, size_t ldx, int n_in, int n_out,
+                             int n_tok, float *Y, size_t ldy, int parts, float beta,
+                             struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

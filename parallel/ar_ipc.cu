@@ -7,6 +7,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "attention/cuda_launch.cuh"
+#include "attention/cuda_ptx.cuh"
 #include "engine/error.h"
 
 namespace {
@@ -200,13 +202,38 @@ __device__ __forceinline__ float norm_scale(float ss, float *red, int n, float e
   return r;
 }
 
+/* Vector i (16 bytes) of every rank's staging buffer `slot`, summed in the pairwise tree
+ * ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)) (rank order for 2): the tree
+ * lf_cuda_gemv_parts uses over its K parts, so rank r's partial over parts [r P/T, (r+1) P/T)
+ * continues it exactly and the sum equals one GPU's. */
+__device__ __forceinline__ float4 tree_sum(const Params &p, int slot, size_t i) {
+  float4 v[LF_AR_MAX_RANKS];
+#pragma unroll
+  for (int r = 0; r < LF_AR_MAX_RANKS; r++) {
+    if (r < p.size) {
+      const uint4 u = ld_volatile(reinterpret_cast<const uint4 *>(
+                                      p.region[r] + kDataOffset + (2 + (size_t)slot) * p.cap) +
+                                  i);
+      v[r] = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z),
+                         __uint_as_float(u.w));
+    }
+  }
+#pragma unroll
+  for (int s = 1; s < LF_AR_MAX_RANKS; s *= 2)
+#pragma unroll
+    for (int r = 0; r + s < LF_AR_MAX_RANKS; r += 2 * s)
+      if (r + s < p.size)
+        v[r] = make_float4(v[r].x + v[r + s].x, v[r].y + v[r + s].y, v[r].z + v[r + s].z,
+                           v[r].w + v[r + s].w);
+  return v[0];
+}
+
 template <int VPT>
 __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArgs a) {
   __shared__ uint32_t s_call;
   __shared__ float red[kNormThreads / 32 + 1];
   uint32_t *ctr = reinterpret_cast<uint32_t *>(p.region[p.rank] + kNormCtrOffset) +
                   a.slot * kNormBlocks + blockIdx.x;
-  if (threadIdx.x == 0) s_call = *reinterpret_cast<volatile uint32_t *>(ctr) + 1;
   const int n4 = a.dim >> 2;
   float4 wv[VPT];
 #pragma unroll
@@ -214,6 +241,10 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
     const int i = threadIdx.x + j * kNormThreads;
     wv[j] = a.w && i < n4 ? reinterpret_cast<const float4 *>(a.w)[i] : make_float4(0, 0, 0, 0);
   }
+  /* launched with programmatic dependent launch (attention/cuda_launch.cuh): the partials come
+   * from the kernel before, complete and visible only after this */
+  pdl_wait();
+  if (threadIdx.x == 0) s_call = *reinterpret_cast<volatile uint32_t *>(ctr) + 1;
   __syncthreads();
   const uint32_t call = s_call;
   if (threadIdx.x < (unsigned)p.size) {
@@ -234,26 +265,14 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
     }
   }
   __syncthreads();
+  pdl_trigger(); /* the next kernel may start loading its weights */
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const size_t off = (size_t)row * a.dim; /* floats */
     float4 v[VPT];
 #pragma unroll
-    for (int j = 0; j < VPT; j++) v[j] = make_float4(0, 0, 0, 0);
-    for (int r = 0; r < p.size; r++) { /* rank order */
-      const uint4 *src = reinterpret_cast<const uint4 *>(p.region[r] + kDataOffset +
-                                                         (2 + (size_t)a.slot) * p.cap) +
-                         off / 4;
-#pragma unroll
-      for (int j = 0; j < VPT; j++) {
-        const int i = threadIdx.x + j * kNormThreads;
-        if (i < n4) {
-          const uint4 u = ld_volatile(src + i);
-          v[j].x += __uint_as_float(u.x);
-          v[j].y += __uint_as_float(u.y);
-          v[j].z += __uint_as_float(u.z);
-          v[j].w += __uint_as_float(u.w);
-        }
-      }
+    for (int j = 0; j < VPT; j++) {
+      const int i = threadIdx.x + j * kNormThreads;
+      v[j] = i < n4 ? tree_sum(p, a.slot, off / 4 + i) : make_float4(0, 0, 0, 0);
     }
     float4 *xr = reinterpret_cast<float4 *>(a.x + off);
     float ss = 0.0f;
@@ -434,15 +453,17 @@ extern "C" lf_status lf_ar_ipc_residual_norm(lf_ar_ipc *a, int slot, float *x, i
   const unsigned grid = (unsigned)(rows < kNormBlocks ? rows : kNormBlocks);
   const int vpt = (dim / 4 + kNormThreads - 1) / kNormThreads;
   cudaStream_t st = (cudaStream_t)stream;
+  const dim3 g(grid), b(kNormThreads);
+  cudaError_t e;
   if (vpt <= 1)
-    ar_norm_kernel<1><<<grid, kNormThreads, 0, st>>>(a->p, na);
+    e = lf_launch(ar_norm_kernel<1>, g, b, 0, st, a->p, na);
   else if (vpt <= 2)
-    ar_norm_kernel<2><<<grid, kNormThreads, 0, st>>>(a->p, na);
+    e = lf_launch(ar_norm_kernel<2>, g, b, 0, st, a->p, na);
   else if (vpt <= 4)
-    ar_norm_kernel<4><<<grid, kNormThreads, 0, st>>>(a->p, na);
+    e = lf_launch(ar_norm_kernel<4>, g, b, 0, st, a->p, na);
   else
-    ar_norm_kernel<8><<<grid, kNormThreads, 0, st>>>(a->p, na);
-  const cudaError_t e = cudaGetLastError();
+    e = lf_launch(ar_norm_kernel<8>, g, b, 0, st, a->p, na);
+  if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess)
     return lf_error(LF_ERR_BACKEND, "IPC residual all-reduce launch: %s", cudaGetErrorString(e));
   return LF_OK;

@@ -462,6 +462,96 @@ TEST(GpuKernels, GemvVsHost) {
         }
 }
 
+static uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+/* The residual GEMV in K parts (lf_cuda_gemv_parts): against the double-precision sum, and the
+ * property tensor parallelism relies on: the matrix cut into T column blocks, block r run with
+ * 8 / T parts, and the T results added by the pairwise tree with the old y added last, gives
+ * exactly the bits of one call over the whole matrix with 8 parts and beta 1. */
+TEST(GpuKernels, GemvPartsSplitEqualsWhole) {
+  NEED_GPU();
+  const uint64_t seed = lf_test_seed();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> U(-1.0f, 1.0f);
+  for (int n_in : {512, 4096, 14336})
+    for (int n_out : {5, 300})
+      for (int nt : {1, 2, 7}) {
+        std::vector<uint16_t> w(size_t(n_out) * n_in), x(size_t(nt) * n_in);
+        for (auto &v : w) v = lf_f32_to_bf16(U(rng) * 0.05f);
+        for (auto &v : x) v = lf_f32_to_bf16(U(rng));
+        std::vector<float> y0(size_t(nt) * n_out);
+        for (auto &v : y0) v = U(rng);
+        uint16_t *dw = dev<uint16_t>(w.size()), *dx = dev<uint16_t>(x.size());
+        float *dy = dev<float>(y0.size());
+        CK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dy, y0.data(), y0.size() * 4, cudaMemcpyHostToDevice));
+        ASSERT_TRUE(lf_cuda_gemv_parts_ok(n_in, 8));
+        ASSERT_EQ(lf_cuda_gemv_parts(dw, dx, size_t(n_in), n_in, n_out, nt, dy, size_t(n_out), 8,
+                                     1.0f, nullptr),
+                  LF_OK)
+            << lf_last_error();
+        std::vector<float> whole(y0.size());
+        CK(cudaMemcpy(whole.data(), dy, whole.size() * 4, cudaMemcpyDeviceToHost));
+        for (int t = 0; t < nt; t++) // the oracle: double sums
+          for (int o = 0; o < n_out; o++) {
+            double acc = y0[size_t(t) * n_out + o], mag = std::fabs(acc);
+            for (int i = 0; i < n_in; i++) {
+              const double p = double(bf(w[size_t(o) * n_in + i])) * bf(x[size_t(t) * n_in + i]);
+              acc += p;
+              mag += std::fabs(p);
+            }
+            ASSERT_NEAR(whole[size_t(t) * n_out + o], acc, 1e-5 * mag + 1e-6)
+                << "n_in " << n_in << " n_out " << n_out << " nt " << nt << " seed " << seed;
+          }
+        for (int T : {2, 4, 8}) {
+          const int kb = n_in / T;
+          std::vector<std::vector<float>> part(T, std::vector<float>(y0.size()));
+          for (int r = 0; r < T; r++) {
+            std::vector<uint16_t> wr(size_t(n_out) * kb), xr(size_t(nt) * kb);
+            for (int o = 0; o < n_out; o++)
+              std::copy_n(w.begin() + size_t(o) * n_in + size_t(r) * kb, kb,
+                          wr.begin() + size_t(o) * kb);
+            for (int t = 0; t < nt; t++)
+              std::copy_n(x.begin() + size_t(t) * n_in + size_t(r) * kb, kb,
+                          xr.begin() + size_t(t) * kb);
+            uint16_t *dwr = dev<uint16_t>(wr.size()), *dxr = dev<uint16_t>(xr.size());
+            float *dyr = dev<float>(y0.size());
+            CK(cudaMemcpy(dwr, wr.data(), wr.size() * 2, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(dxr, xr.data(), xr.size() * 2, cudaMemcpyHostToDevice));
+            CK(cudaMemset(dyr, 0xff, y0.size() * 4)); // NaN: beta 0 must not read it
+            ASSERT_EQ(lf_cuda_gemv_parts(dwr, dxr, size_t(kb), kb, n_out, nt, dyr, size_t(n_out),
+                                         8 / T, 0.0f, nullptr),
+                      LF_OK)
+                << lf_last_error();
+            CK(cudaMemcpy(part[r].data(), dyr, y0.size() * 4, cudaMemcpyDeviceToHost));
+            CK(cudaFree(dwr));
+            CK(cudaFree(dxr));
+            CK(cudaFree(dyr));
+          }
+          for (size_t k = 0; k < y0.size(); k++) {
+            std::vector<float> v(T);
+            for (int r = 0; r < T; r++) v[r] = part[r][k];
+            for (int st = 1; st < T; st *= 2)
+              for (int r = 0; r + st < T; r += 2 * st) v[r] = v[r] + v[r + st];
+            const float got = y0[k] + v[0];
+            ASSERT_EQ(f32_bits(got), f32_bits(whole[k]))
+                << "T " << T << " n_in " << n_in << " n_out " << n_out << " nt " << nt << " k "
+                << k << " seed " << seed;
+          }
+        }
+        CK(cudaFree(dw));
+        CK(cudaFree(dx));
+        CK(cudaFree(dy));
+      }
+  EXPECT_FALSE(lf_cuda_gemv_parts_ok(1000, 8)); // parts of whole 16-byte chunks only
+  EXPECT_FALSE(lf_cuda_gemv_parts_ok(4096, 3));
+}
+
 TEST(GpuKernels, RmsNorm) {
   NEED_GPU();
   const uint64_t seed = lf_test_seed();

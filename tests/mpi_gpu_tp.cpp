@@ -76,7 +76,10 @@ std::vector<int32_t> prompt_of(int n, int vocab, int salt) {
 }
 
 // Teacher-forced comparison of the TP backend (all ranks) with a single-GPU one (rank 0).
-void compare_backends(const std::string &path, lf_policy policy, int budget, int steps) {
+// prompt_len 0: the default rule below. exact: every compared logit must equal the single GPU's
+// bit for bit (and so every token).
+void compare_backends(const std::string &path, lf_policy policy, int budget, int steps,
+                      int prompt_len = 0, bool exact = false) {
   lf_checkpoint ck;
   ASSERT_EQ(lf_checkpoint_open(path.c_str(), &ck), LF_OK) << lf_last_error();
   const int vocab = ck.cfg.vocab_size;
@@ -114,7 +117,8 @@ void compare_backends(const std::string &path, lf_policy policy, int budget, int
       ASSERT_EQ(cpu->pool_take(cpu, &pc), LF_OK);
     }
   }
-  std::vector<int32_t> toks = prompt_of(budget > 40 ? 24 : budget + 5, vocab, 3); // > B: SnapKV
+  std::vector<int32_t> toks =
+      prompt_of(prompt_len > 0 ? prompt_len : budget > 40 ? 24 : budget + 5, vocab, 3); // > B: SnapKV
   std::vector<float> la(vocab), lb(vocab), lc(vocab);
   int32_t pos = 0, n = (int32_t)toks.size();
   double worst = 0, last_diff = 0;               // TP vs single GPU
@@ -140,6 +144,11 @@ void compare_backends(const std::string &path, lf_policy policy, int budget, int
       for (float v : lb) scale = std::fmax(scale, std::fabs(v));
       if (want_logits) {
         for (int i = 0; i < vocab; i++) diff = std::fmax(diff, std::fabs(la[i] - lb[i]));
+        if (exact) {
+          int differ = 0;
+          for (int i = 0; i < vocab; i++) differ += std::memcmp(&la[i], &lb[i], sizeof(float)) != 0;
+          EXPECT_EQ(differ, 0) << path << " step " << step << ": logits not bit-identical";
+        }
         worst = std::fmax(worst, diff / std::fmax(scale, 1e-30f));
         last_diff = diff;
         logit_steps++;
@@ -162,6 +171,9 @@ void compare_backends(const std::string &path, lf_policy policy, int budget, int
         lf_batch_result rc{};
         it.pool = pc;
         EXPECT_EQ(cpu->forward(cpu, &it, 1, &rc, nullptr), LF_OK) << lf_last_error();
+      }
+      if (exact) {
+        EXPECT_EQ(ra.token, rb.token) << path << " step " << step;
       }
       if (ra.token != rb.token) {
         mismatches++;
@@ -225,6 +237,20 @@ TEST(MpiGpuTp, Llama3_8bShapeMatchesSingleGpu) {
   // single-GPU reference (16 GB) + this rank's half (8 GB) on rank 0's GPU
   if (!all_agree(free_b > ((size_t)30 << 30))) GTEST_SKIP() << "needs ~30 GB free per GPU";
   compare_backends("random:llama3-8b", LF_POLICY_LONGFLOW, 256, 128);
+}
+
+// Batch-1 decoding after a prompt of at most 8 tokens (one GEMV-path prefill chunk) is
+// bit-identical to one GPU when the fused IPC all-reduce is on: the only K-split products (O,
+// down) run in 8 / T parts and the ranks' sums meet in the same tree as one GPU's 8 parts
+// (engine/cuda_gemv.cuh, backend_cuda.cu gemm_res); everything else is row-parallel.
+TEST(MpiGpuTp, Batch1ShortPromptIsBitIdentical) {
+  size_t free_b = 0, total_b = 0;
+  cudaMemGetInfo(&free_b, &total_b);
+  if (!all_agree(free_b > ((size_t)30 << 30))) GTEST_SKIP() << "needs ~30 GB free per GPU";
+  if (!all_agree(g_comm->ipc != nullptr) || 8 % g_comm->size)
+    GTEST_SKIP() << "needs the IPC all-reduce (not LF_CUSTOM_AR=0) and T in 2, 4, 8";
+  compare_backends("random:llama3-8b", LF_POLICY_LONGFLOW, 64, 96, 7, true);
+  compare_backends("random:llama3-8b", LF_POLICY_FULL, 256, 64, 5, true);
 }
 
 TEST(MpiGpuTp, EngineGreedyTokensMatchSingleGpu) {
