@@ -39,6 +39,14 @@ static inline int lf_pdl_enabled(void) {
   return v;
 }
 
+/* Nonzero while this host thread builds a pass that should not use PDL (the CUDA backend sets
+ * it per pass by batch size: on 2 x H200 PDL made TP=2 batch-64 steps 3-4% slower while it made
+ * batch 1 2-3% faster). Defined in attention/decode_attn.cu. */
+extern thread_local int lf_pdl_pass_off;
+
+/* PDL for the launch being made now. */
+static inline int lf_pdl_now(void) { return lf_pdl_enabled() && !lf_pdl_pass_off; }
+
 /* kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled. */
 template <typename... KArgs, typename... Args>
 static cudaError_t lf_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
@@ -52,7 +60,7 @@ static cudaError_t lf_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, si
   at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   at[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = at;
-  cfg.numAttrs = lf_pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = lf_pdl_now() ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
 }
 

@@ -604,6 +604,8 @@ extern "C" lf_status lf_cuda_decode_attn_workspace_init(void *workspace, size_t 
   return LF_OK;
 }
 
+thread_local int lf_pdl_pass_off = 0; /* attention/cuda_launch.cuh */
+
 template <int D, int MINB, bool CL>
 static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   const int S = (int)grid.x;
@@ -635,7 +637,7 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
     at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
-    cfg.numAttrs = lf_pdl_enabled() ? 2 : 1;
+    cfg.numAttrs = lf_pdl_now() ? 2 : 1;
     LF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_attn_kernel<D, MINB, CL>, p));
   } else {
     lf_launch(decode_attn_kernel<D, MINB, CL>, grid, dim3(DA_NT), smem, stream, p);

@@ -76,7 +76,7 @@ if has build; then
       make -s install'
   dep libcjson 'cjson_*.orig.tar.*' /tmp/cjson-install sh -c \
     'cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/tmp/cjson-install \
-      -DENABLE_CJSON_TEST=OFF -DENABLE_CUSTOM_COMPILER_FLAGS=OFF -DBUILD_SHARED_LIBS=OFF \
+      -DENABLE_CJSON_TEST=OFF -DENABLE_CUSTOM_COMPILER_FLAGS=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DBUILD_SHARED_LIBS=OFF \
       -DCMAKE_POSITION_INDEPENDENT_CODE=ON && cmake --build build -j32 && cmake --install build'
   say "configure + build ($B, sm_90)"
   t0=$(date +%s)
