@@ -24,6 +24,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -175,7 +176,8 @@ typedef struct cuda_backend {
   int prefill_gemv; /* ... and in prefill chunks of at most this many (LF_CUDA_PREFILL_GEMV) */
   int gemv_parts;   /* K parts of the residual GEMVs over all ranks (LF_GEMV_PARTS; 0: off) */
   int in_prefill;   /* set while prefill_chunk runs */
-  int pdl_max_rows; /* passes of more rows launch without PDL (LF_PDL_MAX_ROWS, default 16) */
+  int pdl_max_rows; /* passes of more rows launch without PDL (LF_PDL_MAX_ROWS; default 16
+                       under TP, no limit on one GPU) */
   int attn_splits; /* decode attention split count (0: automatic) */
   int l2_prefetch_rows; /* decode attention asks L2 for the O weights up to this batch
                            (LF_L2_PREFETCH_ROWS, default 0: never) */
@@ -1414,9 +1416,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
    * 5.23 ms, 4: 6.37 vs 5.19, 8: 9.92 vs 5.37), its per-token X reads growing with the batch. */
   /* Prompt chunks of up to 8 tokens on the GEMVs, and the residual GEMVs in 8 K parts: with
    * them batch-1 decoding of a short prompt gives the same bits at TP = 1, 2, 4 and 8 (gemm_res). */
-  /* PDL (attention/cuda_launch.cuh) for passes of up to 16 rows: on 2 x H200 it made batch-1
-   * steps 2-3% faster and TP=2 batch-64 steps 3-4% slower (one GPU at batch 64: within noise). */
-  c->pdl_max_rows = 16;
+  /* PDL (attention/cuda_launch.cuh): on 2 x H200 it made batch-1 steps 2-3% faster, one GPU's
+   * batch-64 steps 0.8-1% faster, but TP=2 batch-64 steps 3-4% slower (three calls,
+   * bench/RESULTS.md): under TP only for passes of up to 16 rows. */
+  c->pdl_max_rows = comm ? 16 : INT_MAX;
   e = getenv("LF_PDL_MAX_ROWS");
   if (e) c->pdl_max_rows = atoi(e);
   c->prefill_gemv = 8;

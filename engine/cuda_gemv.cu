@@ -180,14 +180,16 @@ extern "C" lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t l
   return LF_OK;
 }
 
-/* LF_GEMV (read once): ks2 or ks4 (split rows only where n_in >= 8192), or "none": one warp a
- * row everywhere. Default ks4: on an H200 four warps per row of the down projection (n_in 14336)
- * made the batch-1 8B step 1% faster (5.064 vs 5.106 ms; bench/RESULTS.md). */
+/* LF_GEMV (read once): ks2 or ks4 (split rows only where n_in >= 8192), or "none" (the
+ * default): one warp a row everywhere. ks4 made the plain GEMV of the down projection 1% faster
+ * (session 3: 5.064 vs 5.106 ms a batch-1 8B step), but the down projection now runs as the
+ * K-parts GEMV, where one warp a row was faster on an H200 (session 4: 4.766 vs 4.897 ms,
+ * llama3-8b; 4.950 vs 5.111, qwen3-8b; bench/RESULTS.md). */
 static int env_variant(int n_in) {
   static int v = -1;
   if (v < 0) {
     const char *e = getenv("LF_GEMV");
-    v = e ? 0 : LF_GEMV_KS4;
+    v = 0;
     if (e && strstr(e, "ks4")) v = LF_GEMV_KS4;
     else if (e && strstr(e, "ks2")) v = LF_GEMV_KS2;
   }
@@ -301,8 +303,8 @@ template <int P, int KS> static gemv_parts_fn pick_parts_nt(int nt) {
   }
 }
 
-/* (parts, warps per row): 4 warps a row where the row is long and the parts allow it (the
- * down projection: 1% faster with 4 warps on an H200, session 3). */
+/* (parts, warps per row): 4 warps a row where the row is long, the parts allow it and LF_GEMV
+ * asks for ks4 (one warp a row by default: see env_variant). */
 static gemv_parts_fn pick_parts(int parts, int n_in, int nt, int *ks) {
   const int want4 = n_in >= 8192 && env_variant(n_in) == LF_GEMV_KS4;
   switch (parts) {

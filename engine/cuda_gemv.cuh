@@ -41,8 +41,8 @@ lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n
                        void *Y, size_t ldy, lf_gemv_out mode, float beta,
                        struct CUstream_st *stream);
 
-/* Kernel variants (lf_cuda_gemv: ks4 where n_in >= 8192, else one warp a row, unless LF_GEMV
- * says "ks2" or "none"). Same results up to the order of the fp32 sums. */
+/* Kernel variants (lf_cuda_gemv: one warp a row, unless LF_GEMV says "ks2" or "ks4", which
+ * apply where n_in >= 8192). Same results up to the order of the fp32 sums. */
 #define LF_GEMV_KS2 2  /* F32 mode: two warps per output row, each half the row */
 #define LF_GEMV_KS4 4  /* F32 mode: four warps per output row */
 lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t ldx, int n_in, int n_out,
