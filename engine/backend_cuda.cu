@@ -302,6 +302,14 @@ static lf_status tuned_lookup(cuda_backend *c, int n_out, int n_in, int n_tok, i
 
 static int fused_ar(const cuda_backend *c, int rows);
 
+/* The integer in environment variable `name`, clamped to [lo, hi]; dflt when unset. */
+static int env_int(const char *name, int dflt, int lo, int hi) {
+  const char *e = getenv(name);
+  if (!e) return dflt;
+  const long v = strtol(e, NULL, 10);
+  return v < lo ? lo : v > hi ? hi : (int)v;
+}
+
 /* Largest n_tok on the GEMV: gemv_max in decode; in a prefill chunk at least prefill_gemv, so a
  * short prompt takes the same kernels (and bits) at every TP degree (see gemm_res). */
 static int gemv_lim(const cuda_backend *c) {
@@ -1419,18 +1427,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   /* PDL (attention/cuda_launch.cuh): on 2 x H200 it made batch-1 steps 2-3% faster, one GPU's
    * batch-64 steps 0.8-1% faster, but TP=2 batch-64 steps 3-4% slower (three calls,
    * bench/RESULTS.md): under TP only for passes of up to 16 rows. */
-  c->pdl_max_rows = comm ? 16 : INT_MAX;
-  e = getenv("LF_PDL_MAX_ROWS");
-  if (e) c->pdl_max_rows = atoi(e);
-  c->prefill_gemv = 8;
-  e = getenv("LF_CUDA_PREFILL_GEMV");
-  if (e) c->prefill_gemv = atoi(e) < 0 ? 0 : atoi(e) > LF_GEMV_MAX_TOK ? LF_GEMV_MAX_TOK : atoi(e);
-  c->gemv_parts = 8;
-  e = getenv("LF_GEMV_PARTS");
-  if (e) c->gemv_parts = atoi(e);
-  c->gemv_max = 1;
-  e = getenv("LF_CUDA_GEMV_MAX");
-  if (e) c->gemv_max = atoi(e) < 0 ? 0 : atoi(e) > LF_GEMV_MAX_TOK ? LF_GEMV_MAX_TOK : atoi(e);
+  c->pdl_max_rows = env_int("LF_PDL_MAX_ROWS", comm ? 16 : INT_MAX, INT_MIN, INT_MAX);
+  c->prefill_gemv = env_int("LF_CUDA_PREFILL_GEMV", 8, 0, LF_GEMV_MAX_TOK);
+  c->gemv_parts = env_int("LF_GEMV_PARTS", 8, 0, 8);
+  c->gemv_max = env_int("LF_CUDA_GEMV_MAX", 1, 0, LF_GEMV_MAX_TOK);
   c->tune_on = 1;
   e = getenv("LF_CUDA_GEMM_TUNE");
   if (e && !strcmp(e, "0")) c->tune_on = 0;

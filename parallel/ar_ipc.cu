@@ -66,6 +66,22 @@ __device__ __forceinline__ uint32_t *flag_at(char *region, uint32_t buf, int blo
   return reinterpret_cast<uint32_t *>(region) + (buf * kMaxBlocks + block) * LF_AR_MAX_RANKS + from;
 }
 
+/* One thread per peer r: raise this rank's flag `to` (in r's region) to `call`, then wait until
+ * r's flag `from` (in this rank's region) reads `call`; after the timeout it raises the
+ * host-mapped error flag and gives up, so the stream always drains. */
+__device__ __forceinline__ void handshake(const Params &p, uint32_t *to, const uint32_t *from,
+                                          uint32_t call) {
+  st_release_sys(to, call);
+  const unsigned long long t0 = global_ns();
+  unsigned spins = 0;
+  while (ld_acquire_sys(from) != call) {
+    if ((++spins & 255u) == 0 && global_ns() - t0 > p.timeout_ns) {
+      atomicExch_system(p.err, 1);
+      break;
+    }
+  }
+}
+
 template <bool BF16> __device__ __forceinline__ void add_vec(float *acc, const uint4 &u) {
   if (BF16) {
     const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
@@ -127,16 +143,8 @@ template <bool BF16> __global__ void __launch_bounds__(kThreads) ar_kernel(Param
   const size_t v1 = v0 + per < nvec ? v0 + per : nvec;
   if (threadIdx.x < (unsigned)p.size) {
     const int r = (int)threadIdx.x;
-    st_release_sys(flag_at(p.region[r], buf, blockIdx.x, p.rank), call);
-    const uint32_t *mine = flag_at(p.region[p.rank], buf, blockIdx.x, r);
-    const unsigned long long t0 = global_ns();
-    unsigned spins = 0;
-    while (ld_acquire_sys(mine) != call) {
-      if ((++spins & 255u) == 0 && global_ns() - t0 > p.timeout_ns) {
-        atomicExch_system(p.err, 1);
-        break;
-      }
-    }
+    handshake(p, flag_at(p.region[r], buf, blockIdx.x, p.rank),
+              flag_at(p.region[p.rank], buf, blockIdx.x, r), call);
   }
   __syncthreads();
   __threadfence_system(); /* every reading thread ordered after the flags it depends on */
@@ -249,20 +257,11 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
   const uint32_t call = s_call;
   if (threadIdx.x < (unsigned)p.size) {
     const int r = (int)threadIdx.x;
-    uint32_t *flags = reinterpret_cast<uint32_t *>(p.region[r] + kNormFlagOffset);
+    const size_t at = ((size_t)a.slot * kNormBlocks + blockIdx.x) * LF_AR_MAX_RANKS;
     __threadfence_system(); /* the partials (earlier kernels) before the flag, for every peer */
-    st_release_sys(flags + ((size_t)a.slot * kNormBlocks + blockIdx.x) * LF_AR_MAX_RANKS + p.rank,
-                   call);
-    const uint32_t *mine = reinterpret_cast<const uint32_t *>(p.region[p.rank] + kNormFlagOffset) +
-                           ((size_t)a.slot * kNormBlocks + blockIdx.x) * LF_AR_MAX_RANKS + r;
-    const unsigned long long t0 = global_ns();
-    unsigned spins = 0;
-    while (ld_acquire_sys(mine) != call) {
-      if ((++spins & 255u) == 0 && global_ns() - t0 > p.timeout_ns) {
-        atomicExch_system(p.err, 1);
-        break;
-      }
-    }
+    handshake(p, reinterpret_cast<uint32_t *>(p.region[r] + kNormFlagOffset) + at + p.rank,
+              reinterpret_cast<const uint32_t *>(p.region[p.rank] + kNormFlagOffset) + at + r,
+              call);
   }
   __syncthreads();
   pdl_trigger(); /* the next kernel may start loading its weights */
