@@ -45,6 +45,7 @@
 #include "forward.h"
 #include "parallel/ar_ipc.h"
 #include "parallel/comm.h"
+#include "parallel/tp.h"
 #include "parallel/shard.h"
 #include "random_weights.h"
 #include "scheduler/scheduler.h"
@@ -176,6 +177,7 @@ typedef struct cuda_backend {
   int prefill_gemv; /* ... and in prefill chunks of at most this many (LF_CUDA_PREFILL_GEMV) */
   int gemv_parts;   /* K parts of the residual GEMVs over all ranks (LF_GEMV_PARTS; 0: off) */
   int in_prefill;   /* set while prefill_chunk runs */
+  int tp_topk;      /* LF_TP_TOPK=1: sampled TP batches gather top-k pairs (tp_topk_kmax) */
   int pdl_max_rows; /* passes of more rows launch without PDL (LF_PDL_MAX_ROWS; default 16
                        under TP, no limit on one GPU) */
   int attn_splits; /* decode attention split count (0: automatic) */
@@ -892,6 +894,24 @@ static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok,
 
 /* ---- the backend interface ---------------------------------------------------------------- */
 
+/* Under TP, sampled batches: the largest top-k when every item is greedy (k 1) or samples with
+ * 1 <= top_k <= LF_TP_TOPK_MAX, so each rank sends its k best pairs instead of its whole slice
+ * (parallel/tp.h lf_tp_topk_logits does the same on CPU ranks); 0: gather the slices. Depends
+ * only on the items, the same on every rank. */
+static int tp_topk_kmax(const cuda_backend *c, const lf_batch_item *items,
+                        const lf_batch_result *res, int n, int logits_wanted) {
+  if (!c->tp_topk || logits_wanted) return 0;
+  const int V = c->cfg.vocab_size;
+  int kmax = 1;
+  for (int i = 0; i < n; i++) {
+    if (res[i].status != LF_OK || items[i].sampling.temperature <= 0.0f) continue;
+    const int k = items[i].sampling.top_k;
+    if (k < 1 || k > LF_TP_TOPK_MAX || k >= V) return 0;
+    if (k > kmax) kmax = k;
+  }
+  return 2 * kmax <= c->sh.max_vocab ? kmax : 0;
+}
+
 static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
                               lf_batch_result *res, float *logits_out) {
   cuda_backend *c = (cuda_backend *)b;
@@ -987,7 +1007,26 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
                               c->stream));
     LF_TRY(lf_cuda_tp_pick(c->pairs_all, c->comm->size, n, c->d_tok_out, c->stream));
   } else {
-    if (c->comm) {
+    for (int i = 0; i < n; i++) {
+      lf_sample_params *sp = &c->h_sp[i];
+      sp->temperature = items[i].sampling.temperature;
+      sp->top_k = items[i].sampling.top_k;
+      sp->top_p = items[i].sampling.top_p;
+      sp->u = items[i].u;
+    }
+    LF_CUDA_CHECK(cudaMemcpyAsync(c->d_sp, c->h_sp, (size_t)n * sizeof *c->h_sp,
+                                  cudaMemcpyHostToDevice, c->stream));
+    const int kmax = c->comm ? tp_topk_kmax(c, items, res, n, logits_out != NULL) : 0;
+    if (kmax > 0) {
+      /* every item greedy or top-k: each rank's k best (value, id) pairs, gathered, spread
+       * over -inf logits [n][vocab] (lsend and probs are free until sampling) */
+      LF_TRY(lf_cuda_topk_pairs(c->llocal, c->nv, n, c->sh.vocab0, c->d_sp, kmax,
+                                (int32_t *)c->lsend, c->stream));
+      LF_TRY(c->comm->allgather(c->comm, c->lsend, c->probs, (size_t)n * kmax * 2, LF_COMM_I32,
+                                c->stream));
+      LF_TRY(lf_cuda_scatter_pairs((const int32_t *)c->probs, c->comm->size, n, kmax,
+                                   m->vocab_size, c->logits, c->stream));
+    } else if (c->comm) {
       /* the full logits on every rank: the slices padded to max_vocab, gathered into probs
        * [T][n][max_vocab] (free until sampling), unpacked into logits [n][vocab] */
       const int T = c->comm->size, mv = c->sh.max_vocab, V = m->vocab_size;
@@ -1004,15 +1043,6 @@ static lf_status cuda_forward(lf_backend *b, const lf_batch_item *items, int n,
                                         c->stream));
       }
     }
-    for (int i = 0; i < n; i++) {
-      lf_sample_params *sp = &c->h_sp[i];
-      sp->temperature = items[i].sampling.temperature;
-      sp->top_k = items[i].sampling.top_k;
-      sp->top_p = items[i].sampling.top_p;
-      sp->u = items[i].u;
-    }
-    LF_CUDA_CHECK(cudaMemcpyAsync(c->d_sp, c->h_sp, (size_t)n * sizeof *c->h_sp,
-                                  cudaMemcpyHostToDevice, c->stream));
     LF_TRY(lf_cuda_sample(c->logits, m->vocab_size, n, c->d_sp, c->d_tok_out, c->probs,
                           c->stream));
     for (int i = 0; i < n; i++)
@@ -1429,6 +1459,8 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
    * bench/RESULTS.md): under TP only for passes of up to 16 rows. */
   c->pdl_max_rows = env_int("LF_PDL_MAX_ROWS", comm ? 16 : INT_MAX, INT_MIN, INT_MAX);
   c->prefill_gemv = env_int("LF_CUDA_PREFILL_GEMV", 8, 0, LF_GEMV_MAX_TOK);
+  /* off until run on the GPUs (written in session 4 without device time left) */
+  c->tp_topk = env_int("LF_TP_TOPK", 0, 0, 1);
   c->gemv_parts = env_int("LF_GEMV_PARTS", 8, 0, 8);
   c->gemv_max = env_int("LF_CUDA_GEMV_MAX", 1, 0, LF_GEMV_MAX_TOK);
   c->tune_on = 1;

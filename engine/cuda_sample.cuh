@@ -59,6 +59,20 @@ lf_status lf_cuda_argmax_pairs(const float *logits, int n_vocab, int n, int id0,
 lf_status lf_cuda_tp_pick(const int32_t *all, int n_ranks, int n, int32_t *tokens,
                           struct CUstream_st *stream);
 
+/* Tensor parallelism, sampled items with a top-k (parallel/tp.h lf_tp_topk_logits, on the
+ * device). lf_cuda_topk_pairs: for item i < n of this rank's slice [n][n_vocab] (global ids
+ * id0 ..), pairs [n][kmax][2] get the (bits, global id) of its k largest logits, ties by lower
+ * id, in no particular order, then (-inf, -1) up to kmax; k = 1 where params[i].temperature <= 0,
+ * else params[i].top_k, at most kmax (params: device [n]). lf_cuda_scatter_pairs: full [n][vocab]
+ * = -inf except every gathered candidate (all [n_ranks][n][kmax][2]) at its id. The global top-k
+ * is among the candidates and sampling reads nothing else, so full gives the token the whole
+ * logits give. */
+lf_status lf_cuda_topk_pairs(const float *logits, int n_vocab, int n, int id0,
+                             const lf_sample_params *params, int kmax, int32_t *pairs,
+                             struct CUstream_st *stream);
+lf_status lf_cuda_scatter_pairs(const int32_t *all, int n_ranks, int n, int kmax, int vocab,
+                                float *full, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

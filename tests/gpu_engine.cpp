@@ -462,6 +462,85 @@ TEST(GpuKernels, GemvVsHost) {
         }
 }
 
+/* Top-k candidates of a vocab slice (lf_cuda_topk_pairs) against a host sort by (value desc, id
+ * asc), with many equal values (logits on a 1/8 grid) so the tie rule is exercised, and the
+ * scatter of every rank's candidates into -inf logits (lf_cuda_scatter_pairs). */
+TEST(GpuKernels, TopkPairsVsHost) {
+  NEED_GPU();
+  const uint64_t seed = lf_test_seed();
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> q(-40, 40);
+  const int kmax = 1024;
+  for (int nv : {1, 5, 1000, 3000, 70000}) {
+    const int n = 4, id0 = 12345;
+    // item 0 greedy (k 1), then top-k 7, 40, 1024
+    std::vector<lf_sample_params> sp = {{0.0f, 50, 0.0f, 0.5f},
+                                        {0.9f, 7, 0.0f, 0.5f},
+                                        {0.7f, 40, 0.9f, 0.5f},
+                                        {1.2f, 1024, 0.0f, 0.5f}};
+    std::vector<float> l((size_t)n * nv);
+    for (auto &v : l) v = q(rng) / 8.0f;
+    float *dl = dev<float>(l.size());
+    int32_t *dp = dev<int32_t>((size_t)n * kmax * 2);
+    lf_sample_params *dsp = dev<lf_sample_params>(sp.size());
+    CK(cudaMemcpy(dl, l.data(), l.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dsp, sp.data(), sp.size() * sizeof sp[0], cudaMemcpyHostToDevice));
+    CK(cudaMemset(dp, 0x7f, (size_t)n * kmax * 8)); // poison
+    ASSERT_EQ(lf_cuda_topk_pairs(dl, nv, n, id0, dsp, kmax, dp, nullptr), LF_OK)
+        << lf_last_error();
+    std::vector<int32_t> got((size_t)n * kmax * 2);
+    CK(cudaMemcpy(got.data(), dp, got.size() * 4, cudaMemcpyDeviceToHost));
+    for (int it = 0; it < n; it++) {
+      const int k = std::min(it == 0 ? 1 : sp[it].top_k, nv);
+      std::vector<int> ord(nv);
+      for (int i = 0; i < nv; i++) ord[i] = i;
+      const float *row = l.data() + (size_t)it * nv;
+      std::stable_sort(ord.begin(), ord.end(), [&](int a, int b) { return row[a] > row[b]; });
+      std::vector<std::pair<int, float>> want, have;
+      for (int j = 0; j < k; j++) want.push_back({id0 + ord[j], row[ord[j]]});
+      const int32_t *o = got.data() + (size_t)it * kmax * 2;
+      for (int j = 0; j < kmax; j++) {
+        float v;
+        std::memcpy(&v, &o[2 * j], 4);
+        if (j < k) have.push_back({o[2 * j + 1], v});
+        else
+          ASSERT_TRUE(o[2 * j + 1] == -1 && std::isinf(v) && v < 0)
+              << "nv " << nv << " item " << it << " pad " << j;
+      }
+      std::sort(want.begin(), want.end());
+      std::sort(have.begin(), have.end());
+      ASSERT_EQ(have, want) << "nv " << nv << " item " << it << " k " << k << " seed " << seed;
+    }
+    // two "ranks": this slice's pairs twice, the second shifted by nv ids; scatter
+    const int V = 2 * nv + id0 + 7;
+    std::vector<int32_t> all(got);
+    all.insert(all.end(), got.begin(), got.end());
+    for (size_t j = got.size() / 2; j < all.size() / 2; j++)
+      if (all[2 * j + 1] >= 0) all[2 * j + 1] += nv;
+    int32_t *dall = dev<int32_t>(all.size());
+    float *dfull = dev<float>((size_t)n * V);
+    CK(cudaMemcpy(dall, all.data(), all.size() * 4, cudaMemcpyHostToDevice));
+    ASSERT_EQ(lf_cuda_scatter_pairs(dall, 2, n, kmax, V, dfull, nullptr), LF_OK) << lf_last_error();
+    std::vector<float> full((size_t)n * V);
+    CK(cudaMemcpy(full.data(), dfull, full.size() * 4, cudaMemcpyDeviceToHost));
+    for (int it = 0; it < n; it++) {
+      std::vector<float> want((size_t)V, -INFINITY);
+      for (int r = 0; r < 2; r++)
+        for (int j = 0; j < kmax; j++) {
+          const int32_t *p = all.data() + (((size_t)r * n + it) * kmax + j) * 2;
+          if (p[1] >= 0) std::memcpy(&want[(size_t)p[1]], &p[0], 4);
+        }
+      for (int v = 0; v < V; v++)
+        ASSERT_EQ(full[(size_t)it * V + v], want[(size_t)v]) << "item " << it << " id " << v;
+    }
+    CK(cudaFree(dl));
+    CK(cudaFree(dp));
+    CK(cudaFree(dsp));
+    CK(cudaFree(dall));
+    CK(cudaFree(dfull));
+  }
+}
+
 static uint32_t f32_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
