@@ -14,6 +14,8 @@
 #                                (default LF_PDL=1)
 #   AB_ENV="LF_ATTN_CLUSTER=0"   also ctest -L gpu, lfbench kernel (batches AB_BATCHES, default
 #                                1,8) and step with that setting, e.g. LF_ATTN_PREFETCH=1
+#   PROFILE_ATTN=1               also ncu --set full on the batch-1 decode attention kernel
+#                                (details page + per-source-line stalls; PROFILE_ATTN_BUDGET)
 #   PROFILE=1                    also ncu (clocks left alone) over one decode step of
 #                                random:llama3-8b at each batch of PROFILE_BATCHES (default
 #                                "1 64"): per-kernel time and DRAM throughput
@@ -163,6 +165,21 @@ for k, v in t.most_common(20):
 print(f"total {tot:.1f} us over {sum(n.values())} kernels")
 PY
   done
+fi
+if [ -n "${PROFILE_ATTN:-}" ]; then
+  # Where the batch-1 decode attention's ~20 us go (issue 3: its latency chain is the largest
+  # share of a batch-1 step above the weight floor): ncu's full set on 3 launches at batch 1,
+  # budget 1024, then the details page (warp states, memory chart) and, where this ncu has it,
+  # the per-source-line page (stall samples by line of decode_attn.cu).
+  say "ncu: decode attention, batch 1, budget ${PROFILE_ATTN_BUDGET:-1024}"
+  ncu --clock-control none -k regex:decode_attn_kernel -c 3 --set full --import-source yes \
+    -f -o "$OUT/attn_b1" build-gpu/lfbench kernel --batches 1 --budgets "${PROFILE_ATTN_BUDGET:-1024}" \
+    --iters 3 --warmup 1 >"$OUT/attn_b1_run.txt" 2>&1 || { rc=1; say "ncu (attention) FAILED"; }
+  ncu --import "$OUT/attn_b1.ncu-rep" --page details >"$OUT/attn_b1_details.txt" 2>&1 || true
+  ncu --import "$OUT/attn_b1.ncu-rep" --page source --csv --print-source cuda \
+    >"$OUT/attn_b1_source.csv" 2>&1 || true
+  grep -E "Duration|Registers|Achieved Occupancy|Warp Cycles Per Issued|Stall|DRAM Throughput" \
+    "$OUT/attn_b1_details.txt" | head -40 | tee -a "$LOG"
 fi
 say "exit $rc"
 exit $rc
