@@ -6,38 +6,24 @@
 #include <stdint.h>
 
 #include "attention/cuda_check.h"
-#include "attention/cuda_ptx.cuh"
 #include "attention/cuda_launch.cuh"
+#include "attention/cuda_ptx.cuh"
+#include "cuda_norm_dev.cuh"
 
-#define NORM_NT 256
-
-/* 1 / sqrt(mean + eps) from each thread's partial sum of squares: warp sums, then the block's
- * in warp order, so both kernels below round alike. Every thread gets it. */
-static __device__ __forceinline__ float rms_scale(float ss, float *red, int n, float eps) {
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    ss = threadIdx.x < NORM_NT / 32 ? red[threadIdx.x] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x == 0) red[0] = ss;
-  }
-  __syncthreads();
-  return 1.0f / sqrtf(red[0] / (float)n + eps);
-}
+#define NORM_NT LF_NORM_NT
 
 /* One block per row; the sum of squares in fp32 like the CPU reference (order differs). */
 static __global__ void rmsnorm_kernel(const float *x, size_t x_stride, const float *w, int n,
                                       float eps, __nv_bfloat16 *out, size_t out_stride,
                                       const int32_t *out_rows) {
-  __shared__ float red[NORM_NT / 32];
+  __shared__ float red[NORM_NT / 32 + 1];
   pdl_wait(); /* x comes from the previous kernel (attention/cuda_launch.cuh) */
   pdl_trigger();
   const int r = blockIdx.x;
   const float *xr = x + (size_t)r * x_stride;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < n; i += NORM_NT) ss += xr[i] * xr[i];
-  const float rs = rms_scale(ss, red, n, eps);
+  const float rs = lf_rms_scale(ss, red, n, eps);
   __nv_bfloat16 *o = out + (size_t)(out_rows ? out_rows[r] : r) * out_stride;
   for (int i = threadIdx.x; i < n; i += NORM_NT) o[i] = __float2bfloat16(w[i] * (xr[i] * rs));
 }
@@ -49,7 +35,7 @@ template <int VPT>
 static __global__ void rmsnorm_vec_kernel(const float *x, size_t x_stride, const float *w, int n,
                                           float eps, __nv_bfloat16 *out, size_t out_stride,
                                           const int32_t *out_rows) {
-  __shared__ float red[NORM_NT / 32];
+  __shared__ float red[NORM_NT / 32 + 1];
   const int n4 = n >> 2;
   float4 wv[VPT];
 #pragma unroll
@@ -69,22 +55,13 @@ static __global__ void rmsnorm_vec_kernel(const float *x, size_t x_stride, const
     xv[j] = i < n4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
-  for (int j = 0; j < VPT; j++)
-    ss += xv[j].x * xv[j].x + xv[j].y * xv[j].y + xv[j].z * xv[j].z + xv[j].w * xv[j].w;
-  const float rs = rms_scale(ss, red, n, eps);
+  for (int j = 0; j < VPT; j++) ss += lf_sq4(xv[j]);
+  const float rs = lf_rms_scale(ss, red, n, eps);
   __nv_bfloat16 *o = out + (size_t)(out_rows ? out_rows[r] : r) * out_stride;
 #pragma unroll
   for (int j = 0; j < VPT; j++) {
     const int i = threadIdx.x + j * NORM_NT;
-    if (i < n4) {
-      union {
-        __nv_bfloat162 h[2];
-        uint2 u;
-      } y;
-      y.h[0] = __floats2bfloat162_rn(wv[j].x * (xv[j].x * rs), wv[j].y * (xv[j].y * rs));
-      y.h[1] = __floats2bfloat162_rn(wv[j].z * (xv[j].z * rs), wv[j].w * (xv[j].w * rs));
-      *(uint2 *)(o + 4 * (size_t)i) = y.u;
-    }
+    if (i < n4) lf_store_normed4(o, i, wv[j], xv[j], rs);
   }
 }
 

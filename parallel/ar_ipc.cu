@@ -9,13 +9,14 @@
 
 #include "attention/cuda_launch.cuh"
 #include "attention/cuda_ptx.cuh"
+#include "engine/cuda_norm_dev.cuh"
 #include "engine/error.h"
 
 namespace {
 
 constexpr int kThreads = 512;
 constexpr int kMaxBlocks = 64;
-constexpr int kNormThreads = 256;  /* the fused residual + RMSNorm kernel */
+constexpr int kNormThreads = LF_NORM_NT; /* the fused residual + RMSNorm kernel */
 constexpr int kNormBlocks = 128;   /* its largest grid (rows beyond it: grid-stride) */
 constexpr int kNormMaxVpt = 8;     /* float4 per thread: rows up to 8192 wide */
 /* Region layout:
@@ -192,24 +193,6 @@ struct NormArgs {
   int rows, dim, slot, add_x;
 };
 
-/* 1 / sqrt(mean + eps) from each thread's partial sum of squares, in the order of
- * engine/cuda_norm.cu's kernels (warp sums, then the warps' in order), so the normed row equals
- * lf_cuda_rmsnorm's of the same x bit for bit. */
-__device__ __forceinline__ float norm_scale(float ss, float *red, int n, float eps) {
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    ss = threadIdx.x < kNormThreads / 32 ? red[threadIdx.x] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x == 0) red[kNormThreads / 32] = ss;
-  }
-  __syncthreads();
-  const float r = 1.0f / sqrtf(red[kNormThreads / 32] / (float)n + eps);
-  __syncthreads(); /* red is reused by the next row */
-  return r;
-}
-
 /* Vector i (16 bytes) of every rank's staging buffer `slot`, summed in the pairwise tree
  * ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)) (rank order for 2): the tree
  * lf_cuda_gemv_parts uses over its K parts, so rank r's partial over parts [r P/T, (r+1) P/T)
@@ -239,7 +222,7 @@ __device__ __forceinline__ float4 tree_sum(const Params &p, int slot, size_t i) 
 template <int VPT>
 __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArgs a) {
   __shared__ uint32_t s_call;
-  __shared__ float red[kNormThreads / 32 + 1];
+  __shared__ float red[kNormThreads / 32 + 1]; /* lf_rms_scale */
   uint32_t *ctr = reinterpret_cast<uint32_t *>(p.region[p.rank] + kNormCtrOffset) +
                   a.slot * kNormBlocks + blockIdx.x;
   const int n4 = a.dim >> 2;
@@ -284,24 +267,17 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
           v[j] = make_float4(o.x + v[j].x, o.y + v[j].y, o.z + v[j].z, o.w + v[j].w);
         }
         xr[i] = v[j];
-        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        ss += lf_sq4(v[j]);
       }
     }
     if (!a.w) continue;
-    const float rs = norm_scale(ss, red, a.dim, a.eps);
+    /* the norm of engine/cuda_norm.cu, by the same code: the same bits for the same row */
+    const float rs = lf_rms_scale(ss, red, a.dim, a.eps);
     __nv_bfloat16 *o = a.out + (size_t)(a.out_rows ? a.out_rows[row] : row) * a.ld_out;
 #pragma unroll
     for (int j = 0; j < VPT; j++) {
       const int i = threadIdx.x + j * kNormThreads;
-      if (i < n4) {
-        union {
-          __nv_bfloat162 h[2];
-          uint2 u;
-        } y;
-        y.h[0] = __floats2bfloat162_rn(wv[j].x * (v[j].x * rs), wv[j].y * (v[j].y * rs));
-        y.h[1] = __floats2bfloat162_rn(wv[j].z * (v[j].z * rs), wv[j].w * (v[j].w * rs));
-        *reinterpret_cast<uint2 *>(o + 4 * (size_t)i) = y.u;
-      }
+      if (i < n4) lf_store_normed4(o, i, wv[j], v[j], rs);
     }
   }
   if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t *>(ctr) = call;
