@@ -536,11 +536,12 @@ static lf_status load_weights(cuda_backend *c) {
  *     are added), ~1e-6 relative; bf16 would round the residual stream at every layer and move
  *     greedy tokens. The bytes hardly matter: batch 1 of an 8B model is 16 KB per call, latency
  *     bound either way.
- *     With the IPC path (comm->ipc, LF_CUSTOM_AR=1) the residual adds take the fused route
- *     instead (fused_ar below): every rank writes its partial into a staging buffer, and one
- *     kernel sums the ranks' partials in rank order, adds x_old and computes the next RMSNorm,
- *     so a layer makes 2 launches where NCCL needs 2 all-reduces and 2 norms. The order of the
- *     fp32 sums is x_old + (p_0 + ... + p_T-1), again the same bits on every rank.
+ *     With the IPC path (comm->ipc: on unless LF_CUSTOM_AR=0) the residual adds take the fused
+ *     route instead (fused_ar below): every rank writes its partial into a staging buffer, and
+ *     one kernel sums the ranks' partials in a fixed pairwise tree, adds x_old and computes the
+ *     next RMSNorm, so a layer makes 2 launches where NCCL needs 2 all-reduces and 2 norms. The
+ *     sum is x_old + tree(p_0 .. p_T-1), the same bits on every rank, and on the GEMV path the
+ *     same bits as one GPU's (gemm_res).
  *   - replicated KV heads (T > Hkv): attention runs for the whole group (exact eviction, see
  *     shard.h); only the own heads' columns of att are packed (into qb, free by then) for O;
  *   - LM head on the vocab slice; greedy batches: each rank's (max, id) per item, one all-gather
