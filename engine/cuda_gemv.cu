@@ -22,6 +22,16 @@ static __device__ __forceinline__ void unpack8(const uint4 v, float f[8]) {
   }
 }
 
+/* Every acc[i][j] summed over the warp (butterfly: every lane gets the sum, in one fixed order). */
+template <int A, int B> static __device__ __forceinline__ void warp_sum_all(float (&acc)[A][B]) {
+#pragma unroll
+  for (int i = 0; i < A; i++)
+#pragma unroll
+    for (int j = 0; j < B; j++)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], o);
+}
+
 /* KS warps per output row o (MODE GLU: rows o and n_out + o), 8 / KS rows per block. Part p of
  * a row reads the groups of 32 * U chunks p, p + KS, ... (a chunk is 16 bytes; lane l takes
  * chunk l + 32 u of a group), all U loads of a group in flight before any is used; the KS
@@ -86,12 +96,7 @@ static __global__ void __launch_bounds__(GV_WARPS * 32)
     }
   }
   pdl_trigger();
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
+  warp_sum_all(acc);
   if (KS > 1) {
     __shared__ float red[GV_WARPS][R][NT];
     if (lane == 0)
@@ -135,17 +140,22 @@ extern "C" int lf_cuda_gemv_ok(const void *W, const void *X, int n_in, size_t ld
 typedef void (*gemv_fn)(const __nv_bfloat16 *, const __nv_bfloat16 *, size_t, int, int, void *,
                         size_t, float);
 
-template <int MODE, int KS> static gemv_fn pick_nt(int nt) {
-  switch (nt) {
-  case 1: return gemv_kernel<1, MODE, KS>;
-  case 2: return gemv_kernel<2, MODE, KS>;
-  case 3: return gemv_kernel<3, MODE, KS>;
-  case 4: return gemv_kernel<4, MODE, KS>;
-  case 5: return gemv_kernel<5, MODE, KS>;
-  case 6: return gemv_kernel<6, MODE, KS>;
-  case 7: return gemv_kernel<7, MODE, KS>;
-  default: return gemv_kernel<8, MODE, KS>;
+/* The instance of kernel template K for nt tokens (1..LF_GEMV_MAX_TOK), the other template
+ * arguments given: `return` from the calling function. */
+#define GV_RETURN_BY_NT(nt, K, ...)                                                               \
+  switch (nt) {                                                                                    \
+  case 1: return K<1, __VA_ARGS__>;                                                                \
+  case 2: return K<2, __VA_ARGS__>;                                                                \
+  case 3: return K<3, __VA_ARGS__>;                                                                \
+  case 4: return K<4, __VA_ARGS__>;                                                                \
+  case 5: return K<5, __VA_ARGS__>;                                                                \
+  case 6: return K<6, __VA_ARGS__>;                                                                \
+  case 7: return K<7, __VA_ARGS__>;                                                                \
+  default: return K<8, __VA_ARGS__>;                                                               \
   }
+
+template <int MODE, int KS> static gemv_fn pick_nt(int nt) {
+  GV_RETURN_BY_NT(nt, gemv_kernel, MODE, KS)
 }
 
 /* The kernel of (mode, split): 8 chunks of 16 bytes in flight per lane (16 measured slower on an
@@ -259,12 +269,7 @@ static __global__ void __launch_bounds__(GV_WARPS * 32)
       }
   }
   pdl_trigger();
-#pragma unroll
-  for (int q = 0; q < PW; q++)
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[q][t] += __shfl_xor_sync(0xffffffffu, acc[q][t], o);
+  warp_sum_all(acc);
   __shared__ float red[GV_WARPS / KS][P][NT];
   if (lane == 0)
 #pragma unroll
@@ -291,16 +296,7 @@ typedef void (*gemv_parts_fn)(const __nv_bfloat16 *, const __nv_bfloat16 *, size
                               float *, size_t, float);
 
 template <int P, int KS> static gemv_parts_fn pick_parts_nt(int nt) {
-  switch (nt) {
-  case 1: return gemv_parts_kernel<1, P, KS>;
-  case 2: return gemv_parts_kernel<2, P, KS>;
-  case 3: return gemv_parts_kernel<3, P, KS>;
-  case 4: return gemv_parts_kernel<4, P, KS>;
-  case 5: return gemv_parts_kernel<5, P, KS>;
-  case 6: return gemv_parts_kernel<6, P, KS>;
-  case 7: return gemv_parts_kernel<7, P, KS>;
-  default: return gemv_parts_kernel<8, P, KS>;
-  }
+  GV_RETURN_BY_NT(nt, gemv_parts_kernel, P, KS)
 }
 
 /* (parts, warps per row): 4 warps a row where the row is long, the parts allow it and LF_GEMV
