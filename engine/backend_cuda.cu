@@ -183,8 +183,9 @@ typedef struct cuda_backend {
   int attn_splits; /* decode attention split count (0: automatic) */
   int l2_prefetch_rows; /* decode attention asks L2 for the O weights up to this batch
                            (LF_L2_PREFETCH_ROWS, default 0: never) */
-  int skip_attn;   /* benchmark knob (LF_CUDA_SKIP_ATTN=1): decode attention is not run; the
-                      results are wrong, only the time of the rest is meaningful */
+  unsigned skip;   /* benchmark knob (LF_CUDA_SKIP=attn,rope,...: SKIP_* bits): those kernels of
+                      a decode pass are not run; the results are wrong, only the time of the
+                      rest is meaningful (what a kernel costs inside the replayed step) */
   int device;      /* the CUDA device at create: set again on every entry (server threads) */
 
   /* Tensor parallelism (DESIGN §4, parallel/shard.h); comm NULL on a single rank. See the
@@ -583,6 +584,40 @@ static lf_status stream_wait(cuda_backend *c) {
  * (embedding 2, O 0, down 1), so two calls in a row never share one. */
 enum { AR_SLOT_O = 0, AR_SLOT_DOWN = 1, AR_SLOT_EMBED = 2 };
 
+/* LF_CUDA_SKIP (benchmark only): the kernels a decode pass leaves out. */
+enum {
+  SKIP_ATTN = 1u << 0,  /* decode attention */
+  SKIP_ROPE = 1u << 1,  /* QKV bias / norm / RoPE and the slot write */
+  SKIP_RES = 1u << 2,   /* the residual all-reduce + RMSNorm after O and down (none under TP) */
+  SKIP_QKV = 1u << 3,   /* the GEMMs: QKV, O, gate|up, down */
+  SKIP_O = 1u << 4,
+  SKIP_GU = 1u << 5,
+  SKIP_DOWN = 1u << 6,
+};
+
+static lf_status parse_skip(const char *list, unsigned *out) {
+  static const struct {
+    const char *name;
+    unsigned bit;
+  } names[] = {{"attn", SKIP_ATTN}, {"rope", SKIP_ROPE}, {"res", SKIP_RES}, {"qkv", SKIP_QKV},
+               {"o", SKIP_O},       {"gu", SKIP_GU},     {"down", SKIP_DOWN}};
+  *out = 0;
+  const char *p = list;
+  while (*p) {
+    const size_t n = strcspn(p, ",");
+    unsigned bit = 0;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+      if (n == strlen(names[i].name) && !strncmp(p, names[i].name, n)) bit = names[i].bit;
+    if (n && !bit)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "LF_CUDA_SKIP=%s: '%.*s' is not one of attn, rope, res, qkv, o, gu, down",
+                      list, (int)n, p);
+    *out |= bit;
+    p += n + (p[n] == ',');
+  }
+  return LF_OK;
+}
+
 static int fused_ar(const cuda_backend *c, int rows) {
   return c->comm && c->comm->ipc && lf_ar_ipc_norm_fits(c->comm->ipc, rows, c->cfg.dim);
 }
@@ -643,9 +678,11 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows, cons
   }
   float beta;
   float *dst = res_out(c, rows, AR_SLOT_O, &beta);
-  LF_TRY(gemm_res(c, L->wo, att, dst, m->dim, c->qd_own, rows, beta));
-  LF_TRY(res_norm(c, rows, AR_SLOT_O, L->rms_ffn, c->xb, NULL));
-  if (rows <= gemv_lim(c) && lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
+  if (!(c->skip & SKIP_O)) LF_TRY(gemm_res(c, L->wo, att, dst, m->dim, c->qd_own, rows, beta));
+  if (!(c->skip & SKIP_RES)) LF_TRY(res_norm(c, rows, AR_SLOT_O, L->rms_ffn, c->xb, NULL));
+  if (c->skip & SKIP_GU) {
+    /* benchmark knob only: hb keeps whatever it held */
+  } else if (rows <= gemv_lim(c) && lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
     /* SiLU(gate) * up in the GEMV's epilogue: no fp32 gate|up round trip */
     LF_TRY(lf_cuda_gemv(L->wgu, c->xb, (size_t)m->dim, m->dim, m->hidden_dim, rows, c->hb,
                         (size_t)m->hidden_dim, LF_GEMV_GLU, 0.0f, c->stream));
@@ -654,7 +691,10 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows, cons
     LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
   }
   dst = res_out(c, rows, AR_SLOT_DOWN, &beta);
-  LF_TRY(gemm_res(c, L->wdown, c->hb, dst, m->dim, m->hidden_dim, rows, beta));
+  if (!(c->skip & SKIP_DOWN))
+    LF_TRY(gemm_res(c, L->wdown, c->hb, dst, m->dim, m->hidden_dim, rows, beta));
+  /* the last layer's norm feeds the LM head: kept */
+  if ((c->skip & SKIP_RES) && out != (void *)c->xf) return LF_OK;
   return res_norm(c, rows, AR_SLOT_DOWN, next_w, out, out_rows);
 }
 
@@ -686,7 +726,8 @@ static lf_status decode_pass(cuda_backend *c, int rows) {
   for (int l = 0; l < m->n_layers; l++) {
     const cuda_layer *L = &c->layers[l];
     /* xb = RMSNorm(x) * rms_att: done by the step before (embedding or the last layer_tail) */
-    LF_TRY(gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, rows, 0.0f));
+    if (!(c->skip & SKIP_QKV))
+      LF_TRY(gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, rows, 0.0f));
     lf_qkv_rope_args a = rope_args(c, L, rows);
     a.pos = c->d_step.pos;
     a.pk = c->pv.k;
@@ -702,8 +743,8 @@ static lf_status decode_pass(cuda_backend *c, int rows) {
     a.sink = c->p.sink;
     a.policy = c->p.policy;
     a.w = c->w;
-    LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
-    if (c->skip_attn) {
+    if (!(c->skip & SKIP_ROPE)) LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
+    if (c->skip & SKIP_ATTN) {
       /* benchmark knob only: att keeps whatever it held */
     } else if (c->use_fused) {
       lf_decode_attn_args d;
@@ -1469,8 +1510,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   if (e && !strcmp(e, "0")) c->tune_on = 0;
   e = getenv("LF_CUDA_ATTN_SPLITS");
   if (e && atoi(e) > 0) c->attn_splits = atoi(e);
-  e = getenv("LF_CUDA_SKIP_ATTN");
-  c->skip_attn = e && !strcmp(e, "1");
+  e = getenv("LF_CUDA_SKIP");
+  if (e) LF_TRY(parse_skip(e, &c->skip));
+  e = getenv("LF_CUDA_SKIP_ATTN"); /* the older spelling of LF_CUDA_SKIP=attn */
+  if (e && !strcmp(e, "1")) c->skip |= SKIP_ATTN;
   /* Prefill chunk: LF_CUDA_PREFILL_CHUNK tokens, default min(max_seq_len, 2048). */
   c->max_chunk = m->max_seq_len < 2048 ? m->max_seq_len : 2048;
   e = getenv("LF_CUDA_PREFILL_CHUNK");

@@ -40,6 +40,20 @@ lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out) {
     if (errno || !end || *end || end == colon + 1)
       return lf_error(LF_ERR_INVALID_ARG, "random:%s: the seed after ':' must be a number", spec);
   }
+  /* "NAME/T": one rank's shard of NAME at tensor-parallel degree T, as a whole model (heads, KV
+   * heads, MLP width and vocabulary divided by T), to time a rank's kernels on one GPU. */
+  int shard = 1;
+  char *slash = strchr(name, '/');
+  if (slash) {
+    char *end = NULL;
+    errno = 0;
+    const long t = strtol(slash + 1, &end, 10);
+    if (errno || !end || *end || end == slash + 1 || t < 1 || t > 64)
+      return lf_error(LF_ERR_INVALID_ARG, "random:%s: the shard degree after '/' must be 1..64",
+                      spec);
+    shard = (int)t;
+    *slash = '\0';
+  }
   lf_model_config *c = &out->cfg;
   c->norm_eps = 1e-5f;
   c->rope_style = LF_ROPE_HALF;
@@ -101,6 +115,18 @@ lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out) {
                     "random:%s: unknown model (llama3-8b, qwen3-8b, llama3-70b, tiny-llama, "
                     "tiny-qwen3)",
                     name);
+  }
+  if (shard > 1) {
+    if (c->n_kv_heads % shard || c->hidden_dim % shard || c->vocab_size % shard)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "random:%s: %d KV heads, MLP width %d and vocabulary %d must all divide by %d",
+                      spec, c->n_kv_heads, c->hidden_dim, c->vocab_size, shard);
+    c->n_heads /= shard;
+    c->n_kv_heads /= shard;
+    c->hidden_dim /= shard;
+    c->vocab_size /= shard;
+    c->n_eos = 0; /* the EOS ids may be outside the smaller vocabulary */
+    c->bos_id = -1;
   }
   out->random_weights = 1;
   out->random_seed = seed;

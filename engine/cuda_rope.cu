@@ -14,8 +14,6 @@
 /* One warp per (head, token): grid [n_heads + n_kv_heads, n_tok]. Block x < n_heads is a query
  * head; the others are KV head g = x - n_heads and do both k and v. */
 static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
-  pdl_wait(); /* qkv comes from the previous kernel (attention/cuda_launch.cuh) */
-  pdl_trigger();
   __shared__ float buf[ROPE_DMAX];
   const int t = blockIdx.y, lane = threadIdx.x, D = a.head_dim, half = D / 2;
   const int is_q = (int)blockIdx.x < a.n_heads;
@@ -23,7 +21,24 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
   const int qd = a.n_heads * D, kd = a.n_kv_heads * D;
   const int off = is_q ? (int)blockIdx.x * D : qd + g * D; /* column of this head in qkv */
   const float *src = a.qkv + (size_t)t * a.qkv_stride;
+  /* Before the wait, what no recent kernel writes: the positions and pool ids (uploaded before
+   * the pass), the pool's fill and eviction candidate (written by the previous step's kernels of
+   * this layer: when a PDL kernel starts, every kernel but the one just before it has completed,
+   * cuda_launch.cuh) and the rotation angles. Then wait for qkv. */
   const int32_t pos = a.pos ? a.pos[t] : a.pos0 + t;
+  float rs[ROPE_DMAX / 64], rc[ROPE_DMAX / 64];
+#pragma unroll
+  for (int j = 0; j < ROPE_DMAX / 64; j++)
+    if (lane + 32 * j < half) sincosf((float)pos * a.inv_freq[lane + 32 * j], &rs[j], &rc[j]);
+  size_t hidx = 0;
+  int n = 0, w = -1;
+  if (!is_q && a.pk) {
+    hidx = ((size_t)a.pool_ids[t] * a.n_layers + a.layer) * a.n_kv_heads + g;
+    n = a.pn[hidx];
+    w = lf_kv_slot_for_write(n, a.pnext[hidx], a.budget, a.sink, a.policy);
+  }
+  pdl_wait(); /* qkv comes from the previous kernel (attention/cuda_launch.cuh) */
+  pdl_trigger();
 
   for (int d = lane; d < D; d += 32) buf[d] = src[off + d] + (a.bias ? a.bias[off + d] : 0.0f);
   __syncwarp();
@@ -38,9 +53,11 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
     __syncwarp();
   }
   /* rotate pairs; each lane owns whole pairs so no other lane reads what it writes */
-  for (int i = lane; i < half; i += 32) {
-    float s, c;
-    sincosf((float)pos * a.inv_freq[i], &s, &c);
+#pragma unroll
+  for (int j = 0; j < ROPE_DMAX / 64; j++) {
+    const int i = lane + 32 * j;
+    if (i >= half) break;
+    const float s = rs[j], c = rc[j];
     const int i0 = a.interleaved ? 2 * i : i, i1 = a.interleaved ? 2 * i + 1 : i + half;
     const float x0 = buf[i0], x1 = buf[i1];
     buf[i0] = x0 * c - x1 * s;
@@ -65,9 +82,6 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
   }
   if (!a.pk) return;
   const int B = a.budget;
-  const size_t hidx = ((size_t)a.pool_ids[t] * a.n_layers + a.layer) * a.n_kv_heads + g;
-  const int n = a.pn[hidx];
-  const int w = lf_kv_slot_for_write(n, a.pnext[hidx], B, a.sink, a.policy);
   if (w >= 0) {
     __nv_bfloat16 *kd_ = (__nv_bfloat16 *)a.pk + (hidx * B + w) * D;
     __nv_bfloat16 *vd_ = (__nv_bfloat16 *)a.pv + (hidx * B + w) * D;

@@ -1635,6 +1635,37 @@ TEST(Checkpoint, ValidateNamesTheFile) {
   EXPECT_TRUE(Fails(lf_config_validate(&bad, "cfg.json"), LF_ERR_FORMAT, {"model_type"}));
 }
 
+// "random:NAME/T" is one rank's shard of NAME as a whole model: against the unsharded preset,
+// exactly the head counts, MLP width and vocabulary divide by T.
+TEST(Checkpoint, RandomShardSpec) {
+  for (const char *name : {"llama3-8b", "qwen3-8b", "llama3-70b", "tiny-llama", "tiny-qwen3"}) {
+    lf_checkpoint whole, part;
+    ASSERT_EQ(lf_checkpoint_open((std::string("random:") + name + ":5").c_str(), &whole), LF_OK)
+        << lf_last_error();
+    for (int t : {1, 2}) {
+      const std::string spec = std::string("random:") + name + "/" + std::to_string(t) + ":5";
+      ASSERT_EQ(lf_checkpoint_open(spec.c_str(), &part), LF_OK) << spec << ": " << lf_last_error();
+      const lf_model_config &w = whole.cfg, &p = part.cfg;
+      EXPECT_EQ(p.n_heads * t, w.n_heads) << spec;
+      EXPECT_EQ(p.n_kv_heads * t, w.n_kv_heads) << spec;
+      EXPECT_EQ(p.hidden_dim * t, w.hidden_dim) << spec;
+      EXPECT_EQ(p.vocab_size * t, w.vocab_size) << spec;
+      EXPECT_EQ(p.dim, w.dim) << spec;
+      EXPECT_EQ(p.head_dim, w.head_dim) << spec;
+      EXPECT_EQ(p.n_layers, w.n_layers) << spec;
+      EXPECT_EQ(part.random_seed, 5u) << spec;
+      lf_checkpoint_close(&part);
+    }
+    lf_checkpoint_close(&whole);
+  }
+  lf_checkpoint ck;
+  EXPECT_TRUE(Fails(lf_checkpoint_open("random:llama3-8b/3", &ck), LF_ERR_INVALID_ARG,
+                    {"llama3-8b/3", "divide by 3"}));
+  for (const char *bad : {"random:llama3-8b/", "random:llama3-8b/x", "random:llama3-8b/0",
+                          "random:llama3-8b/2x:1"})
+    EXPECT_TRUE(Fails(lf_checkpoint_open(bad, &ck), LF_ERR_INVALID_ARG, {"shard degree"})) << bad;
+}
+
 // ---- the real stories260K -------------------------------------------------------------------
 
 TEST(Llama2c, Stories260K) {
