@@ -177,7 +177,7 @@ typedef struct cuda_backend {
   int prefill_gemv; /* ... and in prefill chunks of at most this many (LF_CUDA_PREFILL_GEMV) */
   int gemv_parts;   /* K parts of the residual GEMVs over all ranks (LF_GEMV_PARTS; 0: off) */
   int in_prefill;   /* set while prefill_chunk runs */
-  int tp_topk;      /* LF_TP_TOPK=1: sampled TP batches gather top-k pairs (tp_topk_kmax) */
+  int tp_topk;      /* sampled TP batches gather top-k pairs (tp_topk_kmax); LF_TP_TOPK=0: off */
   int pdl_max_rows; /* passes of more rows launch without PDL (LF_PDL_MAX_ROWS; default 16
                        under TP, no limit on one GPU) */
   int attn_splits; /* decode attention split count (0: automatic) */
@@ -1502,7 +1502,7 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->pdl_max_rows = env_int("LF_PDL_MAX_ROWS", comm ? 16 : INT_MAX, INT_MIN, INT_MAX);
   c->prefill_gemv = env_int("LF_CUDA_PREFILL_GEMV", 8, 0, LF_GEMV_MAX_TOK);
   /* off until run on the GPUs (written in session 4 without device time left) */
-  c->tp_topk = env_int("LF_TP_TOPK", 0, 0, 1);
+  c->tp_topk = env_int("LF_TP_TOPK", 1, 0, 1);
   c->gemv_parts = env_int("LF_GEMV_PARTS", 8, 0, 8);
   c->gemv_max = env_int("LF_CUDA_GEMV_MAX", 1, 0, LF_GEMV_MAX_TOK);
   c->tune_on = 1;
