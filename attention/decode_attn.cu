@@ -74,6 +74,7 @@ typedef struct attn_params {
   float scale;
   int chunk_max; /* slots of the largest split, sizes the shared logits */
   int prefetch;  /* LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles a step ahead */
+  int early_trigger; /* LF_ATTN_EARLY_TRIGGER: let the next kernel launch after pass 2 */
   const void *l2_next; /* lf_decode_attn_args.l2_next */
   size_t l2_next_bytes;
   unsigned *cnt;
@@ -373,6 +374,10 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       }
     }
   }
+  /* K and V are read: what is left (the split combine, the scores) needs no DRAM bandwidth, so
+   * the next kernel (the O GEMV) may launch now and start its weights towards L2; it waits for
+   * this grid's completion before reading the output (cuda_launch.cuh). */
+  if (p.early_trigger) pdl_trigger();
   psum += __shfl_xor_sync(0xffffffffu, psum, 1);
   psum += __shfl_xor_sync(0xffffffffu, psum, 2);
   if (t == 0) red_l[warp][g] = psum;
@@ -646,6 +651,16 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   return LF_OK;
 }
 
+/* LF_ATTN_EARLY_TRIGGER=0/1 (read once): the programmatic-launch trigger after pass 2. */
+static int early_trigger_enabled(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *e = getenv("LF_ATTN_EARLY_TRIGGER");
+    v = !(e && !strcmp(e, "0"));
+  }
+  return v;
+}
+
 /* LF_ATTN_PREFETCH=1 (read once): the L2 prefetch of each warp's next tiles. Off by default:
  * not measured yet. */
 static int prefetch_enabled(void) {
@@ -726,6 +741,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.scale = a->scale;
   p.chunk_max = ((a->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
   p.prefetch = prefetch_enabled();
+  p.early_trigger = early_trigger_enabled();
   p.l2_next = ((uintptr_t)a->l2_next & 15) ? NULL : a->l2_next;
   p.l2_next_bytes = p.l2_next ? a->l2_next_bytes : 0;
   char *ws = (char *)a->workspace;
