@@ -37,8 +37,6 @@ struct Params {
   uint32_t *ctr;                 /* own: [0] calls made, [1] blocks done in this call */
   int *err;                      /* host-mapped */
   size_t cap;
-  size_t ll_cap;     /* partial bytes per call the push (LL) path takes; 0: off */
-  size_t ll_offset;  /* where the LL lines start in a region */
   unsigned long long timeout_ns;
   int rank, size;
 };
@@ -285,138 +283,6 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
   if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t *>(ctr) = call;
 }
 
-/* ---- fused, push (LL) variant ------------------------------------------------------------------
- * The same result with no flag handshake and no reads over NVLink: block b of every rank reads
- * its own partials (local), writes them into every peer's region as LL lines, 16 bytes holding
- * two values each followed by the call number (as NCCL's LL protocol does: a line is usable once
- * both of its call numbers read back as this call's), then polls the lines the peers wrote into
- * its own region (local reads) and sums in the tree order of tree_sum. The data carry their own
- * readiness, so a call costs one NVLink write latency instead of a flag round trip plus a
- * remote read. Lines are [slot][source rank][row][dim / 2]; a line's call number only grows
- * (the (slot, block) counter of the pull path, one block a row as there), so a stale line never
- * passes, and the slot rule above keeps a peer from overwriting lines still being read. */
-__device__ __forceinline__ uint4 *ll_lines(const Params &p, int region, int slot, int src) {
-  return reinterpret_cast<uint4 *>(p.region[region] + p.ll_offset +
-                                   ((size_t)slot * p.size + src) * 2 * p.ll_cap);
-}
-__device__ __forceinline__ void st_volatile(uint4 *q, const uint4 &v) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(q), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
-}
-/* Lines i and i + 1 of src's LL area in this rank's region, once both carry `call` (or the
- * timeout passed: then the error flag is raised and the values are whatever is there). */
-__device__ __forceinline__ float4 ll_wait(const Params &p, const uint4 *lines, size_t i,
-                                          uint32_t call) {
-  uint4 a = ld_volatile(lines + i), b = ld_volatile(lines + i + 1);
-  if (a.y != call || a.w != call || b.y != call || b.w != call) {
-    const unsigned long long t0 = global_ns();
-    unsigned spins = 0;
-    while (a.y != call || a.w != call || b.y != call || b.w != call) {
-      if ((++spins & 255u) == 0 && (global_ns() - t0 > p.timeout_ns || *(volatile int *)p.err)) {
-        atomicExch_system(p.err, 1);
-        break;
-      }
-      a = ld_volatile(lines + i);
-      b = ld_volatile(lines + i + 1);
-    }
-  }
-  return make_float4(__uint_as_float(a.x), __uint_as_float(a.z), __uint_as_float(b.x),
-                     __uint_as_float(b.z));
-}
-
-template <int VPT>
-__global__ void __launch_bounds__(kNormThreads) ar_norm_ll_kernel(Params p, NormArgs a) {
-  __shared__ uint32_t s_call;
-  __shared__ float red[kNormThreads / 32 + 1]; /* lf_rms_scale */
-  uint32_t *ctr = reinterpret_cast<uint32_t *>(p.region[p.rank] + kNormCtrOffset) +
-                  a.slot * kNormBlocks + blockIdx.x;
-  const int n4 = a.dim >> 2;
-  float4 wv[VPT];
-#pragma unroll
-  for (int j = 0; j < VPT; j++) {
-    const int i = threadIdx.x + j * kNormThreads;
-    wv[j] = a.w && i < n4 ? reinterpret_cast<const float4 *>(a.w)[i] : make_float4(0, 0, 0, 0);
-  }
-  pdl_wait(); /* this rank's partials come from the kernel before */
-  if (threadIdx.x == 0) s_call = *reinterpret_cast<volatile uint32_t *>(ctr) + 1;
-  __syncthreads();
-  const uint32_t call = s_call;
-  pdl_trigger();
-  const float4 *own = reinterpret_cast<const float4 *>(p.region[p.rank] + kDataOffset +
-                                                       (2 + (size_t)a.slot) * p.cap);
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const size_t off4 = (size_t)row * n4; /* float4 index of the row */
-    float4 mine[VPT];
-#pragma unroll
-    for (int j = 0; j < VPT; j++) {
-      const int i = threadIdx.x + j * kNormThreads;
-      mine[j] = i < n4 ? own[off4 + i] : make_float4(0, 0, 0, 0);
-    }
-    /* push: two lines per float4 into every peer */
-    for (int r = 0; r < p.size; r++) {
-      if (r == p.rank) continue;
-      uint4 *dst = ll_lines(p, r, a.slot, p.rank);
-#pragma unroll
-      for (int j = 0; j < VPT; j++) {
-        const int i = threadIdx.x + j * kNormThreads;
-        if (i < n4) {
-          const float4 m = mine[j];
-          st_volatile(dst + 2 * (off4 + i), make_uint4(__float_as_uint(m.x), call,
-                                                       __float_as_uint(m.y), call));
-          st_volatile(dst + 2 * (off4 + i) + 1, make_uint4(__float_as_uint(m.z), call,
-                                                           __float_as_uint(m.w), call));
-        }
-      }
-    }
-    float4 v[VPT];
-#pragma unroll
-    for (int j = 0; j < VPT; j++) {
-      const int i = threadIdx.x + j * kNormThreads;
-      if (i >= n4) {
-        v[j] = make_float4(0, 0, 0, 0);
-        continue;
-      }
-      float4 rv[LF_AR_MAX_RANKS];
-#pragma unroll
-      for (int r = 0; r < LF_AR_MAX_RANKS; r++)
-        if (r < p.size)
-          rv[r] = r == p.rank ? mine[j] : ll_wait(p, ll_lines(p, p.rank, a.slot, r), 2 * (off4 + i), call);
-#pragma unroll
-      for (int s = 1; s < LF_AR_MAX_RANKS; s *= 2)
-#pragma unroll
-        for (int r = 0; r + s < LF_AR_MAX_RANKS; r += 2 * s)
-          if (r + s < p.size)
-            rv[r] = make_float4(rv[r].x + rv[r + s].x, rv[r].y + rv[r + s].y,
-                                rv[r].z + rv[r + s].z, rv[r].w + rv[r + s].w);
-      v[j] = rv[0];
-    }
-    float4 *xr = reinterpret_cast<float4 *>(a.x + (size_t)row * a.dim);
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < VPT; j++) {
-      const int i = threadIdx.x + j * kNormThreads;
-      if (i < n4) {
-        if (a.add_x) {
-          const float4 o = xr[i];
-          v[j] = make_float4(o.x + v[j].x, o.y + v[j].y, o.z + v[j].z, o.w + v[j].w);
-        }
-        xr[i] = v[j];
-        ss += lf_sq4(v[j]);
-      }
-    }
-    if (!a.w) continue;
-    const float rs = lf_rms_scale(ss, red, a.dim, a.eps);
-    __nv_bfloat16 *o = a.out + (size_t)(a.out_rows ? a.out_rows[row] : row) * a.ld_out;
-#pragma unroll
-    for (int j = 0; j < VPT; j++) {
-      const int i = threadIdx.x + j * kNormThreads;
-      if (i < n4) lf_store_normed4(o, i, wv[j], v[j], rs);
-    }
-  }
-  if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t *>(ctr) = call;
-}
-
 } // namespace
 
 struct lf_ar_ipc {
@@ -427,36 +293,19 @@ struct lf_ar_ipc {
   int attached;
 };
 
-extern "C" lf_status lf_ar_ipc_prepare(size_t cap, int ranks, double timeout_s,
-                                       lf_ar_ipc **out, lf_ar_record *rec) {
+extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc **out,
+                                       lf_ar_record *rec) {
   memset(rec, 0, sizeof *rec);
   *out = NULL;
   gethostname(rec->host, sizeof rec->host - 1);
   cudaGetDevice(&rec->device);
-  if (ranks < 2 || ranks > LF_AR_MAX_RANKS)
-    return lf_error(LF_ERR_UNSUPPORTED, "IPC all-reduce: %d ranks (2..%d)", ranks, LF_AR_MAX_RANKS);
   cap = (cap + 4095) / 4096 * 4096;
   lf_ar_ipc *a = (lf_ar_ipc *)calloc(1, sizeof *a);
   if (!a) return lf_error(LF_ERR_OUT_OF_MEMORY, "IPC all-reduce");
   a->p.cap = cap;
   a->p.timeout_ns = (unsigned long long)(timeout_s * 1e9);
-  /* The push (LL) lines of the fused call, with LF_AR_LL=1: up to LF_AR_LL_BYTES of partials
-   * a call (default 2 MiB: 64 rows of 8192; beyond it, the pull path). Off by default: on
-   * 2 x H200 it gave the same TP=2 batch-1 step as the pull path (3.625 vs 3.623 ms) and a
-   * slower batch-64 one (6.07 vs 5.23 ms; bench/RESULTS.md, session 5). */
-  const char *ll = getenv("LF_AR_LL");
-  const char *llb = getenv("LF_AR_LL_BYTES");
-  size_t ll_cap = llb && atol(llb) >= 0 ? (size_t)atol(llb) : ((size_t)2 << 20);
-  if (ll_cap > cap) ll_cap = cap;
-  if (!(ll && !strcmp(ll, "1"))) ll_cap = 0;
-  ll_cap = (ll_cap + 4095) / 4096 * 4096;
-  a->p.ll_cap = ll_cap;
-  a->p.ll_offset = kDataOffset + (2 + LF_AR_SLOTS) * cap;
-  const size_t ll_bytes = (size_t)LF_AR_SLOTS * ranks * 2 * ll_cap;
-  cudaError_t e = cudaMalloc((void **)&a->own, a->p.ll_offset + ll_bytes);
+  cudaError_t e = cudaMalloc((void **)&a->own, kDataOffset + (2 + LF_AR_SLOTS) * cap);
   if (e == cudaSuccess) e = cudaMemset(a->own, 0, kCtlBytes);
-  /* call numbers start at 1: no zeroed line passes */
-  if (e == cudaSuccess && ll_bytes) e = cudaMemset(a->own + a->p.ll_offset, 0, ll_bytes);
   if (e == cudaSuccess) e = cudaMalloc((void **)&a->p.ctr, 2 * sizeof(uint32_t));
   if (e == cudaSuccess) e = cudaMemset(a->p.ctr, 0, 2 * sizeof(uint32_t));
   if (e == cudaSuccess) e = cudaHostAlloc((void **)&a->err_host, sizeof(int), cudaHostAllocMapped);
@@ -581,16 +430,7 @@ extern "C" lf_status lf_ar_ipc_residual_norm(lf_ar_ipc *a, int slot, float *x, i
   cudaStream_t st = (cudaStream_t)stream;
   const dim3 g(grid), b(kNormThreads);
   cudaError_t e;
-  if ((size_t)rows * dim * sizeof(float) <= a->p.ll_cap) {
-    if (vpt <= 1)
-      e = lf_launch(ar_norm_ll_kernel<1>, g, b, 0, st, a->p, na);
-    else if (vpt <= 2)
-      e = lf_launch(ar_norm_ll_kernel<2>, g, b, 0, st, a->p, na);
-    else if (vpt <= 4)
-      e = lf_launch(ar_norm_ll_kernel<4>, g, b, 0, st, a->p, na);
-    else
-      e = lf_launch(ar_norm_ll_kernel<8>, g, b, 0, st, a->p, na);
-  } else if (vpt <= 1)
+  if (vpt <= 1)
     e = lf_launch(ar_norm_kernel<1>, g, b, 0, st, a->p, na);
   else if (vpt <= 2)
     e = lf_launch(ar_norm_kernel<2>, g, b, 0, st, a->p, na);

@@ -46,11 +46,9 @@ typedef struct lf_ar_record {
 
 typedef struct lf_ar_ipc lf_ar_ipc;
 
-/* Allocates this rank's region on the current device (data capacity `cap` bytes per buffer,
- * for a group of `ranks`) and fills *rec. On failure rec->ok is 0 (and *out NULL); the caller
- * still publishes rec. */
-lf_status lf_ar_ipc_prepare(size_t cap, int ranks, double timeout_s, lf_ar_ipc **out,
-                            lf_ar_record *rec);
+/* Allocates this rank's region on the current device (data capacity `cap` bytes per buffer)
+ * and fills *rec. On failure rec->ok is 0 (and *out NULL); the caller still publishes rec. */
+lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc **out, lf_ar_record *rec);
 
 /* Maps the peers' regions from the records of all ranks (recs[size]). Returns LF_OK when this
  * rank can take part; the ranks must then agree (all OK) before any call. */
@@ -69,11 +67,7 @@ lf_status lf_ar_ipc_run(lf_ar_ipc *a, void *buf, size_t n, int bf16, void *strea
  *   out[out_rows ? out_rows[r] : r] = bf16(w * x[r] / sqrt(mean(x[r]^2) + eps))   (w non-NULL)
  * i.e. the all-reduce, the residual add and the next RMSNorm (the same bits as
  * engine/cuda_norm.cu's) in one launch instead of three. Consecutive calls must use different
- * slots (see ar_ipc.cu for why that is enough). x 16-byte aligned, dim % 4 == 0.
- * By default the kernel raises per-block flags and reads the peers' staging buffers over the
- * link (pull). With LF_AR_LL=1, up to LF_AR_LL_BYTES of partials (default 2 MiB) it pushes its
- * partials into the peers' memory as self-flagged (LL) lines and reads only local memory
- * instead: the same bits, measured no faster at batch 1 and slower at batch 64 (ar_ipc.cu). */
+ * slots (see ar_ipc.cu for why that is enough). x 16-byte aligned, dim % 4 == 0. */
 float *lf_ar_ipc_stage(lf_ar_ipc *a, int slot);
 int lf_ar_ipc_norm_fits(const lf_ar_ipc *a, int rows, int dim);
 lf_status lf_ar_ipc_residual_norm(lf_ar_ipc *a, int slot, float *x, int add_x, int rows, int dim,

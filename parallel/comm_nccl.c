@@ -379,7 +379,7 @@ static lf_status nc_ar_setup(lf_comm_t c) {
   size_t cap = cb && atol(cb) > 0 ? (size_t)atol(cb) : ((size_t)8 << 20);
   lf_ar_record rec;
   lf_ar_ipc *a = NULL;
-  (void)lf_ar_ipc_prepare(cap, c->size, m->timeout_s, &a, &rec); /* rec.ok = 0 on failure */
+  (void)lf_ar_ipc_prepare(cap, m->timeout_s, &a, &rec); /* rec.ok = 0 on failure */
   lf_ar_record *all = (lf_ar_record *)calloc((size_t)c->size, sizeof *all);
   if (!all) {
     lf_ar_ipc_free(a, 1);
