@@ -178,6 +178,21 @@ if [ -n "${PROFILE_ATTN:-}" ]; then
   ncu --import "$OUT/attn_b1.ncu-rep" --page details >"$OUT/attn_b1_details.txt" 2>&1 || true
   ncu --import "$OUT/attn_b1.ncu-rep" --page source --csv --print-source cuda \
     >"$OUT/attn_b1_source.csv" 2>&1 || true
+  # session 5: the cuda source page came back without metric columns; the SASS page carries the
+  # per-instruction samples, the raw page every collected metric (the stall reasons' totals)
+  ncu --import "$OUT/attn_b1.ncu-rep" --page source --csv --print-source sass \
+    >"$OUT/attn_b1_sass.csv" 2>&1 || true
+  ncu --import "$OUT/attn_b1.ncu-rep" --page raw --csv >"$OUT/attn_b1_raw.csv" 2>&1 || true
+  python3 - "$OUT/attn_b1_raw.csv" <<'PY' | tee -a "$LOG" || true
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+if len(rows) > 2:
+    head, units, first = rows[0], rows[1], rows[2]
+    st = [(h, first[i]) for i, h in enumerate(head) if "warps_issue_stalled" in h and h.endswith("ratio")]
+    st = sorted(((h, float(v.replace(",", "") or 0)) for h, v in st), key=lambda x: -x[1])
+    for h, v in st[:12]:
+        print(f"{h:90s} {v:8.2f}")
+PY
   grep -E "Duration|Registers|Achieved Occupancy|Warp Cycles Per Issued|Stall|DRAM Throughput" \
     "$OUT/attn_b1_details.txt" | head -40 | tee -a "$LOG"
 fi
