@@ -1501,7 +1501,7 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
    * bench/RESULTS.md): under TP only for passes of up to 16 rows. */
   c->pdl_max_rows = env_int("LF_PDL_MAX_ROWS", comm ? 16 : INT_MAX, INT_MIN, INT_MAX);
   c->prefill_gemv = env_int("LF_CUDA_PREFILL_GEMV", 8, 0, LF_GEMV_MAX_TOK);
-  /* off until run on the GPUs (written in session 4 without device time left) */
+  /* device top-k for sampled TP batches: on since it passed mpi_gpu_tp on 2 x H200 (session 5) */
   c->tp_topk = env_int("LF_TP_TOPK", 1, 0, 1);
   c->gemv_parts = env_int("LF_GEMV_PARTS", 8, 0, 8);
   c->gemv_max = env_int("LF_CUDA_GEMV_MAX", 1, 0, LF_GEMV_MAX_TOK);
