@@ -546,15 +546,25 @@ static int min_splits_for_smem(int budget, int group) {
   return s;
 }
 
-/* The cluster combine (sm_90+, 2..DA_CL_MAX splits); LF_ATTN_CLUSTER=0 turns it off (the ticket
- * combine through the workspace then serves every split count). Read once. */
-static int cluster_enabled(void) {
-  static int v = -1;
-  if (v < 0) {
-    const char *e = getenv("LF_ATTN_CLUSTER");
-    v = !(e && !strcmp(e, "0")) && lf_device_sm90();
-  }
-  return v;
+/* The kernel's switches, read from the environment once (thread-safe static init):
+ *   cluster        the cluster combine (sm_90+, 2..DA_CL_MAX splits); LF_ATTN_CLUSTER=0 turns it
+ *                  off (the ticket combine through the workspace then serves every split count)
+ *   prefetch       LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles (off: not measured)
+ *   early_trigger  the programmatic-launch trigger after pass 2; LF_ATTN_EARLY_TRIGGER=0: off */
+struct attn_switches {
+  int cluster, prefetch, early_trigger;
+};
+
+static int env_is(const char *name, const char *value) {
+  const char *e = getenv(name);
+  return e && !strcmp(e, value);
+}
+
+static const attn_switches &switches(void) {
+  static const attn_switches s = {!env_is("LF_ATTN_CLUSTER", "0") && lf_device_sm90(),
+                                  env_is("LF_ATTN_PREFETCH", "1"),
+                                  !env_is("LF_ATTN_EARLY_TRIGGER", "0")};
+  return s;
 }
 
 extern "C" int lf_cuda_decode_attn_splits(int n_seq, int n_kv_heads, int budget, int group,
@@ -575,7 +585,7 @@ extern "C" int lf_cuda_decode_attn_splits(int n_seq, int n_kv_heads, int budget,
   /* With the cluster combine, one cluster's worth of splits where that suffices: measured on an
    * H200 at batch 1, 8 splits in a cluster took 19.8-29.0 us against 26.8-39.3 us for 16 with
    * the ticket combine (budgets 1024-3200). */
-  if (s > DA_CL_MAX && smin <= DA_CL_MAX && cluster_enabled()) s = DA_CL_MAX;
+  if (s > DA_CL_MAX && smin <= DA_CL_MAX && switches().cluster) s = DA_CL_MAX;
   if (s < smin) s = smin;
   if (s > DA_SPLITS_MAX) s = DA_SPLITS_MAX;
   if (s < 1) s = 1;
@@ -651,27 +661,6 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   return LF_OK;
 }
 
-/* LF_ATTN_EARLY_TRIGGER=0/1 (read once): the programmatic-launch trigger after pass 2. */
-static int early_trigger_enabled(void) {
-  static int v = -1;
-  if (v < 0) {
-    const char *e = getenv("LF_ATTN_EARLY_TRIGGER");
-    v = !(e && !strcmp(e, "0"));
-  }
-  return v;
-}
-
-/* LF_ATTN_PREFETCH=1 (read once): the L2 prefetch of each warp's next tiles. Off by default:
- * not measured yet. */
-static int prefetch_enabled(void) {
-  static int v = -1;
-  if (v < 0) {
-    const char *e = getenv("LF_ATTN_PREFETCH");
-    v = e && !strcmp(e, "1");
-  }
-  return v;
-}
-
 template <int D, int MINB>
 static lf_status launch_any(const attn_params &p, dim3 grid, int cl, cudaStream_t stream) {
   return cl ? launch<D, MINB, true>(p, grid, stream) : launch<D, MINB, false>(p, grid, stream);
@@ -712,7 +701,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   if (S <= 0) LF_TRY(auto_splits(a->n_seq, a->n_kv_heads, a->budget, a->group, a->head_dim, &S));
   if (S < smin) S = smin; /* the logits of one split must fit in shared memory */
   if (S > DA_SPLITS_MAX) S = DA_SPLITS_MAX;
-  const int cl = S >= 2 && S <= DA_CL_MAX && cluster_enabled();
+  const int cl = S >= 2 && S <= DA_CL_MAX && switches().cluster;
   const ws_layout wl = ws_plan(a->n_seq, a->n_kv_heads, a->budget, a->group, a->head_dim, S);
   if (S > 1 && !cl && (!a->workspace || a->workspace_bytes < wl.total))
     return lf_error(LF_ERR_INVALID_ARG,
@@ -740,8 +729,8 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.policy = (int)a->policy;
   p.scale = a->scale;
   p.chunk_max = ((a->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
-  p.prefetch = prefetch_enabled();
-  p.early_trigger = early_trigger_enabled();
+  p.prefetch = switches().prefetch;
+  p.early_trigger = switches().early_trigger;
   p.l2_next = ((uintptr_t)a->l2_next & 15) ? NULL : a->l2_next;
   p.l2_next_bytes = p.l2_next ? a->l2_next_bytes : 0;
   char *ws = (char *)a->workspace;

@@ -1485,26 +1485,24 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
    * for 4 MB of K/V) and DRAM idles meanwhile; LF_L2_PREFETCH_ROWS=N has it prefetch the O
    * projection into L2 up to batch N. Off: on an H200 it made the batch-1 step 1.3% slower
    * (5.148 vs 5.080 ms, llama3-8b; bench/RESULTS.md, session 4). */
-  c->l2_prefetch_rows = 0;
-  e = getenv("LF_L2_PREFETCH_ROWS");
-  if (e) c->l2_prefetch_rows = atoi(e);
+  c->l2_prefetch_rows = env_int("LF_L2_PREFETCH_ROWS", 0, 0, INT_MAX);
   c->graph_cap = 64;
   e = getenv("LF_CUDA_GRAPH_CACHE");
   if (e && atoi(e) > 0) c->graph_cap = atoi(e);
-  /* The GEMV only at batch 1: on an H200 (random:llama3-8b, session 3) it beat cuBLAS there
-   * (5.05 vs 5.72 ms a step in session 2's attribution) but lost from batch 2 on (2: 5.47 vs
-   * 5.23 ms, 4: 6.37 vs 5.19, 8: 9.92 vs 5.37), its per-token X reads growing with the batch. */
-  /* Prompt chunks of up to 8 tokens on the GEMVs, and the residual GEMVs in 8 K parts: with
-   * them batch-1 decoding of a short prompt gives the same bits at TP = 1, 2, 4 and 8 (gemm_res). */
   /* PDL (attention/cuda_launch.cuh): on 2 x H200 it made batch-1 steps 2-3% faster, one GPU's
    * batch-64 steps 0.8-1% faster, but TP=2 batch-64 steps 3-4% slower (three calls,
    * bench/RESULTS.md): under TP only for passes of up to 16 rows. */
   c->pdl_max_rows = env_int("LF_PDL_MAX_ROWS", comm ? 16 : INT_MAX, INT_MIN, INT_MAX);
+  /* The GEMV only at batch 1: on an H200 (random:llama3-8b, session 3) it beat cuBLAS there
+   * (5.05 vs 5.72 ms a step in session 2's attribution) but lost from batch 2 on (2: 5.47 vs
+   * 5.23 ms, 4: 6.37 vs 5.19, 8: 9.92 vs 5.37), its per-token X reads growing with the batch. */
+  c->gemv_max = env_int("LF_CUDA_GEMV_MAX", 1, 0, LF_GEMV_MAX_TOK);
+  /* Prompt chunks of up to 8 tokens on the GEMVs, and the residual GEMVs in 8 K parts: with
+   * them batch-1 decoding of a short prompt gives the same bits at TP = 1, 2, 4 and 8 (gemm_res). */
   c->prefill_gemv = env_int("LF_CUDA_PREFILL_GEMV", 8, 0, LF_GEMV_MAX_TOK);
+  c->gemv_parts = env_int("LF_GEMV_PARTS", 8, 0, 8);
   /* device top-k for sampled TP batches: on since it passed mpi_gpu_tp on 2 x H200 (session 5) */
   c->tp_topk = env_int("LF_TP_TOPK", 1, 0, 1);
-  c->gemv_parts = env_int("LF_GEMV_PARTS", 8, 0, 8);
-  c->gemv_max = env_int("LF_CUDA_GEMV_MAX", 1, 0, LF_GEMV_MAX_TOK);
   c->tune_on = 1;
   e = getenv("LF_CUDA_GEMM_TUNE");
   if (e && !strcmp(e, "0")) c->tune_on = 0;
