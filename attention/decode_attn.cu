@@ -75,6 +75,7 @@ typedef struct attn_params {
   int chunk_max; /* slots of the largest split, sizes the shared logits */
   int prefetch;  /* LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles a step ahead */
   int early_trigger; /* LF_ATTN_EARLY_TRIGGER: let the next kernel launch after pass 2 */
+  int fast_tail;     /* the cluster path's tail with fewer barriers (LF_ATTN_FAST_TAIL=0: off) */
   const void *l2_next; /* lf_decode_attn_args.l2_next */
   size_t l2_next_bytes;
   unsigned *cnt;
@@ -199,6 +200,50 @@ static __device__ __forceinline__ void combine_weights(ML ml, int S, int G, int 
   fin_il[h] = 1.0f / l;
   for (int s = 0; s < S; s++)
     cw[s * G + h] *= 1.0f / l;
+}
+
+/* combine_weights over splits' (m, l) already in registers (x[s], s < S <= SM): the same
+ * arithmetic in the same order, every loop unrolled so x stays in registers. */
+template <int SM>
+static __device__ __forceinline__ void combine_weights_reg(const float2 (&x)[SM], int S, int G,
+                                                           int h, float *cw, float *fin_m,
+                                                           float *fin_il) {
+  float m = -INFINITY, l = 0.0f, c[SM];
+#pragma unroll
+  for (int s = 0; s < SM; s++)
+    if (s < S) m = fmaxf(m, x[s].x);
+#pragma unroll
+  for (int s = 0; s < SM; s++)
+    if (s < S) {
+      c[s] = x[s].y > 0.0f ? exp2f((x[s].x - m) * DA_LOG2E) : 0.0f;
+      l += c[s] * x[s].y;
+    }
+  fin_m[h] = m;
+  fin_il[h] = 1.0f / l;
+#pragma unroll
+  for (int s = 0; s < SM; s++)
+    if (s < S) cw[s * G + h] = c[s] * (1.0f / l);
+}
+
+/* A warp's P.V accumulators into dst [G][D]: accumulator (mt, 0/1) is the dim of e0 = mt,
+ * heads 2t / 2t+1; (mt, 2/3) the dim of e1 = mt + NMT; dim d = 64 (e >> 3) + 8 g + (e & 7).
+ * ACC_FIRST stores 0 + x (the first add of a running sum), ACC_ADD adds x, ACC_SET stores x. */
+enum { ACC_FIRST, ACC_ADD, ACC_SET };
+template <int D>
+static __device__ __forceinline__ void store_acc(float *dst, const float (&oacc)[D / 16][4], int G,
+                                                 int g, int t, int mode) {
+  constexpr int NMT = D / 16;
+#pragma unroll
+  for (int mt = 0; mt < NMT; mt++)
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const int h = 2 * t + (r & 1), e = (r < 2) ? mt : mt + NMT;
+      const int d = 64 * (e >> 3) + 8 * g + (e & 7);
+      if (h < G) {
+        float *o = dst + h * D + d;
+        *o = mode == ACC_ADD ? *o + oacc[mt][r] : mode == ACC_FIRST ? 0.0f + oacc[mt][r] : oacc[mt][r];
+      }
+    }
 }
 
 template <int D, int MINB, bool CL>
@@ -381,20 +426,27 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   psum += __shfl_xor_sync(0xffffffffu, psum, 1);
   psum += __shfl_xor_sync(0xffffffffu, psum, 2);
   if (t == 0) red_l[warp][g] = psum;
-  /* accumulator (mt, 0/1): dim of e0, heads 2t / 2t+1; (mt, 2/3): dim of e1. Summed over the
-   * warps in one [G][D] buffer, one warp at a time (smem is what limits blocks per SM). */
-  for (int ww = 0; ww < DA_NW; ww++) {
-    if (warp == ww) {
+  /* The warps' accumulators summed into o_s [G][D]. */
+  if (CL && p.fast_tail) {
+    /* every warp into its own buffer at once (warp 0: o_s), one barrier, then the sum in the
+     * order of the loop below, ((0 + o0) + o1) + o2) + o3: the same bits, two barriers not four */
+    float *ox = cw + ((S * G + 1) & ~1) + 2 * S * G; /* [DA_NW - 1][G][D] after cw */
+    store_acc<D>(warp == 0 ? o_s : ox + (size_t)(warp - 1) * G * D, oacc, G, g, t,
+                 warp == 0 ? ACC_FIRST : ACC_SET);
+    __syncthreads();
+    for (int i = tid; i < G * D; i += DA_NT) {
+      float a = o_s[i];
 #pragma unroll
-      for (int mt = 0; mt < NMT; mt++)
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-          const int h = 2 * t + (r & 1), e = (r < 2) ? mt : mt + NMT;
-          const int d = 64 * (e >> 3) + 8 * g + (e & 7);
-          if (h < G) o_s[h * D + d] = (ww ? o_s[h * D + d] : 0.0f) + oacc[mt][r];
-        }
+      for (int w = 1; w < DA_NW; w++) a = a + ox[(size_t)(w - 1) * G * D + i];
+      o_s[i] = a;
     }
     __syncthreads();
+  } else {
+    /* one warp at a time into one buffer (shared memory is what limits blocks per SM) */
+    for (int ww = 0; ww < DA_NW; ww++) {
+      if (warp == ww) store_acc<D>(o_s, oacc, G, g, t, ww ? ACC_ADD : ACC_FIRST);
+      __syncthreads();
+    }
   }
 
   if (S == 1) {
@@ -437,18 +489,40 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       cl_ml[tid] = make_float2(m, l);
     }
     cl.sync(); /* every split's (m, l) and o_s are written */
-    if (tid < G)
-      combine_weights([&](int s) { return cl.map_shared_rank(cl_ml, s)[tid]; }, S, G, tid, cw,
-                      fin_m, fin_il);
+    if (tid < G) {
+      if (p.fast_tail) { /* all S remote reads in flight at once */
+        float2 x[DA_CL_MAX];
+#pragma unroll
+        for (int s = 0; s < DA_CL_MAX; s++)
+          x[s] = s < S ? cl.map_shared_rank(cl_ml, s)[tid] : make_float2(-INFINITY, 0.0f);
+        combine_weights_reg(x, S, G, tid, cw, fin_m, fin_il);
+      } else {
+        combine_weights([&](int s) { return cl.map_shared_rank(cl_ml, s)[tid]; }, S, G, tid, cw,
+                        fin_m, fin_il);
+      }
+    }
     __syncthreads();
     /* this split's share of the output, from every split's o_s */
     for (int i = split * DA_NT + tid; i < G * D / 2; i += S * DA_NT) {
       const int h = i / (D / 2), d = 2 * (i % (D / 2));
       float a = 0.0f, b = 0.0f;
-      for (int s = 0; s < S; s++) {
-        const float2 x = *(const float2 *)(cl.map_shared_rank(o_s, s) + h * D + d);
-        a += cw[s * G + h] * x.x;
-        b += cw[s * G + h] * x.y;
+      if (p.fast_tail) { /* the S remote reads in flight at once, summed in the same order */
+        float2 x[DA_CL_MAX];
+#pragma unroll
+        for (int s = 0; s < DA_CL_MAX; s++)
+          if (s < S) x[s] = *(const float2 *)(cl.map_shared_rank(o_s, s) + h * D + d);
+#pragma unroll
+        for (int s = 0; s < DA_CL_MAX; s++)
+          if (s < S) {
+            a += cw[s * G + h] * x[s].x;
+            b += cw[s * G + h] * x[s].y;
+          }
+      } else {
+        for (int s = 0; s < S; s++) {
+          const float2 x = *(const float2 *)(cl.map_shared_rank(o_s, s) + h * D + d);
+          a += cw[s * G + h] * x.x;
+          b += cw[s * G + h] * x.y;
+        }
       }
       *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
     }
@@ -550,9 +624,13 @@ static int min_splits_for_smem(int budget, int group) {
  *   cluster        the cluster combine (sm_90+, 2..DA_CL_MAX splits); LF_ATTN_CLUSTER=0 turns it
  *                  off (the ticket combine through the workspace then serves every split count)
  *   prefetch       LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles (off: not measured)
- *   early_trigger  the programmatic-launch trigger after pass 2; LF_ATTN_EARLY_TRIGGER=0: off */
+ *   early_trigger  the programmatic-launch trigger after pass 2; LF_ATTN_EARLY_TRIGGER=0: off
+ *   fast_tail      the cluster path's output reduction with two barriers instead of four (each
+ *                  warp its own buffer, 3 G D floats more shared memory) and its remote (m, l)
+ *                  and output reads all in flight at once: the same bits, batch-1 steps 4.8%
+ *                  faster on an H200 (bench/RESULTS.md, session 6); LF_ATTN_FAST_TAIL=0: off */
 struct attn_switches {
-  int cluster, prefetch, early_trigger;
+  int cluster, prefetch, early_trigger, fast_tail;
 };
 
 static int env_is(const char *name, const char *value) {
@@ -563,7 +641,8 @@ static int env_is(const char *name, const char *value) {
 static const attn_switches &switches(void) {
   static const attn_switches s = {!env_is("LF_ATTN_CLUSTER", "0") && lf_device_sm90(),
                                   env_is("LF_ATTN_PREFETCH", "1"),
-                                  !env_is("LF_ATTN_EARLY_TRIGGER", "0")};
+                                  !env_is("LF_ATTN_EARLY_TRIGGER", "0"),
+                                  !env_is("LF_ATTN_FAST_TAIL", "0")};
   return s;
 }
 
@@ -627,7 +706,8 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   const size_t smem =
       (size_t)((p.chunk_max * p.group + 3) & ~3) * sizeof(float) +
       (size_t)p.group * D * sizeof(float) +
-      (S > 1 ? (size_t)(((S * p.group + 1) & ~1) + 2 * S * p.group) * sizeof(float) : 0);
+      (S > 1 ? (size_t)(((S * p.group + 1) & ~1) + 2 * S * p.group) * sizeof(float) : 0) +
+      (CL && p.fast_tail ? (size_t)(DA_NW - 1) * p.group * D * sizeof(float) : 0);
   /* Raise the dynamic shared-memory limit once per size seen (idempotent, so a race between
    * host threads is harmless). The carveout is left to the driver on purpose: streaming loads
    * are staged in L1 while in flight, so the L1 left beside shared memory bounds the bytes in
@@ -731,6 +811,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.chunk_max = ((a->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
   p.prefetch = switches().prefetch;
   p.early_trigger = switches().early_trigger;
+  p.fast_tail = switches().fast_tail;
   p.l2_next = ((uintptr_t)a->l2_next & 15) ? NULL : a->l2_next;
   p.l2_next_bytes = p.l2_next ? a->l2_next_bytes : 0;
   char *ws = (char *)a->workspace;
