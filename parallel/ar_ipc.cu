@@ -3,6 +3,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -31,11 +32,18 @@ constexpr size_t kNormFlagBytes = (size_t)LF_AR_SLOTS * kNormBlocks * LF_AR_MAX_
 constexpr size_t kNormCtrOffset = kNormFlagOffset + kNormFlagBytes;
 constexpr size_t kCtlBytes = kNormCtrOffset + (size_t)LF_AR_SLOTS * kNormBlocks * sizeof(uint32_t);
 constexpr size_t kDataOffset = (kCtlBytes + 4095) / 4096 * 4096;
+/* LF_AR_TIMING=1 (a measurement, not for serving): block 0 of every fused call adds, by its
+ * row count (rows >= kTmRows - 1 share the last row), the call count, the ns from the end of
+ * its PDL wait to the end of the handshake (waiting for the peers: their lateness plus the
+ * flag round trip), the ns from there to the end of its rows (the reads and the norm), and the
+ * ns since the end of this rank's previous fused call (the kernels in between). */
+constexpr int kTmRows = 130, kTmCols = 5; /* count, wait, reduce, gap, gap count */
 
 struct Params {
   char *region[LF_AR_MAX_RANKS]; /* every rank's region, mapped here (own included) */
   uint32_t *ctr;                 /* own: [0] calls made, [1] blocks done in this call */
   int *err;                      /* host-mapped */
+  unsigned long long *tm;        /* LF_AR_TIMING=1: [kTmRows][kTmCols] sums, else NULL */
   size_t cap;
   unsigned long long timeout_ns;
   int rank, size;
@@ -235,6 +243,7 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
   /* launched with programmatic dependent launch (attention/cuda_launch.cuh): the partials come
    * from the kernel before, complete and visible only after this */
   pdl_wait();
+  const unsigned long long t0 = p.tm && blockIdx.x == 0 ? global_ns() : 0;
   if (threadIdx.x == 0) s_call = *reinterpret_cast<volatile uint32_t *>(ctr) + 1;
   __syncthreads();
   const uint32_t call = s_call;
@@ -247,6 +256,7 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
               call);
   }
   __syncthreads();
+  const unsigned long long t1 = p.tm && blockIdx.x == 0 ? global_ns() : 0;
   pdl_trigger(); /* the next kernel may start loading its weights */
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const size_t off = (size_t)row * a.dim; /* floats */
@@ -281,6 +291,19 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
     }
   }
   if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t *>(ctr) = call;
+  if (p.tm && blockIdx.x == 0 && threadIdx.x == 0) {
+    const unsigned long long t2 = global_ns();
+    unsigned long long *row = p.tm + (size_t)min(a.rows, kTmRows - 1) * kTmCols;
+    unsigned long long *last = p.tm; /* row 0 (rows are >= 1): the previous call's end */
+    row[0] += 1;
+    row[1] += t1 - t0;
+    row[2] += t2 - t1;
+    if (last[0] && t0 > last[0] && t0 - last[0] < 1000000ull) { /* within 1 ms: the same step */
+      row[3] += t0 - last[0];
+      row[4] += 1;
+    }
+    last[0] = t2;
+  }
 }
 
 } // namespace
@@ -292,6 +315,24 @@ struct lf_ar_ipc {
   int *err_host;     /* host-mapped error flag */
   int attached;
 };
+
+/* LF_AR_TIMING=1: the sums of ar_norm_kernel's timing, one line per row count, to stderr. */
+static void print_timing(const lf_ar_ipc *a) {
+  unsigned long long h[kTmRows * kTmCols];
+  if (cudaMemcpy(h, a->p.tm, sizeof h, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  for (int r = 1; r < kTmRows; r++) {
+    const unsigned long long *x = h + (size_t)r * kTmCols;
+    if (!x[0]) continue;
+    fprintf(stderr,
+            "LF_AR_TIMING rank %d/%d rows %s%d: %llu calls, wait %.2f us, reduce+norm %.2f us, "
+            "since the previous call %.2f us (block 0, means)\n",
+            a->p.rank, a->p.size, r == kTmRows - 1 ? ">=" : "", r, x[0], x[1] / 1e3 / x[0],
+            x[2] / 1e3 / x[0], x[4] ? x[3] / 1e3 / x[4] : 0.0);
+  }
+}
 
 extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc **out,
                                        lf_ar_record *rec) {
@@ -308,6 +349,12 @@ extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc *
   if (e == cudaSuccess) e = cudaMemset(a->own, 0, kCtlBytes);
   if (e == cudaSuccess) e = cudaMalloc((void **)&a->p.ctr, 2 * sizeof(uint32_t));
   if (e == cudaSuccess) e = cudaMemset(a->p.ctr, 0, 2 * sizeof(uint32_t));
+  const char *tm = getenv("LF_AR_TIMING");
+  if (e == cudaSuccess && tm && !strcmp(tm, "1")) {
+    const size_t tb = (size_t)kTmRows * kTmCols * sizeof(unsigned long long);
+    e = cudaMalloc((void **)&a->p.tm, tb);
+    if (e == cudaSuccess) e = cudaMemset(a->p.tm, 0, tb);
+  }
   if (e == cudaSuccess) e = cudaHostAlloc((void **)&a->err_host, sizeof(int), cudaHostAllocMapped);
   if (e == cudaSuccess) {
     *a->err_host = 0;
@@ -451,6 +498,8 @@ extern "C" int lf_ar_ipc_failed(const lf_ar_ipc *a) {
 extern "C" void lf_ar_ipc_free(lf_ar_ipc *a, int device_ok) {
   if (!a) return;
   if (device_ok) {
+    if (a->p.tm && a->attached && cudaDeviceSynchronize() == cudaSuccess) print_timing(a);
+    if (a->p.tm) cudaFree(a->p.tm);
     for (int r = 0; r < LF_AR_MAX_RANKS; r++)
       if (a->opened[r]) cudaIpcCloseMemHandle(a->p.region[r]);
     cudaFree(a->own);
