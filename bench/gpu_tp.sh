@@ -217,7 +217,7 @@ if has step; then
      launch "$NP" $B/lfbench step --tp --models random:llama3-8b --batches 1,64 --budget "$BUDGET" \
        --steps "$STEPS" --json "$OUT/step_tp${NP}_$vt.json" >"$OUT/step_tp${NP}_$vt.txt" 2>&1) ||
       { rc=1; say "step tp$NP $v FAILED"; }
-    grep -E "^random" "$OUT/step_tp${NP}_$vt.txt" | tee -a "$LOG"
+    grep -E "^random|^LF_AR_TIMING" "$OUT/step_tp${NP}_$vt.txt" | tee -a "$LOG"
   done
   {
     echo "step (ms, median)         batch  TP=1     TP=$NP    TP=$NP+graphs  ratio(TP$NP/TP1)"
