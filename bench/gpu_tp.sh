@@ -13,6 +13,7 @@
 #                                   3200, full and longflow, --kv-gb ${SERVE_KV:-20} per GPU
 #   STEP_VARIANTS="LF_CUSTOM_AR LF_CUSTOM_AR+LF_PDL=0"   also the TP step with each setting (graphs on;
 #                                   a variant is NAME[=VALUE] joined by +, a bare NAME meaning NAME=1)
+#   STEP_VARIANTS_ONLY=1            the step phase runs only the variants (no TP=1 / TP=2 baseline)
 #   TEST_ENVS="- LF_CUSTOM_AR=1"    the test phase once per setting ("-": as found; the default)
 #
 # Ranks are launched by mpirun when the machine has it (and the build found MPI), else by
@@ -194,7 +195,7 @@ if has tpserve; then
   grep -v "t=.*running" "$OUT/serve_tp$NP.txt" | tail -8 | tee -a "$LOG"
 fi
 
-if has step; then
+if has step && [ -z "${STEP_VARIANTS_ONLY:-}" ]; then
   say "lfbench step TP=1, random:llama3-8b"
   $B/lfbench step --models random:llama3-8b --batches 1,64 --budget "$BUDGET" --steps "$STEPS" \
     --json "$OUT/step_tp1.json" >"$OUT/step_tp1.txt" 2>&1 || { rc=1; say "step tp1 FAILED"; }
@@ -207,6 +208,8 @@ if has step; then
    launch "$NP" $B/lfbench step --tp --models random:llama3-8b --batches 1,64 --budget "$BUDGET" \
      --steps "$STEPS" --json "$OUT/step_tp${NP}_graphs.json" >"$OUT/step_tp${NP}_graphs.txt" 2>&1) ||
     { rc=1; say "step tp$NP graphs FAILED"; }
+fi
+if has step; then
   # opt-in paths, each with graphs on: the IPC all-reduce (LF_CUSTOM_AR=1), PDL (LF_PDL=1)
   # (a variant is "A+B=0": see set_env)
   for v in ${STEP_VARIANTS:-}; do
@@ -219,6 +222,8 @@ if has step; then
       { rc=1; say "step tp$NP $v FAILED"; }
     grep -E "^random|^LF_AR_TIMING" "$OUT/step_tp${NP}_$vt.txt" | tee -a "$LOG"
   done
+fi
+if has step && [ -z "${STEP_VARIANTS_ONLY:-}" ]; then
   {
     echo "step (ms, median)         batch  TP=1     TP=$NP    TP=$NP+graphs  ratio(TP$NP/TP1)"
     for b in 1 64; do

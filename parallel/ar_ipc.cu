@@ -32,18 +32,23 @@ constexpr size_t kNormFlagBytes = (size_t)LF_AR_SLOTS * kNormBlocks * LF_AR_MAX_
 constexpr size_t kNormCtrOffset = kNormFlagOffset + kNormFlagBytes;
 constexpr size_t kCtlBytes = kNormCtrOffset + (size_t)LF_AR_SLOTS * kNormBlocks * sizeof(uint32_t);
 constexpr size_t kDataOffset = (kCtlBytes + 4095) / 4096 * 4096;
-/* LF_AR_TIMING=1 (a measurement, not for serving): block 0 of every fused call adds, by its
- * row count (rows >= kTmRows - 1 share the last row), the call count, the ns from the end of
- * its PDL wait to the end of the handshake (waiting for the peers: their lateness plus the
- * flag round trip), the ns from there to the end of its rows (the reads and the norm), and the
- * ns since the end of this rank's previous fused call (the kernels in between). */
-constexpr int kTmRows = 130, kTmCols = 5; /* count, wait, reduce, gap, gap count */
+/* LF_AR_TIMING=1 (a measurement, not for serving): block 0 of each of the first kTmRecs fused
+ * calls records its row count, add_x (0: the embedding, a pass's first call), the ns from the
+ * end of its PDL wait to the end of the handshake (waiting for the peers: their lateness plus
+ * the flag round trip), the ns from there to the end of its rows (the reads and the norm), and
+ * the ns since the end of this rank's previous fused call (the kernels in between). Layout: two
+ * u64 (the previous call's end, calls seen), then the records. */
+struct TmRec {
+  uint32_t rows, add_x, wait, reduce, gap;
+};
+constexpr int kTmRecs = 16384;
+constexpr size_t kTmBytes = 2 * sizeof(unsigned long long) + kTmRecs * sizeof(TmRec);
 
 struct Params {
   char *region[LF_AR_MAX_RANKS]; /* every rank's region, mapped here (own included) */
   uint32_t *ctr;                 /* own: [0] calls made, [1] blocks done in this call */
   int *err;                      /* host-mapped */
-  unsigned long long *tm;        /* LF_AR_TIMING=1: [kTmRows][kTmCols] sums, else NULL */
+  unsigned long long *tm;        /* LF_AR_TIMING=1: kTmBytes (see TmRec), else NULL */
   size_t cap;
   unsigned long long timeout_ns;
   int rank, size;
@@ -293,16 +298,18 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
   if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t *>(ctr) = call;
   if (p.tm && blockIdx.x == 0 && threadIdx.x == 0) {
     const unsigned long long t2 = global_ns();
-    unsigned long long *row = p.tm + (size_t)min(a.rows, kTmRows - 1) * kTmCols;
-    unsigned long long *last = p.tm; /* row 0 (rows are >= 1): the previous call's end */
-    row[0] += 1;
-    row[1] += t1 - t0;
-    row[2] += t2 - t1;
-    if (last[0] && t0 > last[0] && t0 - last[0] < 1000000ull) { /* within 1 ms: the same step */
-      row[3] += t0 - last[0];
-      row[4] += 1;
+    const unsigned long long i = p.tm[1], prev = p.tm[0];
+    if (i < (unsigned long long)kTmRecs) {
+      TmRec r;
+      r.rows = (uint32_t)a.rows;
+      r.add_x = (uint32_t)a.add_x;
+      r.wait = (uint32_t)min(t1 - t0, 0xffffffffull);
+      r.reduce = (uint32_t)min(t2 - t1, 0xffffffffull);
+      r.gap = prev && t0 > prev ? (uint32_t)min(t0 - prev, 0xffffffffull) : 0xffffffffu;
+      reinterpret_cast<TmRec *>(p.tm + 2)[i] = r;
     }
-    last[0] = t2;
+    p.tm[1] = i + 1;
+    p.tm[0] = t2;
   }
 }
 
@@ -316,22 +323,73 @@ struct lf_ar_ipc {
   int attached;
 };
 
-/* LF_AR_TIMING=1: the sums of ar_norm_kernel's timing, one line per row count, to stderr. */
+static int cmp_double(const void *x, const void *y) {
+  const double a = *(const double *)x, b = *(const double *)y;
+  return a < b ? -1 : a > b;
+}
+static double median(double *v, int n) {
+  if (n <= 0) return 0.0;
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* LF_AR_TIMING=1: ar_norm_kernel's records as passes (a pass starts at an add_x = 0 call; all
+ * its calls have one row count), medians over the passes of each row count, to stderr. */
 static void print_timing(const lf_ar_ipc *a) {
-  unsigned long long h[kTmRows * kTmCols];
-  if (cudaMemcpy(h, a->p.tm, sizeof h, cudaMemcpyDeviceToHost) != cudaSuccess) {
+  unsigned long long head[2];
+  TmRec *rec = (TmRec *)malloc(kTmRecs * sizeof(TmRec));
+  double *col[6];
+  for (int j = 0; j < 6; j++) col[j] = (double *)malloc(kTmRecs * sizeof(double));
+  int ok = rec && col[0] && col[1] && col[2] && col[3] && col[4] && col[5];
+  if (ok && (cudaMemcpy(head, a->p.tm, sizeof head, cudaMemcpyDeviceToHost) != cudaSuccess ||
+             cudaMemcpy(rec, a->p.tm + 2, kTmRecs * sizeof(TmRec), cudaMemcpyDeviceToHost) !=
+                 cudaSuccess)) {
     cudaGetLastError();
-    return;
+    ok = 0;
   }
-  for (int r = 1; r < kTmRows; r++) {
-    const unsigned long long *x = h + (size_t)r * kTmCols;
-    if (!x[0]) continue;
+  const int n = ok ? (int)(head[1] < (unsigned long long)kTmRecs ? head[1] : kTmRecs) : 0;
+  /* pass boundaries: starts[k] .. starts[k + 1] */
+  for (int done = 0; ok && !done;) {
+    /* the row count of the first pass not yet printed, marked by setting printed passes' rows 0 */
+    uint32_t R = 0;
+    for (int i = 0; i < n && !R; i++)
+      if (rec[i].add_x == 0 && rec[i].rows) R = rec[i].rows;
+    if (!R) break;
+    int np = 0, calls = 0, nw = 0;
+    for (int i = 0; i < n; i++) {
+      if (rec[i].add_x != 0 || rec[i].rows != R) continue;
+      int j = i + 1;
+      while (j < n && rec[j].add_x != 0 && rec[j].rows == R) j++;
+      if (j >= n && head[1] > (unsigned long long)kTmRecs) break; /* cut short */
+      double w_other = 0, red = 0, gaps = 0;
+      for (int k = i + 1; k < j; k++) {
+        w_other += rec[k].wait * 1e-3;
+        col[5][nw++] = rec[k].wait * 1e-3;
+        gaps += rec[k].gap * 1e-3;
+      }
+      for (int k = i; k < j; k++) red += rec[k].reduce * 1e-3;
+      col[0][np] = rec[i].wait * 1e-3;
+      col[1][np] = w_other;
+      col[2][np] = red;
+      col[3][np] = gaps;
+      col[4][np] = j - i;
+      np++;
+      for (int k = i; k < j; k++) rec[k].rows = 0;
+      i = j - 1;
+    }
+    for (int i = 0; i < n; i++)
+      if (rec[i].rows == R && rec[i].add_x == 0) rec[i].rows = 0;
+    if (!np) continue;
+    calls = (int)median(col[4], np);
     fprintf(stderr,
-            "LF_AR_TIMING rank %d/%d rows %s%d: %llu calls, wait %.2f us, reduce+norm %.2f us, "
-            "since the previous call %.2f us (block 0, means)\n",
-            a->p.rank, a->p.size, r == kTmRows - 1 ? ">=" : "", r, x[0], x[1] / 1e3 / x[0],
-            x[2] / 1e3 / x[0], x[4] ? x[3] / 1e3 / x[4] : 0.0);
+            "LF_AR_TIMING rank %d/%d rows %u: %d passes of %d calls, medians of a pass (us): "
+            "first call's wait %.2f, the other calls' waits %.2f (a call's median %.2f), "
+            "reduce+norm %.2f, between calls %.2f\n",
+            a->p.rank, a->p.size, R, np, calls, median(col[0], np), median(col[1], np),
+            median(col[5], nw), median(col[2], np), median(col[3], np));
   }
+  free(rec);
+  for (int j = 0; j < 6; j++) free(col[j]);
 }
 
 extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc **out,
@@ -351,9 +409,8 @@ extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc *
   if (e == cudaSuccess) e = cudaMemset(a->p.ctr, 0, 2 * sizeof(uint32_t));
   const char *tm = getenv("LF_AR_TIMING");
   if (e == cudaSuccess && tm && !strcmp(tm, "1")) {
-    const size_t tb = (size_t)kTmRows * kTmCols * sizeof(unsigned long long);
-    e = cudaMalloc((void **)&a->p.tm, tb);
-    if (e == cudaSuccess) e = cudaMemset(a->p.tm, 0, tb);
+    e = cudaMalloc((void **)&a->p.tm, kTmBytes);
+    if (e == cudaSuccess) e = cudaMemset(a->p.tm, 0, kTmBytes);
   }
   if (e == cudaSuccess) e = cudaHostAlloc((void **)&a->err_host, sizeof(int), cudaHostAllocMapped);
   if (e == cudaSuccess) {
