@@ -167,9 +167,14 @@ template <bool BF16> __global__ void __launch_bounds__(kThreads) ar_kernel(Param
     float acc[kPer];
 #pragma unroll
     for (int i = 0; i < kPer; i++) acc[i] = 0.0f;
-    for (int r = 0; r < p.size; r++) /* rank order: the same bits on every rank */
-      add_vec<BF16>(acc, ld_volatile(reinterpret_cast<const uint4 *>(p.region[r] + kDataOffset +
-                                                                     buf * p.cap) + v));
+    uint4 u[LF_AR_MAX_RANKS]; /* every rank's vector in flight before the first add */
+#pragma unroll
+    for (int r = 0; r < LF_AR_MAX_RANKS; r++)
+      if (r < p.size)
+        u[r] = ld_volatile(reinterpret_cast<const uint4 *>(p.region[r] + kDataOffset + buf * p.cap) + v);
+#pragma unroll
+    for (int r = 0; r < LF_AR_MAX_RANKS; r++) /* rank order: the same bits on every rank */
+      if (r < p.size) add_vec<BF16>(acc, u[r]);
     x[v] = pack_vec<BF16>(acc);
   }
   /* the last block to finish counts the call */
@@ -206,33 +211,70 @@ struct NormArgs {
   int rows, dim, slot, add_x;
 };
 
-/* Vector i (16 bytes) of every rank's staging buffer `slot`, summed in the pairwise tree
- * ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)) (rank order for 2): the tree
- * lf_cuda_gemv_parts uses over its K parts, so rank r's partial over parts [r P/T, (r+1) P/T)
- * continues it exactly and the sum equals one GPU's. */
-__device__ __forceinline__ float4 tree_sum(const Params &p, int slot, size_t i) {
-  float4 v[LF_AR_MAX_RANKS];
-#pragma unroll
-  for (int r = 0; r < LF_AR_MAX_RANKS; r++) {
-    if (r < p.size) {
-      const uint4 u = ld_volatile(reinterpret_cast<const uint4 *>(
-                                      p.region[r] + kDataOffset + (2 + (size_t)slot) * p.cap) +
-                                  i);
-      v[r] = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z),
-                         __uint_as_float(u.w));
-    }
-  }
-#pragma unroll
-  for (int s = 1; s < LF_AR_MAX_RANKS; s *= 2)
-#pragma unroll
-    for (int r = 0; r + s < LF_AR_MAX_RANKS; r += 2 * s)
-      if (r + s < p.size)
-        v[r] = make_float4(v[r].x + v[r + s].x, v[r].y + v[r + s].y, v[r].z + v[r + s].z,
-                           v[r].w + v[r + s].w);
-  return v[0];
+__device__ __forceinline__ float4 as_float4(const uint4 &u) {
+  return make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z),
+                     __uint_as_float(u.w));
 }
 
+/* Rank r's staging buffer `slot`, as 16-byte vectors. */
+__device__ __forceinline__ const uint4 *stage_of(const Params &p, int r, int slot) {
+  return reinterpret_cast<const uint4 *>(p.region[r] + kDataOffset + (2 + (size_t)slot) * p.cap);
+}
+
+/* With add_x, this rank's residual of one row: it does not depend on a peer, so it is read before
+ * the handshake. */
 template <int VPT>
+__device__ __forceinline__ void load_x(const NormArgs &a, int row, float4 (&xo)[VPT]) {
+  const int n4 = a.dim >> 2;
+  const float4 *xr = reinterpret_cast<const float4 *>(a.x) + (size_t)row * n4;
+#pragma unroll
+  for (int j = 0; j < VPT; j++) {
+    const int i = threadIdx.x + j * kNormThreads;
+    xo[j] = a.add_x && i < n4 ? xr[i] : make_float4(0, 0, 0, 0);
+  }
+}
+
+/* The row's vectors of every rank's staging buffer `slot`, summed in the pairwise tree
+ * ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)) (rank order for 2): the tree
+ * lf_cuda_gemv_parts uses over its K parts, so rank r's partial over parts [r P/T, (r+1) P/T)
+ * continues it exactly and the sum equals one GPU's. NR >= p.size ranks are provided for. The
+ * loads are issued in groups of up to 16 vectors before any is used: one NVLink round trip a
+ * group. (One vector's loads then its adds, in turn, cost VPT round trips: 5.7 us a call for a
+ * row of 4096 on 2 x H200, session 6.) */
+template <int VPT, int NR>
+__device__ __forceinline__ void sum_ranks(const Params &p, int slot, int row, int n4,
+                                          float4 (&v)[VPT]) {
+  constexpr int G = NR >= 8 ? 1 : 16 / NR, JG = G < VPT ? G : VPT; /* vectors a group */
+  const size_t off4 = (size_t)row * n4;
+#pragma unroll
+  for (int j0 = 0; j0 < VPT; j0 += JG) {
+    uint4 raw[JG][NR];
+#pragma unroll
+    for (int jj = 0; jj < JG; jj++) {
+      const int i = threadIdx.x + (j0 + jj) * kNormThreads;
+#pragma unroll
+      for (int r = 0; r < NR; r++)
+        if (r < p.size && i < n4) raw[jj][r] = ld_volatile(stage_of(p, r, slot) + off4 + i);
+    }
+#pragma unroll
+    for (int jj = 0; jj < JG; jj++) {
+      const int i = threadIdx.x + (j0 + jj) * kNormThreads;
+      float4 f[NR];
+#pragma unroll
+      for (int r = 0; r < NR; r++) f[r] = as_float4(raw[jj][r]);
+#pragma unroll
+      for (int s = 1; s < NR; s *= 2)
+#pragma unroll
+        for (int r = 0; r + s < NR; r += 2 * s)
+          if (r + s < p.size)
+            f[r] = make_float4(f[r].x + f[r + s].x, f[r].y + f[r + s].y, f[r].z + f[r + s].z,
+                               f[r].w + f[r + s].w);
+      v[j0 + jj] = i < n4 ? f[0] : make_float4(0, 0, 0, 0);
+    }
+  }
+}
+
+template <int VPT, int NR>
 __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArgs a) {
   __shared__ uint32_t s_call;
   __shared__ float red[kNormThreads / 32 + 1]; /* lf_rms_scale */
@@ -250,6 +292,8 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
   pdl_wait();
   const unsigned long long t0 = p.tm && blockIdx.x == 0 ? global_ns() : 0;
   if (threadIdx.x == 0) s_call = *reinterpret_cast<volatile uint32_t *>(ctr) + 1;
+  float4 xo[VPT]; /* the first row's residual, read while the peers are awaited */
+  if ((int)blockIdx.x < a.rows) load_x(a, blockIdx.x, xo);
   __syncthreads();
   const uint32_t call = s_call;
   if (threadIdx.x < (unsigned)p.size) {
@@ -265,12 +309,9 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
   pdl_trigger(); /* the next kernel may start loading its weights */
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const size_t off = (size_t)row * a.dim; /* floats */
+    if (row != (int)blockIdx.x) load_x(a, row, xo);
     float4 v[VPT];
-#pragma unroll
-    for (int j = 0; j < VPT; j++) {
-      const int i = threadIdx.x + j * kNormThreads;
-      v[j] = i < n4 ? tree_sum(p, a.slot, off / 4 + i) : make_float4(0, 0, 0, 0);
-    }
+    sum_ranks<VPT, NR>(p, a.slot, row, n4, v);
     float4 *xr = reinterpret_cast<float4 *>(a.x + off);
     float ss = 0.0f;
 #pragma unroll
@@ -278,7 +319,7 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
       const int i = threadIdx.x + j * kNormThreads;
       if (i < n4) {
         if (a.add_x) {
-          const float4 o = xr[i];
+          const float4 o = xo[j];
           v[j] = make_float4(o.x + v[j].x, o.y + v[j].y, o.z + v[j].z, o.w + v[j].w);
         }
         xr[i] = v[j];
@@ -533,15 +574,25 @@ extern "C" lf_status lf_ar_ipc_residual_norm(lf_ar_ipc *a, int slot, float *x, i
   const int vpt = (dim / 4 + kNormThreads - 1) / kNormThreads;
   cudaStream_t st = (cudaStream_t)stream;
   const dim3 g(grid), b(kNormThreads);
+  const int nr = a->p.size <= 2 ? 2 : a->p.size <= 4 ? 4 : 8;
   cudaError_t e;
+#define AR_NORM_LAUNCH(V, R) e = lf_launch(ar_norm_kernel<V, R>, g, b, 0, st, a->p, na)
+#define AR_NORM_BY_RANKS(V)                                                                       \
+  do {                                                                                            \
+    if (nr == 2) AR_NORM_LAUNCH(V, 2);                                                            \
+    else if (nr == 4) AR_NORM_LAUNCH(V, 4);                                                       \
+    else AR_NORM_LAUNCH(V, 8);                                                                    \
+  } while (0)
   if (vpt <= 1)
-    e = lf_launch(ar_norm_kernel<1>, g, b, 0, st, a->p, na);
+    AR_NORM_BY_RANKS(1);
   else if (vpt <= 2)
-    e = lf_launch(ar_norm_kernel<2>, g, b, 0, st, a->p, na);
+    AR_NORM_BY_RANKS(2);
   else if (vpt <= 4)
-    e = lf_launch(ar_norm_kernel<4>, g, b, 0, st, a->p, na);
+    AR_NORM_BY_RANKS(4);
   else
-    e = lf_launch(ar_norm_kernel<8>, g, b, 0, st, a->p, na);
+    AR_NORM_BY_RANKS(8);
+#undef AR_NORM_BY_RANKS
+#undef AR_NORM_LAUNCH
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess)
     return lf_error(LF_ERR_BACKEND, "IPC residual all-reduce launch: %s", cudaGetErrorString(e));
