@@ -10,6 +10,7 @@
  * each rank exactly one GPU (CUDA_VISIBLE_DEVICES set per rank), that GPU is device 0.
  */
 #include <mpi.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "comm.h"
@@ -53,8 +54,28 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
   if (any_bad || st0 != LF_OK)
     return lf_error(LF_ERR_UNAVAILABLE, "rank %d: another rank could not start its GPU or NCCL "
                                         "(see its message)", rank);
-  /* 3. the communicator */
+  /* 3. the communicator, its host broadcasts (the step descriptor) over MPI: shared memory on
+   * one node, instead of a host->device copy, an NCCL broadcast and a device->host copy with a
+   * stream wait on each side */
   LF_TRY(lf_comm_init_nccl(NULL, msg + 4, rank, size, timeout_s, out));
+  const char *hb = getenv("LF_HOST_BCAST");
+  if (!hb || strcmp(hb, "nccl")) {
+    lf_comm_t host = NULL;
+    lf_status hs = lf_comm_init_mpi(&host);
+    if (hs != LF_OK) host = NULL;
+    int hbad = hs != LF_OK, any_hbad = 0; /* every rank the same way, or none */
+    if (MPI_Allreduce(&hbad, &any_hbad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS)
+      any_hbad = 1;
+    if (!any_hbad) hs = lf_comm_nccl_set_host(*out, host);
+    if (any_hbad || hs != LF_OK) {
+      if (host) lf_comm_free(host);
+      lf_comm_free(*out);
+      *out = NULL;
+      return hs != LF_OK ? hs
+                         : lf_error(LF_ERR_BACKEND, "rank %d: another rank could not set up its "
+                                                    "MPI host communicator", rank);
+    }
+  }
   if (device) *device = dev;
   return LF_OK;
 }

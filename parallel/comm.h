@@ -62,6 +62,11 @@ lf_status lf_comm_sync(struct lf_comm *c, void *stream);
  * current (device 0 when only one is visible) and sets *dev to it. */
 lf_status lf_nccl_pick_device(int rank, int local, int *dev);
 
+/* Host-buffer broadcasts of NCCL communicator c (the step descriptor, parallel/tp.c) go through
+ * host (same ranks, e.g. MPI) instead of a device round trip through NCCL; c owns host from then
+ * on. lf_comm_init_nccl_mpi sets an MPI one unless LF_HOST_BCAST=nccl. */
+lf_status lf_comm_nccl_set_host(struct lf_comm *c, struct lf_comm *host);
+
 /* lf_comm_init_local, lf_comm_init_mpi (over MPI_COMM_WORLD, duplicated; MPI must be initialised
  * by the caller; LF_ERR_UNAVAILABLE without MPI), lf_comm_free, lf_comm_rank and lf_comm_size
  * are public: include/lfserve.h. */

@@ -61,6 +61,7 @@ typedef struct nccl_impl {
   void *stage;          /* device staging for them */
   size_t stage_bytes;
   lf_ar_ipc *ar;        /* one-shot IPC all-reduce for small device messages, or NULL */
+  lf_comm_t host;       /* host broadcasts through this (MPI under mpirun), or NULL: NCCL */
 } nccl_impl;
 
 /* Polling cadence: yield for the first 20 ms (a decode step ends within that, and a sleep would
@@ -306,6 +307,10 @@ static lf_status nc_bcast(lf_comm_t c, void *buf, size_t bytes, int root, void *
                                    (cudaStream_t)stream), m->timeout_s);
     return LF_OK;
   }
+  if (m->host) { /* the step descriptor: host memory to host memory, no device round trip */
+    if (m->failed) return nc_dead(c);
+    return m->host->bcast(m->host, buf, bytes, root, NULL);
+  }
   LF_TRY(nc_host_begin(c, bytes));
   if (c->rank == root)
     LF_NC_CUDA_CHECK(c, cudaMemcpyAsync(m->stage, buf, bytes, cudaMemcpyHostToDevice, m->hstream));
@@ -342,11 +347,22 @@ static void nc_destroy(lf_comm_t c) {
     /* behind an abandoned abort a kernel may still spin: freeing could block, so leak */
     const int dev_ok = !m->failed || m->aborted;
     lf_ar_ipc_free(m->ar, dev_ok);
+    if (m->host) lf_comm_free(m->host);
     if (m->stage && dev_ok) cudaFree(m->stage);
     if (m->hstream && dev_ok) cudaStreamDestroy(m->hstream);
     free(m);
   }
   free(c);
+}
+
+lf_status lf_comm_nccl_set_host(lf_comm_t c, lf_comm_t host) {
+  if (!c || !host || strcmp(c->kind, "nccl") || host->rank != c->rank || host->size != c->size)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_comm_nccl_set_host: not an NCCL communicator with a "
+                                        "host communicator of the same ranks");
+  nccl_impl *m = c->impl;
+  if (m->host) lf_comm_free(m->host);
+  m->host = host;
+  return LF_OK;
 }
 
 lf_status lf_comm_nccl_unique_id(void *unique_id) {
