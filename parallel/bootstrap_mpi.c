@@ -63,6 +63,8 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
     lf_comm_t host = NULL;
     lf_status hs = lf_comm_init_mpi(&host);
     if (hs != LF_OK) host = NULL;
+    /* the lead fails, as with NCCL, when a follower does not take a descriptor in time */
+    if (hs == LF_OK) hs = lf_comm_mpi_set_timeout(host, lf_comm_nccl_timeout(*out));
     int hbad = hs != LF_OK, any_hbad = 0; /* every rank the same way, or none */
     if (MPI_Allreduce(&hbad, &any_hbad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS)
       any_hbad = 1;

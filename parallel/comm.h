@@ -66,6 +66,12 @@ lf_status lf_nccl_pick_device(int rank, int local, int *dev);
  * host (same ranks, e.g. MPI) instead of a device round trip through NCCL; c owns host from then
  * on. lf_comm_init_nccl_mpi sets an MPI one unless LF_HOST_BCAST=nccl. */
 lf_status lf_comm_nccl_set_host(struct lf_comm *c, struct lf_comm *host);
+/* The NCCL communicator's deadline for its waits, in seconds (LF_NCCL_TIMEOUT_S resolved). */
+double lf_comm_nccl_timeout(const struct lf_comm *c);
+
+/* MPI communicators (parallel/comm_mpi.c): a broadcast's root gives up with LF_ERR_BACKEND after
+ * root_timeout_s (0, the default: never) when a peer does not take the message. */
+lf_status lf_comm_mpi_set_timeout(struct lf_comm *c, double root_timeout_s);
 
 /* lf_comm_init_local, lf_comm_init_mpi (over MPI_COMM_WORLD, duplicated; MPI must be initialised
  * by the caller; LF_ERR_UNAVAILABLE without MPI), lf_comm_free, lf_comm_rank and lf_comm_size

@@ -3,6 +3,7 @@
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "comm.h"
@@ -12,7 +13,14 @@
 typedef struct mpi_impl {
   MPI_Comm comm;
   MPI_Op bf16_sum;
+  double root_timeout_s; /* > 0: a broadcast's root gives up after this (lf_comm_mpi_set_timeout) */
 } mpi_impl;
+
+static double mono_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 /* Logs rank, file:line and the statement, then returns the error up. */
 #define LF_MPI_CHECK(c, stmt)                                                                      \
@@ -81,11 +89,21 @@ static lf_status mpi_bcast(lf_comm_t c, void *buf, size_t bytes, int root, void 
    * capped at 1 ms, which is all an idle server adds to its first step. */
   MPI_Request req;
   LF_MPI_CHECK(c, MPI_Ibcast(buf, (int)bytes, MPI_BYTE, root, m->comm, &req));
+  /* The root has a deadline (when set): a message too large to go eagerly completes only once
+   * every peer takes it, and a peer that is stuck must make the root fail, not wait forever.
+   * (The request is left behind: the job is failing.) Followers keep none: they idle here. */
+  const double deadline = c->rank == root && m->root_timeout_s > 0 ? mono_s() + m->root_timeout_s
+                                                                    : 0.0;
   long sleep_ns = 0;
   for (int spins = 0;; spins++) {
     int done = 0;
     LF_MPI_CHECK(c, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
     if (done) break;
+    if (deadline > 0 && (spins & 255) == 0 && mono_s() > deadline)
+      return lf_error(LF_ERR_BACKEND,
+                      "rank %d: broadcast of %zu bytes: a peer did not take it within %.0f s: it "
+                      "is gone or stuck",
+                      c->rank, bytes, m->root_timeout_s);
     if (spins < 2000) continue;
     sleep_ns = sleep_ns ? (sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2) : 20000;
     struct timespec ts = {0, sleep_ns};
@@ -107,6 +125,14 @@ static void mpi_destroy(lf_comm_t c) {
     free(m);
   }
   free(c);
+}
+
+lf_status lf_comm_mpi_set_timeout(lf_comm_t c, double root_timeout_s) {
+  if (!c || !c->kind || strcmp(c->kind, "mpi") || !(root_timeout_s >= 0))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_comm_mpi_set_timeout: not an MPI communicator or a "
+                                        "negative timeout");
+  ((mpi_impl *)c->impl)->root_timeout_s = root_timeout_s;
+  return LF_OK;
 }
 
 lf_status lf_comm_init_mpi(lf_comm_t *out) {

@@ -365,6 +365,10 @@ lf_status lf_comm_nccl_set_host(lf_comm_t c, lf_comm_t host) {
   return LF_OK;
 }
 
+double lf_comm_nccl_timeout(const struct lf_comm *c) {
+  return c && c->kind && !strcmp(c->kind, "nccl") ? ((const nccl_impl *)c->impl)->timeout_s : 0.0;
+}
+
 lf_status lf_comm_nccl_unique_id(void *unique_id) {
   if (!unique_id) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_nccl_unique_id: NULL argument");
   const ncclResult_t r = ncclGetUniqueId((ncclUniqueId *)unique_id);

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "engine/tensor.h"
@@ -76,6 +78,37 @@ TEST(MpiComm, AllgatherAndBcast) {
   }
   EXPECT_EQ(g_comm->bcast(g_comm, mine.data(), 4, g_comm->size, nullptr), LF_ERR_INVALID_ARG);
   EXPECT_EQ(g_comm->barrier(g_comm), LF_OK);
+}
+
+// The root of a broadcast with a deadline fails within it when a peer does not take the message
+// (a stuck follower under tensor parallelism); the peers that take it late still get the bytes.
+TEST(MpiComm, BcastRootGivesUpOnAPeerThatStaysAway) {
+  lf_comm_t c = nullptr;
+  ASSERT_EQ(lf_comm_init_mpi(&c), LF_OK) << lf_last_error();
+  ASSERT_EQ(lf_comm_mpi_set_timeout(c, 0.5), LF_OK);
+  EXPECT_EQ(lf_comm_mpi_set_timeout(c, -1.0), LF_ERR_INVALID_ARG);
+  EXPECT_EQ(lf_comm_mpi_set_timeout(nullptr, 1.0), LF_ERR_INVALID_ARG);
+  // 32 MB: far above any eager limit, so the root's broadcast needs every peer to take part
+  const size_t n = size_t(8) << 20;
+  std::vector<float> want = contribution(0, n);
+  std::vector<float> b = c->rank == 0 ? want : std::vector<float>(n, NAN);
+  if (c->rank == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const lf_status s = c->bcast(c, b.data(), n * 4, 0, nullptr);
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(s, LF_ERR_BACKEND);
+    EXPECT_NE(std::strstr(lf_last_error(), "gone or stuck"), nullptr) << lf_last_error();
+    EXPECT_GE(took, 0.45);
+    EXPECT_LT(took, 1.5); // the peers join after 2 s
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    ASSERT_EQ(c->bcast(c, b.data(), n * 4, 0, nullptr), LF_OK) << lf_last_error();
+    EXPECT_EQ(std::memcmp(b.data(), want.data(), n * 4), 0);
+  }
+  // the root's abandoned request completes while it waits here with the others
+  MPI_Barrier(MPI_COMM_WORLD);
+  lf_comm_free(c);
 }
 
 } // namespace
