@@ -240,6 +240,7 @@ if has step && [ -z "${STEP_VARIANTS_ONLY:-}" ]; then
     case $NP in
       2) echo "targets: batch 1 TP2/TP1 <= 0.6; batch 64 throughput TP2 >= 1.8x (ratio <= 0.556)" ;;
       4) echo "targets: batch 1 TP4/TP1 <= 0.35; batch 64 throughput TP4 >= 3.4x (ratio <= 0.294)" ;;
+      8) echo "targets: batch 64 throughput TP8 >= 6x TP1 (ratio <= 0.167); the 70B shape's batch-1 step at TP8 <= 0.3x its TP2 step (NP=2 run)" ;;
     esac
   } | tee "$OUT/gpu_tp_table.txt" | tee -a "$LOG"
 fi

@@ -11,7 +11,7 @@ command -v python3 >/dev/null || { echo "python3 not found: skipped"; exit 77; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-# random:tiny-llama: 4 KV heads, so 2 and 4 ranks split them; a budget below prompt + output,
+# random:tiny-llama: 2 KV heads, split by 2 ranks and replicated at 4; a budget below prompt + output,
 # so longflow and streaming evict; Poisson arrivals so requests join a running batch
 args=(serve --model random:tiny-llama --backend cpu --prompt 24 --output 80 --budget 40
   --policies full,longflow,streaming --threads 1 --quiet --arrival poisson --rate 400 --seed 7)
