@@ -57,9 +57,21 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
   /* 3. the communicator, its host broadcasts (the step descriptor) over MPI: shared memory on
    * one node, instead of a host->device copy, an NCCL broadcast and a device->host copy with a
    * stream wait on each side */
-  LF_TRY(lf_comm_init_nccl(NULL, msg + 4, rank, size, timeout_s, out));
+  lf_status sc = lf_comm_init_nccl(NULL, msg + 4, rank, size, timeout_s, out);
+  /* agreed by every rank before the next collective (MPI_Comm_dup): the communicator came up
+   * everywhere, and every rank wants the MPI host path (LF_HOST_BCAST=nccl on any rank: none) */
   const char *hb = getenv("LF_HOST_BCAST");
-  if (!hb || strcmp(hb, "nccl")) {
+  int mine[2] = {sc == LF_OK, !(hb && !strcmp(hb, "nccl"))}, all[2] = {0, 0};
+  if (MPI_Allreduce(mine, all, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS) all[0] = 0;
+  if (!all[0]) {
+    if (*out) lf_comm_free(*out);
+    *out = NULL;
+    return sc != LF_OK ? sc
+                       : lf_error(LF_ERR_UNAVAILABLE, "rank %d: another rank could not create "
+                                                      "its NCCL communicator (see its message)",
+                                  rank);
+  }
+  if (all[1]) {
     lf_comm_t host = NULL;
     lf_status hs = lf_comm_init_mpi(&host);
     if (hs != LF_OK) host = NULL;
