@@ -5,7 +5,7 @@
 # die: the launcher sees the exit and ends the job. hang: nothing exits; rank 0's next
 # collective misses its NCCL deadline (LF_NCCL_TIMEOUT_S, 5 s here), rank 0 fails and exits
 # non-zero, and the launcher ends the job. (A hung rank 0 is not covered: a follower waits for
-# the next descriptor without a deadline, see parallel/comm_nccl.c.)
+# the next descriptor without a deadline, see parallel/comm_mpi.c and comm_nccl.c.)
 mpiexec=$1 np=$2 bin=$3 mode=$4 rank=$5
 export LF_NCCL_TIMEOUT_S=5 NCCL_NVLS_ENABLE=0
 start=$(date +%s)
