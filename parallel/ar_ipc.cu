@@ -389,14 +389,13 @@ static void print_timing(const lf_ar_ipc *a) {
     ok = 0;
   }
   const int n = ok ? (int)(head[1] < (unsigned long long)kTmRecs ? head[1] : kTmRecs) : 0;
-  /* pass boundaries: starts[k] .. starts[k + 1] */
-  for (int done = 0; ok && !done;) {
-    /* the row count of the first pass not yet printed, marked by setting printed passes' rows 0 */
+  /* one row count at a time; the records of a row count done are marked by rows = 0 */
+  while (ok) {
     uint32_t R = 0;
     for (int i = 0; i < n && !R; i++)
       if (rec[i].add_x == 0 && rec[i].rows) R = rec[i].rows;
     if (!R) break;
-    int np = 0, calls = 0, nw = 0;
+    int np = 0, nw = 0;
     for (int i = 0; i < n; i++) {
       if (rec[i].add_x != 0 || rec[i].rows != R) continue;
       int j = i + 1;
@@ -421,7 +420,7 @@ static void print_timing(const lf_ar_ipc *a) {
     for (int i = 0; i < n; i++)
       if (rec[i].rows == R && rec[i].add_x == 0) rec[i].rows = 0;
     if (!np) continue;
-    calls = (int)median(col[4], np);
+    const int calls = (int)median(col[4], np);
     fprintf(stderr,
             "LF_AR_TIMING rank %d/%d rows %u: %d passes of %d calls, medians of a pass (us): "
             "first call's wait %.2f, the other calls' waits %.2f (a call's median %.2f), "
