@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "comm.h"
+#include "engine/clock.h"
 #include "engine/error.h"
 #include "engine/tensor.h"
 
@@ -17,11 +18,6 @@ typedef struct mpi_impl {
   double root_timeout_s; /* > 0: a broadcast's root gives up after this (lf_comm_mpi_set_timeout) */
 } mpi_impl;
 
-static double mono_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Logs rank, file:line and the statement, then returns the error up. */
 #define LF_MPI_CHECK(c, stmt)                                                                      \
@@ -96,19 +92,19 @@ static lf_status mpi_bcast(lf_comm_t c, void *buf, size_t bytes, int root, void 
   /* The root has a deadline (when set): a message too large to go eagerly completes only once
    * every peer takes it, and a peer that is stuck must make the root fail, not wait forever.
    * (The request is left behind: the job is failing.) Followers keep none: they idle here. */
-  const double t0 = mono_s();
+  const double t0 = lf_now_s();
   const double deadline = c->rank == root && m->root_timeout_s > 0 ? t0 + m->root_timeout_s : 0.0;
   long sleep_ns = 0;
   for (int spins = 0;; spins++) {
     int done = 0;
     LF_MPI_CHECK(c, MPI_Test(&req, &done, MPI_STATUS_IGNORE));
     if (done) break;
-    if (deadline > 0 && (spins & 255) == 0 && mono_s() > deadline)
+    if (deadline > 0 && (spins & 255) == 0 && lf_now_s() > deadline)
       return lf_error(LF_ERR_BACKEND,
                       "rank %d: broadcast of %zu bytes: a peer did not take it within %.0f s: it "
                       "is gone or stuck",
                       c->rank, bytes, m->root_timeout_s);
-    if (mono_s() - t0 < 0.02) {
+    if (lf_now_s() - t0 < 0.02) {
       if (spins >= 64) sched_yield(); /* a few polls flat out, then let the others run */
       continue;
     }
