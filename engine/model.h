@@ -75,8 +75,8 @@ typedef struct lf_checkpoint {
   uint64_t random_seed;
 } lf_checkpoint;
 
-/* Opens a HF model directory (config.json + model.safetensors or model.safetensors.index.json)
- * or a llama2.c legacy .bin file, chosen by what path is, or "random:NAME[:seed]" (NAME one of
+/* Opens a HF model directory (config.json + model.safetensors or model.safetensors.index.json),
+ * a GGUF file or a llama2.c legacy .bin file, chosen by what path is, or "random:NAME[:seed]" (NAME one of
  * llama3-8b, qwen3-8b, llama3-70b, tiny-llama, tiny-qwen3) for seeded random weights of that
  * shape ("random:NAME/T[:seed]": one rank's shard at tensor-parallel degree T, as a whole
  * model: heads, KV heads, MLP width and vocabulary divided by T). Validates the config. */
@@ -86,6 +86,9 @@ void lf_checkpoint_close(lf_checkpoint *ck);
 /* Format-specific openers used by lf_checkpoint_open. */
 lf_status lf_checkpoint_open_hf(const char *dir, lf_checkpoint *out);
 lf_status lf_checkpoint_open_llama2c(const char *file, lf_checkpoint *out);
+/* A GGUF file (engine/model_gguf.c): architectures llama, qwen2, qwen3; tensors renamed to their
+ * HF names, llama's Q/K rows un-permuted and quantized blocks dequantized when read. */
+lf_status lf_checkpoint_open_gguf(const char *file, lf_checkpoint *out);
 /* spec: what follows "random:" ("NAME" or "NAME:seed"; the seed defaults to 0). */
 lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out);
 

@@ -13,7 +13,9 @@
 #include <unistd.h>
 
 #include "error.h"
+#include "gguf.h"
 #include "json.h"
+#include "quant.h"
 
 /* Checkpoint files are little-endian and read by memcpy of their bytes. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -28,6 +30,18 @@ const char *lf_dtype_str(lf_dtype t) {
     return "F16";
   case LF_DTYPE_BF16:
     return "BF16";
+  case LF_DTYPE_Q4_0:
+    return "Q4_0";
+  case LF_DTYPE_Q4_1:
+    return "Q4_1";
+  case LF_DTYPE_Q8_0:
+    return "Q8_0";
+  case LF_DTYPE_Q4_K:
+    return "Q4_K";
+  case LF_DTYPE_Q5_K:
+    return "Q5_K";
+  case LF_DTYPE_Q6_K:
+    return "Q6_K";
   }
   return "?";
 }
@@ -40,8 +54,47 @@ size_t lf_dtype_size(lf_dtype t) {
     return 2;
   case LF_DTYPE_BF16:
     return 2;
+  default:
+    return 0;
   }
-  return 0;
+}
+
+/* The ggml type number of each lf_dtype (quant.h dequantizes by it); -1 for an invalid dtype. */
+static int64_t dtype_ggml(lf_dtype t) {
+  switch (t) {
+  case LF_DTYPE_F32:
+    return LF_GGML_F32;
+  case LF_DTYPE_F16:
+    return LF_GGML_F16;
+  case LF_DTYPE_BF16:
+    return LF_GGML_BF16;
+  case LF_DTYPE_Q4_0:
+    return LF_GGML_Q4_0;
+  case LF_DTYPE_Q4_1:
+    return LF_GGML_Q4_1;
+  case LF_DTYPE_Q8_0:
+    return LF_GGML_Q8_0;
+  case LF_DTYPE_Q4_K:
+    return LF_GGML_Q4_K;
+  case LF_DTYPE_Q5_K:
+    return LF_GGML_Q5_K;
+  case LF_DTYPE_Q6_K:
+    return LF_GGML_Q6_K;
+  }
+  return -1;
+}
+
+int64_t lf_dtype_block_size(lf_dtype t) {
+  int64_t g = dtype_ggml(t), bs;
+  if (g < 0 || !lf_ggml_type_info((uint32_t)g, &bs, NULL)) return 0;
+  return bs;
+}
+
+size_t lf_dtype_row_bytes(lf_dtype t, int64_t ncols) {
+  int64_t g = dtype_ggml(t);
+  int64_t b = g < 0 ? -1 : lf_quant_row_bytes((uint32_t)g, ncols);
+  if (b < 0 || (uint64_t)b > SIZE_MAX) return 0;
+  return (size_t)b;
 }
 
 static float bits_to_f32(uint32_t u) {
@@ -193,6 +246,36 @@ int64_t lf_tensor_numel(const lf_tensor_src *t) {
   return n;
 }
 
+/* The stored row of Hugging Face row r of a tensor in llama.cpp's rotary order with heads of hd
+ * rows (see row_perm_heads in tensor.h): r = h*hd + i*(hd/2) + j is stored at h*hd + 2*j + i. */
+static int64_t perm_row(int64_t r, int64_t hd) {
+  const int64_t half = hd / 2, h = r / hd, k = r % hd;
+  return h * hd + 2 * (k % half) + k / half;
+}
+
+/* Columns [col0, col0+ncols) of a block-typed row (or, with perm_hd, of a whole 1-D tensor in
+ * rotary order) into out[ncols]: the blocks covering the range are dequantized, into scratch
+ * when the range does not start and end on block boundaries. */
+static lf_status read_block_row(const lf_tensor_src *t, uint32_t type, const unsigned char *row,
+                                int64_t cols, int64_t col0, int64_t ncols, int64_t perm_hd,
+                                float *scratch, float *out) {
+  const int64_t bs = lf_dtype_block_size(t->dtype);
+  const size_t block_bytes = lf_dtype_row_bytes(t->dtype, bs);
+  if (perm_hd) {
+    LF_TRY(lf_quant_dequant_row(type, row, cols, scratch));
+    for (int64_t c = 0; c < ncols; c++)
+      out[c] = scratch[perm_row(col0 + c, perm_hd)];
+    return LF_OK;
+  }
+  const int64_t b0 = col0 / bs, b1 = (col0 + ncols + bs - 1) / bs;
+  const unsigned char *src = row + (size_t)b0 * block_bytes;
+  if (b0 * bs == col0 && b1 * bs == col0 + ncols)
+    return lf_quant_dequant_row(type, src, ncols, out);
+  LF_TRY(lf_quant_dequant_row(type, src, (b1 - b0) * bs, scratch));
+  memcpy(out, scratch + (col0 - b0 * bs), (size_t)ncols * sizeof *out);
+  return LF_OK;
+}
+
 lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
                              int64_t ncols, float *dst) {
   if (!t) return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_read_f32: NULL tensor");
@@ -216,36 +299,78 @@ lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows
   if (nrows == 0 || ncols == 0) return LF_OK;
   if (!dst || !t->data)
     return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_read_f32: %s: NULL buffer", t->name);
+  const int64_t ggml = dtype_ggml(t->dtype);
+  if (ggml < 0) return lf_error(LF_ERR_INTERNAL, "%s: bad dtype %d", t->name, (int)t->dtype);
+
+  /* Heads of perm_hd rows (elements of a 1-D tensor) stored in rotary order, or 0. */
+  int64_t perm_hd = 0;
+  if (t->row_perm_heads != 0) {
+    const int64_t n = t->ndim == 1 ? cols : rows;
+    if (t->row_perm_heads < 0 || n % t->row_perm_heads != 0 || n / t->row_perm_heads % 2 != 0)
+      return lf_error(LF_ERR_SHAPE,
+                      "%s: %lld %s cannot be split into %d heads of an even size to undo the "
+                      "rotary permutation",
+                      t->name, (long long)n, t->ndim == 1 ? "elements" : "rows", t->row_perm_heads);
+    perm_hd = n / t->row_perm_heads;
+  }
+  const int64_t bs = lf_dtype_block_size(t->dtype);
+  const int perm_cols = perm_hd && t->ndim == 1;
 
   const unsigned char *base = t->data;
-  size_t es = lf_dtype_size(t->dtype);
-  for (int64_t r = 0; r < nrows; r++) {
-    const unsigned char *src = base + ((size_t)(row0 + r) * (size_t)cols + (size_t)col0) * es;
-    float *out = dst + (size_t)r * (size_t)ncols; /* [ncols] */
-    /* Safetensors data need not be aligned (the header length is arbitrary): memcpy loads. */
-    switch (t->dtype) {
-    case LF_DTYPE_F32:
-      memcpy(out, src, (size_t)ncols * 4);
-      break;
-    case LF_DTYPE_F16:
-      for (int64_t c = 0; c < ncols; c++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * c, 2);
-        out[c] = lf_f16_to_f32(h);
+  if (bs == 1 && !perm_cols) {
+    size_t es = lf_dtype_size(t->dtype);
+    for (int64_t r = 0; r < nrows; r++) {
+      const int64_t pr = perm_hd ? perm_row(row0 + r, perm_hd) : row0 + r;
+      const unsigned char *src = base + ((size_t)pr * (size_t)cols + (size_t)col0) * es;
+      float *out = dst + (size_t)r * (size_t)ncols; /* [ncols] */
+      /* Safetensors data need not be aligned (the header length is arbitrary): memcpy loads. */
+      switch (t->dtype) {
+      case LF_DTYPE_F32:
+        memcpy(out, src, (size_t)ncols * 4);
+        break;
+      case LF_DTYPE_F16:
+        for (int64_t c = 0; c < ncols; c++) {
+          uint16_t h;
+          memcpy(&h, src + 2 * c, 2);
+          out[c] = lf_f16_to_f32(h);
+        }
+        break;
+      case LF_DTYPE_BF16:
+        for (int64_t c = 0; c < ncols; c++) {
+          uint16_t h;
+          memcpy(&h, src + 2 * c, 2);
+          out[c] = lf_bf16_to_f32(h);
+        }
+        break;
+      default:
+        return lf_error(LF_ERR_INTERNAL, "%s: bad dtype %d", t->name, (int)t->dtype);
       }
-      break;
-    case LF_DTYPE_BF16:
-      for (int64_t c = 0; c < ncols; c++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * c, 2);
-        out[c] = lf_bf16_to_f32(h);
-      }
-      break;
-    default:
-      return lf_error(LF_ERR_INTERNAL, "%s: bad dtype %d", t->name, (int)t->dtype);
     }
+    return LF_OK;
   }
-  return LF_OK;
+
+  /* Block types (and permuted 1-D tensors): whole blocks are dequantized, through a scratch row
+   * when the columns asked for are not whole blocks. Rows are contiguous, row_bytes apart. */
+  const size_t row_bytes = lf_dtype_row_bytes(t->dtype, cols);
+  if (bs <= 0 || row_bytes == 0)
+    return lf_error(LF_ERR_SHAPE,
+                    "%s: %lld columns are not a whole number of %s's %lld-element blocks", t->name,
+                    (long long)cols, lf_dtype_str(t->dtype), (long long)bs);
+  if ((uint64_t)cols + (uint64_t)bs > SIZE_MAX / sizeof(float))
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: rows of %lld columns are too long", t->name,
+                    (long long)cols);
+  float *scratch = malloc(((size_t)cols + (size_t)bs) * sizeof *scratch);
+  if (!scratch)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: cannot allocate a row of %lld floats", t->name,
+                    (long long)cols);
+  lf_status st = LF_OK;
+  for (int64_t r = 0; r < nrows && st == LF_OK; r++) {
+    const int64_t pr = perm_hd && !perm_cols ? perm_row(row0 + r, perm_hd) : row0 + r;
+    st = read_block_row(t, (uint32_t)ggml, base + (size_t)pr * row_bytes, cols, col0, ncols,
+                        perm_cols ? perm_hd : 0, scratch, dst + (size_t)r * (size_t)ncols);
+  }
+  free(scratch);
+  return st;
 }
 
 /* ---- safetensors ---------------------------------------------------------------------------
@@ -413,4 +538,72 @@ fail:
   free(s->maps[idx].path);
   s->n_maps = idx;
   return st;
+}
+
+/* ---- GGUF ----------------------------------------------------------------------------------
+ * gguf.c parses and bounds-checks the file; here its tensors become lf_tensor_src entries. */
+
+static int ggml_to_dtype(uint32_t type, lf_dtype *out) {
+  static const lf_dtype all[] = {LF_DTYPE_F32,  LF_DTYPE_F16,  LF_DTYPE_BF16,
+                                 LF_DTYPE_Q4_0, LF_DTYPE_Q4_1, LF_DTYPE_Q8_0,
+                                 LF_DTYPE_Q4_K, LF_DTYPE_Q5_K, LF_DTYPE_Q6_K};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+    if (dtype_ggml(all[i]) == (int64_t)type) {
+      *out = all[i];
+      return 1;
+    }
+  }
+  return 0;
+}
+
+lf_status lf_gguf_tensor_set_load(lf_tensor_set *s, const char *path, lf_gguf **meta) {
+  if (!s || !path) return lf_error(LF_ERR_INVALID_ARG, "lf_gguf_tensor_set_load: NULL argument");
+  if (meta) *meta = NULL;
+  int idx;
+  LF_TRY(lf_tensor_set_map_file(s, path, &idx));
+  const int n0 = s->n;
+  const lf_mapping *m = &s->maps[idx];
+  const char *file = m->path; /* owned by the set: tensors point at it */
+  lf_gguf *g = NULL;
+  lf_status st = lf_gguf_parse(m->addr, m->size, file, &g);
+  for (int64_t i = 0; st == LF_OK && i < lf_gguf_tensor_count(g); i++) {
+    const lf_gguf_tensor *gt = lf_gguf_tensor_at(g, i);
+    lf_tensor_src t;
+    memset(&t, 0, sizeof t);
+    if (gt->name.len >= LF_TENSOR_NAME_MAX) {
+      st = lf_error(LF_ERR_FORMAT, "%s: tensor name longer than %d bytes: %.60s...", file,
+                    LF_TENSOR_NAME_MAX - 1, gt->name.ptr);
+      break;
+    }
+    memcpy(t.name, gt->name.ptr, (size_t)gt->name.len);
+    if (!ggml_to_dtype(gt->type, &t.dtype)) {
+      const char *tn = lf_ggml_type_name(gt->type);
+      st = lf_error(LF_ERR_UNSUPPORTED,
+                    "%s: tensor %s has ggml type %s (%u), which lfserve cannot dequantize "
+                    "(supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)",
+                    file, t.name, tn ? tn : "?", (unsigned)gt->type);
+      break;
+    }
+    /* ggml's ne[0] is the innermost dimension; lf shapes are row-major, outermost first. */
+    t.ndim = gt->n_dims;
+    for (int d = 0; d < gt->n_dims; d++)
+      t.shape[d] = gt->ne[gt->n_dims - 1 - d];
+    t.data = gt->data;
+    t.file = file;
+    st = lf_tensor_set_add(s, &t);
+  }
+  if (st != LF_OK) {
+    /* Leave the set as it was: drop this file's tensors and mapping (the last one). */
+    lf_gguf_free(g);
+    s->n = n0;
+    if (s->maps[idx].addr) munmap(s->maps[idx].addr, s->maps[idx].size);
+    free(s->maps[idx].path);
+    s->n_maps = idx;
+    return st;
+  }
+  if (meta)
+    *meta = g;
+  else
+    lf_gguf_free(g);
+  return LF_OK;
 }

@@ -16,10 +16,28 @@
 extern "C" {
 #endif
 
-typedef enum lf_dtype { LF_DTYPE_F32 = 0, LF_DTYPE_F16, LF_DTYPE_BF16 } lf_dtype;
+/* Plain element types, then ggml's block-quantized ones (GGUF files; quant.h has the layouts):
+ * a row of a block type is a sequence of blocks of lf_dtype_block_size elements. */
+typedef enum lf_dtype {
+  LF_DTYPE_F32 = 0,
+  LF_DTYPE_F16,
+  LF_DTYPE_BF16,
+  LF_DTYPE_Q4_0,
+  LF_DTYPE_Q4_1,
+  LF_DTYPE_Q8_0,
+  LF_DTYPE_Q4_K,
+  LF_DTYPE_Q5_K,
+  LF_DTYPE_Q6_K,
+} lf_dtype;
 
 const char *lf_dtype_str(lf_dtype t);
+/* Bytes per element of a plain type; 0 for block types (see lf_dtype_row_bytes). */
 size_t lf_dtype_size(lf_dtype t);
+/* Elements per block: 1 for plain types, 32 or 256 for block types; 0 for an invalid dtype. */
+int64_t lf_dtype_block_size(lf_dtype t);
+/* Bytes of a row of ncols elements; 0 when ncols is negative or not a multiple of the block
+ * size (or the dtype is invalid, or the size overflows). */
+size_t lf_dtype_row_bytes(lf_dtype t, int64_t ncols);
 
 #define LF_TENSOR_MAX_DIMS 4
 #define LF_TENSOR_NAME_MAX 160
@@ -29,8 +47,15 @@ typedef struct lf_tensor_src {
   lf_dtype dtype;
   int ndim;
   int64_t shape[LF_TENSOR_MAX_DIMS];
-  const void *data;  /* inside a mapping of the set; nbytes = numel * dtype size, in bounds */
-  const char *file;  /* the file it lives in (owned by the set) */
+  const void *data; /* inside a mapping of the set; nbytes = rows * lf_dtype_row_bytes(cols)
+                       (numel * dtype size for plain types), in bounds */
+  const char *file; /* the file it lives in (owned by the set) */
+  /* 0, or the number of heads when the rows are stored in llama.cpp's Q/K rotary order
+   * (convert_hf_to_gguf.py's permute): with hd = rows / row_perm_heads, Hugging Face row
+   * h*hd + i*(hd/2) + j (i in {0, 1}, j < hd/2) is stored as row h*hd + 2*j + i.
+   * lf_tensor_read_f32 undoes it, so readers see the Hugging Face layout. For a 1-D tensor (a
+   * q/k bias) the elements are the rows. */
+  int row_perm_heads;
 } lf_tensor_src;
 
 typedef struct lf_mapping {
@@ -57,7 +82,8 @@ const lf_tensor_src *lf_tensor_set_find(const lf_tensor_set *s, const char *name
 int64_t lf_tensor_numel(const lf_tensor_src *t);
 
 /* Reads rows [row0, row0+nrows) x cols [col0, col0+ncols) of a 2-D tensor (a 1-D tensor is one
- * row) into dst [nrows][ncols] as fp32. Bounds are checked. */
+ * row) into dst [nrows][ncols] as fp32, dequantizing block types and undoing row_perm_heads.
+ * Bounds are checked. */
 lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
                              int64_t ncols, float *dst);
 
@@ -67,6 +93,16 @@ uint16_t lf_f32_to_bf16(float f); /* round to nearest even */
 
 /* Parses one .safetensors file into the set (tensors named as in the file). */
 lf_status lf_safetensors_load(lf_tensor_set *s, const char *path);
+
+struct lf_gguf;
+/* Maps a GGUF file into the set and adds every tensor under its GGUF name
+ * ("blk.0.attn_q.weight"), its shape in row-major (Hugging Face) order, i.e. ne reversed:
+ * [ne[1]][ne[0]] for a matrix. A tensor of a ggml type without an lf_dtype is
+ * LF_ERR_UNSUPPORTED (naming tensor and type), a name of LF_TENSOR_NAME_MAX bytes or more
+ * LF_ERR_FORMAT. On success *meta (if not NULL) receives the parsed file for its metadata, to be
+ * freed with lf_gguf_free; it points into the set's mapping, so it is usable only while the set
+ * lives. On failure the set is left as it was and *meta is NULL. */
+lf_status lf_gguf_tensor_set_load(lf_tensor_set *s, const char *path, struct lf_gguf **meta);
 
 #ifdef __cplusplus
 }

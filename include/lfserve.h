@@ -75,7 +75,7 @@ const char *lf_evict_scope_str(lf_evict_scope s);
 lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out);
 
 typedef struct lf_engine_config {
-  const char *model_path; /* HF model dir (config.json + safetensors) or llama2.c .bin */
+  const char *model_path; /* HF model dir (config.json + safetensors), GGUF file or llama2.c .bin */
   lf_backend_kind backend; /* default LF_BACKEND_AUTO */
   lf_policy policy;       /* default LF_POLICY_LONGFLOW */
   int budget;             /* KV slots per pool (B); 0: the model's max context */

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "engine/clock.h"
+#include "engine/model_text.h"
 #include "engine/tokenizer.h"
 #include "launch/tp_launch.h"
 #include "lfserve.h"
@@ -217,20 +218,15 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  /* The model directory's tokenizer.json (and chat template), where present. */
+  /* The model's tokenizer (a HF directory's tokenizer.json or a GGUF file's metadata). */
   lf_tokenizer *tok = NULL;
+  char no_tok[4200] = "";
   {
-    char tpath[4096];
-    snprintf(tpath, sizeof tpath, "%s/tokenizer.json", cfg.model_path);
-    FILE *tf = fopen(tpath, "rb");
-    if (tf) {
-      fclose(tf);
-      lf_status ts = lf_tokenizer_init_file(tpath, &tok);
-      if (ts != LF_OK) {
-        fprintf(stderr, "lfgen: %s: %s: %s\n", tpath, lf_status_str(ts), lf_last_error());
-        free(ids);
-        return 1;
-      }
+    lf_status ts = lf_model_tokenizer_open(cfg.model_path, &tok, no_tok, sizeof no_tok);
+    if (ts != LF_OK) {
+      fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(ts), lf_last_error());
+      free(ids);
+      return 1;
     }
   }
   if (chat && !prompt_text) {
@@ -239,8 +235,7 @@ int main(int argc, char **argv) {
   }
   if (prompt_text && !ids) {
     if (!tok) {
-      fprintf(stderr, "lfgen: --prompt needs a model directory with tokenizer.json; use "
-                      "--prompt-ids\n");
+      fprintf(stderr, "lfgen: --prompt needs a tokenizer (%s); use --prompt-ids\n", no_tok);
       return 2;
     }
     lf_tok_text rendered = {0};
@@ -248,7 +243,7 @@ int main(int argc, char **argv) {
     lf_status ts = LF_OK;
     if (chat) {
       lf_chat_template *tmpl = NULL;
-      ts = lf_chat_template_init_dir(cfg.model_path, &tmpl);
+      ts = lf_model_chat_template_open(cfg.model_path, &tmpl);
       lf_chat_message msg = {"user", prompt_text};
       if (ts == LF_OK) ts = lf_chat_template_render(tmpl, &msg, 1, 1, &rendered);
       lf_chat_template_free(tmpl);

