@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "engine/clock.h"
+#include "engine/model_text.h"
 #include "engine/tokenizer.h"
 #include "launch/http_json.h"
 #include "launch/http_request.h"
@@ -566,6 +567,10 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     int n = take_tokens(c);
     const int finished = c->j->finished && c->j->n_toks == 0;
     pthread_mutex_unlock(&S.mu);
+    /* The wait (a queued request may wait minutes) counts as idleness to libmicrohttpd, which
+     * would close the connection on our return once --timeout had passed, after the headers
+     * went out: setting the timeout again restarts its timer (thread-per-connection mode). */
+    MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, S.timeout_s);
     /* After finished is seen, the job is only read: the engine thread is done with it. */
     stream_format(c, c->taken, n, finished, c->j);
   }
@@ -974,7 +979,7 @@ static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
 static void usage(FILE *f) {
   fprintf(f,
           "usage: lfserve --model DIR [options]\n"
-          "  --model DIR             HF model directory (tokenizer.json for text prompts)\n"
+          "  --model PATH            HF model directory or GGUF file (its tokenizer for text prompts)\n"
           "  --served-model-name S   the model id clients use (default: the directory's name)\n"
           "  --host ADDR             IPv4 address to listen on (default 0.0.0.0)\n"
           "  --port N                (default 8000; 0 picks a free port, printed at start)\n"
@@ -1158,25 +1163,24 @@ int main(int argc, char **argv) {
   lf_engine_model_info(S.e, &S.mi);
   S.budget = cfg.budget ? cfg.budget : S.mi.max_seq_len;
 
-  /* The tokenizer and chat template, where the model directory has them. */
-  char path[4096];
-  snprintf(path, sizeof path, "%s/tokenizer.json", cfg.model_path);
-  if (access(path, R_OK) == 0) {
-    s = lf_tokenizer_init_file(path, &S.tok);
-    if (s != LF_OK) {
-      fprintf(stderr, "lfserve: %s: %s: %s\n", path, lf_status_str(s), lf_last_error());
-      goto out;
-    }
+  /* The tokenizer and chat template the model carries (HF directory or GGUF metadata). */
+  char why[4200] = "";
+  s = lf_model_tokenizer_open(cfg.model_path, &S.tok, why, sizeof why);
+  if (s != LF_OK) {
+    fprintf(stderr, "lfserve: %s: %s\n", lf_status_str(s), lf_last_error());
+    goto out;
+  }
+  if (S.tok) {
     if (lf_tokenizer_vocab_size(S.tok) > S.mi.vocab_size)
       fprintf(stderr, "lfserve: warning: the tokenizer has %d ids, the model %d\n",
               lf_tokenizer_vocab_size(S.tok), S.mi.vocab_size);
-    if (lf_chat_template_init_dir(cfg.model_path, &S.tmpl) != LF_OK) {
+    if (lf_model_chat_template_open(cfg.model_path, &S.tmpl) != LF_OK) {
       fprintf(stderr, "lfserve: no chat template (%s): /v1/chat/completions is off\n",
               lf_last_error());
       S.tmpl = NULL;
     }
   } else {
-    fprintf(stderr, "lfserve: %s not found: token-id prompts only, no text output\n", path);
+    fprintf(stderr, "lfserve: %s: token-id prompts only, no text output\n", why);
   }
   if (name) {
     snprintf(S.model_name, sizeof S.model_name, "%.255s", name);
