@@ -1,5 +1,5 @@
 /* CPU reference of decode attention with LongFlow scoring and eviction, prefill attention with
- * SnapKV compression, and the comparison policies (DESIGN §3, normative; attention.h is the
+ * SnapKV compression, and the comparison policies (docs/DESIGN.md §3, normative; attention.h is the
  * contract).
  *
  * This file is the oracle every backend kernel is tested against, so clarity and exactness come
@@ -132,7 +132,7 @@ static void softmax_inplace(double *x, int n) {
     x[i] /= sum;
 }
 
-/* Stores one token in a slot; ||v||_1 is cached here so scoring never re-reads V (DESIGN §3). */
+/* Stores one token in a slot; ||v||_1 is cached here so scoring never re-reads V (docs/DESIGN.md §3). */
 static void write_slot(lf_kv_head *h, int slot, const float *k, const float *v, int32_t pos) {
   const int d = h->head_dim;
   double l1 = 0.0;
@@ -525,7 +525,7 @@ static void prefill_attend(const lf_attn_params *p, const lf_kv_head *h, int n0,
   }
 }
 
-/* SnapKV selection for an empty pool (DESIGN §3): keep[j] = 1 for the B-1 prompt positions
+/* SnapKV selection for an empty pool (docs/DESIGN.md §3): keep[j] = 1 for the B-1 prompt positions
  * kept. snap [L] holds the raw scores of positions 0..L-1 (L = n_tok - W); rank [L] is scratch. */
 static void snapkv_select(int n_tok, int budget, int sink, int w_eff, const double *snap,
                           ranked *rank, unsigned char *keep) {

@@ -1,11 +1,11 @@
 /* CPU reference of decode attention fused with LongFlow scoring and eviction, prefill attention
- * with SnapKV compression, and the other eviction policies (DESIGN §3, normative).
+ * with SnapKV compression, and the other eviction policies (docs/DESIGN.md §3, normative).
  *
  * fp32 inputs and outputs; logits, an exact softmax and the scores in fp64 (attention.c).
  * These functions are the oracle for every backend's kernels.
  *
  * Eviction scope: the per-head functions decide one eviction slot per (layer, KV head)
- * (LF_EVICT_HEAD, DESIGN §3). The *_layer_ref functions take all KV heads of one layer and decide
+ * (LF_EVICT_HEAD, docs/DESIGN.md §3). The *_layer_ref functions take all KV heads of one layer and decide
  * one slot for the whole layer (LF_EVICT_LAYER, as the released LongFlow code does): the slot
  * with the least score summed over the layer's KV heads, which every head then overwrites.
  */

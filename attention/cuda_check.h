@@ -1,4 +1,4 @@
-/* Check macros for CUDA runtime calls inside the library (nccl-tests style, DESIGN §7).
+/* Check macros for CUDA runtime calls inside the library (nccl-tests style, docs/DESIGN.md §7).
  *
  * A failing call records "file:line: statement: error string" through lf_error() (engine/error.h)
  * and returns LF_ERR_BACKEND from the enclosing function, which must return lf_status. Library

@@ -1,4 +1,4 @@
-/* Fused LongFlow decode attention (see decode_attn.cuh; DESIGN §3 is normative).
+/* Fused LongFlow decode attention (see decode_attn.cuh; docs/DESIGN.md §3 is normative).
  *
  * Grid [n_splits, n_kv_heads, n_seq], 4 warps per block. Block (split, g, seq) owns a contiguous
  * run of 16-slot tiles of the pool's n filled slots and works in two passes over it:
@@ -11,7 +11,7 @@
  * makes each thread's loads contiguous: the dot product over dims does not care about order as
  * long as q uses the same one, and the output rows of P.V are mapped back to dims explicitly.
  *
- * Exact split-K combine and argmin (the protocol DESIGN §3 asks for):
+ * Exact split-K combine and argmin (the protocol docs/DESIGN.md §3 asks for):
  *   s_i = ||v_i||_1 * sum_h exp(l_h,i - M_h) / L_h needs every head's final max M_h and
  *   normaliser L_h, which no split knows alone. Each split therefore publishes its partial
  *   (m_h, l_h, o_h = sum p v) and its slots' fp32 logits (group floats per slot, ~3% of the K+V

@@ -1,4 +1,4 @@
-/* Fused LongFlow decode attention on the GPU (DESIGN §3, steps 2-4), for a batch of sequences.
+/* Fused LongFlow decode attention on the GPU (docs/DESIGN.md §3, steps 2-4), for a batch of sequences.
  *
  * For each (sequence, KV head) the kernel attends the group's query heads over the pool's n
  * filled slots, writes the output, scores every filled slot with s_i = ||v_i||_1 * sum_h alpha_h,i
@@ -28,7 +28,7 @@ extern "C" {
 struct CUstream_st;
 
 typedef struct lf_decode_attn_args {
-  /* The rank's pool arena (bf16 K/V, DESIGN §3 layout). */
+  /* The rank's pool arena (bf16 K/V, docs/DESIGN.md §3 layout). */
   const void *k;      /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] (post-RoPE) */
   const void *v;      /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] */
   const float *vnorm; /* [n_pools][n_layers][n_kv_heads][budget] ||v||_1 of the bf16 v */

@@ -1,4 +1,4 @@
-/* Step 1 of the decode step on the GPU (DESIGN §3): write each sequence's new token into the slot
+/* Step 1 of the decode step on the GPU (docs/DESIGN.md §3): write each sequence's new token into the slot
  * w = (n < B) ? n++ : next of every KV head of one layer, caching ||v||_1 and the position.
  *
  * k/v arrive post-RoPE in bf16; vnorm is the fp32 L1 norm of exactly the bf16 values stored, so
@@ -44,7 +44,7 @@ typedef struct lf_kv_write_args {
 lf_status lf_cuda_kv_write(const lf_kv_write_args *a, struct CUstream_st *stream);
 
 #ifdef __CUDACC__
-/* The slot a new token goes to (DESIGN §3 step 1): a free slot while n < B, else `next`;
+/* The slot a new token goes to (docs/DESIGN.md §3 step 1): a free slot while n < B, else `next`;
  * -1 when nothing may be written (full policy with a full pool, or no valid eviction target). */
 static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int budget, int sink,
                                                          int policy) {

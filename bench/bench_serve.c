@@ -15,7 +15,7 @@
  * NVML GPU utilisation sampled during the run on cuda, evictions, and an FNV-1a hash of every
  * request's generated tokens (in request order), so two runs can be compared token for token.
  *
- * Under mpirun -np T (tensor parallelism, DESIGN §4) every rank builds the same engines, rank 0
+ * Under mpirun -np T (tensor parallelism, docs/DESIGN.md §4) every rank builds the same engines, rank 0
  * drives and reports, the others follow (lf_engine_follow). --kv-gb is then per rank: a rank
  * holds 1/T of each pool's KV heads (all of one when T > KV heads), so T ranks get about T
  * times the pools; memory and GPU utilisation are rank 0's.
@@ -193,24 +193,17 @@ static double gpu_util_close(gpu_util *g) {
 
 /* ---- pool sizing -------------------------------------------------------------------------- */
 
-/* Bytes one pool takes on `cuda` or the cpu.
- *   cpu:  lf_pool_bytes() (memory/pool.h): fp32 K and V plus pos, vnorm, acc per slot.
- *   cuda: the device arena of engine/backend_cuda.cu: per (layer, KV head)
- *         budget * (2 * head_dim * 2 [bf16 K, V] + 4 [vnorm] + 4 [pos]) + 8 [n, next].
- * The per-item workspaces (logits, sampling scratch: about 8 * vocab bytes per pool on cuda)
- * are not counted: they come out of the memory left beside --kv-gb. */
+/* Bytes one pool takes on `cuda` or the cpu (memory/pool.h: the formulas the engine uses). The
+ * per-item workspaces of the cuda backend (logits, sampling scratch: about 8 * vocab bytes per
+ * pool) are not counted: they come out of the memory left beside --kv-gb. */
 static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, int budget, int tp) {
   /* KV heads a rank holds, from the engine's own sharding plan (an impossible tp keeps them
    * all here: the engine's start-up then reports it) */
   lf_shard sh;
   const int kv = lf_shard_plan(0, tp, m->n_heads, m->n_kv_heads, m->hidden_dim, m->vocab_size,
                                &sh) == LF_OK ? sh.n_kv : m->n_kv_heads;
-  if (!cuda) {
-    lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim};
-    return lf_pool_bytes(&ps);
-  }
-  const uint64_t heads = (uint64_t)m->n_layers * (uint64_t)kv;
-  return heads * ((uint64_t)budget * (4u * (uint64_t)m->head_dim + 8u) + 8u);
+  lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim};
+  return cuda ? lf_pool_bytes_device(&ps) : lf_pool_bytes(&ps);
 }
 
 /* ---- options ------------------------------------------------------------------------------ */

@@ -2,6 +2,14 @@
 
 #include "error.h"
 
+lf_backend_kind lf_backend_resolve(lf_backend_kind which) {
+  if (which != LF_BACKEND_AUTO) return which;
+#ifdef LF_HAVE_CUDA_BACKEND
+  if (lf_cuda_device_present()) return LF_BACKEND_CUDA;
+#endif
+  return LF_BACKEND_CPU;
+}
+
 lf_status lf_backend_create(lf_backend_kind which, const lf_checkpoint *ck,
                             const lf_backend_params *p, lf_backend **out) {
   *out = NULL;

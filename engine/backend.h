@@ -71,6 +71,9 @@ struct lf_backend {
   void (*free)(lf_backend *b);
 };
 
+/* LF_BACKEND_AUTO -> cuda when built in and a device is present, else cpu; others unchanged. */
+lf_backend_kind lf_backend_resolve(lf_backend_kind which);
+
 /* Creates the backend `which` names (LF_BACKEND_AUTO: cuda when built in and a device is
  * present, else cpu) over an opened checkpoint, which must outlive the backend. */
 lf_status lf_backend_create(lf_backend_kind which, const lf_checkpoint *ck,

@@ -1,4 +1,4 @@
-/* The cuda backend: bf16 weights and KV, fp32 accumulation (DESIGN §2).
+/* The cuda backend: bf16 weights and KV, fp32 accumulation (docs/DESIGN.md §2).
  *
  * One forward, top to bottom:
  *   prefill items (n_tok > 1), one at a time, in chunks of at most max_chunk tokens:
@@ -188,7 +188,7 @@ typedef struct cuda_backend {
                       rest is meaningful (what a kernel costs inside the replayed step) */
   int device;      /* the CUDA device at create: set again on every entry (server threads) */
 
-  /* Tensor parallelism (DESIGN §4, parallel/shard.h); comm NULL on a single rank. See the
+  /* Tensor parallelism (docs/DESIGN.md §4, parallel/shard.h); comm NULL on a single rank. See the
    * essay above tp_allreduce_x. */
   lf_comm_t comm;
   lf_shard sh;
@@ -911,9 +911,11 @@ static lf_status prefill_layers(cuda_backend *c, int pool, int32_t pos0, int T, 
 }
 
 /* The host's mirror of a decode write into `pool`: the fill count grows until the pool is
- * full, then every (layer, KV head) overwrites a slot. Returns those evictions. */
+ * full, then every (layer, KV head) overwrites a slot. Returns those evictions, over the
+ * model's KV heads (gcfg): under tensor parallelism every rank holds a part of them, and each
+ * head evicts alike, so this is the model's total with each head counted once. */
 static uint64_t note_decode_write(cuda_backend *c, int pool) {
-  if (c->host_n[pool] == c->p.budget) return (uint64_t)c->cfg.n_layers * c->cfg.n_kv_heads;
+  if (c->host_n[pool] == c->p.budget) return (uint64_t)c->gcfg.n_layers * c->gcfg.n_kv_heads;
   c->host_n[pool]++;
   return 0;
 }
@@ -1234,17 +1236,16 @@ static void cuda_free(lf_backend *b) {
   free(c);
 }
 
-/* n_pools == 0 (DESIGN §5): the pools take mem_util of the device memory left after the weights
+/* n_pools == 0 (docs/DESIGN.md §5): the pools take mem_util of the device memory left after the weights
  * (loaded by now) and the workspaces. The workspaces that grow with the number of decode items
  * (logits and sampling scratch, activation rows beyond the prefill chunk, step I/O) are charged
  * to each pool; the fixed ones (prefill chunk buffers, attention, cuBLAS, sorting) are estimated
  * from above and set aside first. */
 static lf_status size_pools(cuda_backend *c) {
   const lf_model_config *m = &c->cfg;
-  const uint64_t heads = (uint64_t)m->n_layers * m->n_kv_heads, B = (uint64_t)c->p.budget,
-                 D = (uint64_t)m->head_dim, V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
-  /* arena: bf16 k, v; fp32 ||v||_1; int32 pos per slot; int32 n, next per head */
-  const uint64_t arena = heads * (B * (2 * D * 2 + 4 + 4) + 8);
+  const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
+  const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim};
+  const uint64_t arena = lf_pool_bytes_device(&ps);
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
   /* logits [V], probs (the gather of max_vocab slices under TP), own slice and its padded copy,

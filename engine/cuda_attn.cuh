@@ -1,6 +1,6 @@
 /* The cuda backend's own attention kernels (simple, correct first):
  *   - causal GQA prefill attention of a prompt chunk over the pool's filled slots and the chunk,
- *     and the pool write after it (append, or SnapKV compression of an empty pool, DESIGN §3);
+ *     and the pool write after it (append, or SnapKV compression of an empty pool, docs/DESIGN.md §3);
  *   - a generic decode attention with LongFlow scoring and argmin for shapes the fused kernel
  *     (attention/decode_attn.cuh: head_dim 64/128, group <= 8) does not take.
  * Same semantics as lf_attn_prefill_ref / lf_attn_decode_ref (attention/attention.h), fp32
@@ -22,7 +22,7 @@ extern "C" {
 
 struct CUstream_st;
 
-/* The pool arena of one rank (bf16 K/V, DESIGN §3 layout) and the (pool, layer) addressed. */
+/* The pool arena of one rank (bf16 K/V, docs/DESIGN.md §3 layout) and the (pool, layer) addressed. */
 typedef struct lf_cuda_pool_view {
   void *k, *v;       /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] */
   float *vnorm;      /* [n_pools][n_layers][n_kv_heads][budget] */
@@ -58,7 +58,7 @@ lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int layer, int
                            int32_t pos0, const void *k, const void *v, const int32_t *slot_of,
                            int n0, int n_final, struct CUstream_st *stream);
 
-/* Generic decode attention (steps 2-4 of DESIGN §3) for a batch of sequences, after the write
+/* Generic decode attention (steps 2-4 of docs/DESIGN.md §3) for a batch of sequences, after the write
  * of step 1: for each (sequence s, KV head g) attends the group over the n filled slots, writes
  * out, and sets next (longflow: argmin of ||v||_1 * sum_h alpha; streaming: smallest position;
  * full: -1) over slots >= sink except w[s][g], lowest slot on ties.

@@ -2,7 +2,7 @@
  * RMSNorm over head_dim (qwen3), RoPE (both styles; the frequency table comes from
  * lf_rope_freqs, llama3 scaling included), rounding to bf16, and, for a decode step, the write
  * of the new k/v into the pool slot w = (n < B) ? n++ : next chosen by the previous step, with
- * ||v||_1 (of the bf16 values stored) and the position cached (DESIGN §3 step 1).
+ * ||v||_1 (of the bf16 values stored) and the position cached (docs/DESIGN.md §3 step 1).
  *
  * Includable from C; bf16 buffers are void *; every pointer is device memory.
  */

@@ -49,7 +49,7 @@ lf_status lf_cuda_sample_sorted(const float *logits, int vocab, const lf_sample_
                                 int32_t *token, void *scratch, size_t scratch_bytes,
                                 struct CUstream_st *stream);
 
-/* Tensor parallelism, greedy items, the vocab-parallel LM head (DESIGN §4):
+/* Tensor parallelism, greedy items, the vocab-parallel LM head (docs/DESIGN.md §4):
  * lf_cuda_argmax_pairs: for each item i < n of this rank's logits slice [n][n_vocab] (global ids
  * id0 ..), pairs[i] = (bits of the largest logit, its global id; lowest id on ties).
  * lf_cuda_tp_pick: all = every rank's pairs gathered [n_ranks][n][2]; tokens[i] = the id of the

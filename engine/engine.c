@@ -87,18 +87,18 @@ void lf_engine_free(lf_engine_t e) {
   free(e);
 }
 
-/* n_pools (DESIGN §5): explicit when given; else floor(kv_memory_bytes * mem_util / pool bytes)
- * with the CPU arena's pool size; else 1. */
-static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc) {
+/* n_pools (docs/DESIGN.md §5): explicit when given; else floor(kv_memory_bytes * mem_util / pool
+ * bytes), a pool's bytes in the chosen backend's own arena for the KV heads this rank holds; else
+ * left to the backend (cuda: free device memory; cpu: 1). cfg->backend is resolved by now. */
+static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc, int n_kv) {
   const double util = cfg->mem_util > 0 ? cfg->mem_util : LF_MEM_UTIL_DEFAULT;
   if (!(util <= 1.0))
     return lf_error(LF_ERR_INVALID_ARG, "mem_util %g must be in (0, 1]", cfg->mem_util);
   if (cfg->n_pools > 0) return LF_OK;
-  /* Neither given: the backend sizes the pools from what it has (the cuda backend from free
-   * device memory; the cpu backend takes one pool), and the engine reads the count back. */
   if (cfg->kv_memory_bytes == 0) return LF_OK;
-  lf_pool_shape ps = {1, mc->n_layers, mc->n_kv_heads, cfg->budget, mc->head_dim};
-  const uint64_t pool_bytes = lf_pool_bytes(&ps);
+  lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim};
+  const uint64_t pool_bytes =
+      cfg->backend == LF_BACKEND_CUDA ? lf_pool_bytes_device(&ps) : lf_pool_bytes(&ps);
   cfg->n_pools = lf_sched_pools_for_memory(cfg->kv_memory_bytes, util, pool_bytes);
   if (cfg->n_pools < 1)
     return lf_error(LF_ERR_OUT_OF_MEMORY,
@@ -115,6 +115,7 @@ static lf_status engine_init_local(lf_engine_t e) {
   e->ck_open = 1;
   const lf_model_config *mc = &e->ck.cfg;
   if (e->cfg.budget == 0) e->cfg.budget = mc->max_seq_len;
+  int n_kv = mc->n_kv_heads; /* KV heads this rank holds */
   if (e->comm) {
     lf_shard sh;
     LF_TRY(lf_shard_plan(e->comm->rank, e->comm->size, mc->n_heads, mc->n_kv_heads,
@@ -123,6 +124,7 @@ static lf_status engine_init_local(lf_engine_t e) {
      * backend runs on either (host buffers); the cuda backend needs a device one. */
     if (e->cfg.backend == LF_BACKEND_AUTO)
       e->cfg.backend = e->comm->device ? LF_BACKEND_CUDA : LF_BACKEND_CPU;
+    n_kv = sh.n_kv;
     if (e->cfg.backend == LF_BACKEND_CUDA && !e->comm->device)
       return lf_error(LF_ERR_INVALID_ARG,
                       "tensor parallelism (%d ranks) on the cuda backend needs an NCCL "
@@ -143,7 +145,8 @@ static lf_status engine_init_local(lf_engine_t e) {
       return lf_error(LF_ERR_UNSUPPORTED,
                       "eviction scope layer runs on the cpu backend only (use --backend cpu)");
   }
-  LF_TRY(resolve_pools(&e->cfg, mc));
+  e->cfg.backend = lf_backend_resolve(e->cfg.backend);
+  LF_TRY(resolve_pools(&e->cfg, mc, n_kv));
   lf_backend_params bp = {.policy = e->cfg.policy,
                           .scope = e->cfg.evict_scope,
                           .budget = e->cfg.budget,

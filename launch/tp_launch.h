@@ -1,6 +1,6 @@
 /* Tensor-parallel start-up shared by the programs (lfgen, lfserve): whether a launcher started
  * several ranks, and the communicator each rank gets. MPI starts here, in the programs, never in
- * the library (DESIGN §4). */
+ * the library (docs/DESIGN.md §4). */
 #ifndef LF_TP_LAUNCH_H
 #define LF_TP_LAUNCH_H
 

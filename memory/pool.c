@@ -1,4 +1,4 @@
-/* The static KV slot pools of one rank: one fp32 arena, a LIFO free list (DESIGN §3, §5).
+/* The static KV slot pools of one rank: one fp32 arena, a LIFO free list (docs/DESIGN.md §3, §5).
  *
  * Every array is allocated once at init; take/give only move pool ids on the free list and reset
  * per-pool metadata, so admission never allocates and never fragments.
@@ -23,7 +23,7 @@ static int shape_valid(const lf_pool_shape *s) {
 }
 
 /* Bytes of every per-pool array of the arena for one pool, so n_pools * lf_pool_bytes() is the
- * arena's whole footprint (the scheduler sizes n_pools from it, DESIGN §5). 0 when the shape is
+ * arena's whole footprint (the scheduler sizes n_pools from it, docs/DESIGN.md §5). 0 when the shape is
  * invalid or the size does not fit in 64 bits. n_pools is not used. */
 uint64_t lf_pool_bytes(const lf_pool_shape *s) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
@@ -37,6 +37,17 @@ uint64_t lf_pool_bytes(const lf_pool_shape *s) {
   if (head_bytes > (UINT64_MAX - 64u) / heads) return 0;
   return heads * head_bytes + sizeof(uint64_t) /* evictions */ + sizeof(int) /* free_list */ +
          sizeof(uint8_t) /* in_use */;
+}
+
+/* The CUDA backend's device arena (engine/backend_cuda.cu): bf16 K and V, fp32 ||v||_1 and int32
+ * position per slot; int32 n and next per (pool, layer, head). 0 as lf_pool_bytes. */
+uint64_t lf_pool_bytes_device(const lf_pool_shape *s) {
+  if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
+  const uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
+  const uint64_t slot_bytes = 2u * (uint64_t)s->head_dim * 2u /* bf16 k, v */ + 4u + 4u;
+  const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t);
+  if (head_bytes > UINT64_MAX / heads) return 0;
+  return heads * head_bytes;
 }
 
 lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {

@@ -1,4 +1,4 @@
-/* The static KV slot pools of one rank (DESIGN §3), CPU (fp32) arena.
+/* The static KV slot pools of one rank (docs/DESIGN.md §3), CPU (fp32) arena.
  *
  * One allocation per array; a pool belongs to one sequence at a time and holds, for every layer
  * and every KV head this rank owns, `budget` slots of (k, v). One (pool, layer, head) is a
@@ -51,6 +51,10 @@ typedef struct lf_kv_arena {
 
 /* Bytes one pool needs in this arena (K, V and per-slot metadata). */
 uint64_t lf_pool_bytes(const lf_pool_shape *s);
+/* Bytes one pool needs in the CUDA backend's device arena (bf16 K/V and its metadata). These two
+ * are the only pool-size formulas: the engine (kv_memory_bytes), the CUDA backend (sizing from
+ * free memory) and lfbench all call them. */
+uint64_t lf_pool_bytes_device(const lf_pool_shape *s);
 lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s);
 void lf_kv_arena_free(lf_kv_arena *a);
 /* Pops a free pool, resets its metadata (n = 0, next = -1, pos = -1). LF_ERR_STATE if none. */

@@ -1,4 +1,4 @@
-/* Rank bootstrap under mpirun for GPU ranks (DESIGN §4), the nccl-tests recipe:
+/* Rank bootstrap under mpirun for GPU ranks (docs/DESIGN.md §4), the nccl-tests recipe:
  *
  *   MPI_Init (the caller) -> local rank from an MPI_COMM_TYPE_SHARED split of MPI_COMM_WORLD ->
  *   cudaSetDevice(local rank) -> rank 0 ncclGetUniqueId -> MPI_Bcast of the id ->

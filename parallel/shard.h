@@ -1,4 +1,4 @@
-/* The tensor-parallel sharding plan (DESIGN §4): which heads, rows and columns rank r of T owns.
+/* The tensor-parallel sharding plan (docs/DESIGN.md §4): which heads, rows and columns rank r of T owns.
  *
  * Megatron-style. Rank r owns query heads [r*Hq/T, (r+1)*Hq/T) and, for them:
  *   - Q/K/V projection rows (+ biases) of its heads, and the O-projection's input columns;
@@ -12,7 +12,7 @@
  * owning Hq/T of the group's query heads. Anything else is LF_ERR_INVALID_ARG.
  *
  * Replication and exact eviction: the LongFlow score of a slot sums the attention of *every*
- * query head of the group (DESIGN §3). A replica that only knew its own query heads would score
+ * query head of the group (docs/DESIGN.md §3). A replica that only knew its own query heads would score
  * differently from its siblings and the copies would diverge. So a replica computes the queries
  * and attention of the whole group (compute_q0 / n_compute_q: its K/V copy, the group's Q rows)
  * and only its own heads' outputs enter its O-projection columns. Eviction stays local and

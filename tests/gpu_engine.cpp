@@ -368,6 +368,31 @@ TEST(GpuEngine, PoolsFromDeviceMemory) {
   lf_checkpoint_close(&ck);
 }
 
+// kv_memory_bytes on the cuda backend: the pool count is what the device arena's own bytes per
+// pool allow (bf16 K/V), not the CPU arena's fp32 size, which gave about half the pools.
+TEST(GpuEngine, PoolsFromKvMemoryBytes) {
+  NEED_GPU();
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = "random:tiny-llama:7";
+  cfg.backend = LF_BACKEND_CUDA;
+  cfg.budget = 256;
+  lf_checkpoint ck{};
+  ASSERT_EQ(lf_checkpoint_open(cfg.model_path, &ck), LF_OK);
+  const lf_pool_shape ps = {1, ck.cfg.n_layers, ck.cfg.n_kv_heads, cfg.budget, ck.cfg.head_dim};
+  lf_checkpoint_close(&ck);
+  const uint64_t dev_pool = lf_pool_bytes_device(&ps);
+  ASSERT_LT(dev_pool, lf_pool_bytes(&ps) * 6 / 10); // bf16 against fp32: the sizes differ
+  cfg.kv_memory_bytes = dev_pool * 20 + dev_pool / 3;
+  cfg.mem_util = 0.9; // 18.3 pools
+  lf_engine_t e = nullptr;
+  ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+  lf_metrics m;
+  ASSERT_EQ(lf_engine_metrics(e, &m), LF_OK);
+  EXPECT_EQ(m.pools_total, 18);
+  lf_engine_free(e);
+}
+
 // ---- kernels ---------------------------------------------------------------------------------
 
 template <class T> T *dev(size_t n) {

@@ -1,4 +1,4 @@
-/* Eviction scope: `head` (one slot per layer and KV head, DESIGN §3) against `layer` (one slot
+/* Eviction scope: `head` (one slot per layer and KV head, docs/DESIGN.md §3) against `layer` (one slot
  * per layer shared by all its KV heads, as the released LongFlow code does).
  *
  * The layer-scope oracle below shares no code with attention.c: it keeps one list of slots per

@@ -1,4 +1,4 @@
-/* Decode attention with LongFlow eviction (DESIGN §3) against an independent brute-force oracle,
+/* Decode attention with LongFlow eviction (docs/DESIGN.md §3) against an independent brute-force oracle,
  * plus the full / streaming / h2o policies, parameter checks and the slot-pool arena.
  *
  * The oracle below shares no code with attention.c: it keeps the pool as a list of (position,

@@ -1,4 +1,4 @@
-/* Prefill attention and SnapKV prefill compression (DESIGN §3) against brute force written here
+/* Prefill attention and SnapKV prefill compression (docs/DESIGN.md §3) against brute force written here
  * in double precision, independently of attention.c; chunked prefill of a non-empty pool.
  * Fresh random data every run (seed printed; replay with LF_TEST_SEED=<seed>).
  */
