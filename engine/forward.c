@@ -58,11 +58,14 @@ void lf_rope_freqs(const lf_model_config *cfg, float *inv_freq) {
       const float old = (float)cfg->rope_original_max_pos;
       const float low_wl = old / cfg->rope_low_freq_factor;
       const float high_wl = old / cfg->rope_high_freq_factor;
-      const float wl = 2.0f * (float)M_PI / f;
+      /* transformers divides a Python scalar by a tensor as reciprocal-then-multiply; doing
+       * the same keeps every frequency equal to its fp32 table (2pi / f rounds differently in
+       * 1 ulp of a few entries, which moves logits measurably at positions of thousands). */
+      const float wl = (1.0f / f) * (2.0f * (float)M_PI);
       if (wl > low_wl) {
         f = f / cfg->rope_factor;
       } else if (wl >= high_wl) {
-        const float smooth = (old / wl - cfg->rope_low_freq_factor) /
+        const float smooth = ((1.0f / wl) * old - cfg->rope_low_freq_factor) /
                              (cfg->rope_high_freq_factor - cfg->rope_low_freq_factor);
         f = (1.0f - smooth) * f / cfg->rope_factor + smooth * f;
       }
