@@ -1,5 +1,6 @@
 /* The cpu backend: fp32 weights, the reference attention, host sampling. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,6 +29,14 @@ typedef struct cpu_backend {
   int32_t *greedy; /* [cap_items] */
   float *kloc;     /* [cap_items][n_vocab] slices of the items sampled by distributed top-k */
   int *kk;         /* [cap_items] their top_k */
+  /* the batch's decode items, run together (lf_cpu_forward_decode) */
+  int *d_item;        /* [cap_items] item index of each decode row */
+  int *d_pool;        /* [cap_items] */
+  int32_t *d_pos;     /* [cap_items] */
+  int32_t *d_tok;     /* [cap_items] */
+  uint64_t *d_ev;     /* [cap_items] */
+  lf_status *d_st;    /* [cap_items] */
+  float *d_logits;    /* [cap_items][n_vocab] */
 } cpu_backend;
 
 static lf_status grow_items(cpu_backend *c, int n) {
@@ -47,10 +56,50 @@ static lf_status grow_items(cpu_backend *c, int n) {
   if (kl) c->kloc = kl;
   int *kk = realloc(c->kk, sizeof(int) * (size_t)n);
   if (kk) c->kk = kk;
-  if (!l || !f || !m || !i || !g || !kl || !kk)
+  int *di = realloc(c->d_item, sizeof(int) * (size_t)n);
+  if (di) c->d_item = di;
+  int *dp = realloc(c->d_pool, sizeof(int) * (size_t)n);
+  if (dp) c->d_pool = dp;
+  int32_t *dq = realloc(c->d_pos, sizeof(int32_t) * (size_t)n);
+  if (dq) c->d_pos = dq;
+  int32_t *dt = realloc(c->d_tok, sizeof(int32_t) * (size_t)n);
+  if (dt) c->d_tok = dt;
+  uint64_t *de = realloc(c->d_ev, sizeof(uint64_t) * (size_t)n);
+  if (de) c->d_ev = de;
+  lf_status *ds = realloc(c->d_st, sizeof(lf_status) * (size_t)n);
+  if (ds) c->d_st = ds;
+  float *dl = realloc(c->d_logits, sizeof(float) * nv * (size_t)n);
+  if (dl) c->d_logits = dl;
+  if (!l || !f || !m || !i || !g || !kl || !kk || !di || !dp || !dq || !dt || !de || !ds || !dl)
     return lf_error(LF_ERR_OUT_OF_MEMORY, "batch of %d items", n);
   c->cap_items = n;
   return LF_OK;
+}
+
+/* A decode item that goes into the batched decode (its token in range: a bad one fails alone
+ * in lf_cpu_forward_run). */
+static int batched(const cpu_backend *c, const lf_batch_item *it) {
+  return it->n_tok == 1 && it->tokens[0] >= 0 && it->tokens[0] < c->ck->cfg.vocab_size;
+}
+
+/* Runs the batch's decode items in one lf_cpu_forward_decode, so each weight row is read once
+ * per step for all of them rather than once per sequence. Row k (item c->d_item[k]) leaves its
+ * logits in c->d_logits, its status in c->d_st and its evictions in c->d_ev; *nd = rows. */
+static lf_status run_decodes(cpu_backend *c, const lf_batch_item *items, int n, int *nd) {
+  int k = 0;
+  for (int i = 0; i < n; i++) {
+    if (!batched(c, &items[i])) continue;
+    c->d_item[k] = i;
+    c->d_pool[k] = items[i].pool;
+    c->d_pos[k] = items[i].pos0;
+    c->d_tok[k] = items[i].tokens[0];
+    c->d_ev[k] = 0;
+    k++;
+  }
+  *nd = k;
+  if (k == 0) return LF_OK;
+  return lf_cpu_forward_decode(&c->fwd, k, c->d_pool, c->d_pos, c->d_tok, c->d_logits, c->d_ev,
+                               c->d_st);
 }
 
 /* Sampled with top-k from the ranks' candidates (lf_tp_topk_logits) rather than whole logits. */
@@ -69,14 +118,29 @@ static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int 
   const lf_shard *sh = &c->fwd.sh;
   const int vocab = c->ck->cfg.vocab_size, nv = sh->n_vocab;
   LF_TRY(grow_items(c, n));
+  int nd;
+  LF_TRY(run_decodes(c, items, n, &nd));
+  for (int k = 0; k < nd; k++) {
+    const int i = c->d_item[k];
+    res[i].evictions = c->d_ev[k];
+    res[i].status = c->d_st[k];
+    memcpy(c->local + (size_t)i * nv, c->d_logits + (size_t)k * nv, sizeof(float) * nv);
+  }
   for (int i = 0; i < n; i++) {
     const lf_batch_item *it = &items[i];
     lf_batch_result *r = &res[i];
     float *li = c->local + (size_t)i * nv;
-    r->evictions = 0;
     r->token = -1;
-    r->status = lf_cpu_forward_run(&c->fwd, it->pool, it->pos0, it->n_tok, it->tokens, li, NULL,
-                                   &r->evictions);
+    if (!batched(c, it)) {
+      r->evictions = 0;
+      r->status = lf_cpu_forward_run(&c->fwd, it->pool, it->pos0, it->n_tok, it->tokens, li,
+                                     NULL, &r->evictions);
+    }
+    /* Evictions are counted over the model's KV heads, each once however many ranks hold it.
+     * Every KV head of a pool takes the same writes and so overwrites as many slots as any
+     * other (scope head; scope layer is single-rank), so this rank's count times
+     * Hkv / (KV heads held here) is the model's total, also when KV heads are replicated. */
+    r->evictions *= (uint64_t)(c->ck->cfg.n_kv_heads / sh->n_kv);
     /* Only failures every rank meets alike may stay per-item (see parallel/tp.h). */
     if (r->status != LF_OK && r->status != LF_ERR_CONTEXT_FULL && r->status != LF_ERR_INVALID_ARG)
       return r->status;
@@ -125,9 +189,24 @@ static lf_status cpu_forward(lf_backend *b, const lf_batch_item *items, int n,
   cpu_backend *c = (cpu_backend *)b;
   if (c->fwd.comm) return cpu_forward_tp(c, items, n, res, logits_out);
   const int vocab = c->ck->cfg.vocab_size;
+  LF_TRY(grow_items(c, n));
+  int nd;
+  LF_TRY(run_decodes(c, items, n, &nd));
+  for (int k = 0; k < nd; k++) {
+    const int i = c->d_item[k];
+    const float *lg = c->d_logits + (size_t)k * vocab;
+    lf_batch_result *r = &res[i];
+    r->evictions = c->d_ev[k];
+    r->status = c->d_st[k];
+    r->token = -1;
+    if (r->status != LF_OK) continue;
+    if (logits_out) memcpy(logits_out + (size_t)i * vocab, lg, sizeof(float) * vocab);
+    r->token = lf_sample(&c->sampler, lg, &items[i].sampling, items[i].u);
+  }
   for (int i = 0; i < n; i++) {
     const lf_batch_item *it = &items[i];
     lf_batch_result *r = &res[i];
+    if (batched(c, it)) continue;
     r->evictions = 0;
     r->token = -1;
     r->status = lf_cpu_forward_run(&c->fwd, it->pool, it->pos0, it->n_tok, it->tokens, c->logits,
@@ -166,11 +245,54 @@ static void cpu_free(lf_backend *b) {
   free(c->greedy);
   free(c->kloc);
   free(c->kk);
+  free(c->d_item);
+  free(c->d_pool);
+  free(c->d_pos);
+  free(c->d_tok);
+  free(c->d_ev);
+  free(c->d_st);
+  free(c->d_logits);
   lf_sampler_free(&c->sampler);
   lf_cpu_forward_free(&c->fwd);
   lf_kv_arena_free(&c->arena);
   lf_weights_free(&c->ck->cfg, &c->w);
   free(c);
+}
+
+/* MemAvailable from /proc/meminfo in bytes; 0 when unknown (not Linux). */
+static uint64_t mem_available(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  unsigned long long kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+  fclose(f);
+  return (uint64_t)kb * 1024;
+}
+
+/* Checks the fp32 weights of this rank's shard and its KV pools against the memory available,
+ * before any of it is allocated: a model that cannot fit fails at once with the figures,
+ * rather than after a long load, in the kernel's out-of-memory killer. */
+static lf_status check_memory(const lf_model_config *mc, const lf_shard *sh,
+                              const lf_pool_shape *ps, int lm_head_own) {
+  const uint64_t D = (uint64_t)mc->dim, hd = (uint64_t)mc->head_dim;
+  uint64_t f = (uint64_t)sh->n_vocab * D * (lm_head_own ? 2 : 1) + D;
+  f += (uint64_t)mc->n_layers * (((uint64_t)sh->n_cq + 2u * (uint64_t)sh->n_kv) * hd * D +
+                                 D * (uint64_t)sh->n_q * hd + 3u * (uint64_t)sh->n_hid * D + 2u * D);
+  const uint64_t weights = f * sizeof(float), pools = lf_pool_bytes(ps) * (uint64_t)ps->n_pools;
+  const uint64_t avail = mem_available();
+  if (avail && weights + pools > avail)
+    return lf_error(LF_ERR_OUT_OF_MEMORY,
+                    "the model needs about %.1f GiB of memory (fp32 weights %.1f GiB%s + %d KV "
+                    "pool%s %.1f GiB) but %.1f GiB is available (MemAvailable): choose a smaller "
+                    "model, fewer pools or a smaller budget, or run tensor parallel over ranks "
+                    "on several machines",
+                    (double)(weights + pools) / 1073741824.0, (double)weights / 1073741824.0,
+                    sh->size > 1 ? " of this rank's shard" : "", ps->n_pools,
+                    ps->n_pools == 1 ? "" : "s", (double)pools / 1073741824.0,
+                    (double)avail / 1073741824.0);
+  return LF_OK;
 }
 
 lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params *p,
@@ -202,6 +324,9 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   lf_pool_shape ps = {p->n_pools > 0 ? p->n_pools : 1, mc->n_layers, sh.n_kv, p->budget,
                       mc->head_dim};
   if (s == LF_OK) s = lf_attn_params_check(&ap, p->budget);
+  if (s == LF_OK)
+    s = check_memory(mc, &sh, &ps,
+                     lf_tensor_set_find(&ck->tensors, "lm_head.weight") || !mc->tie_embeddings);
   if (s == LF_OK) s = comm ? lf_weights_load_f32_shard(ck, &sh, &c->w) : lf_weights_load_f32(ck, &c->w);
   if (s == LF_OK) s = lf_kv_arena_init(&c->arena, &ps);
   if (s == LF_OK) s = lf_cpu_forward_init_tp(&c->fwd, mc, &c->w, &c->arena, &ap, &sh, comm);

@@ -94,10 +94,29 @@ static const char *json_token_text(const lf_json *v) {
   return s ? s : lf_json_str(lf_json_get(v, "content"), NULL);
 }
 
-lf_status lf_chat_template_init(const char *cfg_json, size_t len, const char *model_type,
+lf_status lf_chat_format_parse(const char *name, lf_chat_format *out) {
+  if (!name || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_chat_format_parse: NULL argument");
+  if (strcmp(name, "llama3") == 0)
+    *out = LF_CHAT_LLAMA3;
+  else if (strcmp(name, "chatml") == 0)
+    *out = LF_CHAT_CHATML;
+  else if (strcmp(name, "deepseek-r1") == 0)
+    *out = LF_CHAT_DEEPSEEK_R1;
+  else
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "unknown chat template '%s' (built-in: chatml, llama3, deepseek-r1)", name);
+  return LF_OK;
+}
+
+lf_status lf_chat_template_init(const char *cfg_json, size_t len, const char *format,
                                 lf_chat_template **out) {
   if (!out) return lf_error(LF_ERR_INVALID_ARG, "lf_chat_template_init: NULL argument");
   *out = NULL;
+  lf_chat_format f = LF_CHAT_NONE;
+  if (format) {
+    lf_status st = lf_chat_format_parse(format, &f);
+    if (st != LF_OK) return st;
+  }
   lf_json *cfg = NULL;
   if (cfg_json) {
     char err[256];
@@ -114,8 +133,7 @@ lf_status lf_chat_template_init(const char *cfg_json, size_t len, const char *mo
         tmpl = lf_json_str(lf_json_get(e, "template"), NULL);
     }
   }
-  lf_chat_format f = LF_CHAT_NONE;
-  if (tmpl) {
+  if (tmpl && f == LF_CHAT_NONE) {
     /* R1 distills are Llama- or Qwen-based but carry their own markers: check them first. */
     if (strstr(tmpl, R1_USER) || strstr(tmpl, R1_ASSISTANT))
       f = LF_CHAT_DEEPSEEK_R1;
@@ -124,20 +142,14 @@ lf_status lf_chat_template_init(const char *cfg_json, size_t len, const char *mo
     else if (strstr(tmpl, "<|im_start|>"))
       f = LF_CHAT_CHATML;
   }
-  if (f == LF_CHAT_NONE && model_type) {
-    if (strcmp(model_type, "llama") == 0 || strcmp(model_type, "llama3") == 0)
-      f = LF_CHAT_LLAMA3;
-    else if (strncmp(model_type, "qwen", 4) == 0 || strcmp(model_type, "chatml") == 0)
-      f = LF_CHAT_CHATML;
-    else if (strcmp(model_type, "deepseek-r1") == 0 || strcmp(model_type, "deepseek_r1") == 0)
-      f = LF_CHAT_DEEPSEEK_R1;
-  }
+  /* No format is guessed from the architecture: a base model's family says nothing about the
+   * markup it was trained on, and rendering one it never saw only produces noise. */
   if (f == LF_CHAT_NONE) {
     lf_json_free(cfg);
     return lf_error(LF_ERR_UNSUPPORTED,
-                    "no built-in chat template matches (chat_template %s, model_type %s); "
-                    "supported: llama3, chatml, deepseek-r1",
-                    tmpl ? "has no known markers" : "absent", model_type ? model_type : "absent");
+                    tmpl ? "the model's chat template matches no built-in one (chatml, llama3, "
+                           "deepseek-r1)"
+                         : "the model has no chat template");
   }
   lf_chat_template *t = calloc(1, sizeof *t);
   const char *bos = json_token_text(lf_json_get(cfg, "bos_token"));
@@ -189,28 +201,20 @@ static lf_status read_all(const char *path, char **buf, size_t *len) {
   return LF_OK;
 }
 
-lf_status lf_chat_template_init_dir(const char *dir, lf_chat_template **out) {
+lf_status lf_chat_template_init_dir(const char *dir, const char *format, lf_chat_template **out) {
   if (!dir || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_chat_template_init_dir: NULL argument");
   char path[4096];
-  char *tc = NULL, *mc = NULL;
-  size_t tcl = 0, mcl = 0;
+  char *tc = NULL;
+  size_t tcl = 0;
   snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-  if (read_all(path, &tc, &tcl) != LF_OK) tc = NULL; /* optional: model_type may decide */
-  snprintf(path, sizeof path, "%s/config.json", dir);
-  if (read_all(path, &mc, &mcl) != LF_OK) mc = NULL;
-  lf_json *cfg = NULL;
-  char model_type[64] = "";
-  if (mc) {
-    char err[128];
-    if (lf_json_parse(mc, mcl, &cfg, err, sizeof err) == LF_OK) {
-      const char *mt = lf_json_str(lf_json_get(cfg, "model_type"), NULL);
-      if (mt) snprintf(model_type, sizeof model_type, "%s", mt);
-    }
-    lf_json_free(cfg);
+  if (read_all(path, &tc, &tcl) != LF_OK) tc = NULL; /* optional when format names one */
+  lf_status st = lf_chat_template_init(tc, tcl, format, out);
+  if (st == LF_ERR_UNSUPPORTED) {
+    char why[256];
+    snprintf(why, sizeof why, "%s", lf_last_error());
+    st = lf_error(st, "%s (%s%s)", why, tc ? "checked " : "", tc ? path : "no tokenizer_config.json");
   }
-  lf_status st = lf_chat_template_init(tc, tcl, model_type[0] ? model_type : NULL, out);
   free(tc);
-  free(mc);
   return st;
 }
 

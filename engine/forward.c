@@ -37,10 +37,16 @@ static _Thread_local int matmul_threads;
 void lf_matmul(float *y, const float *x, const float *W, const float *b, int n_tok, int n_in,
                int n_out) {
 #ifdef LF_HAVE_OPENMP
-  /* Below ~1M multiply-adds a parallel region costs more than it saves, and oversubscribed
-   * cores (tests running side by side) make it far worse. */
-  const int nt = matmul_threads > 0 ? matmul_threads : omp_get_max_threads();
-#pragma omp parallel for schedule(static) num_threads(nt) if ((long)n_out * n_in * n_tok >= (1L << 20))
+  /* Every thread gets at least ~4M multiply-adds (a millisecond or more of work): a parallel
+   * region costs tens of microseconds on idle cores and a whole scheduler time slice when a
+   * core is shared with other processes (the region waits for its slowest thread), so small
+   * models, whose matmuls are far below that even in a batch, run on one thread and a batch is
+   * never slower per token than one sequence; large ones still use every core. */
+  const long work = (long)n_out * n_in * n_tok;
+  int nt = matmul_threads > 0 ? matmul_threads : omp_get_max_threads();
+  if (nt > work / (1L << 22)) nt = (int)(work / (1L << 22));
+  if (nt < 1) nt = 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
 #endif
   for (int o = 0; o < n_out; o++) {
     const float *wr = W + (size_t)o * n_in;
@@ -181,20 +187,34 @@ void lf_cpu_forward_free(lf_cpu_forward *f) {
   lf_attn_scratch_free(&f->ws);
 }
 
-lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_tok,
-                             const int32_t *tokens, float *logits, float *logits_all,
-                             uint64_t *evictions) {
+/* The forward pass over n_tok rows. One sequence (pools NULL): rows are its tokens at
+ * positions pos0.., attention over `pool` (decode when n_tok is 1, else prefill). A decode batch
+ * (pools set): row t is one token of its own sequence, at pos[t] on pools[t]; status[t] and
+ * evictions[t] are per row, and a row whose attention fails leaves the others alone. The
+ * matmuls take every row at once, so a weight row is read once per step however many
+ * sequences run, and each row's dot products are summed exactly as alone: the result of a row
+ * never depends on the others. */
+static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *tokens, int pool,
+                              int32_t pos0, const int *pools, const int32_t *pos,
+                              lf_status *status, float *logits, float *logits_all,
+                              uint64_t *evictions) {
   matmul_threads = f->n_threads;
   const lf_model_config *c = f->cfg;
   const lf_weights *w = f->w;
   if (n_tok < 1) return lf_error(LF_ERR_INVALID_ARG, "forward: n_tok %d < 1", n_tok);
-  if (pool < 0 || pool >= f->arena->shape.n_pools)
-    return lf_error(LF_ERR_INVALID_ARG, "forward: pool %d out of range", pool);
+  for (int t = 0; t < (pools ? n_tok : 1); t++) {
+    const int p = pools ? pools[t] : pool;
+    if (p < 0 || p >= f->arena->shape.n_pools)
+      return lf_error(LF_ERR_INVALID_ARG, "forward: pool %d out of range", p);
+  }
   for (int t = 0; t < n_tok; t++)
     if (tokens[t] < 0 || tokens[t] >= c->vocab_size)
       return lf_error(LF_ERR_INVALID_ARG, "token id %d out of range [0, %d)", tokens[t],
                       c->vocab_size);
   LF_TRY(grow_scratch(f, n_tok));
+  if (status)
+    for (int t = 0; t < n_tok; t++)
+      status[t] = LF_OK;
 
   const lf_shard *sh = &f->sh;
   const int dim = c->dim, hd = c->head_dim, hq = sh->n_cq, hkv = sh->n_kv, hid = sh->n_hid;
@@ -226,8 +246,9 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
         for (int h = 0; h < hq; h++) lf_rmsnorm(qt + h * hd, qt + h * hd, L->q_norm, hd, c->norm_eps);
         for (int h = 0; h < hkv; h++) lf_rmsnorm(kt + h * hd, kt + h * hd, L->k_norm, hd, c->norm_eps);
       }
-      lf_rope_apply(qt, hq, hd, pos0 + t, f->inv_freq, c->rope_style);
-      lf_rope_apply(kt, hkv, hd, pos0 + t, f->inv_freq, c->rope_style);
+      const int32_t p = pools ? pos[t] : pos0 + t;
+      lf_rope_apply(qt, hq, hd, p, f->inv_freq, c->rope_style);
+      lf_rope_apply(kt, hkv, hd, p, f->inv_freq, c->rope_style);
     }
     /* Attention over this sequence's pool, one call per eviction scope: a KV head (head scope)
      * or all the layer's (layer scope, one eviction decision shared by its heads). With one
@@ -236,7 +257,25 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
      * practice) depends on the pool's fill alone, which is the same on every rank, so all ranks
      * leave at the same point and no collective is left half-entered. */
     const int per = f->ap.scope == LF_EVICT_LAYER ? hkv : 1;
-    for (int g0 = 0; g0 < hkv; g0 += per) {
+    for (int t = 0; pools && t < n_tok; t++) {
+      float *att = f->att + (size_t)t * qd;
+      if (status[t] != LF_OK) {
+        memset(att, 0, sizeof(float) * qd);
+        continue;
+      }
+      for (int g0 = 0; g0 < hkv && status[t] == LF_OK; g0 += per) {
+        for (int g = 0; g < per; g++)
+          f->heads[g] = lf_kv_arena_head(f->arena, pools[t], l, g0 + g);
+        const size_t qo = (size_t)t * qd + (size_t)g0 * group * hd;
+        const size_t ko = (size_t)t * kd + (size_t)g0 * hd;
+        int ev = 0;
+        status[t] = lf_attn_decode_layer_ref(&f->ap, f->heads, per, f->q + qo, f->k + ko,
+                                             f->v + ko, pos[t], f->att + qo, &ev, NULL, &f->ws);
+        evictions[t] += (uint64_t)ev;
+      }
+      if (status[t] != LF_OK) memset(att, 0, sizeof(float) * qd);
+    }
+    for (int g0 = 0; !pools && g0 < hkv; g0 += per) {
       for (int g = 0; g < per; g++)
         f->heads[g] = lf_kv_arena_head(f->arena, pool, l, g0 + g);
       const size_t qo = (size_t)g0 * group * hd, ko = (size_t)g0 * hd;
@@ -288,4 +327,19 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
     lf_matmul(logits, xb, w->lm_head, NULL, 1, dim, sh->n_vocab);
   }
   return LF_OK;
+}
+
+lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_tok,
+                             const int32_t *tokens, float *logits, float *logits_all,
+                             uint64_t *evictions) {
+  return forward_rows(f, n_tok, tokens, pool, pos0, NULL, NULL, NULL, logits, logits_all,
+                      evictions);
+}
+
+lf_status lf_cpu_forward_decode(lf_cpu_forward *f, int n, const int *pools, const int32_t *pos,
+                                const int32_t *tokens, float *logits, uint64_t *evictions,
+                                lf_status *status) {
+  if (!pools || !pos || !tokens || !logits || !evictions || !status)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cpu_forward_decode: NULL argument");
+  return forward_rows(f, n, tokens, -1, 0, pools, pos, status, NULL, logits, evictions);
 }

@@ -73,6 +73,16 @@ lf_status lf_cpu_forward_run(lf_cpu_forward *f, int pool, int32_t pos0, int n_to
                              const int32_t *tokens, float *logits, float *logits_all,
                              uint64_t *evictions);
 
+/* One decode step of n sequences at once: row t is token tokens[t] at position pos[t] of the
+ * sequence that owns pools[t] (pools distinct). logits: [n][vocab] (this rank's slice under
+ * tensor parallelism). evictions[t] grows by row t's overwrites; status[t] is row t's own
+ * failure (LF_ERR_CONTEXT_FULL under full), which leaves the other rows alone; the return value
+ * is a failure of the whole call. Each row's logits are bit for bit those of
+ * lf_cpu_forward_run on that row alone. */
+lf_status lf_cpu_forward_decode(lf_cpu_forward *f, int n, const int *pools, const int32_t *pos,
+                                const int32_t *tokens, float *logits, uint64_t *evictions,
+                                lf_status *status);
+
 /* Pieces shared with other backends' tests. */
 void lf_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
 /* y[t][o] = sum_i W[o][i] x[t][i] (+ b[o]); W: [n_out][n_in], x: [n_tok][n_in]. */

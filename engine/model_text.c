@@ -235,6 +235,14 @@ lf_status lf_gguf_tokenizer_json(const char *path, char **json, size_t *len) {
   return LF_OK;
 }
 
+/* Re-raises st with "what: " before the current message (copied first: lf_error writes the
+ * buffer lf_last_error reads). */
+static lf_status prefix_error(lf_status st, const char *what) {
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", lf_last_error());
+  return lf_error(st, "%s: %s", what, msg);
+}
+
 lf_status lf_model_tokenizer_open(const char *path, lf_tokenizer **tok, char *why,
                                   size_t why_cap) {
   if (!path || !tok) return lf_error(LF_ERR_INVALID_ARG, "lf_model_tokenizer_open: NULL argument");
@@ -254,7 +262,7 @@ lf_status lf_model_tokenizer_open(const char *path, lf_tokenizer **tok, char *wh
     LF_TRY(lf_gguf_tokenizer_json(path, &json, &len));
     lf_status st = lf_tokenizer_init(json, len, tok);
     free(json);
-    if (st != LF_OK) return lf_error(st, "%s: its tokenizer: %s", path, lf_last_error());
+    if (st != LF_OK) return prefix_error(st, path);
     return LF_OK;
   }
   if (is_dir(path)) {
@@ -265,7 +273,7 @@ lf_status lf_model_tokenizer_open(const char *path, lf_tokenizer **tok, char *wh
       return LF_OK;
     }
     lf_status st = lf_tokenizer_init_file(tpath, tok);
-    if (st != LF_OK) return lf_error(st, "%s: %s", tpath, lf_last_error());
+    if (st != LF_OK) return prefix_error(st, tpath);
     return LF_OK;
   }
   if (why) snprintf(why, why_cap, "%s carries no tokenizer (a HF directory or GGUF file does)", path);
@@ -273,32 +281,42 @@ lf_status lf_model_tokenizer_open(const char *path, lf_tokenizer **tok, char *wh
 }
 
 lf_status lf_model_chat_template_open(const char *path, lf_chat_template **tmpl) {
+  return lf_model_chat_template_open_as(path, NULL, tmpl);
+}
+
+lf_status lf_model_chat_template_open_as(const char *path, const char *format,
+                                         lf_chat_template **tmpl) {
   if (!path || !tmpl) return lf_error(LF_ERR_INVALID_ARG, "lf_model_chat_template_open: NULL");
   *tmpl = NULL;
-  if (is_dir(path)) return lf_chat_template_init_dir(path, tmpl);
-  if (!is_gguf(path))
-    return lf_error(LF_ERR_UNSUPPORTED, "%s carries no chat template", path);
+  if (is_dir(path)) return lf_chat_template_init_dir(path, format, tmpl);
+  if (!is_gguf(path)) {
+    if (format) return lf_chat_template_init(NULL, 0, format, tmpl);
+    return lf_error(LF_ERR_UNSUPPORTED, "the model has no chat template");
+  }
   gguf_file f;
   LF_TRY(gguf_file_open(path, &f));
   lf_status st = LF_OK;
-  lf_gguf_str t, b = {NULL, 0};
+  lf_gguf_str t = {NULL, 0}, b = {NULL, 0};
   lf_tok_text cfg = {0};
-  if (lf_gguf_find_key(f.g, "tokenizer.chat_template") < 0) {
-    st = lf_error(LF_ERR_UNSUPPORTED, "%s has no tokenizer.chat_template", path);
-  } else {
+  if (lf_gguf_find_key(f.g, "tokenizer.chat_template") >= 0)
     st = lf_gguf_get_str(f.g, "tokenizer.chat_template", &t);
-    int64_t bos = -1, kt = lf_gguf_find_key(f.g, "tokenizer.ggml.tokens");
-    if (st == LF_OK && kt >= 0 && lf_gguf_find_key(f.g, "tokenizer.ggml.bos_token_id") >= 0 &&
-        lf_gguf_get_int(f.g, "tokenizer.ggml.bos_token_id", &bos) == LF_OK && bos >= 0)
-      if (lf_gguf_arr_str(f.g, kt, (uint64_t)bos, &b) != LF_OK) b.ptr = NULL;
-    if (st == LF_OK) st = lf_tok_text_append(&cfg, "{\"chat_template\":", 17);
-    if (st == LF_OK) st = put_json_str(&cfg, t.ptr, t.len);
-    if (st == LF_OK && b.ptr) st = lf_tok_text_append(&cfg, ",\"bos_token\":", 13);
-    if (st == LF_OK && b.ptr) st = put_json_str(&cfg, b.ptr, b.len);
-    if (st == LF_OK) st = lf_tok_text_append(&cfg, "}", 1);
-    /* The template text alone decides the format: no guess from the architecture. */
-    if (st == LF_OK) st = lf_chat_template_init(cfg.data, cfg.len, NULL, tmpl);
-  }
+  else if (!format)
+    st = lf_error(LF_ERR_UNSUPPORTED,
+                  "the model has no chat template (no tokenizer.chat_template in %s)", path);
+  int64_t bos = -1, kt = lf_gguf_find_key(f.g, "tokenizer.ggml.tokens");
+  if (st == LF_OK && kt >= 0 && lf_gguf_find_key(f.g, "tokenizer.ggml.bos_token_id") >= 0 &&
+      lf_gguf_get_int(f.g, "tokenizer.ggml.bos_token_id", &bos) == LF_OK && bos >= 0)
+    if (lf_gguf_arr_str(f.g, kt, (uint64_t)bos, &b) != LF_OK) b.ptr = NULL;
+  if (st == LF_OK) st = lf_tok_text_append(&cfg, "{", 1);
+  if (st == LF_OK && t.ptr) st = lf_tok_text_append(&cfg, "\"chat_template\":", 16);
+  if (st == LF_OK && t.ptr) st = put_json_str(&cfg, t.ptr, t.len);
+  if (st == LF_OK && t.ptr && b.ptr) st = lf_tok_text_append(&cfg, ",", 1);
+  if (st == LF_OK && b.ptr) st = lf_tok_text_append(&cfg, "\"bos_token\":", 12);
+  if (st == LF_OK && b.ptr) st = put_json_str(&cfg, b.ptr, b.len);
+  if (st == LF_OK) st = lf_tok_text_append(&cfg, "}", 1);
+  /* The template text alone decides the format (or the caller's explicit choice): no guess
+   * from the architecture. */
+  if (st == LF_OK) st = lf_chat_template_init(cfg.data, cfg.len, format, tmpl);
   lf_tok_text_free(&cfg);
   gguf_file_close(&f);
   return st;

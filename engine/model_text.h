@@ -25,6 +25,10 @@ lf_status lf_model_tokenizer_open(const char *model_path, lf_tokenizer **tok, ch
 /* The model's chat template: LF_ERR_UNSUPPORTED (with the reason in lf_last_error) when the
  * model has none that lfserve can render. */
 lf_status lf_model_chat_template_open(const char *model_path, lf_chat_template **tmpl);
+/* Same, or the built-in format named by format ("chatml", "llama3", "deepseek-r1"; NULL: the
+ * model's own) whatever the model carries: an explicit choice for models without a template. */
+lf_status lf_model_chat_template_open_as(const char *model_path, const char *format,
+                                         lf_chat_template **tmpl);
 
 /* Exposed for tests: the tokenizer.json text built from a GGUF file's metadata (malloc'ed). */
 lf_status lf_gguf_tokenizer_json(const char *gguf_path, char **json, size_t *len);

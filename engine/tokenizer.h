@@ -128,13 +128,18 @@ typedef struct lf_chat_message {
 
 typedef struct lf_chat_template lf_chat_template;
 
+/* A built-in format by name: "chatml", "llama3", "deepseek-r1" (LF_ERR_INVALID_ARG otherwise). */
+lf_status lf_chat_format_parse(const char *name, lf_chat_format *out);
 /* Chooses the format from tokenizer_config.json text (its chat_template's markers; bos_token),
- * else from model_type ("llama", "qwen2", "qwen3", ...). Either may be NULL. LF_ERR_UNSUPPORTED
- * when neither names a known format. */
-lf_status lf_chat_template_init(const char *tokenizer_config_json, size_t len,
-                                const char *model_type, lf_chat_template **out);
-/* Same from a model directory: tokenizer_config.json and config.json's model_type. */
-lf_status lf_chat_template_init_dir(const char *model_dir, lf_chat_template **out);
+ * or takes the one format names (an explicit choice: it wins over the config's template). Either
+ * may be NULL. Without format, LF_ERR_UNSUPPORTED when the config has no chat template or one
+ * of no known format: nothing is guessed from the model's architecture. */
+lf_status lf_chat_template_init(const char *tokenizer_config_json, size_t len, const char *format,
+                                lf_chat_template **out);
+/* Same from a model directory's tokenizer_config.json (which may be absent when format is
+ * given). */
+lf_status lf_chat_template_init_dir(const char *model_dir, const char *format,
+                                    lf_chat_template **out);
 void lf_chat_template_free(lf_chat_template *t);
 lf_chat_format lf_chat_template_format(const lf_chat_template *t);
 /* Renders messages as the model's Jinja template does for plain messages, replacing out. */

@@ -27,7 +27,7 @@ static void setup(void) {
     fprintf(stderr, "fuzz_request: %s: %s\n", path, lf_last_error());
     abort();
   }
-  if (lf_chat_template_init_dir(dir, &tmpl) != LF_OK) tmpl = NULL;
+  if (lf_chat_template_init_dir(dir, NULL, &tmpl) != LF_OK) tmpl = NULL;
   ctx.tok = tok;
   ctx.tmpl = tmpl;
   ctx.model_name = "m";

@@ -48,7 +48,7 @@ typedef enum lf_backend_kind {
   LF_BACKEND_CUDA,
 } lf_backend_kind;
 
-/* What happens when a pool is full. DESIGN §3. */
+/* What happens when a pool is full. docs/DESIGN.md §3. */
 typedef enum lf_policy {
   LF_POLICY_LONGFLOW = 0, /* overwrite the slot with least ||alpha*v||_1 (per KV head) */
   LF_POLICY_FULL,         /* never evict; a sequence longer than its pool is an error */
@@ -60,7 +60,7 @@ const char *lf_policy_str(lf_policy p);
 /* Parses "longflow", "full", "streaming", "h2o". */
 lf_status lf_policy_parse(const char *s, lf_policy *out);
 
-/* Which KV heads share an eviction decision. DESIGN §3. */
+/* Which KV heads share an eviction decision. docs/DESIGN.md §3. */
 typedef enum lf_evict_scope {
   LF_EVICT_HEAD = 0, /* one slot per (layer, KV head), chosen from that head's scores (ours) */
   LF_EVICT_LAYER,    /* one slot per layer, shared by all its KV heads: the argmin of the scores
@@ -94,8 +94,9 @@ typedef struct lf_engine_config {
                              (0: unbounded) */
   int n_threads;          /* cpu backend threads (0: all cores when built with OpenMP) */
   uint64_t kv_memory_bytes; /* memory the KV pools may use when n_pools is 0: n_pools =
-                               floor(kv_memory_bytes * mem_util / bytes of one pool) (DESIGN
-                               §5); 0: not set */
+                               floor(kv_memory_bytes * mem_util / bytes of one pool
+                               in the backend's own arena: its KV dtype, this rank's KV heads)
+                               (docs/DESIGN.md §5); 0: not set */
   double mem_util;        /* fraction of kv_memory_bytes (or of free device memory) the pools
                              may take, in (0, 1]; default 0.9 (0: 0.9) */
   lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER: cpu backend on one rank
@@ -178,7 +179,8 @@ typedef struct lf_event {
 typedef struct lf_request_stats {
   int prompt_tokens;
   int generated_tokens; /* tokens the model sampled, including a final EOS / stop id */
-  uint64_t evictions;   /* slot overwrites summed over layers and KV heads (this rank) */
+  uint64_t evictions;   /* slot overwrites summed over layers and the model's KV heads (each
+                            counted once under tensor parallelism, whatever rank holds it) */
   int slots_filled;     /* filled slots of layer 0, KV head 0 at the end (0 until finished) */
   int output_tokens;    /* LF_EVENT_TOKEN events produced (held-back stop-sequence tokens and
                            the final EOS / stop id are not) */
@@ -279,7 +281,7 @@ lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out);
  *  - lf_engine_init and lf_engine_free are not concurrent with anything on that engine.
  * Submitters never wait for a forward pass: the queue lock is not held while the model runs. */
 
-/* Tensor parallelism (DESIGN §4): every rank of comm calls lf_engine_init with the same config
+/* Tensor parallelism (docs/DESIGN.md §4): every rank of comm calls lf_engine_init with the same config
  * and loads only its shard; T must divide the KV heads, or be a multiple of them that divides
  * the query heads (KV heads replicated), else LF_ERR_INVALID_ARG naming T, Hq and Hkv on every
  * rank. Init agrees across ranks: if any rank fails, all return an error. The tensor-parallel

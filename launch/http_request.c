@@ -524,9 +524,16 @@ static int read_messages(const lfs_model_ctx *m, const cJSON *msgs, lf_token_ids
                   "'messages' has %zu entries; at most 4096 are accepted", n);
     return -1;
   }
-  if (!m->tmpl || !m->tok) {
+  if (!m->tok) {
     lfs_error_set(err, 400, "invalid_request_error", "no_chat_template", "messages",
-                  "the model has no tokenizer or chat template: use /v1/completions");
+                  "the model has no tokenizer, so chat is off: use /v1/completions with "
+                  "token-id prompts");
+    return -1;
+  }
+  if (!m->tmpl) {
+    lfs_error_set(err, 400, "invalid_request_error", "no_chat_template", "messages",
+                  "the model has no chat template, so chat is off: use /v1/completions, or "
+                  "start lfserve with --chat-template chatml|llama3|deepseek-r1");
     return -1;
   }
   cm = calloc(n, sizeof *cm);

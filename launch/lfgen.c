@@ -8,10 +8,12 @@
  */
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "engine/clock.h"
 #include "engine/model_text.h"
@@ -26,7 +28,10 @@ static void usage(FILE *f) {
           "  --prompt-ids LIST   comma-separated prompt token ids\n"
           "  --prompt TEXT       prompt text (needs a model with a tokenizer)\n"
           "  --chat              wrap --prompt as one user message in the model's chat template\n"
-          "  --max-tokens N      tokens to generate (default 256)\n"
+          "  --chat-template T   chatml | llama3 | deepseek-r1: the built-in template --chat uses\n"
+          "                      (default: the model's own; a model without one needs this)\n"
+          "  --max-tokens N      tokens to generate (default 256, at most what the context\n"
+          "                      leaves after the prompt; more is an error)\n"
           "  --budget B          KV slots per sequence (default: the model's context)\n"
           "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
           "  --evict-scope S     head | layer: one eviction slot per KV head or per layer\n"
@@ -97,6 +102,39 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
   return 0;
 }
 
+/* Progress of a long load: a line every few seconds with the memory resident so far (the
+ * engine loads in one call; what it has read shows in this process's resident set). */
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done;
+  double t0;
+} load_progress;
+
+static double rss_gib(void) {
+  FILE *f = fopen("/proc/self/statm", "r");
+  unsigned long long size = 0, res = 0;
+  if (f) {
+    if (fscanf(f, "%llu %llu", &size, &res) != 2) res = 0;
+    fclose(f);
+  }
+  return (double)res * (double)sysconf(_SC_PAGESIZE) / 1073741824.0;
+}
+
+static void *load_progress_main(void *arg) {
+  load_progress *p = arg;
+  pthread_mutex_lock(&p->mu);
+  while (!p->done) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 5;
+    if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT && !p->done)
+      fprintf(stderr, "lfgen: loading the model: %.0f s, %.1f GiB resident\n", lf_now_s() - p->t0,
+              rss_gib());
+  }
+  pthread_mutex_unlock(&p->mu);
+  return NULL;
+}
 
 int main(int argc, char **argv) {
   lf_engine_config cfg;
@@ -106,8 +144,8 @@ int main(int argc, char **argv) {
   rq.max_tokens = 256;
   rq.sampling.top_p = 1.0f;
   int32_t *ids = NULL;
-  const char *prompt_text = NULL;
-  int chat = 0, print_ids = 0;
+  const char *prompt_text = NULL, *chat_template = NULL;
+  int chat = 0, print_ids = 0, max_tokens_given = 0;
   int want_tp = lf_launched_multi_rank();
   lf_comm_t comm = NULL;
   for (int i = 1; i < argc; i++) {
@@ -142,6 +180,7 @@ int main(int argc, char **argv) {
       NEED_VALUE;
       if (parse_int(v, 1, INT_MAX, &n)) goto bad;
       rq.max_tokens = (int)n;
+      max_tokens_given = 1;
     } else if (!strcmp(a, "--budget")) {
       NEED_VALUE;
       if (parse_int(v, 1, INT_MAX, &n)) goto bad;
@@ -202,6 +241,14 @@ int main(int argc, char **argv) {
       print_ids = 1;
     } else if (!strcmp(a, "--chat")) {
       chat = 1;
+    } else if (!strcmp(a, "--chat-template")) {
+      NEED_VALUE;
+      lf_chat_format f;
+      if (lf_chat_format_parse(v, &f) != LF_OK) {
+        fprintf(stderr, "lfgen: %s\n", lf_last_error());
+        return 2;
+      }
+      chat_template = v;
     } else {
       fprintf(stderr, "lfgen: unknown option '%s'\n", a);
       usage(stderr);
@@ -223,10 +270,15 @@ int main(int argc, char **argv) {
   char no_tok[4200] = "";
   {
     lf_status ts = lf_model_tokenizer_open(cfg.model_path, &tok, no_tok, sizeof no_tok);
-    if (ts != LF_OK) {
+    if (ts != LF_OK && prompt_text) {
       fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(ts), lf_last_error());
       free(ids);
       return 1;
+    }
+    if (ts != LF_OK) { /* token ids in and out need no tokenizer: say why there is none */
+      snprintf(no_tok, sizeof no_tok, "%s", lf_last_error());
+      fprintf(stderr, "lfgen: warning: no tokenizer (%s): printing token ids\n", no_tok);
+      tok = NULL;
     }
   }
   if (chat && !prompt_text) {
@@ -243,7 +295,14 @@ int main(int argc, char **argv) {
     lf_status ts = LF_OK;
     if (chat) {
       lf_chat_template *tmpl = NULL;
-      ts = lf_model_chat_template_open(cfg.model_path, &tmpl);
+      ts = lf_model_chat_template_open_as(cfg.model_path, chat_template, &tmpl);
+      if (ts != LF_OK) {
+        fprintf(stderr, "lfgen: --chat: %s; give --chat-template chatml|llama3|deepseek-r1 to "
+                        "choose one, or drop --chat\n", lf_last_error());
+        lf_tokenizer_free(tok);
+        free(ids);
+        return 2;
+      }
       lf_chat_message msg = {"user", prompt_text};
       if (ts == LF_OK) ts = lf_chat_template_render(tmpl, &msg, 1, 1, &rendered);
       lf_chat_template_free(tmpl);
@@ -277,7 +336,18 @@ int main(int argc, char **argv) {
     free(ids);
     return 1;
   }
+  load_progress lp = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, t_load};
+  pthread_t lp_thread;
+  const int lp_on = lf_comm_rank(comm) == 0 &&
+                    pthread_create(&lp_thread, NULL, load_progress_main, &lp) == 0;
   s = lf_engine_init(&cfg, comm, &e);
+  if (lp_on) {
+    pthread_mutex_lock(&lp.mu);
+    lp.done = 1;
+    pthread_cond_signal(&lp.cv);
+    pthread_mutex_unlock(&lp.mu);
+    pthread_join(lp_thread, NULL);
+  }
   if (s != LF_OK) {
     fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
     free(ids);
@@ -302,6 +372,26 @@ int main(int argc, char **argv) {
           lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
           cfg.budget ? cfg.budget : mi.max_seq_len,
           lf_now_s() - t_load);
+
+  /* The same limits as the server's: the prompt must fit the context, and --max-tokens what it
+   * leaves (the last token is sampled, never stored); the default is cut to that room. */
+  const int room = mi.max_seq_len - rq.n_prompt + 1;
+  if (rq.n_prompt > mi.max_seq_len || (max_tokens_given && rq.max_tokens > room)) {
+    if (rq.n_prompt > mi.max_seq_len)
+      fprintf(stderr, "lfgen: the prompt has %d tokens; the model's context is %d tokens\n",
+              rq.n_prompt, mi.max_seq_len);
+    else
+      fprintf(stderr,
+              "lfgen: the prompt (%d tokens) plus --max-tokens %d exceed the model's context of "
+              "%d tokens: at most %d can be generated\n",
+              rq.n_prompt, rq.max_tokens, mi.max_seq_len, room);
+    lf_engine_free(e); /* releases the followers */
+    lf_tokenizer_free(tok);
+    free(ids);
+    lf_tp_end(comm);
+    return 2;
+  }
+  if (rq.max_tokens > room) rq.max_tokens = room;
 
   uint64_t id;
   s = lf_engine_submit(e, &rq, &id);
@@ -358,15 +448,19 @@ int main(int argc, char **argv) {
     lf_tok_text_free(&piece);
   }
   printf("\n");
+  char tp_note[48] = "";
+  if (lf_comm_size(comm) > 1)
+    snprintf(tp_note, sizeof tp_note, "; tp %d (tensor parallel over %d ranks)",
+             lf_comm_size(comm), lf_comm_size(comm));
   lf_request_stats st;
   if (lf_engine_request_stats(e, id, &st) == LF_OK) {
     fprintf(stderr,
             "lfgen: %d prompt + %d generated tokens, finish %s; time to first token %.3f s, "
             "%.1f tokens/s decode; slots filled %d of %d; evictions %llu (slot overwrites over "
-            "all layers and KV heads)\n",
+            "all layers and KV heads)%s\n",
             st.prompt_tokens, st.generated_tokens, lf_finish_reason_str(why), st.ttft_seconds,
             st.tpot_seconds > 0 ? 1.0 / st.tpot_seconds : 0.0, st.slots_filled,
-            cfg.budget ? cfg.budget : mi.max_seq_len, (unsigned long long)st.evictions);
+            cfg.budget ? cfg.budget : mi.max_seq_len, (unsigned long long)st.evictions, tp_note);
   }
   lf_engine_free(e); /* releases the followers */
   lf_tokenizer_free(tok);

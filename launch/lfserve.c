@@ -76,6 +76,14 @@ static const char *const outcome_names[OUT_N] = {"stop",         "length",   "er
 static const int status_codes[] = {200, 400, 404, 405, 413, 429, 500, 503};
 #define N_CODES (int)(sizeof status_codes / sizeof status_codes[0])
 
+/* One accepted socket (libmicrohttpd's socket context). */
+struct sock {
+  int fd;
+  int busy; /* a request in progress (between its headers and its completion) */
+  int shed; /* shut down to make room */
+  struct sock *prev, *next;
+};
+
 static struct srv {
   lf_engine_t e;
   lf_model_info mi;
@@ -93,6 +101,7 @@ static struct srv {
   job *table[JOB_BUCKETS];
   int n_jobs;
   int stopping;
+  int streams_abort; /* stopping and the engine cannot end the requests: connections end them */
   pthread_t engine_thread;
   uint64_t step_errors;
   int last_step_failed;
@@ -101,6 +110,15 @@ static struct srv {
   atomic_ullong codes[N_CODES + 1]; /* the last: any other status */
   atomic_int open_streams;
   time_t started;
+
+  /* Connections, oldest first (under cmu): at the limit, the oldest one without a request in
+   * progress is shut down to make room, so half-open or idle keep-alive connections cannot
+   * lock out /health and /metrics. */
+  pthread_mutex_t cmu;
+  struct sock *socks;
+  int n_socks;
+  int n_shed; /* of n_socks: shut down to make room, closing (they do not count as in use) */
+  unsigned max_conn;
 } S;
 
 static void count_code(int status) {
@@ -383,7 +401,7 @@ static void put_head(lfs_buf *b, const conn *c, int chunk) {
 
 /* One SSE chunk carrying text (and ids), or the final one (finish != NULL). */
 static void put_chunk(conn *c, const char *text, size_t len, const int32_t *ids, int n_ids,
-                      const char *finish, const job *j) {
+                      const char *finish) {
   lfs_buf *b = &c->out;
   lfs_buf_puts(b, "data: ");
   put_head(b, c, 1);
@@ -407,12 +425,9 @@ static void put_chunk(conn *c, const char *text, size_t len, const int32_t *ids,
   }
   lfs_buf_puts(b, ",\"logprobs\":null,\"finish_reason\":");
   lfs_buf_json_cstr(b, finish);
-  lfs_buf_puts(b, "}]");
-  if (finish && j) {
-    lfs_buf_puts(b, ",\"usage\":");
-    put_usage(b, c, j);
-  }
-  lfs_buf_puts(b, "}\n\n");
+  /* Usage goes only in the separate final chunk that stream_options.include_usage asks for,
+   * as OpenAI sends it: clients that sum usage over chunks count it once. */
+  lfs_buf_puts(b, "}]}\n\n");
   c->first_chunk_sent = 1;
 }
 
@@ -450,9 +465,9 @@ static int text_of(conn *c, int32_t tok) {
   return 1;
 }
 
-/* The final chunk (text, finish_reason, usage), the usage chunk when asked for, [DONE]. */
+/* The final chunk (text, finish_reason), the usage chunk when asked for, [DONE]. */
 static void stream_end(conn *c, const char *text, size_t len, const char *finish, const job *j) {
-  put_chunk(c, text, len, NULL, 0, finish, j);
+  put_chunk(c, text, len, NULL, 0, finish);
   if (c->rq.include_usage) {
     lfs_buf_puts(&c->out, "data: ");
     put_head(&c->out, c, 1);
@@ -461,6 +476,18 @@ static void stream_end(conn *c, const char *text, size_t len, const char *finish
     lfs_buf_puts(&c->out, "}\n\n");
   }
   lfs_buf_puts(&c->out, "data: [DONE]\n\n");
+  c->done = 1;
+}
+
+/* An error event and [DONE]: the server is stopping and the request cannot finish. */
+static void stream_abort(conn *c) {
+  if (c->done) return;
+  lfs_error e;
+  lfs_error_set(&e, 503, "server_error", "shutting_down", NULL,
+                "the server is shutting down (the engine stopped): the output is incomplete");
+  lfs_buf_puts(&c->out, "data: ");
+  error_json(&c->out, &e);
+  lfs_buf_puts(&c->out, "\n\ndata: [DONE]\n\n");
   c->done = 1;
 }
 
@@ -474,12 +501,12 @@ static void stream_format(conn *c, const int32_t *toks, int n, int finished, con
     c->n_out++;
     if (stopped) {
       if (c->emit.len || c->rq.return_token_ids || !S.tok)
-        put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL, NULL);
+        put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL);
       stream_end(c, "", 0, "stop", j);
       return;
     }
     if (c->emit.len == 0 && S.tok && !c->rq.return_token_ids) continue;
-    put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL, NULL);
+    put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL);
   }
   if (!finished) return;
   if (j->reason == LF_FINISH_ERROR) {
@@ -499,7 +526,8 @@ static void stream_format(conn *c, const int32_t *toks, int n, int finished, con
 }
 
 /* Waits (under srv.mu) until the job has news, the peer is gone or the server stops.
- * Returns 0 with news, -1 when the peer is gone or the server is stopping. */
+ * Returns 0 with news, -1 when the peer is gone or the server has stopped, 1 when the server is
+ * stopping and the connection must end the request itself (the engine cannot). */
 static int wait_job(conn *c) {
   job *j = c->j;
   /* Tokens may keep arriving (no timeout ever fires): look at the socket every 200 ms anyway. */
@@ -512,6 +540,7 @@ static int wait_job(conn *c) {
     if (gone) return -1;
   }
   while (j->n_toks == 0 && !j->finished) {
+    if (S.streams_abort) return 1;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_nsec += 200 * 1000 * 1000;
@@ -559,18 +588,26 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     if (c->done || c->out.oom || !c->j)
       return c->done && !c->out.oom ? MHD_CONTENT_READER_END_OF_STREAM
                                     : MHD_CONTENT_READER_END_WITH_ERROR;
+    /* The wait (a queued request may wait minutes) would count as idleness to libmicrohttpd,
+     * which closes the connection on our return once --timeout has passed since its last
+     * activity, after the headers went out. So the timeout is off while we wait (the server,
+     * not the client, is the slow one then) and set again after: libmicrohttpd restarts its
+     * timer only when a timeout is set on a connection that had none (setting the same value
+     * again leaves the old start in place). */
+    MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     pthread_mutex_lock(&S.mu);
-    if (wait_job(c)) {
-      pthread_mutex_unlock(&S.mu);
-      return MHD_CONTENT_READER_END_WITH_ERROR; /* conn_unref cancels the request */
-    }
-    int n = take_tokens(c);
-    const int finished = c->j->finished && c->j->n_toks == 0;
+    const int gone = wait_job(c);
+    const int n = gone ? 0 : take_tokens(c);
+    const int finished = !gone && c->j->finished && c->j->n_toks == 0;
     pthread_mutex_unlock(&S.mu);
-    /* The wait (a queued request may wait minutes) counts as idleness to libmicrohttpd, which
-     * would close the connection on our return once --timeout had passed, after the headers
-     * went out: setting the timeout again restarts its timer (thread-per-connection mode). */
     MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, S.timeout_s);
+    if (gone < 0) return MHD_CONTENT_READER_END_WITH_ERROR; /* conn_unref cancels the request */
+    if (gone > 0) {
+      /* The server is going down with the engine stuck (a rank died; the launcher is ending
+       * the job): end the stream properly while the process still can. */
+      stream_abort(c);
+      continue;
+    }
     /* After finished is seen, the job is only read: the engine thread is done with it. */
     stream_format(c, c->taken, n, finished, c->j);
   }
@@ -592,10 +629,14 @@ static MHD_Result_t complete_blocking(conn *c) {
   MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
   for (;;) {
     pthread_mutex_lock(&S.mu);
-    if (wait_job(c)) {
+    const int gone = wait_job(c);
+    if (gone) {
       pthread_mutex_unlock(&S.mu);
       free(all);
       lfs_buf_free(&txt);
+      if (gone > 0)
+        return reply_error(c->mc, 503, "server_error", "shutting_down",
+                           "the server is shutting down (the engine stopped)");
       return MHD_NO; /* closes the connection; conn_unref cancels the request */
     }
     job *j = c->j;
@@ -883,6 +924,76 @@ static MHD_Result_t handle_metrics(struct MHD_Connection *mc) {
   return r;
 }
 
+/* Accepted sockets beyond --max-connections, kept for /health and /metrics: libmicrohttpd's own
+ * limit is this much higher, and completions are refused (503) beyond --max-connections. */
+#define CONN_RESERVE 16u
+
+static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+  (void)cls;
+  if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+    struct sock *k = calloc(1, sizeof *k);
+    *socket_context = k;
+    if (!k) return;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+    k->fd = ci ? ci->connect_fd : -1;
+    pthread_mutex_lock(&S.cmu);
+    struct sock *tail = S.socks ? S.socks->prev : NULL; /* circular: head->prev is the tail */
+    if (!tail) {
+      S.socks = k->prev = k->next = k;
+    } else {
+      k->prev = tail;
+      k->next = S.socks;
+      tail->next = k;
+      S.socks->prev = k;
+    }
+    S.n_socks++;
+    /* Over the limit: shut down the oldest idle socket (nothing sent yet, or a keep-alive
+     * connection between requests). Its thread sees the end of the stream and closes it. */
+    if ((unsigned)S.n_socks > S.max_conn) {
+      struct sock *o = S.socks;
+      do {
+        if (o != k && !o->busy && !o->shed && o->fd >= 0) {
+          o->shed = 1;
+          S.n_shed++;
+          shutdown(o->fd, SHUT_RDWR);
+          break;
+        }
+        o = o->next;
+      } while (o != S.socks);
+    }
+    pthread_mutex_unlock(&S.cmu);
+  } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+    struct sock *k = *socket_context;
+    *socket_context = NULL;
+    if (!k) return;
+    pthread_mutex_lock(&S.cmu);
+    if (k->next == k) {
+      S.socks = NULL;
+    } else {
+      k->prev->next = k->next;
+      k->next->prev = k->prev;
+      if (S.socks == k) S.socks = k->next;
+    }
+    S.n_socks--;
+    if (k->shed) S.n_shed--;
+    pthread_mutex_unlock(&S.cmu);
+    free(k);
+  }
+}
+
+/* Marks the socket of mc busy (a request is in progress) or idle. */
+static void sock_busy(struct MHD_Connection *mc, int busy) {
+  const union MHD_ConnectionInfo *ci =
+      MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  struct sock *k = ci ? ci->socket_context : NULL;
+  if (!k) return;
+  pthread_mutex_lock(&S.cmu);
+  k->busy = busy;
+  pthread_mutex_unlock(&S.cmu);
+}
+
 /* ---- the libmicrohttpd callbacks ---------------------------------------------------------- */
 
 static MHD_Result_t reply_too_large(struct MHD_Connection *mc) {
@@ -903,6 +1014,7 @@ static MHD_Result_t on_request(void *cls, struct MHD_Connection *mc, const char 
     atomic_init(&c->refs, 1);
     c->mc = mc;
     c->fd = -1;
+    sock_busy(mc, 1);
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci) c->fd = ci->connect_fd;
@@ -951,6 +1063,15 @@ static MHD_Result_t on_request(void *cls, struct MHD_Connection *mc, const char 
     if (!post)
       return reply_error(mc, 405, "invalid_request_error", "method_not_allowed",
                          "use POST for this endpoint");
+    pthread_mutex_lock(&S.cmu);
+    const int over = (unsigned)(S.n_socks - S.n_shed) > S.max_conn;
+    pthread_mutex_unlock(&S.cmu);
+    if (over) { /* the sockets beyond the limit are kept for /health and /metrics */
+      lfs_error e;
+      lfs_error_set(&e, 503, "server_error", "too_many_connections", NULL,
+                    "the server is at its connection limit; retry later");
+      return send_error(mc, &e, "1");
+    }
     return handle_completion(c, is_chat);
   }
   if (is_get) {
@@ -967,10 +1088,10 @@ static MHD_Result_t on_request(void *cls, struct MHD_Connection *mc, const char 
 static void on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
   (void)cls;
-  (void)mc;
   (void)toe;
   conn *c = *con_cls;
   *con_cls = NULL;
+  sock_busy(mc, 0);
   if (c) conn_unref(c);
 }
 
@@ -995,6 +1116,8 @@ static void usage(FILE *f) {
           "  --max-body BYTES        request body limit (default 8388608), 413 beyond\n"
           "  --timeout S             idle connection timeout in seconds (default 30)\n"
           "  --max-connections N     (default 1024)\n"
+          "  --chat-template NAME    chatml | llama3 | deepseek-r1: render chat with this built-in\n"
+          "                          template (default: the model's own; without one chat is off)\n"
           "  --chat-content-special  read special-token text inside chat message content as\n"
           "                          real markers, as Hugging Face's apply_chat_template does\n"
           "                          (default: content is plain text)\n");
@@ -1017,6 +1140,7 @@ int main(int argc, char **argv) {
   const char *host = "0.0.0.0", *name = NULL;
   long port = 8000, max_conn = 1024, timeout = 30, max_body = 8L << 20;
   int chat_content_special = 0;
+  const char *chat_template = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     long n;
@@ -1040,6 +1164,11 @@ int main(int argc, char **argv) {
       name = v;
     else if (!strcmp(a, "--host"))
       host = v;
+    else if (!strcmp(a, "--chat-template")) {
+      lf_chat_format f;
+      if (lf_chat_format_parse(v, &f) != LF_OK) goto bad;
+      chat_template = v;
+    }
     else if (!strcmp(a, "--port")) {
       if (parse_long(v, 0, 65535, &port)) goto bad;
     } else if (!strcmp(a, "--budget")) {
@@ -1114,8 +1243,10 @@ int main(int argc, char **argv) {
   struct MHD_Daemon *d = NULL;
   pthread_mutex_init(&S.mu, NULL);
   pthread_cond_init(&S.work_cv, NULL);
+  pthread_mutex_init(&S.cmu, NULL);
   S.started = time(NULL);
   S.timeout_s = (unsigned)timeout;
+  S.max_conn = (unsigned)max_conn;
   S.max_body = (size_t)max_body;
   S.policy = cfg.policy;
 
@@ -1164,7 +1295,7 @@ int main(int argc, char **argv) {
   S.budget = cfg.budget ? cfg.budget : S.mi.max_seq_len;
 
   /* The tokenizer and chat template the model carries (HF directory or GGUF metadata). */
-  char why[4200] = "";
+  char why[4200] = "", chat_state[512] = "";
   s = lf_model_tokenizer_open(cfg.model_path, &S.tok, why, sizeof why);
   if (s != LF_OK) {
     fprintf(stderr, "lfserve: %s: %s\n", lf_status_str(s), lf_last_error());
@@ -1174,12 +1305,25 @@ int main(int argc, char **argv) {
     if (lf_tokenizer_vocab_size(S.tok) > S.mi.vocab_size)
       fprintf(stderr, "lfserve: warning: the tokenizer has %d ids, the model %d\n",
               lf_tokenizer_vocab_size(S.tok), S.mi.vocab_size);
-    if (lf_model_chat_template_open(cfg.model_path, &S.tmpl) != LF_OK) {
-      fprintf(stderr, "lfserve: no chat template (%s): /v1/chat/completions is off\n",
-              lf_last_error());
+    s = lf_model_chat_template_open_as(cfg.model_path, chat_template, &S.tmpl);
+    if (s != LF_OK && chat_template) { /* an explicit choice that cannot be honoured */
+      fprintf(stderr, "lfserve: --chat-template %s: %s\n", chat_template, lf_last_error());
+      goto out;
+    }
+    if (s != LF_OK) {
+      snprintf(chat_state, sizeof chat_state,
+               "off (%s; --chat-template chatml|llama3|deepseek-r1 to choose one)",
+               lf_last_error());
       S.tmpl = NULL;
+    } else {
+      static const char *const fmt_names[] = {"none", "llama3", "chatml", "deepseek-r1"};
+      const lf_chat_format f = lf_chat_template_format(S.tmpl);
+      snprintf(chat_state, sizeof chat_state, "%s (%s)",
+               (int)f >= 0 && (int)f < 4 ? fmt_names[f] : "?",
+               chat_template ? "--chat-template" : "the model's template");
     }
   } else {
+    snprintf(chat_state, sizeof chat_state, "off (no tokenizer)");
     fprintf(stderr, "lfserve: %s: token-id prompts only, no text output\n", why);
   }
   if (name) {
@@ -1219,8 +1363,9 @@ int main(int argc, char **argv) {
                            MHD_USE_POLL | MHD_USE_ERROR_LOG,
                        (uint16_t)port, NULL, NULL, on_request, NULL, MHD_OPTION_SOCK_ADDR,
                        (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)timeout,
-                       MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn, MHD_OPTION_NOTIFY_COMPLETED,
-                       on_completed, NULL, MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u,
+                       MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn + CONN_RESERVE,
+                       MHD_OPTION_NOTIFY_COMPLETED, on_completed, NULL,
+                       MHD_OPTION_NOTIFY_CONNECTION, on_connection, NULL, MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u,
                        MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1u << 20), MHD_OPTION_END);
   if (!d) {
     fprintf(stderr, "lfserve: cannot listen on %s:%ld: %s\n", host, port, strerror(errno));
@@ -1229,11 +1374,12 @@ int main(int argc, char **argv) {
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
   fprintf(stderr,
           "lfserve: serving '%s' (%s, %d layers, vocab %d, context %d; policy %s, budget %d; "
-          "tokenizer %s, chat %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n",
+          "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n"
+          "lfserve: chat: %s\n",
           S.model_name, S.mi.model_type, S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
-          lf_policy_str(cfg.policy), S.budget, S.tok ? "yes" : "no", S.tmpl ? "yes" : "no", host,
+          lf_policy_str(cfg.policy), S.budget, S.tok ? "yes" : "no", host,
           di ? (unsigned)di->port : (unsigned)port, lf_now_s() - t0, (long)getpid(),
-          lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "");
+          lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state);
   fflush(stderr);
 
   int sig;
@@ -1253,13 +1399,29 @@ int main(int argc, char **argv) {
     for (job *j = S.table[b]; j; j = j->next)
       lf_engine_cancel(S.e, j->id);
   pthread_mutex_unlock(&S.mu);
-  for (int k = 0; k < 500; k++) {
+  /* The engine ends the cancelled requests at its next step. When it cannot (a rank died and
+   * the engine waits on it; the launcher, ending the job, kills this process about a second
+   * after its signal), the connections end them themselves: an error event and [DONE] for a
+   * stream, a 503 for the others, while the process still can. */
+  const double t_stop = lf_now_s(), grace = launcher_abort ? 0.2 : 1.0;
+  int aborted = 0;
+  for (;;) {
     pthread_mutex_lock(&S.mu);
     const int left = S.n_jobs;
+    if (left && !aborted && lf_now_s() - t_stop > grace) {
+      aborted = 1;
+      S.streams_abort = 1;
+      for (int b = 0; b < JOB_BUCKETS; b++)
+        for (job *j = S.table[b]; j; j = j->next)
+          pthread_cond_broadcast(&j->cv);
+    }
     pthread_mutex_unlock(&S.mu);
-    if (!left) break;
+    if (!left || lf_now_s() - t_stop > 5.0) break;
+    /* Once aborted, wait only for the streams' last bytes to go out. */
+    if (aborted && (atomic_load(&S.open_streams) == 0 || lf_now_s() - t_stop > grace + 0.5)) break;
     usleep(10000);
   }
+  if (aborted) fprintf(stderr, "lfserve: the engine did not end the requests: ended them here\n");
   MHD_stop_daemon(d);
   rc = 0;
 stop_engine:
@@ -1281,6 +1443,7 @@ out:
   lf_engine_free(S.e); /* under mpirun this releases the followers */
   pthread_cond_destroy(&S.work_cv);
   pthread_mutex_destroy(&S.mu);
+  pthread_mutex_destroy(&S.cmu);
   const int world = lf_comm_size(comm);
   if (comm) {
     /* A first signal from elsewhere (a terminal's ^C) may have been followed by the launcher's

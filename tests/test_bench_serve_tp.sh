@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `lfbench serve` under mpirun (tensor parallelism on CPU ranks): 2 and 4 ranks generate exactly
 # the tokens one rank does (FNV-1a hash of every request's tokens, per policy), report tp in
-# the JSON, and --kv-gb counts per rank (a rank holds 1/T of the KV heads, so T times the pools).
+# the JSON, count the evictions one rank does (every KV head of the model once, whether split
+# or replicated over the ranks), and --kv-gb counts per rank (a rank holds 1/T of the KV heads, so T times the pools).
 #   tests/test_bench_serve_tp.sh MPIEXEC path/to/lfbench
 # Exit 77 (CTest SKIP_RETURN_CODE) when python3 is missing.
 set -eu -o pipefail
@@ -39,6 +40,9 @@ for i, row in enumerate(runs[1]["rows"]):
         other = runs[np]["rows"][i]
         assert other["tokens_fnv1a"] == row["tokens_fnv1a"], \
             f"{row['policy']}: {np} ranks generated other tokens than one rank"
+        # evictions over the model's KV heads, each counted once: split (2) or replicated (4)
+        assert other["evictions"] == row["evictions"], \
+            f"{row['policy']}: {np} ranks count {other['evictions']} evictions, one rank {row['evictions']}"
     if row["policy"] != "full":
         assert row["evictions"] > 0, row  # the budget is below prompt + output
 k1, k2 = (json.load(open(f"{d}/kv{n}.json"))["rows"][0] for n in (1, 2))

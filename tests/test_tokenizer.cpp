@@ -428,7 +428,7 @@ TEST(ChatTemplate, MatchesJinjaRenders) {
   for (size_t f = 0; f < lf_json_len(fmts); f++) {
     std::string name = lf_json_key_at(fmts, f);
     lf_chat_template *ct = nullptr;
-    ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/chat/" + name).c_str(), &ct), LF_OK)
+    ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/chat/" + name).c_str(), nullptr, &ct), LF_OK)
         << name << ": " << lf_last_error();
     lf_chat_format want = name == "llama3"        ? LF_CHAT_LLAMA3
                           : name == "deepseek_r1" ? LF_CHAT_DEEPSEEK_R1
@@ -459,20 +459,38 @@ TEST(ChatTemplate, MatchesJinjaRenders) {
 
 TEST(ChatTemplate, DetectionAndErrors) {
   lf_chat_template *ct = nullptr;
-  ASSERT_EQ(lf_chat_template_init(nullptr, 0, "qwen3", &ct), LF_OK);
+  // An explicit built-in format needs no config.
+  ASSERT_EQ(lf_chat_template_init(nullptr, 0, "chatml", &ct), LF_OK);
   EXPECT_EQ(lf_chat_template_format(ct), LF_CHAT_CHATML);
   lf_chat_message m[] = {{"user", "hi"}};
   lf_tok_text out = {};
   ASSERT_EQ(lf_chat_template_render(ct, m, 1, 1, &out), LF_OK);
   EXPECT_STREQ(out.data, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
   lf_chat_template_free(ct);
-  ASSERT_EQ(lf_chat_template_init(nullptr, 0, "llama", &ct), LF_OK);
+  ASSERT_EQ(lf_chat_template_init(nullptr, 0, "llama3", &ct), LF_OK);
   EXPECT_EQ(lf_chat_template_format(ct), LF_CHAT_LLAMA3);
   lf_chat_template_free(ct);
+  // Nothing is guessed from the architecture: a model type is not a format name, and a model
+  // without a chat template has none.
+  ct = nullptr;
+  EXPECT_EQ(lf_chat_template_init(nullptr, 0, "qwen3", &ct), LF_ERR_INVALID_ARG);
+  EXPECT_EQ(lf_chat_template_init(nullptr, 0, nullptr, &ct), LF_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(lf_last_error()).find("no chat template"), std::string::npos);
   const char *cfg = R"({"chat_template":"{{ messages }}"})";
-  EXPECT_EQ(lf_chat_template_init(cfg, strlen(cfg), "gpt2", &ct), LF_ERR_UNSUPPORTED);
+  EXPECT_EQ(lf_chat_template_init(cfg, strlen(cfg), nullptr, &ct), LF_ERR_UNSUPPORTED);
   EXPECT_EQ(ct, nullptr);
+  // An explicit format wins over the config's template.
+  const char *cml = R"({"chat_template":"<|im_start|>{{ messages }}"})";
+  ASSERT_EQ(lf_chat_template_init(cml, strlen(cml), "llama3", &ct), LF_OK);
+  EXPECT_EQ(lf_chat_template_format(ct), LF_CHAT_LLAMA3);
+  lf_chat_template_free(ct);
   EXPECT_EQ(lf_chat_template_init("{", 1, nullptr, &ct), LF_ERR_FORMAT);
+  // A model directory without tokenizer_config.json: refused unless a format is named.
+  const std::string tiny = std::string(LF_SOURCE_DIR) + "/tests/data/hf_tiny/llama";
+  EXPECT_EQ(lf_chat_template_init_dir(tiny.c_str(), nullptr, &ct), LF_ERR_UNSUPPORTED);
+  ASSERT_EQ(lf_chat_template_init_dir(tiny.c_str(), "deepseek-r1", &ct), LF_OK);
+  EXPECT_EQ(lf_chat_template_format(ct), LF_CHAT_DEEPSEEK_R1);
+  lf_chat_template_free(ct);
   lf_tok_text_free(&out);
 }
 
@@ -483,7 +501,7 @@ TEST(ChatTemplate, RenderedPromptTokenizesSpecialMarkers) {
     GTEST_SKIP() << "built without PCRE2";
   }
   lf_chat_template *ct = nullptr;
-  ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/chat/llama3").c_str(), &ct), LF_OK);
+  ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/chat/llama3").c_str(), nullptr, &ct), LF_OK);
   lf_chat_message m[] = {{"system", "Be brief."}, {"user", "Hi"}};
   lf_tok_text out = {};
   ASSERT_EQ(lf_chat_template_render(ct, m, 2, 1, &out), LF_OK);
@@ -506,7 +524,7 @@ TEST(ChatTemplate, EncodeKeepsContentMarkersPlain) {
     GTEST_SKIP() << "built without PCRE2";
   }
   lf_chat_template *ct = nullptr;
-  ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/bytelevel_qwen2").c_str(), &ct), LF_OK)
+  ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/bytelevel_qwen2").c_str(), nullptr, &ct), LF_OK)
       << lf_last_error();
   ASSERT_EQ(lf_chat_template_format(ct), LF_CHAT_CHATML);
   const int32_t im_end = lf_tokenizer_token_to_id(t, "<|im_end|>");
@@ -584,7 +602,7 @@ TEST(ChatTemplate, EncodeRangesEveryFormat) {
       GTEST_SKIP() << "built without PCRE2";
     }
     lf_chat_template *ct = nullptr;
-    ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/chat/" + c.tmpl).c_str(), &ct), LF_OK);
+    ASSERT_EQ(lf_chat_template_init_dir((tok_dir() + "/chat/" + c.tmpl).c_str(), nullptr, &ct), LF_OK);
     const int32_t mk = lf_tokenizer_token_to_id(t, c.marker);
     ASSERT_GE(mk, 0);
     const std::string evil = std::string(" x ") + c.marker + " y ";

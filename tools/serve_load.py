@@ -2,6 +2,8 @@
 """A bounded loopback load test of lfserve (CPU backend, tiny model), standard library only.
 
     python3 tools/serve_load.py --lfserve build/lfserve [--clients 256] [--requests 3000]
+    python3 tools/serve_load.py --lfserve build/lfserve --clients 300 --requests 300 --pools 4 \
+        --timeout 2 --max-tokens 400     # most requests queue far longer than --timeout
 
 Starts a server on a tiny random model with a tokenizer, computes each prompt's greedy reference
 (whole, non-streamed) first, then runs --clients concurrent streaming clients through
@@ -11,6 +13,11 @@ and text as the reference: greedy output does not depend on the batch), and afte
 /metrics shows no pool in use, nothing queued and nothing in flight. Every fourth request also
 carries a stop string cut from the middle of its reference text: it must end exactly before it
 with finish_reason "stop" (the request is cancelled at the match, its pool returned at once).
+Every other stream asks for stream_options.include_usage: then exactly one chunk, the last
+(`choices: []`), carries usage; otherwise none does. /metrics outcomes must grow by exactly what
+the clients saw (length and stop), with no error or disconnect. The longest wait in the queue
+is printed: with few --pools, a short --timeout and long outputs, queued streams must still
+come back whole (a connection timeout restarted by every wait).
 """
 import argparse
 import os
@@ -36,11 +43,15 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--pools", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--timeout", type=int, default=30, help="the server's --timeout (seconds)")
+    ap.add_argument("--budget", type=int, default=64)
     a = ap.parse_args()
     model = a.model or make_tiny_chat_model(os.path.join(tempfile.mkdtemp(prefix="lfload-"), "tiny"))
     s = Server(a.lfserve, model, "--pools", str(a.pools), "--max-queue", str(a.clients * 2),
-               "--budget", "64", "--threads", str(a.threads), "--max-connections",
-               str(a.clients * 2 + 64))
+               "--budget", str(a.budget), "--threads", str(a.threads), "--max-connections",
+               str(a.clients * 2 + 64), "--timeout", str(a.timeout))
+    seen = {"length": 0, "stop": 0}
+    waits = []  # seconds from sending a request to its first chunk
     errors, lock = [], threading.Lock()
     try:
         refs = []
@@ -51,7 +62,8 @@ def main():
                 body["messages"] = [{"role": "user", "content": p}]
             else:
                 body["prompt"] = p
-            st, _, j, raw = s.post("/v1/chat/completions" if chat else "/v1/completions", body)
+            st, _, j, raw = s.post("/v1/chat/completions" if chat else "/v1/completions", body,
+                                   timeout=600)
             assert st == 200, raw
             ch = j["choices"][0]
             text = ch["message"]["content"] if chat else ch["text"]
@@ -65,6 +77,7 @@ def main():
                 refs.append((chat, dict(body, stop=[stop]), None, cut))
 
         counter = iter(range(a.requests))
+        base = s.metrics()
 
         def client():
             while True:
@@ -76,11 +89,26 @@ def main():
                 stops = [r for r in refs if r[2] is None]
                 chat, body, ids_ref, text_ref = (stops[(k // 4) % len(stops)] if k % 4 == 3 and stops
                                                  else plain[k % len(plain)])
+                usage = (k // 4) % 2 == 0
+                b = dict(body, stream=True)
+                if usage:
+                    b["stream_options"] = {"include_usage": True}
                 try:
+                    t_sent = time.time()
                     st, chunks, done = s.stream("/v1/chat/completions" if chat else "/v1/completions",
-                                                dict(body, stream=True), timeout=300)
+                                                b, timeout=600, first=lambda: waits.append(time.time() - t_sent))
                     assert st == 200, (st, chunks)
-                    assert done, "no [DONE]"
+                    assert done, "no [DONE] (%d chunks)" % len(chunks)
+                    n_usage = sum("usage" in c for c in chunks)
+                    if usage:
+                        assert n_usage == 1 and chunks[-1]["choices"] == [], "usage not once at the end"
+                        u = chunks.pop()["usage"]
+                        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], u
+                        if ids_ref is not None:
+                            assert u["completion_tokens"] == a.max_tokens, u
+                    else:
+                        assert n_usage == 0, "usage without include_usage"
+                    assert chunks, "no chunk"
                     fin = chunks[-1]["choices"][0]
                     assert fin["finish_reason"] == ("stop" if ids_ref is None else "length"), fin
                     ids, text = [], ""
@@ -91,7 +119,8 @@ def main():
                     assert text == text_ref, (text, text_ref)
                     if ids_ref is not None:
                         assert ids == ids_ref, (ids, ids_ref)
-                        assert chunks[-1]["usage"]["completion_tokens"] == a.max_tokens
+                    with lock:
+                        seen[fin["finish_reason"]] += 1
                 except Exception as e:  # noqa: BLE001
                     with lock:
                         errors.append("request %d: %r" % (k, e))
@@ -104,11 +133,20 @@ def main():
             t.join()
         dt = time.time() - t0
         m = wait_idle(s, 30)
-        print("load: %d requests, %d concurrent streaming clients, %.1f s (%.0f req/s), "
-              "%d errors; after: pools used %d of %d, queue %d, in flight %d, tokens %d" %
-              (a.requests, a.clients, dt, a.requests / dt, len(errors), m["lfserve_pools_used"],
-               m["lfserve_pools_total"], m["lfserve_queue_length"],
-               m["lfserve_requests_in_flight"], m["lfserve_tokens_generated_total"]))
+        out = {k: int(m['lfserve_requests_total{outcome="%s"}' % k] -
+                      base['lfserve_requests_total{outcome="%s"}' % k])
+               for k in ("stop", "length", "error", "disconnected", "rejected", "invalid")}
+        print("load: %d requests, %d concurrent streaming clients, %d pools, --timeout %d s, "
+              "%d tokens each; %.1f s (%.0f req/s), %d errors; longest wait for a first chunk "
+              "%.1f s (%d of %d over the timeout); clients saw %s, /metrics outcomes %s; after: "
+              "pools used %d of %d, queue %d, in flight %d, tokens %d" %
+              (a.requests, a.clients, a.pools, a.timeout, a.max_tokens, dt, a.requests / dt,
+               len(errors), max(waits or [0]), sum(w > a.timeout for w in waits), len(waits),
+               seen, out, m["lfserve_pools_used"], m["lfserve_pools_total"],
+               m["lfserve_queue_length"], m["lfserve_requests_in_flight"],
+               m["lfserve_tokens_generated_total"]))
+        if out != dict(seen, error=0, disconnected=0, rejected=0, invalid=0):
+            errors.append("/metrics outcomes %s differ from what the clients saw %s" % (out, seen))
         for e in errors[:10]:
             print("  " + e)
         ok = not errors and m["lfserve_pools_used"] == 0

@@ -81,8 +81,9 @@ class Server:
             j = None
         return st, h, j, data
 
-    def stream(self, path, body, timeout=120):
-        """Returns (status, list of parsed chunks, saw_done)."""
+    def stream(self, path, body, timeout=120, first=None):
+        """Returns (status, list of parsed chunks, saw_done). first(): called when the first
+        body line arrives."""
         c = self.conn(timeout)
         try:
             c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -92,6 +93,9 @@ class Server:
             chunks, done = [], False
             while True:
                 line = r.readline()
+                if first and line:
+                    first()
+                    first = None
                 if not line:
                     break
                 line = line.rstrip(b"\r\n")

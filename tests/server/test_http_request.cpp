@@ -26,7 +26,7 @@ public:
     std::string dir = LF_SOURCE_DIR "/tests/data/tokenizers/bytelevel_qwen2";
     ASSERT_EQ(lf_tokenizer_init_file((dir + "/tokenizer.json").c_str(), &g_tok), LF_OK)
         << lf_last_error();
-    ASSERT_EQ(lf_chat_template_init_dir(dir.c_str(), &g_tmpl), LF_OK) << lf_last_error();
+    ASSERT_EQ(lf_chat_template_init_dir(dir.c_str(), nullptr, &g_tmpl), LF_OK) << lf_last_error();
     g_vocab = lf_tokenizer_vocab_size(g_tok);
   }
   void TearDown() override {
@@ -661,10 +661,14 @@ TEST(HttpRequest, Messages) {
   lfs_model_ctx nt = model();
   nt.tmpl = nullptr;
   expect_err(nt, 1, M("[{\"role\": \"user\", \"content\": \"hi\"}]"), 400, "no_chat_template",
-             "messages", "the model has no tokenizer or chat template: use /v1/completions");
+             "messages",
+             "the model has no chat template, so chat is off: use /v1/completions, or start "
+             "lfserve with --chat-template chatml|llama3|deepseek-r1");
   nt.tok = nullptr;
   expect_err(nt, 1, M("[{\"role\": \"user\", \"content\": \"hi\"}]"), 400, "no_chat_template",
-             "messages", "");
+             "messages",
+             "the model has no tokenizer, so chat is off: use /v1/completions with token-id "
+             "prompts");
 
   /* What the template gets: developer reads as system, parts are concatenated, an assistant
    * turn may have null content. */

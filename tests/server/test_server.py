@@ -10,6 +10,7 @@ policy with one pool. Exits non-zero on the first failure; the server's log is p
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -60,6 +61,8 @@ def tests_tokenizer_server(s):
     st, chunks, done = s.stream(CMPL, dict(body, stream=True, stream_options={"include_usage": True}))
     assert st == 200 and done, chunks
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    # usage once, in that last chunk only (as OpenAI sends it): summing it counts it once
+    assert sum("usage" in c for c in chunks) == 1, chunks
     chunks = chunks[:-1]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     text, ids = stream_text(chunks, False)
@@ -83,7 +86,8 @@ def tests_tokenizer_server(s):
     text, _ = stream_text(chunks, True)
     text += chunks[-1]["choices"][0]["delta"].get("content", "")
     assert text == msg["content"], (text, msg["content"])
-    assert chunks[-1]["usage"]["completion_tokens"] == 10
+    # without stream_options.include_usage no chunk carries usage
+    assert not any("usage" in c for c in chunks), chunks[-1]
 
     # sampling parameters and seeds: same seed, same text
     sb = dict(body, temperature=0.9, top_p=0.9, top_k=50, seed=7)
@@ -263,6 +267,54 @@ def tests_tokenizer_server(s):
     assert m["lfserve_tpot_seconds_count"] > 0
 
 
+def tests_connection_limit(s, max_conn=8, extra=20):
+    """More silent sockets than --max-connections: the oldest idle ones are shed, so /health,
+    /metrics and completions still get through at once."""
+    socks = []
+    try:
+        for _ in range(max_conn + extra):
+            k = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+            socks.append(k)
+        time.sleep(0.2)
+        t0 = time.time()
+        st, _, data = s.request("GET", "/health", timeout=3)
+        dt = time.time() - t0
+        assert st == 200 and dt < 2, (st, dt, data)
+        st, _, _ = s.request("GET", "/metrics", timeout=3)
+        assert st == 200
+        st, _, j, _ = s.post(CMPL, {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=10)
+        assert st == 200 and j["usage"]["completion_tokens"] == 3, j
+        # the oldest silent sockets were shut down to make room
+        shed = 0
+        for k in socks[:extra]:
+            k.settimeout(0.5)
+            try:
+                shed += k.recv(1) == b""
+            except (socket.timeout, OSError):
+                pass
+        assert shed >= extra // 2, shed
+        print("    %d silent sockets over a limit of %d: /health in %.3f s, %d oldest shed"
+              % (max_conn + extra, max_conn, dt, shed))
+    finally:
+        for k in socks:
+            k.close()
+
+
+def tests_no_template(s_off, s_on):
+    """A model without a chat template: chat is refused with a clear 400 unless
+    --chat-template names one; start-up says which."""
+    assert "chat: off (the model has no chat template" in s_off.read_log(), s_off.read_log()
+    st, _, j, _ = s_off.post(CHAT, {"messages": [{"role": "user", "content": "x"}]})
+    err_of(st, j, 400, "no_chat_template")
+    assert "--chat-template" in j["error"]["message"], j
+    st, _, j, _ = s_off.post(CMPL, {"prompt": "hi", "max_tokens": 2})
+    assert st == 200, j
+    assert "chat: chatml (--chat-template)" in s_on.read_log(), s_on.read_log()
+    st, _, j, _ = s_on.post(CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                   "ignore_eos": True})
+    assert st == 200 and j["usage"]["completion_tokens"] == 3, j
+
+
 def tests_token_server(s):
     st, _, j, _ = s.post(CMPL, {"prompt": "text"})
     err_of(st, j, 400, "no_tokenizer")
@@ -303,6 +355,29 @@ def main():
             rc = s.stop()
             if rc != 0:
                 raise AssertionError("lfserve exited with %s:\n%s" % (rc, s.read_log()[-4000:]))
+        s = Server(a.lfserve, model, "--max-connections", "8", "--timeout", "30", "--threads", "1")
+        servers.append(s)
+        tests_connection_limit(s)
+        print("ok  tests_connection_limit")
+        s.stop()
+        # the same model without its chat template
+        bare = os.path.join(tmp, "bare")
+        shutil.copytree(model, bare)
+        cfgp = os.path.join(bare, "tokenizer_config.json")
+        with open(cfgp) as f:
+            cfg = json.load(f)
+        cfg.pop("chat_template", None)
+        with open(cfgp, "w") as f:
+            json.dump(cfg, f)
+        s_off = Server(a.lfserve, bare, "--threads", "1")
+        servers.append(s_off)
+        s_on = Server(a.lfserve, bare, "--threads", "1", "--chat-template", "chatml")
+        servers.append(s_on)
+        tests_no_template(s_off, s_on)
+        print("ok  tests_no_template")
+        for x in (s_off, s_on):
+            if x.stop() != 0:
+                raise AssertionError("lfserve exited with an error:\n" + x.read_log()[-4000:])
 
     return run_suite(run)
 

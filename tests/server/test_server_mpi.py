@@ -16,6 +16,8 @@ and return every pool. Then the two ways to stop it:
   - SIGTERM to mpiexec with a request in flight: Open MPI's launcher turns it into a job abort
     (it signals every rank and kills them a second later); both ranks still shut down cleanly
     (each logs "stopped") and everything is gone within a few seconds.
+Last, rank 1 killed (SIGKILL) with a stream in flight: the stream still ends with an error event
+and [DONE], and the job is gone within seconds.
 """
 import argparse
 import os
@@ -75,6 +77,23 @@ def rank0_pid(s):
     m = re.search(r"pid (\d+), 2 ranks", s.read_log())
     assert m, s.read_log()
     return int(m.group(1))
+
+
+def pids_of(binary, port):
+    """Processes running `binary ... --port PORT` (the ranks of one job)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (argv and os.path.basename(argv[0]) == os.path.basename(binary).encode() and
+                b"--port" in argv and argv[argv.index(b"--port") + 1:][:1] == [str(port).encode()]):
+            out.append(int(d))
+    return out
 
 
 def wait_exit(proc, seconds):
@@ -168,6 +187,36 @@ def main():
         assert dt < 5, dt
         print("ok  SIGTERM to mpiexec: both ranks stopped, job gone in %.2f s (mpiexec exit %d)"
               % (dt, rc))
+        # A follower killed mid-stream: the launcher ends the job, and rank 0 still ends its
+        # streams properly (an error event, then [DONE]) rather than cutting them.
+        s = Server(a.lfserve, model, *args, env=env, launcher=launcher)
+        servers.append(s)
+        r0 = rank0_pid(s)
+        followers = [p for p in pids_of(a.lfserve, s.port) if p != r0]
+        assert len(followers) == 1, followers
+        c = s.conn(30)
+        c.request("POST", CMPL, body='{"prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": true, '
+                                     '"stream": true}', headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        t0 = time.time()
+        os.kill(followers[0], signal.SIGKILL)
+        lines = []
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            if line.strip():
+                lines.append(line.strip())
+        c.close()
+        rc = wait_exit(s.proc, 15)
+        dt = time.time() - t0
+        log = s.read_log()
+        assert lines and lines[-1] == b"data: [DONE]", (lines[-3:], log[-3000:])
+        assert b'"error"' in lines[-2], (lines[-3:], log[-3000:])
+        assert rc is not None, "mpiexec still running after 15 s\n" + log
+        print("ok  rank 1 killed mid-stream: the stream ended with an error event and [DONE] "
+              "after %.2f s; job gone (mpiexec exit %d)" % (dt, rc))
     except Exception:
         ok = False
         traceback.print_exc()
