@@ -27,7 +27,7 @@
  * every split knows M_h and L_h, scores its own slots from its own shared logits and combines its
  * share of the output from the others' partial outputs; split 0 takes the minimum of the splits'
  * keys after a second barrier. Same arithmetic as the ticket combine, in parallel and without a
- * global-memory round trip. LF_ATTN_CLUSTER=0 forces the ticket combine.
+ * global-memory round trip.
  * The argmin is a min over 64-bit keys (score bits << 32 | slot): non-negative fp32 scores order
  * like their bit patterns, and equal scores fall to the lowest slot, as in the CPU reference.
  */
@@ -38,12 +38,10 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "attention/cuda_check.h"
-#include "attention/cuda_launch.cuh"
-#include "attention/cuda_ptx.cuh"
+#include "base/cuda_check.h"
+#include "base/cuda_launch.cuh"
+#include "base/cuda_ptx.cuh"
 
 #define DA_NW 4                    /* warps per block */
 #define DA_NT (DA_NW * 32)         /* threads per block */
@@ -73,10 +71,11 @@ typedef struct attn_params {
   int group, sink, policy;
   float scale;
   int chunk_max; /* slots of the largest split, sizes the shared logits */
-  int prefetch;  /* LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles a step ahead */
-  int early_trigger; /* LF_ATTN_EARLY_TRIGGER: let the next kernel launch after pass 2 */
-  int fast_tail;     /* the cluster path's tail with fewer barriers (LF_ATTN_FAST_TAIL=0: off) */
-  const void *l2_next; /* lf_decode_attn_args.l2_next */
+  /* Fixed by the launcher (see kernel_switches below): */
+  int prefetch;      /* 0: no per-warp L2 prefetch of the next tiles */
+  int early_trigger; /* 1: the next kernel may launch once K and V are read */
+  int fast_tail;     /* 1: the cluster path's tail with two barriers, every remote read at once */
+  const void *l2_next; /* NULL: no L2 prefetch of the next kernel's weights */
   size_t l2_next_bytes;
   unsigned *cnt;
   float2 *ml;
@@ -257,7 +256,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   __shared__ unsigned long long red_key[DA_NW];
   __shared__ int is_last;
 
-  /* the next kernels' inputs that depend on nothing here (lf_decode_attn_args.l2_next) */
+  /* the next kernels' inputs that depend on nothing here (attn_params.l2_next; none now) */
   prefetch_l2_share(p.l2_next, p.l2_next_bytes,
                     blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
                     gridDim.x * gridDim.y * gridDim.z);
@@ -620,30 +619,25 @@ static int min_splits_for_smem(int budget, int group) {
   return s;
 }
 
-/* The kernel's switches, read from the environment once (thread-safe static init):
- *   cluster        the cluster combine (sm_90+, 2..DA_CL_MAX splits); LF_ATTN_CLUSTER=0 turns it
- *                  off (the ticket combine through the workspace then serves every split count)
- *   prefetch       LF_ATTN_PREFETCH=1: each warp asks L2 for its next tiles (off: not measured)
- *   early_trigger  the programmatic-launch trigger after pass 2; LF_ATTN_EARLY_TRIGGER=0: off
- *   fast_tail      the cluster path's output reduction with two barriers instead of four (each
- *                  warp its own buffer, 3 G D floats more shared memory) and its remote (m, l)
- *                  and output reads all in flight at once: the same bits, batch-1 steps 4.8%
- *                  faster on an H200 (bench/RESULTS.md, session 6); LF_ATTN_FAST_TAIL=0: off */
-struct attn_switches {
-  int cluster, prefetch, early_trigger, fast_tail;
-};
-
-static int env_is(const char *name, const char *value) {
-  const char *e = getenv(name);
-  return e && !strcmp(e, value);
+/* The cluster combine (sm_90+, 2..DA_CL_MAX splits; the ticket combine through the workspace
+ * serves every other split count), decided once per process from the device. */
+static int cluster_combine(void) {
+  static const int on = lf_device_sm90();
+  return on;
 }
 
-static const attn_switches &switches(void) {
-  static const attn_switches s = {!env_is("LF_ATTN_CLUSTER", "0") && lf_device_sm90(),
-                                  env_is("LF_ATTN_PREFETCH", "1"),
-                                  !env_is("LF_ATTN_EARLY_TRIGGER", "0"),
-                                  !env_is("LF_ATTN_FAST_TAIL", "0")};
-  return s;
+/* The kernel's variant fields of attn_params, fixed to the variants measured best on an H200
+ * (bench/RESULTS.md): the programmatic-launch trigger after pass 2 (0.9-1.3% faster batch-1
+ * steps) and the cluster path's fast tail (4.8% faster batch-1 steps, the same bits); neither
+ * per-warp tile prefetch (never measured faster) nor the L2 prefetch of the O weights (1.3%
+ * slower). The kernel keeps its branches for the others until an A/B run on the GPU shows that
+ * removing them leaves the step time alone (register allocation moves with them). */
+static void kernel_switches(attn_params *p) {
+  p->prefetch = 0;
+  p->early_trigger = 1;
+  p->fast_tail = 1;
+  p->l2_next = NULL;
+  p->l2_next_bytes = 0;
 }
 
 extern "C" int lf_cuda_decode_attn_splits(int n_seq, int n_kv_heads, int budget, int group,
@@ -664,7 +658,7 @@ extern "C" int lf_cuda_decode_attn_splits(int n_seq, int n_kv_heads, int budget,
   /* With the cluster combine, one cluster's worth of splits where that suffices: measured on an
    * H200 at batch 1, 8 splits in a cluster took 19.8-29.0 us against 26.8-39.3 us for 16 with
    * the ticket combine (budgets 1024-3200). */
-  if (s > DA_CL_MAX && smin <= DA_CL_MAX && switches().cluster) s = DA_CL_MAX;
+  if (s > DA_CL_MAX && smin <= DA_CL_MAX && cluster_combine()) s = DA_CL_MAX;
   if (s < smin) s = smin;
   if (s > DA_SPLITS_MAX) s = DA_SPLITS_MAX;
   if (s < 1) s = 1;
@@ -697,8 +691,6 @@ extern "C" lf_status lf_cuda_decode_attn_workspace_init(void *workspace, size_t 
   if (workspace_bytes) LF_CUDA_CHECK(cudaMemsetAsync(workspace, 0, workspace_bytes, stream));
   return LF_OK;
 }
-
-thread_local int lf_pdl_pass_off = 0; /* attention/cuda_launch.cuh */
 
 template <int D, int MINB, bool CL>
 static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
@@ -747,86 +739,84 @@ static lf_status launch_any(const attn_params &p, dim3 grid, int cl, cudaStream_
 }
 
 extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStream_t stream) {
-  if (!a || !a->k || !a->v || !a->vnorm || !a->n || !a->next || !a->pool_ids || !a->w || !a->q ||
-      !a->out)
+  const lf_cuda_pool_view *pv = a ? &a->pool : NULL;
+  if (!a || !pv->k || !pv->v || !pv->vnorm || !pv->n || !pv->next || !a->pool_ids || !a->w ||
+      !a->q || !a->out)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: NULL argument");
-  if (a->head_dim != 64 && a->head_dim != 128)
+  if (pv->head_dim != 64 && pv->head_dim != 128)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: head_dim %d (64 or 128)",
-                    a->head_dim);
+                    pv->head_dim);
   if (a->group < 1 || a->group > DA_GMAX)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: group %d (1..%d)", a->group, DA_GMAX);
   if (a->policy != LF_POLICY_LONGFLOW && a->policy != LF_POLICY_FULL &&
       a->policy != LF_POLICY_STREAMING)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
                     (int)a->policy);
-  if (a->policy == LF_POLICY_STREAMING && !a->pos)
+  if (a->policy == LF_POLICY_STREAMING && !pv->pos)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: streaming needs pos");
-  if (a->n_seq < 0 || a->n_seq > 65535 || a->n_kv_heads < 1 || a->n_kv_heads > 65535 ||
-      a->budget < 1 || a->n_layers < 1 || a->layer < 0 || a->layer >= a->n_layers || a->sink < 0 ||
-      !(a->scale > 0.0f))
+  if (a->n_seq < 0 || a->n_seq > 65535 || pv->n_kv_heads < 1 || pv->n_kv_heads > 65535 ||
+      pv->budget < 1 || pv->n_layers < 1 || a->layer < 0 || a->layer >= pv->n_layers ||
+      a->sink < 0 || !(a->scale > 0.0f))
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_decode_attn: bad shape (n_seq %d, kv heads %d, budget %d, layer %d "
                     "of %d, sink %d, scale %g)",
-                    a->n_seq, a->n_kv_heads, a->budget, a->layer, a->n_layers, a->sink,
+                    a->n_seq, pv->n_kv_heads, pv->budget, a->layer, pv->n_layers, a->sink,
                     (double)a->scale);
-  if (a->q_stride % 8 || ((uintptr_t)a->q & 15) || ((uintptr_t)a->k & 15) ||
-      ((uintptr_t)a->v & 15) || ((uintptr_t)a->out & 3))
+  if (a->q_stride % 8 || ((uintptr_t)a->q & 15) || ((uintptr_t)pv->k & 15) ||
+      ((uintptr_t)pv->v & 15) || ((uintptr_t)a->out & 3))
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_decode_attn: q, k, v must be 16-byte aligned (q_stride a multiple "
                     "of 8), out 4-byte aligned");
   if (a->n_seq == 0) return LF_OK;
 
   int S = a->n_splits;
-  const int smin = min_splits_for_smem(a->budget, a->group);
-  if (S <= 0) LF_TRY(auto_splits(a->n_seq, a->n_kv_heads, a->budget, a->group, a->head_dim, &S));
+  const int smin = min_splits_for_smem(pv->budget, a->group);
+  if (S <= 0)
+    LF_TRY(auto_splits(a->n_seq, pv->n_kv_heads, pv->budget, a->group, pv->head_dim, &S));
   if (S < smin) S = smin; /* the logits of one split must fit in shared memory */
   if (S > DA_SPLITS_MAX) S = DA_SPLITS_MAX;
-  const int cl = S >= 2 && S <= DA_CL_MAX && switches().cluster;
-  const ws_layout wl = ws_plan(a->n_seq, a->n_kv_heads, a->budget, a->group, a->head_dim, S);
+  const int cl = S >= 2 && S <= DA_CL_MAX && cluster_combine();
+  const ws_layout wl = ws_plan(a->n_seq, pv->n_kv_heads, pv->budget, a->group, pv->head_dim, S);
   if (S > 1 && !cl && (!a->workspace || a->workspace_bytes < wl.total))
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_decode_attn: workspace of %zu bytes, %zu needed for %d splits",
                     a->workspace_bytes, wl.total, S);
 
   attn_params p;
-  p.k = (const __nv_bfloat16 *)a->k;
-  p.v = (const __nv_bfloat16 *)a->v;
-  p.vnorm = a->vnorm;
-  p.pos = a->pos;
-  p.n = a->n;
-  p.next = a->next;
-  p.n_layers = a->n_layers;
-  p.n_kv = a->n_kv_heads;
-  p.budget = a->budget;
+  p.k = (const __nv_bfloat16 *)pv->k;
+  p.v = (const __nv_bfloat16 *)pv->v;
+  p.vnorm = pv->vnorm;
+  p.pos = pv->pos;
+  p.n = pv->n;
+  p.next = pv->next;
+  p.n_layers = pv->n_layers;
+  p.n_kv = pv->n_kv_heads;
+  p.budget = pv->budget;
   p.layer = a->layer;
   p.pool_ids = a->pool_ids;
   p.w = a->w;
   p.q = (const __nv_bfloat16 *)a->q;
-  p.q_stride = a->q_stride ? a->q_stride : (size_t)a->n_kv_heads * a->group * a->head_dim;
+  p.q_stride = a->q_stride ? a->q_stride : (size_t)pv->n_kv_heads * a->group * pv->head_dim;
   p.out = (__nv_bfloat16 *)a->out;
   p.group = a->group;
   p.sink = a->sink;
   p.policy = (int)a->policy;
   p.scale = a->scale;
-  p.chunk_max = ((a->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
-  p.prefetch = switches().prefetch;
-  p.early_trigger = switches().early_trigger;
-  p.fast_tail = switches().fast_tail;
-  p.l2_next = ((uintptr_t)a->l2_next & 15) ? NULL : a->l2_next;
-  p.l2_next_bytes = p.l2_next ? a->l2_next_bytes : 0;
+  p.chunk_max = ((pv->budget + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
+  kernel_switches(&p);
   char *ws = (char *)a->workspace;
   p.cnt = S > 1 && !cl ? (unsigned *)(ws + wl.cnt) : NULL;
   p.ml = S > 1 && !cl ? (float2 *)(ws + wl.ml) : NULL;
   p.po = S > 1 && !cl ? (float *)(ws + wl.po) : NULL;
   p.lg = S > 1 && !cl ? (float *)(ws + wl.lg) : NULL;
 
-  const dim3 grid(S, a->n_kv_heads, a->n_seq);
+  const dim3 grid(S, pv->n_kv_heads, a->n_seq);
   /* Four blocks per SM (128 registers) while four blocks' shared memory still leaves L1 room
    * for loads in flight; past that, three blocks with the registers the compiler wants. */
-  const size_t smem_est = (size_t)p.chunk_max * p.group * 4 + (size_t)p.group * a->head_dim * 4;
+  const size_t smem_est = (size_t)p.chunk_max * p.group * 4 + (size_t)p.group * pv->head_dim * 4;
   if (smem_est > 44 * 1024)
-    return a->head_dim == 64 ? launch_any<64, 1>(p, grid, cl, stream)
-                             : launch_any<128, 1>(p, grid, cl, stream);
-  return a->head_dim == 64 ? launch_any<64, 4>(p, grid, cl, stream)
-                           : launch_any<128, 4>(p, grid, cl, stream);
+    return pv->head_dim == 64 ? launch_any<64, 1>(p, grid, cl, stream)
+                              : launch_any<128, 1>(p, grid, cl, stream);
+  return pv->head_dim == 64 ? launch_any<64, 4>(p, grid, cl, stream)
+                            : launch_any<128, 4>(p, grid, cl, stream);
 }

@@ -5,7 +5,8 @@
  * (fp32, exact softmax) and stores next = argmin s_i (slots < sink and the slot w written this
  * step excluded, ties to the lowest slot, -1 when no slot is evictable) into the pool metadata.
  * K and V are read exactly once; scoring never re-reads them. Step 1 (the write of the new token)
- * is lf_cuda_kv_write (kv_write.cuh), launched before this on the same stream.
+ * is lf_cuda_qkv_rope's slot write (attention/kv_write.cuh), launched before this on the same
+ * stream.
  *
  * Same semantics as lf_attn_decode_ref (attention.h) for the policies longflow, full (next = -1)
  * and streaming (next = the evictable slot with the smallest position); h2o is not supported yet.
@@ -20,6 +21,7 @@
 #include <stdint.h>
 
 #include "lfserve.h"
+#include "memory/pool.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -28,19 +30,15 @@ extern "C" {
 struct CUstream_st;
 
 typedef struct lf_decode_attn_args {
-  /* The rank's pool arena (bf16 K/V, docs/DESIGN.md §3 layout). */
-  const void *k;      /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] (post-RoPE) */
-  const void *v;      /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] */
-  const float *vnorm; /* [n_pools][n_layers][n_kv_heads][budget] ||v||_1 of the bf16 v */
-  const int32_t *pos; /* [n_pools][n_layers][n_kv_heads][budget]; read by streaming only */
-  const int32_t *n;   /* [n_pools][n_layers][n_kv_heads] filled slots, this step's token in */
-  int32_t *next;      /* [n_pools][n_layers][n_kv_heads] written: slot the next token takes */
-  int n_layers, n_kv_heads, budget, head_dim; /* head_dim 64 or 128 */
-  int layer;                                  /* the layer attended */
+  /* The rank's pool arena (docs/DESIGN.md §3 layout; head_dim 64 or 128): K, V, vnorm and n
+   * read (n counts this step's token), pos read by streaming only, next written (the slot the
+   * next token takes). */
+  lf_cuda_pool_view pool;
+  int layer; /* the layer attended */
   /* The batch. */
   int n_seq;
   const int32_t *pool_ids; /* [n_seq] the pool of each sequence */
-  const int32_t *w;        /* [n_seq][n_kv_heads] slot written this step (lf_cuda_kv_write) */
+  const int32_t *w;        /* [n_seq][n_kv_heads] slot written this step (lf_cuda_qkv_rope) */
   const void *q;           /* bf16, query head h of sequence s at q[s * q_stride + h * head_dim],
                             * post-RoPE; 16-byte aligned rows */
   size_t q_stride;         /* elements between sequences; 0: n_kv_heads * group * head_dim */
@@ -53,18 +51,11 @@ typedef struct lf_decode_attn_args {
    * 0: lf_cuda_decode_attn_splits() picks it. A request is raised to the fewest splits whose
    * logits fit in shared memory (64 KB per block) and capped at 64; the workspace size follows
    * the same rule. On sm_90, 2..8 splits combine inside a thread-block cluster (no workspace
-   * used; LF_ATTN_CLUSTER=0 turns that off), more through the workspace. */
+   * used), more (or any count before sm_90) through the workspace. */
   int n_splits;
   void *workspace; /* >= lf_cuda_decode_attn_workspace_bytes(), prepared once with
                     * lf_cuda_decode_attn_workspace_init() and reused by every call */
   size_t workspace_bytes;
-  /* Optional (NULL / 0: none): memory the next kernels read that does not depend on this one (the
-   * O projection's weights), asked into L2 with bulk prefetches at the kernel's start, spread
-   * over its blocks. At small batches this kernel is latency-bound and leaves DRAM idle; the
-   * prefetch uses that time so the O GEMV then reads from L2. A hint only: results are the same
-   * with or without. 16-byte aligned; bytes rounded down to a multiple of 16. sm_90 and newer. */
-  const void *l2_next;
-  size_t l2_next_bytes;
 } lf_decode_attn_args;
 
 /* The split count the launcher uses for n_splits == 0 on a device with n_sm multiprocessors

@@ -1,56 +1,120 @@
-/* Step 1 of the decode step: the new token's k/v into its slot (see kv_write.cuh). */
+/* Bias, q/k norm, RoPE and the decode-step KV slot write (see kv_write.cuh). */
 #include "attention/kv_write.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "attention/cuda_check.h"
+#include "base/cuda_check.h"
+#include "base/cuda_ptx.cuh"
+#include "base/cuda_launch.cuh"
 
-/* One warp per (sequence, KV head): [n_kv_heads, n_seq] blocks of 32 threads. */
-static __global__ void kv_write_kernel(lf_kv_write_args a) {
-  const int seq = blockIdx.y, kvh = blockIdx.x, lane = threadIdx.x;
-  const int D = a.head_dim, B = a.budget;
-  const size_t hidx =
-      ((size_t)a.pool_ids[seq] * a.n_layers + a.layer) * a.n_kv_heads + kvh; /* (pool,l,g) */
-  const int n = a.n[hidx];
-  const int w = lf_kv_slot_for_write(n, a.next[hidx], B, a.sink, a.policy);
+#define ROPE_DMAX 256
+
+/* One warp per (head, token): grid [n_heads + n_kv_heads, n_tok]. Block x < n_heads is a query
+ * head; the others are KV head g = x - n_heads and do both k and v. */
+static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
+  __shared__ float buf[ROPE_DMAX];
+  const int t = blockIdx.y, lane = threadIdx.x, D = a.head_dim, half = D / 2;
+  const int is_q = (int)blockIdx.x < a.n_heads;
+  const int g = is_q ? 0 : (int)blockIdx.x - a.n_heads;
+  const int qd = a.n_heads * D, kd = a.n_kv_heads * D;
+  const int off = is_q ? (int)blockIdx.x * D : qd + g * D; /* column of this head in qkv */
+  const float *src = a.qkv + (size_t)t * a.qkv_stride;
+  /* Before the wait, what no recent kernel writes: the positions and pool ids (uploaded before
+   * the pass), the pool's fill and eviction candidate (written by the previous step's kernels of
+   * this layer: when a PDL kernel starts, every kernel but the one just before it has completed,
+   * cuda_launch.cuh) and the rotation angles. Then wait for qkv. */
+  const int32_t pos = a.pos ? a.pos[t] : a.pos0 + t;
+  float rs[ROPE_DMAX / 64], rc[ROPE_DMAX / 64];
+#pragma unroll
+  for (int j = 0; j < ROPE_DMAX / 64; j++)
+    if (lane + 32 * j < half) sincosf((float)pos * a.inv_freq[lane + 32 * j], &rs[j], &rc[j]);
+  size_t hidx = 0;
+  int n = 0, w = -1;
+  if (!is_q && a.pool.k) {
+    hidx = ((size_t)a.pool_ids[t] * a.pool.n_layers + a.layer) * a.n_kv_heads + g;
+    n = a.pool.n[hidx];
+    w = lf_kv_slot_for_write(n, a.pool.next[hidx], a.pool.budget, a.sink, a.policy);
+  }
+  pdl_wait(); /* qkv comes from the previous kernel (base/cuda_launch.cuh) */
+  pdl_trigger();
+
+  for (int d = lane; d < D; d += 32) buf[d] = src[off + d] + (a.bias ? a.bias[off + d] : 0.0f);
   __syncwarp();
-  if (w >= 0) {
-    const size_t stride = a.new_stride ? a.new_stride : (size_t)a.n_kv_heads * D;
-    const __nv_bfloat16 *kn = (const __nv_bfloat16 *)a.k_new + seq * stride + (size_t)kvh * D;
-    const __nv_bfloat16 *vn = (const __nv_bfloat16 *)a.v_new + seq * stride + (size_t)kvh * D;
-    __nv_bfloat16 *kd = (__nv_bfloat16 *)a.k + (hidx * B + w) * D;
-    __nv_bfloat16 *vd = (__nv_bfloat16 *)a.v + (hidx * B + w) * D;
-    float l1 = 0.0f;
+  const float *nw = is_q ? a.q_norm : a.k_norm;
+  if (nw) {
+    float ss = 0.0f;
+    for (int d = lane; d < D; d += 32) ss += buf[d] * buf[d];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float r = 1.0f / sqrtf(ss / (float)D + a.eps);
+    __syncwarp();
+    for (int d = lane; d < D; d += 32) buf[d] = nw[d] * (buf[d] * r);
+    __syncwarp();
+  }
+  /* rotate pairs; each lane owns whole pairs so no other lane reads what it writes */
+#pragma unroll
+  for (int j = 0; j < ROPE_DMAX / 64; j++) {
+    const int i = lane + 32 * j;
+    if (i >= half) break;
+    const float s = rs[j], c = rc[j];
+    const int i0 = a.interleaved ? 2 * i : i, i1 = a.interleaved ? 2 * i + 1 : i + half;
+    const float x0 = buf[i0], x1 = buf[i1];
+    buf[i0] = x0 * c - x1 * s;
+    buf[i1] = x1 * c + x0 * s;
+  }
+  __syncwarp();
+
+  if (is_q) {
+    __nv_bfloat16 *q = (__nv_bfloat16 *)a.q_out + (size_t)t * qd + (size_t)blockIdx.x * D;
+    for (int d = lane; d < D; d += 32) q[d] = __float2bfloat16(buf[d]);
+    return;
+  }
+  const float *vsrc = src + qd + kd + g * D;
+  const float *vb = a.bias ? a.bias + qd + kd + g * D : NULL;
+  if (a.k_out) {
+    __nv_bfloat16 *k = (__nv_bfloat16 *)a.k_out + (size_t)t * kd + (size_t)g * D;
+    __nv_bfloat16 *v = (__nv_bfloat16 *)a.v_out + (size_t)t * kd + (size_t)g * D;
     for (int d = lane; d < D; d += 32) {
-      const __nv_bfloat16 vv = vn[d];
-      kd[d] = kn[d];
-      vd[d] = vv;
-      l1 += fabsf(__bfloat162float(vv));
-    }
-    for (int o = 16; o > 0; o >>= 1)
-      l1 += __shfl_xor_sync(0xffffffffu, l1, o);
-    if (lane == 0) {
-      a.vnorm[hidx * B + w] = l1;
-      a.pos[hidx * B + w] = a.pos_new[seq];
-      if (n < B) a.n[hidx] = n + 1;
+      k[d] = __float2bfloat16(buf[d]);
+      v[d] = __float2bfloat16(vsrc[d] + (vb ? vb[d] : 0.0f));
     }
   }
-  if (lane == 0) a.w[(size_t)seq * a.n_kv_heads + kvh] = w;
+  if (!a.pool.k) return;
+  const int B = a.pool.budget;
+  if (w >= 0) {
+    __nv_bfloat16 *kd_ = (__nv_bfloat16 *)a.pool.k + (hidx * B + w) * D;
+    __nv_bfloat16 *vd_ = (__nv_bfloat16 *)a.pool.v + (hidx * B + w) * D;
+    float l1 = 0.0f;
+    for (int d = lane; d < D; d += 32) {
+      const __nv_bfloat16 vv = __float2bfloat16(vsrc[d] + (vb ? vb[d] : 0.0f));
+      kd_[d] = __float2bfloat16(buf[d]);
+      vd_[d] = vv;
+      l1 += fabsf(__bfloat162float(vv));
+    }
+    for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    if (lane == 0) {
+      a.pool.vnorm[hidx * B + w] = l1;
+      a.pool.pos[hidx * B + w] = pos;
+      if (n < B) a.pool.n[hidx] = n + 1;
+    }
+  }
+  if (lane == 0) a.w[(size_t)t * a.n_kv_heads + g] = w;
 }
 
-extern "C" lf_status lf_cuda_kv_write(const lf_kv_write_args *a, cudaStream_t stream) {
-  if (!a || !a->k || !a->v || !a->vnorm || !a->pos || !a->n || !a->next || !a->pool_ids ||
-      !a->k_new || !a->v_new || !a->pos_new || !a->w)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_kv_write: NULL argument");
-  if (a->n_seq < 0 || a->n_seq > 65535 || a->n_kv_heads < 1 || a->budget < 1 || a->head_dim < 1 ||
-      a->layer < 0 || a->layer >= a->n_layers)
-    return lf_error(LF_ERR_INVALID_ARG,
-                    "lf_cuda_kv_write: bad shape (n_seq %d, kv heads %d, budget %d, head_dim %d, "
-                    "layer %d of %d)",
-                    a->n_seq, a->n_kv_heads, a->budget, a->head_dim, a->layer, a->n_layers);
-  if (a->n_seq == 0) return LF_OK;
-  kv_write_kernel<<<dim3(a->n_kv_heads, a->n_seq), 32, 0, stream>>>(*a);
-  LF_CUDA_CHECK_LAUNCH("kv_write_kernel");
+extern "C" lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, cudaStream_t stream) {
+  if (!a || !a->qkv || !a->inv_freq || !a->q_out || (!a->k_out != !a->v_out))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: NULL argument");
+  if (a->head_dim < 2 || a->head_dim > ROPE_DMAX || a->head_dim % 2 || a->n_heads < 1 ||
+      a->n_kv_heads < 1 || a->n_tok < 0 || a->n_tok > 65535)
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_qkv_rope: head_dim %d (even, <= %d), %d tokens",
+                    a->head_dim, ROPE_DMAX, a->n_tok);
+  const lf_cuda_pool_view *pv = &a->pool;
+  if (pv->k && (!pv->v || !pv->vnorm || !pv->pos || !pv->n || !pv->next || !a->pool_ids || !a->w ||
+                a->layer < 0 || a->layer >= pv->n_layers || pv->budget < 1 ||
+                pv->n_kv_heads != a->n_kv_heads || pv->head_dim != a->head_dim))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: incomplete pool write");
+  if (a->n_tok == 0) return LF_OK;
+  lf_launch(qkv_rope_kernel, dim3(a->n_heads + a->n_kv_heads, a->n_tok), dim3(32), 0, stream, *a);
+  LF_CUDA_CHECK_LAUNCH("qkv_rope_kernel");
   return LF_OK;
 }

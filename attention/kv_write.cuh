@@ -1,13 +1,16 @@
-/* Step 1 of the decode step on the GPU (docs/DESIGN.md §3): write each sequence's new token into the slot
- * w = (n < B) ? n++ : next of every KV head of one layer, caching ||v||_1 and the position.
+/* Step 1 of the decode step on the GPU (docs/DESIGN.md §3): the KV slot write, fused with what
+ * produces its inputs. From the fused QKV GEMM output, one kernel does the q/k/v bias (qwen2),
+ * q/k RMSNorm over head_dim (qwen3), RoPE (both styles; the frequency table comes from
+ * lf_rope_freqs, llama3 scaling included) and the rounding to bf16, and, for a decode step,
+ * writes the new k/v into the pool slot w = (n < B) ? n++ : next chosen by the previous step,
+ * with ||v||_1 (of exactly the bf16 values stored, so the LongFlow score of the slot matches what
+ * is in the pool) and the position cached. w is returned per (token, KV head) for
+ * lf_cuda_decode_attn, which must not pick the slot just written. When a pool has no slot for
+ * the token (full policy and n == B, or a full pool whose next is not valid) nothing is written
+ * and w = -1: the engine checks context length on the host before the step.
+ * Prefill chunks use the same kernel without the pool write (k, v out for the prefill attention).
  *
- * k/v arrive post-RoPE in bf16; vnorm is the fp32 L1 norm of exactly the bf16 values stored, so
- * the LongFlow score of the slot matches what is in the pool. w is returned per (sequence, KV
- * head) for lf_cuda_decode_attn, which must not pick the slot just written. When a pool has no
- * slot for the token (full policy and n == B, or a full pool whose next is not valid) nothing is
- * written and w = -1: the engine checks context length on the host before the step.
- *
- * Includable from C; every pointer is device memory.
+ * Includable from C; bf16 buffers are void *; every pointer is device memory.
  */
 #ifndef LF_KV_WRITE_CUH
 #define LF_KV_WRITE_CUH
@@ -16,6 +19,7 @@
 #include <stdint.h>
 
 #include "lfserve.h"
+#include "memory/pool.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -23,31 +27,36 @@ extern "C" {
 
 struct CUstream_st;
 
-typedef struct lf_kv_write_args {
-  void *k, *v;         /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] */
-  float *vnorm;        /* [n_pools][n_layers][n_kv_heads][budget] */
-  int32_t *pos;        /* [n_pools][n_layers][n_kv_heads][budget] */
-  int32_t *n;          /* [n_pools][n_layers][n_kv_heads] incremented while n < budget */
-  const int32_t *next; /* [n_pools][n_layers][n_kv_heads] */
-  int n_layers, n_kv_heads, budget, head_dim, layer;
-  int n_seq;
-  const int32_t *pool_ids; /* [n_seq] */
-  const void *k_new;       /* bf16, head g of sequence s at k_new[s * new_stride + g * head_dim] */
-  const void *v_new;       /* bf16, same layout as k_new */
-  size_t new_stride;       /* elements between sequences; 0: n_kv_heads * head_dim */
-  const int32_t *pos_new;  /* [n_seq] position of each new token */
-  int sink;                /* a full pool's next must be in [sink, budget) */
+typedef struct lf_qkv_rope_args {
+  const float *qkv;       /* fp32 [n_tok][qkv_stride]: q heads, then k heads, then v heads */
+  size_t qkv_stride;      /* >= (n_heads + 2 n_kv_heads) head_dim */
+  const float *bias;      /* fp32 [(n_heads + 2 n_kv_heads) head_dim] or NULL */
+  const float *q_norm, *k_norm; /* fp32 [head_dim] each, or NULL (no q/k norm) */
+  float eps;
+  const float *inv_freq;  /* fp32 [head_dim / 2] */
+  int interleaved;        /* 1: llama2.c pairs (2i, 2i+1); 0: HF halves (i, i + hd/2) */
+  int n_heads, n_kv_heads, head_dim; /* head_dim even, <= 256 */
+  int n_tok;
+  const int32_t *pos;     /* [n_tok] positions, or NULL: token t is at pos0 + t */
+  int32_t pos0;
+  void *q_out;            /* bf16 [n_tok][n_heads head_dim] post-RoPE */
+  void *k_out, *v_out;    /* bf16 [n_tok][n_kv_heads head_dim], or NULL (decode: pool only) */
+  /* Decode write into the pool (pool.k NULL: no write; pool.n_kv_heads and pool.head_dim must
+   * equal n_kv_heads and head_dim). Token t belongs to pool pool_ids[t]. */
+  lf_cuda_pool_view pool;
+  const int32_t *pool_ids; /* [n_tok] */
+  int layer, sink;
   lf_policy policy;
-  int32_t *w; /* [n_seq][n_kv_heads] out: slot written, -1 if none */
-} lf_kv_write_args;
+  int32_t *w;             /* [n_tok][n_kv_heads] out: slot written, -1 when none */
+} lf_qkv_rope_args;
 
-lf_status lf_cuda_kv_write(const lf_kv_write_args *a, struct CUstream_st *stream);
+lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, struct CUstream_st *stream);
 
 #ifdef __CUDACC__
 /* The slot a new token goes to (docs/DESIGN.md §3 step 1): a free slot while n < B, else `next`;
  * -1 when nothing may be written (full policy with a full pool, or no valid eviction target). */
 static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int budget, int sink,
-                                                         int policy) {
+                                                           int policy) {
   if (n < budget) return n;
   if (policy == LF_POLICY_FULL) return -1;
   return next >= sink && next < budget ? next : -1;

@@ -323,16 +323,14 @@ int bench_step(int argc, char **argv) {
   int dev = 0;
   cudaGetDevice(&dev);
   cudaGetDeviceProperties(&prop, dev);
-  const char *graphs = getenv("LF_CUDA_GRAPHS"), *gemv = getenv("LF_CUDA_GEMV_MAX"),
-             *graphs_tp = getenv("LF_CUDA_GRAPHS_TP");
-  /* under TP the backend captures graphs only with LF_CUDA_GRAPHS_TP=1 */
+  const char *graphs = getenv("LF_CUDA_GRAPHS"), *graphs_tp = getenv("LF_CUDA_GRAPHS_TP");
+  /* under TP LF_CUDA_GRAPHS_TP=0 turns them off as well */
   const int graphs_on = !(graphs && !strcmp(graphs, "0")) &&
-                        (!comm || (graphs_tp && !strcmp(graphs_tp, "1")));
+                        (!comm || !(graphs_tp && !strcmp(graphs_tp, "0")));
   if (lead)
-  printf("# device %s, copy bandwidth %.1f GB/s (2 GiB D2D, read + write); cuda graphs %s, "
-         "gemv max %s; timed: host clock around forward(), median of %d after %d; tp %d\n",
-         prop.name, copy_gbs, graphs_on ? "on" : "off", gemv ? gemv : "1", steps, warmup,
-         comm ? comm->size : 1);
+  printf("# device %s, copy bandwidth %.1f GB/s (2 GiB D2D, read + write); cuda graphs %s; "
+         "timed: host clock around forward(), median of %d after %d; tp %d\n",
+         prop.name, copy_gbs, graphs_on ? "on" : "off", steps, warmup, comm ? comm->size : 1);
   if (lead)
   printf("# %-16s %6s %7s %10s %10s %10s %8s %8s %9s %9s\n", "model", "batch", "budget",
          "step_ms", "min_ms", "floor_ms", "w_GB", "kv_GB", "ratio", "roofline");
@@ -344,10 +342,9 @@ int bench_step(int argc, char **argv) {
   if (json)
     fprintf(json,
             "{\n  \"bench\": \"step\", \"device\": \"%s\", \"copy_gbs\": %.1f, \"cuda_graphs\": "
-            "%s, \"gemv_max\": \"%s\", \"timer\": \"host clock around forward(), median\",\n"
+            "%s, \"gemv_max\": \"1\", \"timer\": \"host clock around forward(), median\",\n"
             "  \"rows\": [",
-            prop.name, copy_gbs, graphs_on ? "true" : "false",
-            gemv ? gemv : "1");
+            prop.name, copy_gbs, graphs_on ? "true" : "false");
   int rc = 0, first = 1;
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))

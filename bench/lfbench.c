@@ -347,16 +347,16 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
 
   lf_decode_attn_args a;
   memset(&a, 0, sizeof a);
-  a.k = dk;
-  a.v = dv;
-  a.vnorm = dvnorm;
-  a.pos = dpos;
-  a.n = dn;
-  a.next = dnext;
-  a.n_layers = 1;
-  a.n_kv_heads = n_kv;
-  a.budget = B;
-  a.head_dim = D;
+  a.pool.k = dk;
+  a.pool.v = dv;
+  a.pool.vnorm = dvnorm;
+  a.pool.pos = dpos;
+  a.pool.n = dn;
+  a.pool.next = dnext;
+  a.pool.n_layers = 1;
+  a.pool.n_kv_heads = n_kv;
+  a.pool.budget = B;
+  a.pool.head_dim = D;
   a.layer = 0;
   a.n_seq = batch;
   a.w = dw;

@@ -17,7 +17,9 @@
 #   bench/run.sh prefill          `lfbench prefill` and its transformers peer, once they exist
 # Several may be given: `bench/run.sh test step`. Exit status 1 when anything failed.
 #
-# GoogleTest: the system's, else a source tree carried in build-deps/googletest.
+# GoogleTest: the system's, else a source tree carried in build-deps/googletest. PCRE2 (the
+# byte-level tokenizers): the system's, else build-deps/libpcre2-dev*.deb unpacked over / (the
+# runtime library is part of every Ubuntu base image; only the development files are missing).
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -45,23 +47,31 @@ gtest_prefix() {
   echo "-DCMAKE_PREFIX_PATH=/tmp/gtest-install"
 }
 
-build() { # SRC BUILD_DIR
+if [ ! -e /usr/include/pcre2.h ] && ls build-deps/libpcre2-dev*.deb >/dev/null 2>&1; then
+  dpkg -x build-deps/libpcre2-dev*.deb / && ldconfig
+fi
+
+build() { # SRC BUILD_DIR [TARGET...]
   local src=$1 dir=$2 t0
+  shift 2
+  local tg=()
+  [ $# -gt 0 ] && tg=(--target "$@")
   t0=$(date +%s)
-  say "build $src -> $dir (sm_90)"
+  say "build $src -> $dir (sm_90) ${*:-all}"
   # shellcheck disable=SC2046
   cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    $(gtest_prefix) >>"$LOG" 2>&1 && cmake --build "$dir" -j "$J" >>"$LOG" 2>&1 ||
-    { say "build of $src FAILED"; grep -E "error" "$LOG" | head -20; return 1; }
-  say "built in $(( $(date +%s) - t0 )) s"
+    $(gtest_prefix) >>"$LOG.$(basename "$dir")" 2>&1 &&
+    cmake --build "$dir" -j "$J" "${tg[@]}" >>"$LOG.$(basename "$dir")" 2>&1 ||
+    { say "build of $src FAILED"; grep -E "error" "$LOG.$(basename "$dir")" | head -20; return 1; }
+  say "built $dir in $(( $(date +%s) - t0 )) s"
 }
 
 run_test() {
-  build . "$B" || { rc=1; return; }
+  [ -x "$B/tests/gpu_engine" ] || build . "$B" || { rc=1; return; }
   say "ctest -L gpu"
-  (cd "$B" && ctest -L gpu --output-on-failure --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
-  grep -E "^(llama|qwen|smollm|model|prompt)|agreement|tests passed|FAILED|Failure|Skipped" \
-    "$OUT/ctest_gpu.txt" | tail -80 | tee -a "$LOG"
+  (cd "$B" && ctest -L gpu -V --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
+  grep -E "llama|qwen|smollm|decisive|tests passed|FAILED|Failure|Skipped" "$OUT/ctest_gpu.txt" |
+    tail -80 | tee -a "$LOG"
 }
 
 run_kernel() {
@@ -122,8 +132,12 @@ greedy_ids() { # BUILD_DIR FILE
 
 run_ab() { # OTHER_SRC
   local other=$1
-  build "$other" "$B-other" || { rc=1; return; }
-  build . "$B" || { rc=1; return; }
+  # both at once: the other tree needs only what is timed and compared
+  build "$other" "$B-other" lfgen lfbench &
+  local pid=$!
+  build . "$B" || rc=1
+  wait "$pid" || rc=1
+  [ "$rc" = 0 ] || return
   run_test
   say "lfgen greedy ids: $other against this tree"
   greedy_ids "$B-other" "$OUT/greedy_other.txt"

@@ -2,7 +2,7 @@
  *
  * The engine (and the scheduler) decide which sequences run and where their tokens go; the
  * backend only computes. Two implementations: cpu (fp32 reference, engine/backend_cpu.c) and
- * cuda (bf16, engine/backend_cuda.*). Sampling is part of the forward so a GPU backend can
+ * cuda (bf16, engine/cuda/). Sampling is part of the forward so a GPU backend can
  * sample on the device: the engine draws each item's uniform random number on the host, so the
  * same seed gives the same token on every backend.
  */

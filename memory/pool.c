@@ -5,6 +5,8 @@
  */
 #include "memory/pool.h"
 
+#include <limits.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,7 +41,7 @@ uint64_t lf_pool_bytes(const lf_pool_shape *s) {
          sizeof(uint8_t) /* in_use */;
 }
 
-/* The CUDA backend's device arena (engine/backend_cuda.cu): bf16 K and V, fp32 ||v||_1 and int32
+/* The CUDA backend's device arena (engine/cuda/): bf16 K and V, fp32 ||v||_1 and int32
  * position per slot; int32 n and next per (pool, layer, head). 0 as lf_pool_bytes. */
 uint64_t lf_pool_bytes_device(const lf_pool_shape *s) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
@@ -48,6 +50,14 @@ uint64_t lf_pool_bytes_device(const lf_pool_shape *s) {
   const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t);
   if (head_bytes > UINT64_MAX / heads) return 0;
   return heads * head_bytes;
+}
+
+int lf_pools_for_memory(uint64_t bytes, double util, uint64_t pool_bytes) {
+  if (pool_bytes == 0 || !(util > 0.0 && util <= 1.0)) return 0;
+  /* util * bytes in long double: exact for every byte count below 2^64 */
+  const long double usable = floorl((long double)bytes * (long double)util);
+  const long double n = floorl(usable / (long double)pool_bytes);
+  return n >= (long double)INT_MAX ? INT_MAX : (int)n;
 }
 
 lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {

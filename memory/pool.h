@@ -49,12 +49,27 @@ typedef struct lf_kv_arena {
   uint8_t *in_use;    /* [n_pools] */
 } lf_kv_arena;
 
+/* The CUDA backend's device arena as its kernels address it: the layout of lf_kv_arena
+ * ([pool][layer][kv_head][slot]) with bf16 K/V and no h2o accumulator. Every pointer is device
+ * memory; kernels take it by value. */
+typedef struct lf_cuda_pool_view {
+  void *k, *v;       /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] (K post-RoPE) */
+  float *vnorm;      /* [n_pools][n_layers][n_kv_heads][budget] ||v||_1 of the bf16 v */
+  int32_t *pos;      /* [n_pools][n_layers][n_kv_heads][budget] */
+  int32_t *n, *next; /* [n_pools][n_layers][n_kv_heads] */
+  int n_layers, n_kv_heads, budget, head_dim;
+} lf_cuda_pool_view;
+
 /* Bytes one pool needs in this arena (K, V and per-slot metadata). */
 uint64_t lf_pool_bytes(const lf_pool_shape *s);
 /* Bytes one pool needs in the CUDA backend's device arena (bf16 K/V and its metadata). These two
  * are the only pool-size formulas: the engine (kv_memory_bytes), the CUDA backend (sizing from
  * free memory) and lfbench all call them. */
 uint64_t lf_pool_bytes_device(const lf_pool_shape *s);
+/* Pools of pool_bytes each that fit in floor(bytes * util) bytes, util in (0, 1] (0 otherwise,
+ * and 0 for pool_bytes 0); at most INT_MAX. The one rule behind kv_memory_bytes and the CUDA
+ * backend's sizing from free device memory (docs/DESIGN.md §5). */
+int lf_pools_for_memory(uint64_t bytes, double util, uint64_t pool_bytes);
 lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s);
 void lf_kv_arena_free(lf_kv_arena *a);
 /* Pops a free pool, resets its metadata (n = 0, next = -1, pos = -1). LF_ERR_STATE if none. */

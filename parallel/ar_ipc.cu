@@ -8,10 +8,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "attention/cuda_launch.cuh"
-#include "attention/cuda_ptx.cuh"
-#include "engine/cuda_norm_dev.cuh"
-#include "engine/error.h"
+#include "base/cuda_launch.cuh"
+#include "base/cuda_ptx.cuh"
+#include "base/rmsnorm_dev.cuh"
+#include "base/cuda_check.h"
 
 namespace {
 
@@ -32,7 +32,8 @@ constexpr size_t kNormFlagBytes = (size_t)LF_AR_SLOTS * kNormBlocks * LF_AR_MAX_
 constexpr size_t kNormCtrOffset = kNormFlagOffset + kNormFlagBytes;
 constexpr size_t kCtlBytes = kNormCtrOffset + (size_t)LF_AR_SLOTS * kNormBlocks * sizeof(uint32_t);
 constexpr size_t kDataOffset = (kCtlBytes + 4095) / 4096 * 4096;
-/* LF_AR_TIMING=1 (a measurement, not for serving): block 0 of each of the first kTmRecs fused
+#ifdef LF_BENCH_INSTRUMENTS
+/* LF_AR_TIMING=1 (a benchmark instrument, LF_BENCH_INSTRUMENTS builds only): block 0 of each of the first kTmRecs fused
  * calls records its row count, add_x (0: the embedding, a pass's first call), the ns from the
  * end of its PDL wait to the end of the handshake (waiting for the peers: their lateness plus
  * the flag round trip), the ns from there to the end of its rows (the reads and the norm), and
@@ -43,12 +44,15 @@ struct TmRec {
 };
 constexpr int kTmRecs = 16384;
 constexpr size_t kTmBytes = 2 * sizeof(unsigned long long) + kTmRecs * sizeof(TmRec);
+#endif
 
 struct Params {
   char *region[LF_AR_MAX_RANKS]; /* every rank's region, mapped here (own included) */
   uint32_t *ctr;                 /* own: [0] calls made, [1] blocks done in this call */
   int *err;                      /* host-mapped */
-  unsigned long long *tm;        /* LF_AR_TIMING=1: kTmBytes (see TmRec), else NULL */
+  unsigned long long *tm;        /* LF_AR_TIMING=1 in LF_BENCH_INSTRUMENTS builds: kTmBytes (see
+                                    TmRec); else NULL (kept so the kernels' arguments are the same
+                                    in every build) */
   size_t cap;
   unsigned long long timeout_ns;
   int rank, size;
@@ -287,10 +291,12 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
     const int i = threadIdx.x + j * kNormThreads;
     wv[j] = a.w && i < n4 ? reinterpret_cast<const float4 *>(a.w)[i] : make_float4(0, 0, 0, 0);
   }
-  /* launched with programmatic dependent launch (attention/cuda_launch.cuh): the partials come
+  /* launched with programmatic dependent launch (base/cuda_launch.cuh): the partials come
    * from the kernel before, complete and visible only after this */
   pdl_wait();
+#ifdef LF_BENCH_INSTRUMENTS
   const unsigned long long t0 = p.tm && blockIdx.x == 0 ? global_ns() : 0;
+#endif
   if (threadIdx.x == 0) s_call = *reinterpret_cast<volatile uint32_t *>(ctr) + 1;
   float4 xo[VPT]; /* the first row's residual, read while the peers are awaited */
   if ((int)blockIdx.x < a.rows) load_x(a, blockIdx.x, xo);
@@ -305,7 +311,9 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
               call);
   }
   __syncthreads();
+#ifdef LF_BENCH_INSTRUMENTS
   const unsigned long long t1 = p.tm && blockIdx.x == 0 ? global_ns() : 0;
+#endif
   pdl_trigger(); /* the next kernel may start loading its weights */
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const size_t off = (size_t)row * a.dim; /* floats */
@@ -327,7 +335,7 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
       }
     }
     if (!a.w) continue;
-    /* the norm of engine/cuda_norm.cu, by the same code: the same bits for the same row */
+    /* the norm of kernels/rmsnorm.cu, by the same code: the same bits for the same row */
     const float rs = lf_rms_scale(ss, red, a.dim, a.eps);
     __nv_bfloat16 *o = a.out + (size_t)(a.out_rows ? a.out_rows[row] : row) * a.ld_out;
 #pragma unroll
@@ -337,6 +345,7 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
     }
   }
   if (threadIdx.x == 0) *reinterpret_cast<volatile uint32_t *>(ctr) = call;
+#ifdef LF_BENCH_INSTRUMENTS
   if (p.tm && blockIdx.x == 0 && threadIdx.x == 0) {
     const unsigned long long t2 = global_ns();
     const unsigned long long i = p.tm[1], prev = p.tm[0];
@@ -352,6 +361,7 @@ __global__ void __launch_bounds__(kNormThreads) ar_norm_kernel(Params p, NormArg
     p.tm[1] = i + 1;
     p.tm[0] = t2;
   }
+#endif
 }
 
 } // namespace
@@ -364,6 +374,7 @@ struct lf_ar_ipc {
   int attached;
 };
 
+#ifdef LF_BENCH_INSTRUMENTS
 static int cmp_double(const void *x, const void *y) {
   const double a = *(const double *)x, b = *(const double *)y;
   return a < b ? -1 : a > b;
@@ -431,9 +442,10 @@ static void print_timing(const lf_ar_ipc *a) {
   free(rec);
   for (int j = 0; j < 6; j++) free(col[j]);
 }
+#endif
 
-extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc **out,
-                                       lf_ar_record *rec) {
+extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, int timing,
+                                       lf_ar_ipc **out, lf_ar_record *rec) {
   memset(rec, 0, sizeof *rec);
   *out = NULL;
   gethostname(rec->host, sizeof rec->host - 1);
@@ -447,11 +459,14 @@ extern "C" lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc *
   if (e == cudaSuccess) e = cudaMemset(a->own, 0, kCtlBytes);
   if (e == cudaSuccess) e = cudaMalloc((void **)&a->p.ctr, 2 * sizeof(uint32_t));
   if (e == cudaSuccess) e = cudaMemset(a->p.ctr, 0, 2 * sizeof(uint32_t));
-  const char *tm = getenv("LF_AR_TIMING");
-  if (e == cudaSuccess && tm && !strcmp(tm, "1")) {
+#ifdef LF_BENCH_INSTRUMENTS
+  if (e == cudaSuccess && timing) {
     e = cudaMalloc((void **)&a->p.tm, kTmBytes);
     if (e == cudaSuccess) e = cudaMemset(a->p.tm, 0, kTmBytes);
   }
+#else
+  (void)timing;
+#endif
   if (e == cudaSuccess) e = cudaHostAlloc((void **)&a->err_host, sizeof(int), cudaHostAllocMapped);
   if (e == cudaSuccess) {
     *a->err_host = 0;
@@ -605,8 +620,10 @@ extern "C" int lf_ar_ipc_failed(const lf_ar_ipc *a) {
 extern "C" void lf_ar_ipc_free(lf_ar_ipc *a, int device_ok) {
   if (!a) return;
   if (device_ok) {
+#ifdef LF_BENCH_INSTRUMENTS
     if (a->p.tm && a->attached && cudaDeviceSynchronize() == cudaSuccess) print_timing(a);
     if (a->p.tm) cudaFree(a->p.tm);
+#endif
     for (int r = 0; r < LF_AR_MAX_RANKS; r++)
       if (a->opened[r]) cudaIpcCloseMemHandle(a->p.region[r]);
     cudaFree(a->own);

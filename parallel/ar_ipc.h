@@ -47,8 +47,11 @@ typedef struct lf_ar_record {
 typedef struct lf_ar_ipc lf_ar_ipc;
 
 /* Allocates this rank's region on the current device (data capacity `cap` bytes per buffer)
- * and fills *rec. On failure rec->ok is 0 (and *out NULL); the caller still publishes rec. */
-lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, lf_ar_ipc **out, lf_ar_record *rec);
+ * and fills *rec. On failure rec->ok is 0 (and *out NULL); the caller still publishes rec.
+ * timing = 1: the fused kernel times itself and lf_ar_ipc_free prints the medians (a benchmark
+ * instrument: only in builds with LF_BENCH_INSTRUMENTS, ignored otherwise). */
+lf_status lf_ar_ipc_prepare(size_t cap, double timeout_s, int timing, lf_ar_ipc **out,
+                            lf_ar_record *rec);
 
 /* Maps the peers' regions from the records of all ranks (recs[size]). Returns LF_OK when this
  * rank can take part; the ranks must then agree (all OK) before any call. */
@@ -60,13 +63,13 @@ int lf_ar_ipc_fits(const lf_ar_ipc *a, const void *buf, size_t bytes);
 /* In place: buf[n] = sum over ranks; bf16 = 1 for bfloat16 elements, else fp32. */
 lf_status lf_ar_ipc_run(lf_ar_ipc *a, void *buf, size_t n, int bf16, void *stream);
 
-/* The fused residual all-reduce of tensor-parallel decoding (engine/backend_cuda.cu): the O and
+/* The fused residual all-reduce of tensor-parallel decoding (engine/cuda/tp.cu): the O and
  * down projections write their partial sums (fp32, [rows][dim]) straight into this rank's
  * staging buffer `slot` (lf_ar_ipc_stage, `cap` bytes), then one kernel per call:
  *   x[r] (+)= sum over ranks of partial[r]   (add_x = 0: x[r] = the sum; the embedding)
  *   out[out_rows ? out_rows[r] : r] = bf16(w * x[r] / sqrt(mean(x[r]^2) + eps))   (w non-NULL)
  * i.e. the all-reduce, the residual add and the next RMSNorm (the same bits as
- * engine/cuda_norm.cu's) in one launch instead of three. Consecutive calls must use different
+ * kernels/rmsnorm.cu's) in one launch instead of three. Consecutive calls must use different
  * slots (see ar_ipc.cu for why that is enough). x 16-byte aligned, dim % 4 == 0. */
 float *lf_ar_ipc_stage(lf_ar_ipc *a, int slot);
 int lf_ar_ipc_norm_fits(const lf_ar_ipc *a, int rows, int dim);

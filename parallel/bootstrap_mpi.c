@@ -59,11 +59,10 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
    * stream wait on each side */
   lf_status sc = lf_comm_init_nccl(NULL, msg + 4, rank, size, timeout_s, out);
   /* agreed by every rank before the next collective (MPI_Comm_dup): the communicator came up
-   * everywhere, and every rank wants the MPI host path (LF_HOST_BCAST=nccl on any rank: none) */
-  const char *hb = getenv("LF_HOST_BCAST");
-  int mine[2] = {sc == LF_OK, !(hb && !strcmp(hb, "nccl"))}, all[2] = {0, 0};
-  if (MPI_Allreduce(mine, all, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS) all[0] = 0;
-  if (!all[0]) {
+   * everywhere (the descriptor through NCCL instead was measured slower, bench/RESULTS.md) */
+  int mine = sc == LF_OK, all = 0;
+  if (MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS) all = 0;
+  if (!all) {
     if (*out) lf_comm_free(*out);
     *out = NULL;
     return sc != LF_OK ? sc
@@ -71,7 +70,7 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
                                                       "its NCCL communicator (see its message)",
                                   rank);
   }
-  if (all[1]) {
+  {
     lf_comm_t host = NULL;
     lf_status hs = lf_comm_init_mpi(&host);
     if (hs != LF_OK) host = NULL;

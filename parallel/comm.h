@@ -64,7 +64,7 @@ lf_status lf_nccl_pick_device(int rank, int local, int *dev);
 
 /* Host-buffer broadcasts of NCCL communicator c (the step descriptor, parallel/tp.c) go through
  * host (same ranks, e.g. MPI) instead of a device round trip through NCCL; c owns host from then
- * on. lf_comm_init_nccl_mpi sets an MPI one unless LF_HOST_BCAST=nccl. */
+ * on. lf_comm_init_nccl_mpi sets an MPI one. */
 lf_status lf_comm_nccl_set_host(struct lf_comm *c, struct lf_comm *host);
 /* The NCCL communicator's deadline for its waits, in seconds (LF_NCCL_TIMEOUT_S resolved). */
 double lf_comm_nccl_timeout(const struct lf_comm *c);

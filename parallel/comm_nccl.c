@@ -42,6 +42,7 @@
 #include <time.h>
 
 #include "ar_ipc.h"
+#include "base/tuning.h"
 #include "comm.h"
 #include "engine/clock.h"
 #include "engine/error.h"
@@ -378,11 +379,9 @@ lf_status lf_comm_nccl_unique_id(void *unique_id) {
   return LF_OK;
 }
 
-static double nc_default_timeout(double timeout_s) {
-  if (timeout_s > 0) return timeout_s;
-  const char *e = getenv("LF_NCCL_TIMEOUT_S");
-  const double v = e ? atof(e) : 0.0;
-  return v > 0 ? v : 60.0;
+/* timeout_s, or (0) the tuning's LF_NCCL_TIMEOUT_S, default 60 s. */
+static double nc_default_timeout(double timeout_s, const lf_tuning *tu) {
+  return timeout_s > 0 ? timeout_s : tu->nccl_timeout_s;
 }
 
 /* The IPC all-reduce (ar_ipc.h) when every rank can take part: each allocates its region and
@@ -391,15 +390,17 @@ static double nc_default_timeout(double timeout_s) {
  * than NCCL below 1 MB on 2 x H200: bench/RESULTS.md, session 4). LF_CUSTOM_AR_BYTES
  * sets the largest message it takes (default 8 MiB: beyond that NCCL's bandwidth wins anyway).
  * Only a communicator failure is an error. */
-static lf_status nc_ar_setup(lf_comm_t c) {
+static lf_status nc_ar_setup(lf_comm_t c, const lf_tuning *tu) {
   nccl_impl *m = c->impl;
-  const char *on = getenv("LF_CUSTOM_AR");
-  if (c->size < 2 || c->size > LF_AR_MAX_RANKS || (on && !strcmp(on, "0"))) return LF_OK;
-  const char *cb = getenv("LF_CUSTOM_AR_BYTES");
-  size_t cap = cb && atol(cb) > 0 ? (size_t)atol(cb) : ((size_t)8 << 20);
+  if (c->size < 2 || c->size > LF_AR_MAX_RANKS || !tu->custom_ar) return LF_OK;
+  int timing = 0;
+#ifdef LF_BENCH_INSTRUMENTS
+  timing = tu->ar_timing;
+#endif
   lf_ar_record rec;
   lf_ar_ipc *a = NULL;
-  (void)lf_ar_ipc_prepare(cap, m->timeout_s, &a, &rec); /* rec.ok = 0 on failure */
+  (void)lf_ar_ipc_prepare(tu->custom_ar_bytes, m->timeout_s, timing, &a,
+                          &rec); /* rec.ok = 0 on failure */
   lf_ar_record *all = (lf_ar_record *)calloc((size_t)c->size, sizeof *all);
   if (!all) {
     lf_ar_ipc_free(a, 1);
@@ -443,7 +444,9 @@ lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, in
   c->destroy = nc_destroy;
   c->rank = rank;
   c->size = size;
-  m->timeout_s = nc_default_timeout(timeout_s);
+  lf_tuning tu;
+  lf_tuning_read(&tu);
+  m->timeout_s = nc_default_timeout(timeout_s, &tu);
   lf_status s = LF_OK;
   if (nccl_comm) {
     m->comm = (ncclComm_t)nccl_comm;
@@ -474,7 +477,7 @@ lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, in
   if (s == LF_OK && cudaStreamCreateWithFlags(&m->hstream, cudaStreamNonBlocking) != cudaSuccess)
     s = lf_error(LF_ERR_BACKEND, "rank %d: cudaStreamCreateWithFlags: %s", c->rank,
                  cudaGetErrorString(cudaGetLastError()));
-  if (s == LF_OK) s = nc_ar_setup(c);
+  if (s == LF_OK) s = nc_ar_setup(c, &tu);
   if (s != LF_OK) {
     if (!nccl_comm) m->failed = 1; /* aborted by nc_settle, or never made */
     if (!nccl_comm && m->comm) nc_abort_bounded(m->comm, 3.0);
@@ -511,8 +514,9 @@ lf_status lf_nccl_pick_device(int rank, int local, int *dev) {
 lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out) {
   if (!out) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_nccl_env: NULL argument");
   *out = NULL;
-  const char *er = getenv("LF_TP_RANK"), *es = getenv("LF_TP_SIZE"), *ef = getenv("LF_TP_ID_FILE"),
-             *el = getenv("LF_TP_LOCAL_RANK");
+  lf_tuning tu;
+  lf_tuning_read(&tu);
+  const char *er = tu.tp_rank, *es = tu.tp_size, *ef = tu.tp_id_file, *el = tu.tp_local_rank;
   if (!er || !es || !ef || !*ef)
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_comm_init_nccl_env: LF_TP_RANK, LF_TP_SIZE and LF_TP_ID_FILE must be set");
@@ -532,7 +536,7 @@ lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out) {
     if (!ok || rename(tmp, ef) != 0)
       return lf_error(LF_ERR_IO, "rank 0: cannot write the NCCL id to %s", ef);
   } else {
-    const double t0 = lf_now_s(), limit = 10.0 * nc_default_timeout(timeout_s);
+    const double t0 = lf_now_s(), limit = 10.0 * nc_default_timeout(timeout_s, &tu);
     for (;;) {
       FILE *f = fopen(ef, "rb");
       const int ok = f && fread(id, 1, sizeof id, f) == sizeof id;

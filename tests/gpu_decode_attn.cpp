@@ -1,5 +1,7 @@
-/* The CUDA decode step (lf_cuda_kv_write + lf_cuda_decode_attn) against the CPU reference
- * lf_attn_decode_ref on freshly drawn random inputs.
+/* The CUDA decode step (the slot write of lf_cuda_qkv_rope, the kernel production runs, then
+ * lf_cuda_decode_attn) against the CPU reference lf_attn_decode_ref on freshly drawn random
+ * inputs. The new q/k/v go through lf_cuda_qkv_rope as fp32 QKV rows with no bias, no q/k norm
+ * and zero rotation frequencies, so the kernel stores exactly the drawn bf16 values.
  *
  * K/V/q are drawn, rounded to bf16, and the same rounded values go to the CPU reference (fp32
  * arena, double math), so the only differences are the kernel's own: bf16 P in P.V, fp32
@@ -166,8 +168,8 @@ void run_case(const Case &c) {
       }
   }
 
-  dev_buf<uint16_t> dk, dv, dq, dkn, dvn, dout;
-  dev_buf<float> dvnorm;
+  dev_buf<uint16_t> dk, dv, dq, dout;
+  dev_buf<float> dvnorm, dqkv, dinv;
   dev_buf<int32_t> dpos, dn, dnext, dpool, dw, dposnew;
   dev_buf<char> dws;
   CUDA_OK(dk.alloc(hk.size()));
@@ -187,8 +189,10 @@ void run_case(const Case &c) {
   CUDA_OK(dw.alloc((size_t)NS * H));
   CUDA_OK(dposnew.alloc(NS));
   CUDA_OK(dq.alloc((size_t)NS * HQ * D));
-  CUDA_OK(dkn.alloc((size_t)NS * H * D));
-  CUDA_OK(dvn.alloc((size_t)NS * H * D));
+  const size_t qkv_dim = (size_t)(HQ + 2 * H) * D;
+  CUDA_OK(dqkv.alloc((size_t)NS * qkv_dim));
+  CUDA_OK(dinv.alloc((size_t)D / 2));
+  CUDA_OK(dinv.put(std::vector<float>((size_t)D / 2, 0.0f))); /* no rotation: stored as drawn */
   CUDA_OK(dout.alloc((size_t)NS * HQ * D));
   const size_t ws_bytes = lf_cuda_decode_attn_workspace_bytes(NS, H, B, G, D, c.n_splits);
   ASSERT_GT(ws_bytes, 0u) << lf_last_error();
@@ -219,39 +223,47 @@ void run_case(const Case &c) {
     std::vector<int32_t> posnew(NS);
     for (int s = 0; s < NS; s++)
       posnew[s] = ++max_pos[s];
-    std::vector<uint16_t> hq(q.size()), hkn(kn.size()), hvn(vn.size());
-    for (size_t i = 0; i < q.size(); i++)
-      hq[i] = f2bf(q[i]);
-    for (size_t i = 0; i < kn.size(); i++)
-      hkn[i] = f2bf(kn[i]), hvn[i] = f2bf(vn[i]);
-    CUDA_OK(dq.put(hq));
-    CUDA_OK(dkn.put(hkn));
-    CUDA_OK(dvn.put(hvn));
+    std::vector<float> hqkv((size_t)NS * qkv_dim);
+    for (int s = 0; s < NS; s++) {
+      float *row = hqkv.data() + (size_t)s * qkv_dim;
+      std::memcpy(row, q.data() + (size_t)s * HQ * D, (size_t)HQ * D * 4);
+      std::memcpy(row + (size_t)HQ * D, kn.data() + (size_t)s * H * D, (size_t)H * D * 4);
+      std::memcpy(row + (size_t)(HQ + H) * D, vn.data() + (size_t)s * H * D, (size_t)H * D * 4);
+    }
+    CUDA_OK(dqkv.put(hqkv));
+    CUDA_OK(cudaMemset(dq.p, 0xff, dq.n * 2)); /* bf16 NaN: q must come from the kernel */
     CUDA_OK(dposnew.put(posnew));
     CUDA_OK(cudaMemset(dw.p, 0x7f, (size_t)NS * H * 4));
 
-    /* GPU: write, poison next and out, attend */
-    lf_kv_write_args wa = {};
-    wa.k = dk.p;
-    wa.v = dv.p;
-    wa.vnorm = dvnorm.p;
-    wa.pos = dpos.p;
-    wa.n = dn.p;
-    wa.next = dnext.p;
-    wa.n_layers = L;
+    /* GPU: write (with q's rounding to bf16), poison next and out, attend */
+    lf_cuda_pool_view pv = {};
+    pv.k = dk.p;
+    pv.v = dv.p;
+    pv.vnorm = dvnorm.p;
+    pv.pos = dpos.p;
+    pv.n = dn.p;
+    pv.next = dnext.p;
+    pv.n_layers = L;
+    pv.n_kv_heads = H;
+    pv.budget = B;
+    pv.head_dim = D;
+    lf_qkv_rope_args wa = {};
+    wa.qkv = dqkv.p;
+    wa.qkv_stride = qkv_dim;
+    wa.inv_freq = dinv.p;
+    wa.n_heads = HQ;
     wa.n_kv_heads = H;
-    wa.budget = B;
     wa.head_dim = D;
-    wa.layer = layer;
-    wa.n_seq = NS;
+    wa.n_tok = NS;
+    wa.pos = dposnew.p;
+    wa.q_out = dq.p;
+    wa.pool = pv;
     wa.pool_ids = dpool.p;
-    wa.k_new = dkn.p;
-    wa.v_new = dvn.p;
-    wa.pos_new = dposnew.p;
+    wa.layer = layer;
     wa.sink = c.sink;
     wa.policy = c.policy;
     wa.w = dw.p;
-    LF_OK_(lf_cuda_kv_write(&wa, nullptr));
+    LF_OK_(lf_cuda_qkv_rope(&wa, nullptr));
     std::vector<int32_t> gnext;
     CUDA_OK(dnext.get(gnext));
     for (int s = 0; s < NS; s++)
@@ -261,16 +273,7 @@ void run_case(const Case &c) {
     CUDA_OK(cudaMemset(dout.p, 0xff, dout.n * 2)); /* bf16 NaN */
 
     lf_decode_attn_args aa = {};
-    aa.k = dk.p;
-    aa.v = dv.p;
-    aa.vnorm = dvnorm.p;
-    aa.pos = dpos.p;
-    aa.n = dn.p;
-    aa.next = dnext.p;
-    aa.n_layers = L;
-    aa.n_kv_heads = H;
-    aa.budget = B;
-    aa.head_dim = D;
+    aa.pool = pv;
     aa.layer = layer;
     aa.n_seq = NS;
     aa.pool_ids = dpool.p;
@@ -284,12 +287,6 @@ void run_case(const Case &c) {
     aa.n_splits = c.n_splits;
     aa.workspace = dws.p;
     aa.workspace_bytes = ws_bytes;
-    /* the L2 prefetch of "the next kernel's weights" on every other step: a hint that must
-     * leave every result as it is (and, under compute-sanitizer, touch only valid memory) */
-    if (step % 2 == 0) {
-      aa.l2_next = dk.p;
-      aa.l2_next_bytes = dk.n * 2 - 48; /* not a multiple of the 16 KB pieces */
-    }
     LF_OK_(lf_cuda_decode_attn(&aa, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
 

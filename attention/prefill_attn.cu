@@ -1,22 +1,16 @@
-/* Prefill attention, SnapKV selection, chunk store and the generic decode attention (see
- * cuda_attn.cuh). Simple one-warp / one-block kernels: correctness first, they are not on the
- * decode hot path for the shapes the fused kernel takes. */
-#include "cuda_attn.cuh"
+/* Prefill attention, SnapKV selection and the chunk store (see prefill_attn.cuh). Simple
+ * one-warp kernels: correctness first. */
+#include "attention/prefill_attn.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <float.h>
 
-#include "attention/cuda_check.h"
+#include "attention/pool_row.cuh"
+#include "base/cuda_check.h"
 
 #define ATT_DMAX 256
 #define ATT_ND (ATT_DMAX / 32) /* dims per lane */
-
-static __device__ __forceinline__ const __nv_bfloat16 *pool_row(const lf_cuda_pool_view &p,
-                                                               const void *base, size_t hidx,
-                                                               int slot) {
-  return (const __nv_bfloat16 *)base + (hidx * p.budget + slot) * p.head_dim;
-}
 
 /* One warp per (query head h, token t): grid [n_heads, n_tok]. Keys come 32 at a time, lane j
  * computing key j's logit; an online softmax keeps (max, sum) and each lane accumulates the
@@ -215,127 +209,5 @@ extern "C" lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int
       *pv, pool, layer, n_tok, pos0, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, slot_of,
       n0, n_final);
   LF_CUDA_CHECK_LAUNCH("kv_store_kernel");
-  return LF_OK;
-}
-
-#define DEC_NT 128
-
-static __device__ float block_reduce(float x, int is_max, float *red) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, o);
-    x = is_max ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads(); /* red may still be read from the previous call */
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-  __syncthreads();
-  x = red[0];
-  for (int i = 1; i < DEC_NT / 32; i++) x = is_max ? fmaxf(x, red[i]) : x + red[i];
-  return x;
-}
-
-/* One block per (KV head g, sequence s). Logits, then weights, of the group's heads live in the
- * scratch [s][head][budget]. */
-static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
-                                            const int32_t *pool_ids, const int32_t *w, int n_heads,
-                                            const __nv_bfloat16 *q, float scale, int sink,
-                                            int policy, __nv_bfloat16 *out, float *scratch) {
-  extern __shared__ float sm[]; /* q [G][D], then m [G], L [G] */
-  __shared__ float red[DEC_NT / 32];
-  __shared__ unsigned long long redk[DEC_NT / 32];
-  const int g = blockIdx.x, s = blockIdx.y, D = p.head_dim, B = p.budget;
-  const int hkv = p.n_kv_heads, G = n_heads / hkv;
-  const size_t hidx = ((size_t)pool_ids[s] * p.n_layers + layer) * hkv + g;
-  const int n = p.n[hidx];
-  float *qs = sm, *mh = sm + G * D, *lh = mh + G;
-  float *lg = scratch + ((size_t)s * n_heads + (size_t)g * G) * B; /* [G][B] */
-  for (int i = threadIdx.x; i < G * D; i += DEC_NT)
-    qs[i] = __bfloat162float(q[((size_t)s * n_heads + (size_t)g * G) * D + i]);
-  __syncthreads();
-  for (int i = threadIdx.x; i < n; i += DEC_NT) {
-    const __nv_bfloat16 *kr = pool_row(p, p.k, hidx, i);
-    for (int h = 0; h < G; h++) {
-      float dot = 0.0f;
-      for (int d = 0; d < D; d++) dot += qs[h * D + d] * __bfloat162float(kr[d]);
-      lg[(size_t)h * B + i] = dot * scale;
-    }
-  }
-  for (int h = 0; h < G; h++) {
-    float m = -FLT_MAX;
-    for (int i = threadIdx.x; i < n; i += DEC_NT) m = fmaxf(m, lg[(size_t)h * B + i]);
-    m = block_reduce(m, 1, red);
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < n; i += DEC_NT) {
-      const float e = expf(lg[(size_t)h * B + i] - m);
-      lg[(size_t)h * B + i] = e;
-      sum += e;
-    }
-    sum = block_reduce(sum, 0, red);
-    if (threadIdx.x == 0) {
-      mh[h] = m;
-      lh[h] = sum;
-    }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < G * D; idx += DEC_NT) {
-    const int h = idx / D, d = idx % D;
-    float o = 0.0f;
-    for (int i = 0; i < n; i++) o += lg[(size_t)h * B + i] * __bfloat162float(pool_row(p, p.v, hidx, i)[d]);
-    out[((size_t)s * n_heads + (size_t)g * G + h) * D + d] = __float2bfloat16(o / lh[h]);
-  }
-  if (policy == LF_POLICY_FULL) {
-    if (threadIdx.x == 0) p.next[hidx] = -1;
-    return;
-  }
-  const int ws = w[(size_t)s * hkv + g];
-  unsigned long long best = ~0ull;
-  for (int i = threadIdx.x; i < n; i += DEC_NT) {
-    if (i < sink || i == ws) continue;
-    unsigned long long key;
-    if (policy == LF_POLICY_STREAMING) {
-      key = ((unsigned long long)(unsigned)p.pos[hidx * B + i] << 32) | (unsigned)i;
-    } else {
-      float mass = 0.0f;
-      for (int h = 0; h < G; h++) mass += lg[(size_t)h * B + i] / lh[h];
-      const float sc = p.vnorm[hidx * B + i] * mass;
-      key = ((unsigned long long)__float_as_uint(sc) << 32) | (unsigned)i;
-    }
-    best = key < best ? key : best;
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long y = __shfl_xor_sync(0xffffffffu, best, o);
-    best = y < best ? y : best;
-  }
-  if ((threadIdx.x & 31) == 0) redk[threadIdx.x >> 5] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int i = 1; i < DEC_NT / 32; i++) best = redk[i] < best ? redk[i] : best;
-    p.next[hidx] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
-  }
-}
-
-extern "C" size_t lf_cuda_decode_attn_simple_scratch(int n_seq, int n_heads, int budget) {
-  return (size_t)n_seq * n_heads * budget;
-}
-
-extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int layer, int n_seq,
-                                                const int32_t *pool_ids, const int32_t *w,
-                                                int n_heads, const void *q, float scale, int sink,
-                                                lf_policy policy, void *out, float *scratch,
-                                                cudaStream_t stream) {
-  if (!pv || !pool_ids || !w || !q || !out || !scratch || n_heads % pv->n_kv_heads ||
-      n_seq < 0 || n_seq > 65535)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: bad arguments");
-  if (policy != LF_POLICY_LONGFLOW && policy != LF_POLICY_FULL && policy != LF_POLICY_STREAMING)
-    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn_simple: policy %d", (int)policy);
-  if (n_seq == 0) return LF_OK;
-  const int G = n_heads / pv->n_kv_heads;
-  const size_t smem = ((size_t)G * pv->head_dim + 2 * (size_t)G) * sizeof(float);
-  if (smem > 48 * 1024)
-    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn_simple: group %d x head_dim %d", G,
-                    pv->head_dim);
-  decode_simple_kernel<<<dim3(pv->n_kv_heads, n_seq), DEC_NT, smem, stream>>>(
-      *pv, layer, pool_ids, w, n_heads, (const __nv_bfloat16 *)q, scale, sink, (int)policy,
-      (__nv_bfloat16 *)out, scratch);
-  LF_CUDA_CHECK_LAUNCH("decode_simple_kernel");
   return LF_OK;
 }

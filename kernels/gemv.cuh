@@ -6,12 +6,12 @@
  * owns one output row (two for the gated MLP), reads it with 128-bit streaming loads and reads X
  * through L1. Each token's sum is formed in the same order whatever n_tok is, so a sequence's
  * result does not depend on what else is in the batch. The engine uses it at batch 1 only: from
- * batch 2 on cuBLAS was faster on an H200 (engine/backend_cuda.cu, LF_CUDA_GEMV_MAX).
+ * batch 2 on cuBLAS was faster on an H200 (engine/cuda/gemm.cu).
  *
  * Includable from C; bf16 buffers are void *; every pointer is device memory.
  */
-#ifndef LF_CUDA_GEMV_CUH
-#define LF_CUDA_GEMV_CUH
+#ifndef LF_KERNELS_GEMV_CUH
+#define LF_KERNELS_GEMV_CUH
 
 #include <stddef.h>
 #include <stdint.h>
@@ -40,14 +40,6 @@ int lf_cuda_gemv_ok(const void *W, const void *X, int n_in, size_t ldx, int n_to
 lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out, int n_tok,
                        void *Y, size_t ldy, lf_gemv_out mode, float beta,
                        struct CUstream_st *stream);
-
-/* Kernel variants (lf_cuda_gemv: one warp a row, unless LF_GEMV says "ks2" or "ks4", which
- * apply where n_in >= 8192). Same results up to the order of the fp32 sums. */
-#define LF_GEMV_KS2 2  /* F32 mode: two warps per output row, each half the row */
-#define LF_GEMV_KS4 4  /* F32 mode: four warps per output row */
-lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t ldx, int n_in, int n_out,
-                               int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
-                               int variant, struct CUstream_st *stream);
 
 /* F32 mode with K cut into `parts` contiguous parts (1, 2, 4 or 8; n_in a multiple of 8 * parts),
  * each part summed on its own and the parts added in a fixed pairwise tree. Running the column

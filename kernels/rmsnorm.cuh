@@ -4,8 +4,8 @@
  * beta = 1 accumulates into the fp32 residual), so the norm reads the stream once.
  * Includable from C; bf16 buffers are void *; every pointer is device memory.
  */
-#ifndef LF_CUDA_NORM_CUH
-#define LF_CUDA_NORM_CUH
+#ifndef LF_KERNELS_RMSNORM_CUH
+#define LF_KERNELS_RMSNORM_CUH
 
 #include <stddef.h>
 #include <stdint.h>

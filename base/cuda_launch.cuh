@@ -1,22 +1,20 @@
-/* Kernel launches with programmatic dependent launch (PDL) on Hopper (LF_PDL=0 turns it off).
+/* Kernel launches with programmatic dependent launch (PDL) on Hopper (on unless the cuda backend
+ * was created with lf_tuning.pdl = 0, i.e. LF_PDL=0).
  *
  * A decode step at batch 1 is ~260 dependent kernels (8 per layer), each short; between two of
  * them the GPU drains the first grid, then launches and ramps up the second. With PDL the second
  * grid may be launched while the first finishes (the launch attribute
  * cudaLaunchAttributeProgrammaticStreamSerialization; CUDA graphs capture it as programmatic
  * edges): its blocks do their independent work (a GEMV
- * prefetches its weight rows) and then wait in pdl_wait() (attention/cuda_ptx.cuh) for the first
+ * prefetches its weight rows) and then wait in pdl_wait() (base/cuda_ptx.cuh) for the first
  * grid's results. Every kernel launched through lf_launch must call pdl_wait() before touching
- * memory its predecessor writes or reads. On by default since session 4: on an H200 it made the
- * single-GPU batch-1 decode step 1-3% faster in every run (bench/RESULTS.md); at batch 64 it is
- * within noise.
+ * memory its predecessor writes or reads. On by default: it makes the single-GPU batch-1 decode
+ * step faster and is within noise at batch 64 (bench/RESULTS.md).
  */
 #ifndef LF_CUDA_LAUNCH_CUH
 #define LF_CUDA_LAUNCH_CUH
 
 #include <cuda_runtime.h>
-#include <stdlib.h>
-#include <string.h>
 
 /* Nonzero when the current device has compute capability 9.0 or newer. */
 static inline int lf_device_sm90(void) {
@@ -28,20 +26,22 @@ static inline int lf_device_sm90(void) {
   return ok;
 }
 
-/* On a device of compute capability 9.0 or newer unless LF_PDL=0 (read once per translation
- * unit). */
+/* The process's PDL setting (base/cuda_launch.cu): 1 (the default) or 0. Set from the tuning
+ * (lf_tuning.pdl) when a cuda backend is created, before any of its launches; kernels never read
+ * the environment. */
+extern int lf_pdl_allowed;
+
+/* On a device of compute capability 9.0 or newer (queried once per translation unit) while
+ * lf_pdl_allowed. */
 static inline int lf_pdl_enabled(void) {
-  static int v = -1;
-  if (v < 0) {
-    const char *e = getenv("LF_PDL");
-    v = !(e && !strcmp(e, "0")) && lf_device_sm90();
-  }
-  return v;
+  static int sm90 = -1;
+  if (sm90 < 0) sm90 = lf_device_sm90();
+  return sm90 && lf_pdl_allowed;
 }
 
 /* Nonzero while this host thread builds a pass that should not use PDL (the CUDA backend sets
- * it per pass by batch size: on 2 x H200 PDL made TP=2 batch-64 steps 3-4% slower while it made
- * batch 1 2-3% faster). Defined in attention/decode_attn.cu. */
+ * it per pass by batch size: under TP, PDL made batch-64 steps slower while it made batch 1
+ * faster). Defined in base/cuda_launch.cu. */
 extern thread_local int lf_pdl_pass_off;
 
 /* PDL for the launch being made now. */

@@ -14,8 +14,8 @@ static __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
   return r;
 }
 
-/* Programmatic dependent launch (Hopper; attention/cuda_launch.cuh launches with it when
- * LF_PDL=1). A kernel so launched may start while its predecessor on the stream still runs, so
+/* Programmatic dependent launch (Hopper; base/cuda_launch.cuh launches with it unless it is
+ * turned off). A kernel so launched may start while its predecessor on the stream still runs, so
  * every such kernel calls pdl_wait() before touching memory the predecessor writes or reads (it
  * returns once the predecessor grid has completed and its writes are visible; without a
  * programmatic dependency it returns at once). pdl_trigger() lets the successor launch early

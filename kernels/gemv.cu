@@ -1,15 +1,13 @@
-/* Small-batch bf16 GEMV (see cuda_gemv.cuh). */
-#include "cuda_gemv.cuh"
+/* Small-batch bf16 GEMV (see gemv.cuh). */
+#include "kernels/gemv.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "attention/cuda_check.h"
-#include "attention/cuda_ptx.cuh"
-#include "attention/cuda_launch.cuh"
+#include "base/cuda_check.h"
+#include "base/cuda_ptx.cuh"
+#include "base/cuda_launch.cuh"
 
 #define GV_WARPS 8 /* warps (output rows) per block */
 
@@ -158,20 +156,18 @@ template <int MODE, int KS> static gemv_fn pick_nt(int nt) {
   GV_RETURN_BY_NT(nt, gemv_kernel, MODE, KS)
 }
 
-/* The kernel of (mode, split): 8 chunks of 16 bytes in flight per lane (16 measured slower on an
- * H200: more registers, fewer warps); split rows (2 or 4 warps a row) for F32 only. */
-static gemv_fn pick(lf_gemv_out mode, int nt, int ks) {
+/* The kernel of a mode: 8 chunks of 16 bytes in flight per lane (16 measured slower on an
+ * H200: more registers, fewer warps), one warp a row (KS = 1: rows split over 2 or 4 warps were
+ * measured slower than one warp a row on an H200, bench/RESULTS.md). */
+static gemv_fn pick(lf_gemv_out mode, int nt) {
   if (mode == LF_GEMV_BF16) return pick_nt<LF_GEMV_BF16, 1>(nt);
   if (mode == LF_GEMV_GLU) return pick_nt<LF_GEMV_GLU, 1>(nt);
-  if (ks == 4) return pick_nt<LF_GEMV_F32, 4>(nt);
-  if (ks == 2) return pick_nt<LF_GEMV_F32, 2>(nt);
   return pick_nt<LF_GEMV_F32, 1>(nt);
 }
 
-extern "C" lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t ldx, int n_in,
-                                          int n_out, int n_tok, void *Y, size_t ldy,
-                                          lf_gemv_out mode, float beta, int variant,
-                                          cudaStream_t stream) {
+extern "C" lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out,
+                                  int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
+                                  cudaStream_t stream) {
   if (!lf_cuda_gemv_ok(W, X, n_in, ldx, n_tok) || !Y || n_out < 1 || ldy < (size_t)n_out)
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_gemv: unsupported shape (n_in %d, ldx %zu, n_out %d, n_tok %d, ldy "
@@ -179,31 +175,12 @@ extern "C" lf_status lf_cuda_gemv_variant(const void *W, const void *X, size_t l
                     n_in, ldx, n_out, n_tok, ldy);
   if (mode != LF_GEMV_F32 && mode != LF_GEMV_BF16 && mode != LF_GEMV_GLU)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_gemv: mode %d", (int)mode);
-  if (variant & ~(LF_GEMV_KS2 | LF_GEMV_KS4))
-    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_gemv: variant %#x", (unsigned)variant);
-  const int ks = mode != LF_GEMV_F32 ? 1 : (variant & LF_GEMV_KS4) ? 4 : (variant & LF_GEMV_KS2) ? 2 : 1;
-  const int rpb = GV_WARPS / ks;
+  const int rpb = GV_WARPS;
   const dim3 grid((unsigned)((n_out + rpb - 1) / rpb));
-  lf_launch(pick(mode, n_tok, ks), grid, dim3(GV_WARPS * 32), 0, stream,
+  lf_launch(pick(mode, n_tok), grid, dim3(GV_WARPS * 32), 0, stream,
             (const __nv_bfloat16 *)W, (const __nv_bfloat16 *)X, ldx, n_in, n_out, Y, ldy, beta);
   LF_CUDA_CHECK_LAUNCH("gemv_kernel");
   return LF_OK;
-}
-
-/* LF_GEMV (read once): ks2 or ks4 (split rows only where n_in >= 8192), or "none" (the
- * default): one warp a row everywhere. ks4 made the plain GEMV of the down projection 1% faster
- * (session 3: 5.064 vs 5.106 ms a batch-1 8B step), but the down projection now runs as the
- * K-parts GEMV, where one warp a row was faster on an H200 (session 4: 4.766 vs 4.897 ms,
- * llama3-8b; 4.950 vs 5.111, qwen3-8b; bench/RESULTS.md). */
-static int env_variant(int n_in) {
-  static int v = -1;
-  if (v < 0) {
-    const char *e = getenv("LF_GEMV");
-    v = 0;
-    if (e && strstr(e, "ks4")) v = LF_GEMV_KS4;
-    else if (e && strstr(e, "ks2")) v = LF_GEMV_KS2;
-  }
-  return n_in >= 8192 ? v : 0;
 }
 
 /* K in P contiguous parts (F32 mode): lane l of part p accumulates the part's chunks l, l + 32,
@@ -211,7 +188,7 @@ static int env_variant(int n_in) {
  * fixed pairwise tree ((a0 + a1) + (a2 + a3)) + ... So a part's bits depend only on its own
  * K slice, and a matrix cut into T column blocks, each block's GEMV run with P / T parts and the
  * blocks' results added by the same tree, gives exactly the bits of the whole matrix run with P
- * parts: the tensor-parallel O and down projections equal one GPU's (backend_cuda.cu).
+ * parts: the tensor-parallel O and down projections equal one GPU's (engine/cuda/gemm.cu).
  * KS warps per row, each owning P / KS whole parts; every warp keeps 8 loads per lane in flight
  * (UJ = 8 / parts-per-warp per part). */
 template <int NT, int P, int KS>
@@ -299,19 +276,14 @@ template <int P, int KS> static gemv_parts_fn pick_parts_nt(int nt) {
   GV_RETURN_BY_NT(nt, gemv_parts_kernel, P, KS)
 }
 
-/* (parts, warps per row): 4 warps a row where the row is long, the parts allow it and LF_GEMV
- * asks for ks4 (one warp a row by default: see env_variant). */
-static gemv_parts_fn pick_parts(int parts, int n_in, int nt, int *ks) {
-  const int want4 = n_in >= 8192 && env_variant(n_in) == LF_GEMV_KS4;
+/* The kernel of a part count, one warp a row (4 warps a row measured slower on an H200,
+ * bench/RESULTS.md). */
+static gemv_parts_fn pick_parts(int parts, int nt) {
   switch (parts) {
-  case 1: *ks = 1; return pick_parts_nt<1, 1>(nt);
-  case 2: *ks = 1; return pick_parts_nt<2, 1>(nt);
-  case 4:
-    *ks = want4 ? 4 : 1;
-    return want4 ? pick_parts_nt<4, 4>(nt) : pick_parts_nt<4, 1>(nt);
-  case 8:
-    *ks = want4 ? 4 : 1;
-    return want4 ? pick_parts_nt<8, 4>(nt) : pick_parts_nt<8, 1>(nt);
+  case 1: return pick_parts_nt<1, 1>(nt);
+  case 2: return pick_parts_nt<2, 1>(nt);
+  case 4: return pick_parts_nt<4, 1>(nt);
+  case 8: return pick_parts_nt<8, 1>(nt);
   default: return NULL;
   }
 }
@@ -329,19 +301,11 @@ extern "C" lf_status lf_cuda_gemv_parts(const void *W, const void *X, size_t ldx
                     "lf_cuda_gemv_parts: unsupported shape (n_in %d in %d parts, ldx %zu, n_out "
                     "%d, n_tok %d) or misaligned pointer",
                     n_in, parts, ldx, n_out, n_tok);
-  int ks = 1;
-  const gemv_parts_fn f = pick_parts(parts, n_in, n_tok, &ks);
-  const int rpb = GV_WARPS / ks;
+  const gemv_parts_fn f = pick_parts(parts, n_tok);
+  const int rpb = GV_WARPS;
   const dim3 grid((unsigned)((n_out + rpb - 1) / rpb));
   lf_launch(f, grid, dim3(GV_WARPS * 32), 0, stream, (const __nv_bfloat16 *)W,
             (const __nv_bfloat16 *)X, ldx, n_in, n_out, Y, ldy, beta);
   LF_CUDA_CHECK_LAUNCH("gemv_parts_kernel");
   return LF_OK;
-}
-
-extern "C" lf_status lf_cuda_gemv(const void *W, const void *X, size_t ldx, int n_in, int n_out,
-                                  int n_tok, void *Y, size_t ldy, lf_gemv_out mode, float beta,
-                                  cudaStream_t stream) {
-  return lf_cuda_gemv_variant(W, X, ldx, n_in, n_out, n_tok, Y, ldy, mode, beta,
-                              env_variant(n_in), stream);
 }

@@ -1,9 +1,9 @@
-/* RMSNorm pieces shared by the device code that norms a residual row: engine/cuda_norm.cu's
+/* RMSNorm pieces shared by the device code that norms a residual row: kernels/rmsnorm.cu's
  * kernels and the fused residual all-reduce (parallel/ar_ipc.cu). Sharing them is what makes the
  * two give the same bits for the same row, which bit-identical tensor parallelism relies on.
  * CUDA only. */
-#ifndef LF_CUDA_NORM_DEV_CUH
-#define LF_CUDA_NORM_DEV_CUH
+#ifndef LF_RMSNORM_DEV_CUH
+#define LF_RMSNORM_DEV_CUH
 
 #include <cuda_bf16.h>
 #include <stdint.h>

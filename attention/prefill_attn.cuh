@@ -1,35 +1,24 @@
-/* The cuda backend's own attention kernels (simple, correct first):
- *   - causal GQA prefill attention of a prompt chunk over the pool's filled slots and the chunk,
- *     and the pool write after it (append, or SnapKV compression of an empty pool, docs/DESIGN.md §3);
- *   - a generic decode attention with LongFlow scoring and argmin for shapes the fused kernel
- *     (attention/decode_attn.cuh: head_dim 64/128, group <= 8) does not take.
- * Same semantics as lf_attn_prefill_ref / lf_attn_decode_ref (attention/attention.h), fp32
- * math over bf16 inputs.
+/* Prefill attention on the GPU (simple, correct first): causal GQA attention of a prompt chunk
+ * over the pool's filled slots and the chunk, and the pool write after it (append, or SnapKV
+ * compression of an empty pool, docs/DESIGN.md §3). Same semantics as lf_attn_prefill_ref
+ * (attention/attention.h), fp32 math over bf16 inputs.
  *
  * Includable from C; bf16 buffers are void *; every pointer is device memory.
  */
-#ifndef LF_CUDA_ATTN_CUH
-#define LF_CUDA_ATTN_CUH
+#ifndef LF_PREFILL_ATTN_CUH
+#define LF_PREFILL_ATTN_CUH
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include "lfserve.h"
+#include "memory/pool.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 struct CUstream_st;
-
-/* The pool arena of one rank (bf16 K/V, docs/DESIGN.md §3 layout) and the (pool, layer) addressed. */
-typedef struct lf_cuda_pool_view {
-  void *k, *v;       /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] */
-  float *vnorm;      /* [n_pools][n_layers][n_kv_heads][budget] */
-  int32_t *pos;      /* [n_pools][n_layers][n_kv_heads][budget] */
-  int32_t *n, *next; /* [n_pools][n_layers][n_kv_heads] */
-  int n_layers, n_kv_heads, budget, head_dim;
-} lf_cuda_pool_view;
 
 /* Prefill attention for one sequence (pool `pool`, layer `layer`): query t (position pos0 + t)
  * of head h attends the n0 filled slots of its KV head and chunk tokens 0..t.
@@ -57,18 +46,6 @@ lf_status lf_cuda_snapkv_select(int n_heads, int n_kv_heads, int head_dim, int n
 lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int layer, int n_tok,
                            int32_t pos0, const void *k, const void *v, const int32_t *slot_of,
                            int n0, int n_final, struct CUstream_st *stream);
-
-/* Generic decode attention (steps 2-4 of docs/DESIGN.md §3) for a batch of sequences, after the write
- * of step 1: for each (sequence s, KV head g) attends the group over the n filled slots, writes
- * out, and sets next (longflow: argmin of ||v||_1 * sum_h alpha; streaming: smallest position;
- * full: -1) over slots >= sink except w[s][g], lowest slot on ties.
- *   q, out: bf16 [n_seq][n_heads][head_dim]; w: [n_seq][n_kv_heads];
- *   scratch: fp32 >= lf_cuda_decode_attn_simple_scratch(n_seq, ...) floats. */
-size_t lf_cuda_decode_attn_simple_scratch(int n_seq, int n_heads, int budget);
-lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int layer, int n_seq,
-                                     const int32_t *pool_ids, const int32_t *w, int n_heads,
-                                     const void *q, float scale, int sink, lf_policy policy,
-                                     void *out, float *scratch, struct CUstream_st *stream);
 
 #ifdef __cplusplus
 }

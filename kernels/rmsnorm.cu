@@ -1,14 +1,14 @@
-/* RMSNorm (see cuda_norm.cuh). */
-#include "cuda_norm.cuh"
+/* RMSNorm (see rmsnorm.cuh). */
+#include "kernels/rmsnorm.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "attention/cuda_check.h"
-#include "attention/cuda_launch.cuh"
-#include "attention/cuda_ptx.cuh"
-#include "cuda_norm_dev.cuh"
+#include "base/cuda_check.h"
+#include "base/cuda_launch.cuh"
+#include "base/cuda_ptx.cuh"
+#include "base/rmsnorm_dev.cuh"
 
 #define NORM_NT LF_NORM_NT
 
@@ -17,7 +17,7 @@ static __global__ void rmsnorm_kernel(const float *x, size_t x_stride, const flo
                                       float eps, __nv_bfloat16 *out, size_t out_stride,
                                       const int32_t *out_rows) {
   __shared__ float red[NORM_NT / 32 + 1];
-  pdl_wait(); /* x comes from the previous kernel (attention/cuda_launch.cuh) */
+  pdl_wait(); /* x comes from the previous kernel (base/cuda_launch.cuh) */
   pdl_trigger();
   const int r = blockIdx.x;
   const float *xr = x + (size_t)r * x_stride;

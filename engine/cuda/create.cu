@@ -1,0 +1,362 @@
+/* Creation and destruction of the cuda backend: the tuning settings, handles, weights, the pool
+ * arena (sized from free device memory when nothing else sizes it) and every workspace, all
+ * allocated here once. */
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention/decode_attn.cuh"
+#include "attention/decode_attn_generic.cuh"
+#include "base/cuda_launch.cuh"
+#include "base/tuning.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/forward.h"
+
+#ifdef LF_BENCH_INSTRUMENTS
+static lf_status parse_skip(const char *list, unsigned *out) {
+  static const struct {
+    const char *name;
+    unsigned bit;
+  } names[] = {{"attn", SKIP_ATTN}, {"rope", SKIP_ROPE}, {"res", SKIP_RES}, {"qkv", SKIP_QKV},
+               {"o", SKIP_O},       {"gu", SKIP_GU},     {"down", SKIP_DOWN}};
+  *out = 0;
+  const char *p = list;
+  while (*p) {
+    const size_t n = strcspn(p, ",");
+    unsigned bit = 0;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+      if (n == strlen(names[i].name) && !strncmp(p, names[i].name, n)) bit = names[i].bit;
+    if (n && !bit)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "LF_CUDA_SKIP=%s: '%.*s' is not one of attn, rope, res, qkv, o, gu, down",
+                      list, (int)n, p);
+    *out |= bit;
+    p += n + (p[n] == ',');
+  }
+  return LF_OK;
+}
+#endif
+
+/* The settings of base/tuning.h this backend uses, read once here (kernels never read the
+ * environment; launches take PDL from lf_pdl_allowed). */
+static lf_status apply_tuning(cuda_backend *c) {
+  lf_tuning tu;
+  lf_tuning_read(&tu);
+  c->use_graphs = !c->p.no_graphs && tu.cuda_graphs;
+  /* collectives inside captured graphs: measured faster on 2 x H200 (see tp.cu) */
+  if (c->comm && !tu.cuda_graphs_tp) c->use_graphs = 0;
+  c->graph_cap = tu.graph_cache;
+  lf_pdl_allowed = tu.pdl;
+  /* PDL (base/cuda_launch.cuh): faster batch-1 steps everywhere and one GPU's batch-64 steps,
+   * but slower TP=2 batch-64 steps on 2 x H200 (bench/RESULTS.md): under TP only for passes of
+   * up to 16 rows. */
+  c->pdl_max_rows = tu.pdl_max_rows >= 0 ? tu.pdl_max_rows : c->comm ? 16 : INT_MAX;
+  c->tune_on = tu.gemm_tune;
+  /* Prefill chunk: LF_CUDA_PREFILL_CHUNK tokens, default min(max_seq_len, 2048). */
+  c->max_chunk = c->cfg.max_seq_len < 2048 ? c->cfg.max_seq_len : 2048;
+  if (tu.prefill_chunk > 0) c->max_chunk = tu.prefill_chunk;
+#ifdef LF_BENCH_INSTRUMENTS
+  if (tu.cuda_skip) LF_TRY(parse_skip(tu.cuda_skip, &c->skip));
+#endif
+  return LF_OK;
+}
+
+/* Everything cuda_free releases on the device side (memory, graphs, handles, the stream). */
+static void free_device_side(cuda_backend *c) {
+  cb_weights_free(c);
+  cudaFree(c->inv_freq);
+  cudaFree(c->pv.k);
+  cudaFree(c->pv.v);
+  cudaFree(c->pv.vnorm);
+  cudaFree(c->pv.pos);
+  cudaFree(c->pv.n);
+  cudaFree(c->pv.next);
+  void *bufs[] = {c->x,     c->xb,    c->qkv,  c->qb,      c->kb,       c->vb,
+                  c->att,   c->gu,    c->hb,   c->xf,      c->logits,   c->probs,
+                  c->w,     c->ml,    c->snap, c->slot_of, c->ptok,     c->attn_ws,
+                  c->simple_scratch, c->sort_ws, c->io,   c->lsend,    c->pairs,
+                  c->pairs_all};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+  if (c->llocal != c->logits) cudaFree(c->llocal);
+  cudaFreeHost(c->h_io);
+  cb_graphs_free(c);
+  cudaFree(c->blas_ws);
+  cb_gemm_free(c);
+  if (c->lt) cublasLtDestroy(c->lt);
+  if (c->blas) cublasDestroy(c->blas);
+  if (c->stream) cudaStreamDestroy(c->stream);
+}
+
+static void cuda_free(lf_backend *b) {
+  cuda_backend *c = (cuda_backend *)b;
+  if (!c) return;
+  cudaSetDevice(c->device);
+  /* under TP a peer may be gone: the communicator's wait gives up (and aborts) at its deadline.
+   * Then the device may still run a kernel that never ends (an abandoned NCCL abort), and
+   * cudaFree would wait for it: the device memory is left to the process's exit. */
+  const int dev_ok = !c->comm || !c->stream || lf_comm_sync(c->comm, c->stream) == LF_OK;
+  if (c->stream && dev_ok) cudaStreamSynchronize(c->stream);
+  if (dev_ok) free_device_side(c);
+  free(c->layers);
+  free(c->graph);
+  free(c->graph_used);
+  free(c->graph_seen);
+  free(c->tunes);
+  free(c->free_list);
+  free(c->in_use);
+  free(c->host_n);
+  free(c);
+}
+
+/* n_pools == 0 (docs/DESIGN.md §5): the pools take mem_util of the device memory left after the weights
+ * (loaded by now) and the workspaces. The workspaces that grow with the number of decode items
+ * (logits and sampling scratch, activation rows beyond the prefill chunk, step I/O) are charged
+ * to each pool; the fixed ones (prefill chunk buffers, attention, cuBLAS, sorting) are estimated
+ * from above and set aside first. */
+static lf_status size_pools(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
+  const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim};
+  const uint64_t arena = lf_pool_bytes_device(&ps);
+  const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
+                       (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
+  /* logits [V], probs (the gather of max_vocab slices under TP), own slice and its padded copy,
+   * the (max, id) pairs */
+  const uint64_t Tr = c->comm ? (uint64_t)c->comm->size : 1, mv = (uint64_t)c->sh.max_vocab;
+  const uint64_t vbytes = 4 * (V + (Tr * mv > V ? Tr * mv : V)) +
+                          (c->comm ? 4 * ((uint64_t)c->nv + mv) + 8 * (Tr + 1) : 0);
+  const uint64_t item = vbytes + (uint64_t)m->dim * 2 + (uint64_t)m->n_kv_heads * 4 + 64 +
+                        sizeof(lf_sample_params) + row; /* row: charged even below max_chunk */
+  const uint64_t fixed = T * row + 2 * T * (uint64_t)c->kd * 2 + T * m->n_heads * 8 +
+                         (uint64_t)m->n_kv_heads * T * 12 + lf_cuda_sample_sort_bytes(m->vocab_size) +
+                         ((uint64_t)64 << 20) /* attention split workspace, graphs, slack */;
+  size_t free_b = 0, total_b = 0;
+  LF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const double util = c->p.mem_util > 0 ? c->p.mem_util : LF_MEM_UTIL_DEFAULT;
+  if (!(util <= 1.0))
+    return lf_error(LF_ERR_INVALID_ARG, "cuda backend: mem_util %g must be in (0, 1]",
+                    c->p.mem_util);
+  const uint64_t avail = free_b > fixed ? free_b - fixed : 0;
+  const int n = lf_pools_for_memory(avail, util, arena + item);
+  if (n < 1)
+    return lf_error(LF_ERR_OUT_OF_MEMORY,
+                    "cuda backend: %.2f GiB free after the weights hold no pool of %.1f MiB "
+                    "(budget %d) at mem_util %g",
+                    (double)free_b / (1 << 30), (double)(arena + item) / (1 << 20), c->p.budget,
+                    util);
+  c->p.n_pools = n;
+  return LF_OK;
+}
+
+static lf_status create(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const lf_backend_params *p = &c->p;
+  const int hkv = m->n_kv_heads, D = m->head_dim;
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
+    cudaGetLastError();
+    return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
+  }
+  if (p->policy == LF_POLICY_H2O)
+    return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: the h2o policy is not implemented on cuda "
+                                        "(longflow, full, streaming are)");
+  if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
+  LF_TRY(lf_attn_params_check(&c->ap, p->budget));
+  if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
+  if (c->comm && !c->comm->device)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "cuda backend: tensor parallelism needs a device communicator "
+                    "(lf_comm_init_nccl / lf_comm_init_nccl_mpi), not '%s'",
+                    c->comm->kind ? c->comm->kind : "?");
+  LF_CUDA_CHECK(cudaGetDevice(&c->device));
+
+  LF_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  LF_CUBLAS_CHECK(cublasCreate(&c->blas));
+  LF_CUBLAS_CHECK(cublasSetStream(c->blas, c->stream));
+  /* Our own workspace (32 MiB, what cuBLAS takes by default on Hopper): cuBLAS then never
+   * allocates, which graph capture requires. */
+  c->blas_ws_bytes = (size_t)32 << 20;
+  CB_ALLOC(c->blas_ws, c->blas_ws_bytes);
+  LF_CUBLAS_CHECK(cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_bytes));
+  LF_CUBLAS_CHECK(cublasLtCreate(&c->lt));
+  c->tunes = (gemm_tune *)calloc(GEMM_TUNE_MAX, sizeof *c->tunes);
+  if (!c->tunes) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: GEMM tuning table");
+
+  c->layers = (cuda_layer *)calloc((size_t)m->n_layers, sizeof *c->layers);
+  if (!c->layers) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
+  LF_TRY(cb_load_weights(c));
+  if (p->n_pools == 0) LF_TRY(size_pools(c));
+  c->max_items = p->n_pools;
+
+  c->free_list = (int *)malloc((size_t)p->n_pools * sizeof(int));
+  c->in_use = (uint8_t *)calloc((size_t)p->n_pools, 1);
+  c->host_n = (int *)calloc((size_t)p->n_pools, sizeof(int));
+  if (!c->layers || !c->free_list || !c->in_use || !c->host_n)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
+  for (int i = 0; i < p->n_pools; i++) c->free_list[i] = p->n_pools - 1 - i;
+  c->n_free = p->n_pools;
+
+  {
+    float *f = (float *)malloc(sizeof(float) * (size_t)(D / 2));
+    if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
+    lf_rope_freqs(m, f);
+    CB_ALLOC(c->inv_freq, sizeof(float) * (size_t)(D / 2));
+    cudaError_t e = cudaMemcpy(c->inv_freq, f, sizeof(float) * (size_t)(D / 2),
+                               cudaMemcpyHostToDevice);
+    free(f);
+    LF_CUDA_CHECK(e);
+  }
+
+  /* The arena. */
+  const size_t heads = (size_t)p->n_pools * m->n_layers * hkv, slots = heads * p->budget;
+  c->pv.n_layers = m->n_layers;
+  c->pv.n_kv_heads = hkv;
+  c->pv.budget = p->budget;
+  c->pv.head_dim = D;
+  CB_ALLOC(c->pv.k, slots * D * 2);
+  CB_ALLOC(c->pv.v, slots * D * 2);
+  CB_ALLOC(c->pv.vnorm, slots * 4);
+  CB_ALLOC(c->pv.pos, slots * 4);
+  CB_ALLOC(c->pv.n, heads * 4);
+  CB_ALLOC(c->pv.next, heads * 4);
+  LF_CUDA_CHECK(cudaMemset(c->pv.n, 0, heads * 4));
+  LF_CUDA_CHECK(cudaMemset(c->pv.next, 0xff, heads * 4));
+  LF_CUDA_CHECK(cudaMemset(c->pv.pos, 0xff, slots * 4));
+  LF_CUDA_CHECK(cudaMemset(c->pv.vnorm, 0, slots * 4));
+
+  /* Workspaces. */
+  const size_t rows = (size_t)(c->max_items > c->max_chunk ? c->max_items : c->max_chunk);
+  const size_t V = (size_t)m->vocab_size, T = (size_t)c->max_chunk;
+  CB_ALLOC(c->x, rows * m->dim * 4);
+  CB_ALLOC(c->xb, rows * m->dim * 2);
+  CB_ALLOC(c->qkv, rows * c->qkv_dim * 4);
+  CB_ALLOC(c->qb, rows * c->qd * 2);
+  CB_ALLOC(c->kb, T * c->kd * 2);
+  CB_ALLOC(c->vb, T * c->kd * 2);
+  CB_ALLOC(c->att, rows * c->qd * 2);
+  CB_ALLOC(c->gu, rows * 2 * m->hidden_dim * 4);
+  CB_ALLOC(c->hb, rows * m->hidden_dim * 2);
+  CB_ALLOC(c->xf, (size_t)c->max_items * m->dim * 2);
+  CB_ALLOC(c->logits, (size_t)c->max_items * V * 4);
+  if (c->comm) {
+    const size_t T = (size_t)c->comm->size, mv = (size_t)c->sh.max_vocab;
+    CB_ALLOC(c->probs, (size_t)c->max_items * (T * mv > V ? T * mv : V) * 4);
+    CB_ALLOC(c->llocal, (size_t)c->max_items * c->nv * 4);
+    CB_ALLOC(c->lsend, (size_t)c->max_items * mv * 4);
+    CB_ALLOC(c->pairs, (size_t)c->max_items * 2 * 4);
+    CB_ALLOC(c->pairs_all, T * c->max_items * 2 * 4);
+  } else {
+    CB_ALLOC(c->probs, (size_t)c->max_items * V * 4);
+    c->llocal = c->logits;
+  }
+  CB_ALLOC(c->w, (size_t)c->max_items * hkv * 4);
+  CB_ALLOC(c->ml, T * m->n_heads * 2 * 4);
+  CB_ALLOC(c->snap, (size_t)hkv * 2 * T * 4);
+  CB_ALLOC(c->slot_of, (size_t)hkv * T * 4);
+  CB_ALLOC(c->ptok, T * 4);
+  /* xf rows of failed items are read by the LM head: keep them finite */
+  LF_CUDA_CHECK(cudaMemset(c->xf, 0, (size_t)c->max_items * m->dim * 2));
+
+  c->use_fused = (D == 64 || D == 128) && c->group <= 8; /* else the generic kernel */
+  if (c->use_fused) {
+    /* Split counts fall as the batch grows and are at their minimum once a batch fills the
+     * SMs: the sizes up to a few hundred, and the largest, cover every batch. */
+    for (int ns = 1; ns <= c->max_items; ns = ns < 512 ? ns + 1 : c->max_items) {
+      const size_t wb = lf_cuda_decode_attn_workspace_bytes(ns, hkv, p->budget, c->group, D, 0);
+      if (wb > c->attn_ws_bytes) c->attn_ws_bytes = wb;
+      if (ns == c->max_items) break;
+    }
+    CB_ALLOC(c->attn_ws, c->attn_ws_bytes);
+    LF_TRY(lf_cuda_decode_attn_workspace_init(c->attn_ws, c->attn_ws_bytes, c->stream));
+  } else {
+    CB_ALLOC(c->simple_scratch,
+             lf_cuda_decode_attn_simple_scratch(c->max_items, m->n_heads, p->budget) * 4);
+  }
+  c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
+  CB_ALLOC(c->sort_ws, c->sort_ws_bytes);
+
+  LF_TRY(cb_graphs_init(c));
+
+  /* Step I/O: 4 int arrays, sample params, tokens; pinned on the host. */
+  const size_t mi = (size_t)c->max_items;
+  c->io_bytes = 5 * mi * 4 + mi * sizeof(lf_sample_params);
+  CB_ALLOC(c->io, c->io_bytes);
+  if (cudaMallocHost((void **)&c->h_io, c->io_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: pinned step buffers");
+  }
+  int32_t *d = c->io, *h = c->h_io;
+  c->d_step.tok = d, c->h_step.tok = h;
+  c->d_step.pool = d + mi, c->h_step.pool = h + mi;
+  c->d_step.pos = d + 2 * mi, c->h_step.pos = h + 2 * mi;
+  c->d_step.rows = d + 3 * mi, c->h_step.rows = h + 3 * mi;
+  c->d_tok_out = d + 4 * mi, c->h_tok_out = h + 4 * mi;
+  c->d_sp = (lf_sample_params *)(d + 5 * mi), c->h_sp = (lf_sample_params *)(h + 5 * mi);
+  /* The whole device, not only c->stream: a cudaMemcpy from pageable host memory (the weight
+   * and table uploads above) returns once its data is staged, and the DMA still in flight on the
+   * legacy stream is not ordered before c->stream's kernels (a non-blocking stream). */
+  LF_CUDA_CHECK(cudaDeviceSynchronize());
+  return LF_OK;
+}
+
+extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_backend_params *p,
+                                            lf_backend **out) {
+  if (!ck || !p || !out) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: NULL argument");
+  *out = NULL;
+  const lf_model_config *m = &ck->cfg;
+  const lf_comm_t comm = p->comm && p->comm->size > 1 ? p->comm : NULL;
+  lf_shard sh;
+  LF_TRY(lf_shard_plan(comm ? comm->rank : 0, comm ? comm->size : 1, m->n_heads, m->n_kv_heads,
+                       m->hidden_dim, m->vocab_size, &sh));
+  cuda_backend *c = (cuda_backend *)calloc(1, sizeof *c);
+  if (!c) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend");
+  c->ck = ck;
+  c->gcfg = *m;
+  c->cfg = *m; /* this rank's part: */
+  c->cfg.n_heads = sh.n_cq;
+  c->cfg.n_kv_heads = sh.n_kv;
+  c->cfg.hidden_dim = sh.n_hid;
+  c->comm = comm;
+  c->sh = sh;
+  c->nv = sh.n_vocab;
+  c->p = *p;
+  m = &c->cfg;
+  c->base.name = "cuda";
+  c->base.forward = cb_forward;
+  c->base.pool_take = cb_pool_take;
+  c->base.pool_give = cb_pool_give;
+  c->base.pools_free = cb_pools_free;
+  c->base.pool_slots_filled = cb_pool_slots_filled;
+  c->base.free = cuda_free;
+  c->qd = m->n_heads * m->head_dim;
+  c->kd = m->n_kv_heads * m->head_dim;
+  c->qd_own = sh.n_q * m->head_dim;
+  c->qkv_dim = c->qd + 2 * c->kd;
+  c->group = m->n_heads / m->n_kv_heads;
+  c->ap.policy = p->policy;
+  c->ap.sink = p->sink;
+  c->ap.window = p->window;
+  c->ap.h2o_recent = p->window;
+  c->ap.group = c->group;
+  c->ap.head_dim = m->head_dim;
+  c->ap.scale = 1.0f / sqrtf((float)m->head_dim);
+  c->max_items = p->n_pools; /* n_pools 0: set by create() */
+  lf_status s = apply_tuning(c);
+  if (s == LF_OK) s = create(c);
+  if (s != LF_OK) {
+    cuda_free(&c->base);
+    return s;
+  }
+  *out = &c->base;
+  return LF_OK;
+}
+
+extern "C" int lf_cuda_device_present(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n > 0;
+}

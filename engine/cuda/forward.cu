@@ -1,0 +1,358 @@
+/* The cuda backend's forward (lf_backend.forward): prefill chunks one sequence at a time, the
+ * decode items in one batched pass, then the LM head and token selection on the device (see
+ * cuda_backend.h for the order of the kernels). */
+#include <string.h>
+
+#include "attention/decode_attn.cuh"
+#include "attention/decode_attn_generic.cuh"
+#include "attention/kv_write.cuh"
+#include "attention/prefill_attn.cuh"
+#include "base/cuda_launch.cuh"
+#include "engine/cuda/cuda_backend.h"
+#include "kernels/embed.cuh"
+#include "kernels/gemv.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/silu_mul.cuh"
+
+/* x[t] = embedding of tokens[t] (device ids), over the ranks' vocab slices under TP; then
+ * xb = RMSNorm(x) * w (the first layer's attention norm). */
+static lf_status embed_rows(cuda_backend *c, const int32_t *tokens, int rows, const float *w) {
+  const lf_model_config *m = &c->cfg;
+  if (!c->comm) {
+    LF_TRY(lf_cuda_embed(c->embed, m->dim, tokens, rows, c->x, c->stream));
+  } else {
+    float beta;
+    float *dst = cb_res_out(c, rows, AR_SLOT_EMBED, &beta);
+    LF_TRY(lf_cuda_embed_slice(c->embed, m->dim, c->sh.vocab0, c->nv, tokens, rows, dst,
+                               c->stream));
+  }
+  return cb_res_norm(c, rows, AR_SLOT_EMBED, w, c->xb, NULL);
+}
+
+/* ---- the layers ---------------------------------------------------------------------------- */
+
+/* Everything after attention of one layer: O-proj (+= x), RMSNorm, gate|up, SiLU*up, down (+= x),
+ * then (next_w non-NULL) the next norm: out[out_rows[r] or r] = RMSNorm(x[r]) * next_w. */
+static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows, const float *next_w,
+                            void *out, const int32_t *out_rows) {
+  const lf_model_config *m = &c->cfg;
+  const bf16 *att = c->att;
+  if (c->qd_own != c->qd) { /* replicated KV head: this rank's heads of the group only */
+    const size_t off = (size_t)(c->sh.q0 - c->sh.cq0) * m->head_dim;
+    LF_CUDA_CHECK(cudaMemcpy2DAsync(c->qb, (size_t)c->qd_own * 2, c->att + off, (size_t)c->qd * 2,
+                                    (size_t)c->qd_own * 2, (size_t)rows, cudaMemcpyDeviceToDevice,
+                                    c->stream));
+    att = c->qb;
+  }
+  float beta;
+  float *dst = cb_res_out(c, rows, AR_SLOT_O, &beta);
+  if (!CB_SKIP(c, SKIP_O)) LF_TRY(cb_gemm_res(c, L->wo, att, dst, m->dim, c->qd_own, rows, beta));
+  if (!CB_SKIP(c, SKIP_RES)) LF_TRY(cb_res_norm(c, rows, AR_SLOT_O, L->rms_ffn, c->xb, NULL));
+  if (CB_SKIP(c, SKIP_GU)) {
+    /* benchmark instrument only: hb keeps whatever it held */
+  } else if (rows <= cb_gemv_lim(c) &&
+             lf_cuda_gemv_ok(L->wgu, c->xb, m->dim, (size_t)m->dim, rows)) {
+    /* SiLU(gate) * up in the GEMV's epilogue: no fp32 gate|up round trip */
+    LF_TRY(lf_cuda_gemv(L->wgu, c->xb, (size_t)m->dim, m->dim, m->hidden_dim, rows, c->hb,
+                        (size_t)m->hidden_dim, LF_GEMV_GLU, 0.0f, c->stream));
+  } else {
+    LF_TRY(cb_gemm(c, L->wgu, c->xb, c->gu, CUDA_R_32F, 2 * m->hidden_dim, m->dim, rows, 0.0f));
+    LF_TRY(lf_cuda_silu_mul(c->gu, m->hidden_dim, rows, c->hb, c->stream));
+  }
+  dst = cb_res_out(c, rows, AR_SLOT_DOWN, &beta);
+  if (!CB_SKIP(c, SKIP_DOWN))
+    LF_TRY(cb_gemm_res(c, L->wdown, c->hb, dst, m->dim, m->hidden_dim, rows, beta));
+  /* the last layer's norm feeds the LM head: kept */
+  if (CB_SKIP(c, SKIP_RES) && out != (void *)c->xf) return LF_OK;
+  return cb_res_norm(c, rows, AR_SLOT_DOWN, next_w, out, out_rows);
+}
+
+static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows) {
+  const lf_model_config *m = &c->cfg;
+  lf_qkv_rope_args a;
+  memset(&a, 0, sizeof a);
+  a.qkv = c->qkv;
+  a.qkv_stride = (size_t)c->qkv_dim;
+  a.bias = L->bqkv;
+  a.q_norm = L->q_norm;
+  a.k_norm = L->k_norm;
+  a.eps = m->norm_eps;
+  a.inv_freq = c->inv_freq;
+  a.interleaved = m->rope_style == LF_ROPE_INTERLEAVED;
+  a.n_heads = m->n_heads;
+  a.n_kv_heads = m->n_kv_heads;
+  a.head_dim = m->head_dim;
+  a.n_tok = rows;
+  a.q_out = c->qb;
+  return a;
+}
+
+/* The final normed row of sequence r goes to xf[rows_out[r]]. */
+lf_status cb_decode_pass(cuda_backend *c, int rows) {
+  const lf_model_config *m = &c->cfg;
+  LF_TRY(embed_rows(c, c->d_step.tok, rows, c->layers[0].rms_att));
+  for (int l = 0; l < m->n_layers; l++) {
+    const cuda_layer *L = &c->layers[l];
+    /* xb = RMSNorm(x) * rms_att: done by the step before (embedding or the last layer_tail) */
+    if (!CB_SKIP(c, SKIP_QKV))
+      LF_TRY(cb_gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, rows, 0.0f));
+    lf_qkv_rope_args a = rope_args(c, L, rows);
+    a.pos = c->d_step.pos;
+    a.pool = c->pv;
+    a.pool_ids = c->d_step.pool;
+    a.layer = l;
+    a.sink = c->p.sink;
+    a.policy = c->p.policy;
+    a.w = c->w;
+    if (!CB_SKIP(c, SKIP_ROPE)) LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
+    if (CB_SKIP(c, SKIP_ATTN)) {
+      /* benchmark instrument only: att keeps whatever it held */
+    } else if (c->use_fused) {
+      lf_decode_attn_args d;
+      memset(&d, 0, sizeof d);
+      d.pool = c->pv;
+      d.layer = l;
+      d.n_seq = rows;
+      d.pool_ids = c->d_step.pool;
+      d.w = c->w;
+      d.q = c->qb;
+      d.q_stride = 0;
+      d.out = c->att;
+      d.group = c->group;
+      d.sink = c->p.sink;
+      d.policy = c->p.policy;
+      d.scale = c->ap.scale;
+      d.n_splits = 0; /* lf_cuda_decode_attn_splits */
+      d.workspace = c->attn_ws;
+      d.workspace_bytes = c->attn_ws_bytes;
+      LF_TRY(lf_cuda_decode_attn(&d, c->stream));
+    } else {
+      LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, rows, c->d_step.pool, c->w, m->n_heads, c->qb,
+                                        c->ap.scale, c->p.sink, c->p.policy, c->att,
+                                        c->simple_scratch, c->stream));
+    }
+    const int last = l + 1 == m->n_layers;
+    LF_TRY(layer_tail(c, L, rows, last ? c->rms_final : c->layers[l + 1].rms_att,
+                      last ? (void *)c->xf : (void *)c->xb, last ? c->d_step.rows : NULL));
+  }
+  return LF_OK;
+}
+
+/* Uploads the first `rows` entries of the host step arrays. */
+static lf_status step_upload(cuda_backend *c, int rows) {
+  const size_t b = (size_t)rows * sizeof(int32_t);
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.tok, c->h_step.tok, b, cudaMemcpyHostToDevice, c->stream));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.pool, c->h_step.pool, b, cudaMemcpyHostToDevice, c->stream));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.pos, c->h_step.pos, b, cudaMemcpyHostToDevice, c->stream));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_step.rows, c->h_step.rows, b, cudaMemcpyHostToDevice, c->stream));
+  return LF_OK;
+}
+
+static lf_status prefill_layers(cuda_backend *c, int pool, int32_t pos0, int T, int n0,
+                                int compress);
+
+/* A chunk of one sequence's prompt, n0 slots already filled: attention, then the pool write
+ * (compress: SnapKV into the empty pool). last: the final normed last row goes to xf[row]. */
+static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const int32_t *tokens,
+                               int T, int n0, int compress, int last, int row) {
+  const lf_model_config *m = &c->cfg;
+  const int B = c->p.budget;
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, tokens, (size_t)T * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, c->stream));
+  c->in_prefill = 1;
+  const int pdl_saved = lf_pdl_pass_off;
+  lf_pdl_pass_off = T > c->pdl_max_rows;
+  const lf_status st = prefill_layers(c, pool, pos0, T, n0, compress);
+  lf_pdl_pass_off = pdl_saved;
+  c->in_prefill = 0;
+  LF_TRY(st);
+  c->host_n[pool] = compress ? B - 1 : n0 + T;
+  if (!last) return LF_OK;
+  return lf_cuda_rmsnorm(c->x + (size_t)(T - 1) * m->dim, m->dim, c->rms_final, m->dim,
+                         m->norm_eps, 1, c->xf + (size_t)row * m->dim, m->dim, NULL, c->stream);
+}
+
+/* prefill_chunk's embedding and layers (in_prefill set). */
+static lf_status prefill_layers(cuda_backend *c, int pool, int32_t pos0, int T, int n0,
+                                int compress) {
+  const lf_model_config *m = &c->cfg;
+  const int B = c->p.budget;
+  LF_TRY(embed_rows(c, c->ptok, T, c->layers[0].rms_att));
+  const int w_eff = lf_snapkv_window(&c->ap, B);
+  for (int l = 0; l < m->n_layers; l++) {
+    const cuda_layer *L = &c->layers[l];
+    LF_TRY(cb_gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, T, 0.0f));
+    lf_qkv_rope_args a = rope_args(c, L, T);
+    a.pos0 = pos0;
+    a.k_out = c->kb;
+    a.v_out = c->vb;
+    LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
+    LF_TRY(lf_cuda_prefill_attn(&c->pv, pool, l, n0, m->n_heads, T, c->qb, c->kb, c->vb,
+                                c->ap.scale, c->att, compress ? c->ml : NULL, c->stream));
+    if (compress) {
+      LF_TRY(lf_cuda_snapkv_select(m->n_heads, m->n_kv_heads, m->head_dim, T, B, c->p.sink, w_eff,
+                                   c->qb, c->kb, c->ml, c->ap.scale, c->snap, c->slot_of,
+                                   c->stream));
+      LF_TRY(lf_cuda_kv_store(&c->pv, pool, l, T, pos0, c->kb, c->vb, c->slot_of, 0, B - 1,
+                              c->stream));
+    } else {
+      LF_TRY(lf_cuda_kv_store(&c->pv, pool, l, T, pos0, c->kb, c->vb, NULL, n0, n0 + T, c->stream));
+    }
+    /* the last layer leaves x alone: only its last row is normed, below */
+    LF_TRY(layer_tail(c, L, T, l + 1 < m->n_layers ? c->layers[l + 1].rms_att : NULL, c->xb, NULL));
+  }
+  return LF_OK;
+}
+
+/* The host's mirror of a decode write into `pool`: the fill count grows until the pool is
+ * full, then every (layer, KV head) overwrites a slot. Returns those evictions, over the
+ * model's KV heads (gcfg): under tensor parallelism every rank holds a part of them, and each
+ * head evicts alike, so this is the model's total with each head counted once. */
+static uint64_t note_decode_write(cuda_backend *c, int pool) {
+  if (c->host_n[pool] == c->p.budget) return (uint64_t)c->gcfg.n_layers * c->gcfg.n_kv_heads;
+  c->host_n[pool]++;
+  return 0;
+}
+
+/* One decode step of one sequence (a prompt chunk run token by token); xf[row] when last. */
+static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok, int row,
+                            uint64_t *evictions) {
+  c->h_step.tok[0] = tok;
+  c->h_step.pool[0] = pool;
+  c->h_step.pos[0] = pos;
+  c->h_step.rows[0] = row;
+  LF_TRY(step_upload(c, 1));
+  /* the host arrays are reused at once: wait for the copies (pageable memory is staged, but
+   * the step arrays are pinned) */
+  LF_TRY(cb_stream_wait(c));
+  LF_TRY(cb_decode_run(c, 1));
+  *evictions += note_decode_write(c, pool);
+  return LF_OK;
+}
+
+/* ---- the forward ---------------------------------------------------------------------------- */
+
+lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_result *res,
+                     float *logits_out) {
+  cuda_backend *c = (cuda_backend *)b;
+  const lf_model_config *m = &c->cfg;
+  const int B = c->p.budget, evicts = c->p.policy != LF_POLICY_FULL;
+  LF_CUDA_CHECK(cudaSetDevice(c->device));
+  if (n < 0 || n > c->max_items)
+    return lf_error(LF_ERR_INVALID_ARG, "cuda forward: %d items (at most %d, one per pool)", n,
+                    c->max_items);
+  if (n == 0) return LF_OK;
+  if (!items || !res) return lf_error(LF_ERR_INVALID_ARG, "cuda forward: NULL items or results");
+
+  /* Per-item checks, as the cpu forward makes them; a pool may appear once per batch. */
+  for (int i = 0; i < n; i++) {
+    const lf_batch_item *it = &items[i];
+    lf_batch_result *r = &res[i];
+    r->token = -1;
+    r->evictions = 0;
+    r->status = LF_OK;
+    if (it->n_tok < 1 || !it->tokens) {
+      r->status = lf_error(LF_ERR_INVALID_ARG, "forward: n_tok %d < 1", it->n_tok);
+      continue;
+    }
+    if (it->pool < 0 || it->pool >= c->p.n_pools || !c->in_use[it->pool]) {
+      r->status = lf_error(LF_ERR_INVALID_ARG, "forward: pool %d is not a taken pool", it->pool);
+      continue;
+    }
+    for (int j = 0; j < i && r->status == LF_OK; j++)
+      if (items[j].pool == it->pool)
+        r->status = lf_error(LF_ERR_INVALID_ARG, "forward: pool %d appears twice in one batch",
+                             it->pool);
+    for (int t = 0; t < it->n_tok && r->status == LF_OK; t++)
+      if (it->tokens[t] < 0 || it->tokens[t] >= m->vocab_size)
+        r->status = lf_error(LF_ERR_INVALID_ARG, "token id %d out of range [0, %d)",
+                             it->tokens[t], m->vocab_size);
+    if (r->status != LF_OK) continue;
+    const int n0 = c->host_n[it->pool];
+    if (!evicts && n0 + it->n_tok > B)
+      r->status = lf_error(LF_ERR_CONTEXT_FULL,
+                           "full policy: %d filled + %d new tokens exceed the budget of %d slots",
+                           n0, it->n_tok, B);
+    else if (it->n_tok > c->max_chunk &&
+             lf_prefill_kind_of(c->p.policy, B, n0, it->n_tok) == LF_PREFILL_COMPRESS)
+      r->status = lf_error(LF_ERR_UNSUPPORTED,
+                           "cuda: a %d-token prompt needs SnapKV compression over more than the "
+                           "%d-token prefill chunk",
+                           it->n_tok, c->max_chunk);
+  }
+
+  /* Prefill items, one at a time. */
+  for (int i = 0; i < n; i++) {
+    const lf_batch_item *it = &items[i];
+    if (res[i].status != LF_OK || it->n_tok == 1) continue;
+    const lf_prefill_kind kind = lf_prefill_kind_of(c->p.policy, B, c->host_n[it->pool], it->n_tok);
+    if (kind == LF_PREFILL_DECODE_STEPS) {
+      for (int t = 0; t < it->n_tok; t++)
+        LF_TRY(decode_one(c, it->pool, it->pos0 + t, it->tokens[t], i, &res[i].evictions));
+      continue;
+    }
+    const int compress = kind == LF_PREFILL_COMPRESS;
+    for (int off = 0; off < it->n_tok; off += c->max_chunk) {
+      const int T = it->n_tok - off < c->max_chunk ? it->n_tok - off : c->max_chunk;
+      LF_TRY(prefill_chunk(c, it->pool, it->pos0 + off, it->tokens + off, T, c->host_n[it->pool],
+                           compress, off + T == it->n_tok, i));
+    }
+  }
+
+  /* Decode items, one batched pass. */
+  int nd = 0;
+  for (int i = 0; i < n; i++) {
+    const lf_batch_item *it = &items[i];
+    if (res[i].status != LF_OK || it->n_tok != 1) continue;
+    c->h_step.tok[nd] = it->tokens[0];
+    c->h_step.pool[nd] = it->pool;
+    c->h_step.pos[nd] = it->pos0;
+    c->h_step.rows[nd] = i;
+    nd++;
+    res[i].evictions += note_decode_write(c, it->pool);
+  }
+  if (nd > 0) {
+    LF_TRY(step_upload(c, nd));
+    LF_TRY(cb_decode_run(c, nd));
+  }
+
+  /* LM head and token selection for every item (failed items' rows are ignored). */
+  int need_full = c->comm == NULL || logits_out != NULL;
+  for (int i = 0; i < n && !need_full; i++) need_full = items[i].sampling.temperature > 0.0f;
+  LF_TRY(cb_gemm(c, c->lm_head, c->xf, c->llocal, CUDA_R_32F, c->nv, m->dim, n, 0.0f));
+  if (!need_full) {
+    /* tensor parallel, all greedy: one gather of (max, id) pairs, the pick on the device */
+    LF_TRY(cb_tp_greedy(c, n));
+  } else {
+    for (int i = 0; i < n; i++) {
+      lf_sample_params *sp = &c->h_sp[i];
+      sp->temperature = items[i].sampling.temperature;
+      sp->top_k = items[i].sampling.top_k;
+      sp->top_p = items[i].sampling.top_p;
+      sp->u = items[i].u;
+    }
+    LF_CUDA_CHECK(cudaMemcpyAsync(c->d_sp, c->h_sp, (size_t)n * sizeof *c->h_sp,
+                                  cudaMemcpyHostToDevice, c->stream));
+    /* tensor parallel: the full logits (or every item's top-k candidates) on every rank */
+    if (c->comm) LF_TRY(cb_tp_gather_logits(c, items, res, n, logits_out != NULL));
+    LF_TRY(lf_cuda_sample(c->logits, m->vocab_size, n, c->d_sp, c->d_tok_out, c->probs,
+                          c->stream));
+    for (int i = 0; i < n; i++)
+      if (res[i].status == LF_OK && lf_sample_needs_sort(&c->h_sp[i], m->vocab_size))
+        LF_TRY(lf_cuda_sample_sorted(c->logits + (size_t)i * m->vocab_size, m->vocab_size,
+                                     &c->h_sp[i], c->d_tok_out + i, c->sort_ws, c->sort_ws_bytes,
+                                     c->stream));
+  }
+  /* the stream must have passed the collectives before a copy to pageable memory, which
+   * would block in CUDA with no deadline */
+  if (c->comm && logits_out) LF_TRY(cb_stream_wait(c));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->h_tok_out, c->d_tok_out, (size_t)n * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, c->stream));
+  if (logits_out)
+    LF_CUDA_CHECK(cudaMemcpyAsync(logits_out, c->logits, (size_t)n * m->vocab_size * sizeof(float),
+                                  cudaMemcpyDeviceToHost, c->stream));
+  LF_TRY(cb_stream_wait(c));
+  for (int i = 0; i < n; i++)
+    if (res[i].status == LF_OK) res[i].token = c->h_tok_out[i];
+  return LF_OK;
+}

@@ -1,0 +1,287 @@
+// The attention kernels that sit beside the fused decode kernel (attention/prefill_attn.cuh,
+// attention/decode_attn_generic.cuh) against the CPU reference (attention/attention.h) on
+// identical bf16 inputs. The fused decode kernel is tested in gpu_decode_attn.cpp. Label gpu.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/attention.h"
+#include "attention/decode_attn_generic.cuh"
+#include "attention/prefill_attn.cuh"
+#include "lfserve.h"
+#include "memory/pool.h"
+#include "tests/gpu_util.h"
+#include "test_util.h"
+
+namespace {
+
+struct DevPool {
+  lf_cuda_pool_view v{};
+  size_t slots = 0, heads = 0;
+  void init(const lf_kv_arena &a) {
+    const lf_pool_shape &s = a.shape;
+    heads = size_t(s.n_pools) * s.n_layers * s.n_kv_heads;
+    slots = heads * s.budget;
+    v.n_layers = s.n_layers;
+    v.n_kv_heads = s.n_kv_heads;
+    v.budget = s.budget;
+    v.head_dim = s.head_dim;
+    v.k = dev<uint16_t>(slots * s.head_dim);
+    v.v = dev<uint16_t>(slots * s.head_dim);
+    v.vnorm = dev<float>(slots);
+    v.pos = dev<int32_t>(slots);
+    v.n = dev<int32_t>(heads);
+    v.next = dev<int32_t>(heads);
+  }
+  void upload(const lf_kv_arena &a) {
+    const size_t D = size_t(a.shape.head_dim);
+    std::vector<uint16_t> k(slots * D), vv(slots * D);
+    for (size_t i = 0; i < slots * D; i++) {
+      k[i] = lf_f32_to_bf16(a.k[i]);
+      vv[i] = lf_f32_to_bf16(a.v[i]);
+    }
+    EXPECT_EQ(cudaMemcpy(v.k, k.data(), k.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.v, vv.data(), vv.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.vnorm, a.vnorm, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.pos, a.pos, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.n, a.n, heads * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.next, a.next, heads * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DevPool() {
+    for (void *p : {v.k, v.v, (void *)v.vnorm, (void *)v.pos, (void *)v.n, (void *)v.next})
+      cudaFree(p);
+  }
+};
+
+// The generic decode attention (steps 2-4) against lf_attn_decode_ref on identical bf16 inputs:
+// outputs within bf16 tolerance, next equal except at near-ties of the cpu scores.
+TEST(GpuKernels, DecodeAttnVsReference) {
+  NEED_GPU();
+  const uint64_t seed = lf_test_seed();
+  std::mt19937_64 r(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  int near_ties = 0, cases = 0;
+  for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_STREAMING, LF_POLICY_FULL})
+    for (int D : {8, 32, 64})
+      for (int G : {1, 4})
+        for (int B : {16, 100})
+          for (int fill : {0, 1}) { // partly filled, full
+            const int hkv = 2, hq = hkv * G, P = 3, NS = 2;
+            if (pol == LF_POLICY_FULL && fill) continue;
+            lf_pool_shape ps{P, 1, hkv, B, D};
+            lf_kv_arena a;
+            ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
+            std::vector<int32_t> pools = {2, 0};
+            const int n_before = fill ? B : B / 2;
+            for (int pl : pools)
+              for (int g = 0; g < hkv; g++) {
+                lf_kv_head h = lf_kv_arena_head(&a, pl, 0, g);
+                for (int i = 0; i < n_before; i++) {
+                  double l1 = 0;
+                  for (int d = 0; d < D; d++) {
+                    h.k[size_t(i) * D + d] = bfr(nd(r));
+                    h.v[size_t(i) * D + d] = bfr(nd(r));
+                    l1 += std::fabs(double(h.v[size_t(i) * D + d]));
+                  }
+                  h.vnorm[i] = float(l1);
+                  h.pos[i] = i;
+                }
+                *h.n = n_before;
+                *h.next = fill ? 4 + int(r() % uint64_t(B - 4)) : -1;
+              }
+            // new tokens: written on the host (step 1) into a copy uploaded to the device
+            std::vector<float> q(static_cast<size_t>(NS) * hq * D), kn(static_cast<size_t>(NS) * hkv * D), vn(kn.size());
+            for (auto &x : q) x = bfr(nd(r));
+            for (auto &x : kn) x = bfr(nd(r));
+            for (auto &x : vn) x = bfr(nd(r));
+            lf_kv_arena after;
+            ASSERT_EQ(lf_kv_arena_init(&after, &ps), LF_OK);
+            const size_t slots = size_t(P) * hkv * B;
+            std::copy(a.k, a.k + slots * D, after.k);
+            std::copy(a.v, a.v + slots * D, after.v);
+            std::copy(a.vnorm, a.vnorm + slots, after.vnorm);
+            std::copy(a.pos, a.pos + slots, after.pos);
+            std::copy(a.n, a.n + size_t(P) * hkv, after.n);
+            std::copy(a.next, a.next + size_t(P) * hkv, after.next);
+            std::vector<int32_t> w(static_cast<size_t>(NS) * hkv);
+            for (int s2 = 0; s2 < NS; s2++)
+              for (int g = 0; g < hkv; g++) {
+                lf_kv_head h = lf_kv_arena_head(&after, pools[size_t(s2)], 0, g);
+                const int ws = lf_kv_write_slot(&h);
+                w[size_t(s2) * hkv + g] = ws;
+                double l1 = 0;
+                for (int d = 0; d < D; d++) {
+                  h.k[size_t(ws) * D + d] = kn[(static_cast<size_t>(s2) * hkv + g) * D + d];
+                  h.v[size_t(ws) * D + d] = vn[(static_cast<size_t>(s2) * hkv + g) * D + d];
+                  l1 += std::fabs(double(vn[(static_cast<size_t>(s2) * hkv + g) * D + d]));
+                }
+                h.vnorm[ws] = float(l1);
+                h.pos[ws] = 1000 + s2;
+                if (*h.n < B) (*h.n)++;
+              }
+            DevPool dp;
+            dp.init(after);
+            dp.upload(after);
+            CK(cudaMemset(dp.v.next, 0x7f, dp.heads * 4)); // poison
+            std::vector<uint16_t> qb(q.size());
+            for (size_t i = 0; i < q.size(); i++) qb[i] = lf_f32_to_bf16(q[i]);
+            uint16_t *dq = dev<uint16_t>(q.size()), *dout = dev<uint16_t>(q.size());
+            int32_t *dpools = dev<int32_t>(NS), *dw = dev<int32_t>(w.size());
+            float *scr = dev<float>(lf_cuda_decode_attn_simple_scratch(NS, hq, B));
+            CK(cudaMemcpy(dq, qb.data(), qb.size() * 2, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(dpools, pools.data(), NS * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemset(dout, 0xff, q.size() * 2));
+            const float scale = 1.0f / std::sqrt(float(D));
+            ASSERT_EQ(lf_cuda_decode_attn_simple(&dp.v, 0, NS, dpools, dw, hq, dq, scale, 4, pol,
+                                                 dout, scr, nullptr),
+                      LF_OK)
+                << lf_last_error();
+            std::vector<uint16_t> out(q.size());
+            std::vector<int32_t> next(dp.heads);
+            CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
+            lf_attn_params ap{pol, 4, 32, 32, G, D, scale, LF_EVICT_HEAD};
+            for (int s2 = 0; s2 < NS; s2++)
+              for (int g = 0; g < hkv; g++) {
+                lf_kv_head h = lf_kv_arena_head(&a, pools[size_t(s2)], 0, g);
+                std::vector<float> ref(static_cast<size_t>(G) * D), sc(static_cast<size_t>(B));
+                int ev = 0;
+                ASSERT_EQ(lf_attn_decode_ref(&ap, &h, &q[(static_cast<size_t>(s2) * hq + size_t(g) * G) * D],
+                                             &kn[(static_cast<size_t>(s2) * hkv + g) * D],
+                                             &vn[(static_cast<size_t>(s2) * hkv + g) * D], 1000 + s2,
+                                             ref.data(), &ev, sc.data()),
+                          LF_OK);
+                for (int i = 0; i < G * D; i++) {
+                  const float gv = bf(out[(static_cast<size_t>(s2) * hq + size_t(g) * G) * D + i]);
+                  ASSERT_NEAR(gv, ref[size_t(i)], 1e-2f * std::fabs(ref[size_t(i)]) + 2e-3f)
+                      << "D " << D << " G " << G << " B " << B << " seed " << seed;
+                }
+                const size_t hi = size_t(pools[size_t(s2)]) * hkv + g;
+                const int got = next[hi], want = *h.next;
+                cases++;
+                if (got != want) {
+                  ASSERT_TRUE(pol == LF_POLICY_LONGFLOW && got >= 4 && got < *h.n &&
+                              got != w[size_t(s2) * hkv + g])
+                      << "next " << got << " vs " << want << " policy " << pol << " seed " << seed;
+                  const float d = std::fabs(sc[size_t(got)] - sc[size_t(want)]);
+                  ASSERT_LE(d, 1e-4f * sc[size_t(want)] + 1e-9f)
+                      << "next " << got << " vs " << want << ": not a near-tie, seed " << seed;
+                  near_ties++;
+                }
+              }
+            cudaFree(dq);
+            cudaFree(dout);
+            cudaFree(dpools);
+            cudaFree(dw);
+            cudaFree(scr);
+            lf_kv_arena_free(&a);
+            lf_kv_arena_free(&after);
+          }
+  printf("decode attention: %d (sequence, head) choices, %d near-tie differences\n", cases,
+         near_ties);
+}
+
+// Prefill attention + pool write (append, and SnapKV compression of an empty pool) against
+// lf_attn_prefill_ref on identical bf16 inputs.
+TEST(GpuKernels, PrefillVsReference) {
+  NEED_GPU();
+  const uint64_t seed = lf_test_seed();
+  std::mt19937_64 r(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  struct Case {
+    int D, G, B, T1, T2; // T2 > 0: a second chunk appended after T1
+  };
+  for (Case c : {Case{32, 4, 64, 100, 0}, Case{8, 2, 48, 47, 0}, Case{64, 1, 40, 300, 0},
+                 Case{16, 4, 64, 20, 30}, Case{32, 2, 600, 500, 0}}) {
+    const int hkv = 2, hq = hkv * c.G, D = c.D, B = c.B;
+    lf_pool_shape ps{1, 1, hkv, B, D};
+    lf_kv_arena a;
+    ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
+    int pool = -1;
+    ASSERT_EQ(lf_kv_arena_take(&a, &pool), LF_OK);
+    DevPool dp;
+    dp.init(a);
+    dp.upload(a);
+    lf_attn_params ap{LF_POLICY_LONGFLOW, 4, 32, 32, c.G, D, 1.0f / std::sqrt(float(D)),
+                     LF_EVICT_HEAD};
+    int32_t pos0 = 0;
+    for (int T : {c.T1, c.T2}) {
+      if (T == 0) continue;
+      const int n0 = *lf_kv_arena_head(&a, 0, 0, 0).n;
+      std::vector<float> q(static_cast<size_t>(T) * hq * D), k(static_cast<size_t>(T) * hkv * D), v(k.size());
+      for (auto &x : q) x = bfr(nd(r));
+      for (auto &x : k) x = bfr(nd(r));
+      for (auto &x : v) x = bfr(nd(r));
+      std::vector<float> ref(q.size());
+      for (int g = 0; g < hkv; g++) {
+        lf_kv_head h = lf_kv_arena_head(&a, 0, 0, g);
+        ASSERT_EQ(lf_attn_prefill_ref(&ap, &h, T, pos0, &q[size_t(g) * c.G * D], size_t(hq) * D,
+                                      &k[size_t(g) * D], &v[size_t(g) * D], size_t(hkv) * D,
+                                      &ref[size_t(g) * c.G * D], size_t(hq) * D, nullptr),
+                  LF_OK);
+      }
+      auto up = [&](const std::vector<float> &x) {
+        std::vector<uint16_t> b(x.size());
+        for (size_t i = 0; i < x.size(); i++) b[i] = lf_f32_to_bf16(x[i]);
+        uint16_t *d = dev<uint16_t>(b.size());
+        EXPECT_EQ(cudaMemcpy(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        return d;
+      };
+      uint16_t *dq = up(q), *dk = up(k), *dv = up(v), *dout = dev<uint16_t>(q.size());
+      float *ml = dev<float>(static_cast<size_t>(T) * hq * 2), *snap = dev<float>(static_cast<size_t>(hkv) * 2 * T);
+      int32_t *slot_of = dev<int32_t>(static_cast<size_t>(hkv) * T);
+      CK(cudaMemset(dout, 0xff, q.size() * 2));
+      const bool compress = n0 == 0 && T > B - 1;
+      ASSERT_EQ(lf_cuda_prefill_attn(&dp.v, 0, 0, n0, hq, T, dq, dk, dv, ap.scale, dout,
+                                     compress ? ml : nullptr, nullptr),
+                LF_OK);
+      if (compress) {
+        const int w_eff = std::max(0, std::min(32, B - 1 - 4));
+        ASSERT_EQ(lf_cuda_snapkv_select(hq, hkv, D, T, B, 4, w_eff, dq, dk, ml, ap.scale, snap,
+                                        slot_of, nullptr),
+                  LF_OK);
+        ASSERT_EQ(lf_cuda_kv_store(&dp.v, 0, 0, T, pos0, dk, dv, slot_of, 0, B - 1, nullptr), LF_OK);
+      } else {
+        ASSERT_EQ(lf_cuda_kv_store(&dp.v, 0, 0, T, pos0, dk, dv, nullptr, n0, n0 + T, nullptr),
+                  LF_OK);
+      }
+      std::vector<uint16_t> out(q.size()), pk(dp.slots * D);
+      std::vector<int32_t> ppos(dp.slots), pn(dp.heads), pnext(dp.heads);
+      CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(pk.data(), dp.v.k, pk.size() * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(ppos.data(), dp.v.pos, dp.slots * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(pn.data(), dp.v.n, dp.heads * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(pnext.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < q.size(); i++)
+        ASSERT_NEAR(bf(out[i]), ref[i], 1e-2f * std::fabs(ref[i]) + 3e-3f)
+            << "case D " << D << " B " << B << " T " << T << " i " << i << " seed " << seed;
+      for (int g = 0; g < hkv; g++) {
+        lf_kv_head h = lf_kv_arena_head(&a, 0, 0, g);
+        ASSERT_EQ(pn[size_t(g)], *h.n);
+        ASSERT_EQ(pnext[size_t(g)], *h.next);
+        for (int i = 0; i < *h.n; i++) {
+          ASSERT_EQ(ppos[size_t(g) * B + i], h.pos[i]) << "slot " << i << " head " << g
+                                                       << " B " << B << " T " << T << " seed "
+                                                       << seed;
+          for (int d = 0; d < D; d++)
+            ASSERT_EQ(bf(pk[(static_cast<size_t>(g) * B + i) * D + d]), h.k[size_t(i) * D + d]);
+        }
+      }
+      pos0 += T;
+      for (void *p : {(void *)dq, (void *)dk, (void *)dv, (void *)dout, (void *)ml, (void *)snap,
+                      (void *)slot_of})
+        cudaFree(p);
+    }
+    lf_kv_arena_free(&a);
+  }
+}
+
+} // namespace
