@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 
 static int policy_evicts(lf_policy p) {
   return p != LF_POLICY_FULL;

@@ -9,7 +9,7 @@
 
 #include <cuda_runtime.h>
 
-#include "engine/error.h"
+#include "base/error.h"
 
 #define LF_CUDA_CHECK(stmt)                                                                        \
   do {                                                                                             \

@@ -20,7 +20,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/clock.h"
+#include "base/clock.h"
 #include "lfserve.h"
 
 #include "parallel/comm.h"

@@ -31,11 +31,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/clock.h"
+#include "base/clock.h"
 #include "engine/backend.h"
-#include "engine/json.h"
+#include "text/json.h"
 #include "engine/model.h"
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 #include "lfserve.h"
 
 int bench_eval(int argc, char **argv);

@@ -30,7 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine/clock.h"
+#include "base/clock.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "lfserve.h"

@@ -17,7 +17,7 @@
  *
  * --tp (under mpirun -np T, one GPU per rank, NCCL): every rank creates its shard of the backend
  * (lf_backend_params.comm); rank 0 drives through the tensor-parallel lead wrapper
- * (parallel/tp.h: one descriptor broadcast per step, as the engine does) and the others follow.
+ * (engine/tp.h: one descriptor broadcast per step, as the engine does) and the others follow.
  * The step time is then rank 0's host clock around the wrapper's forward, descriptor included;
  * the floor is per GPU: (weights + KV) / T.
  */
@@ -28,7 +28,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/clock.h"
+#include "base/clock.h"
 #include "lfserve.h"
 
 #if defined(LF_HAVE_CUDA) && defined(LF_HAVE_CUDA_BACKEND)
@@ -38,7 +38,7 @@
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "parallel/comm.h"
-#include "parallel/tp.h"
+#include "engine/tp.h"
 #ifdef LF_HAVE_MPI
 #include <mpi.h>
 #endif

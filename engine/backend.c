@@ -1,6 +1,6 @@
 #include "backend.h"
 
-#include "error.h"
+#include "base/error.h"
 
 lf_backend_kind lf_backend_resolve(lf_backend_kind which) {
   if (which != LF_BACKEND_AUTO) return which;

@@ -49,7 +49,7 @@ typedef struct lf_backend_params {
   int no_graphs;   /* cuda: 1 runs the decode step without CUDA graphs (tests, benchmarks) */
   /* Tensor parallelism: NULL or a single rank runs the whole model. With T > 1 ranks the
    * backend holds this rank's shard (parallel/shard.h) and its forward calls collectives, so
-   * every rank must call forward with the same items (parallel/tp.h keeps them in step);
+   * every rank must call forward with the same items (engine/tp.h keeps them in step);
    * results (tokens, statuses, logits) are the same on every rank. cpu: any communicator;
    * cuda: a device one (NCCL, comm->device). */
   lf_comm_t comm;

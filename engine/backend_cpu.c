@@ -6,10 +6,10 @@
 
 #include "attention/attention.h"
 #include "backend.h"
-#include "error.h"
+#include "base/error.h"
 #include "forward.h"
 #include "memory/pool.h"
-#include "parallel/tp.h"
+#include "engine/tp.h"
 #include "sample.h"
 
 typedef struct cpu_backend {
@@ -141,7 +141,7 @@ static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int 
      * other (scope head; scope layer is single-rank), so this rank's count times
      * Hkv / (KV heads held here) is the model's total, also when KV heads are replicated. */
     r->evictions *= (uint64_t)(c->ck->cfg.n_kv_heads / sh->n_kv);
-    /* Only failures every rank meets alike may stay per-item (see parallel/tp.h). */
+    /* Only failures every rank meets alike may stay per-item (see engine/tp.h). */
     if (r->status != LF_OK && r->status != LF_ERR_CONTEXT_FULL && r->status != LF_ERR_INVALID_ARG)
       return r->status;
     if (r->status != LF_OK) memset(li, 0, sizeof(float) * nv);

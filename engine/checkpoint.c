@@ -7,7 +7,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "model.h"
 
 lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out) {

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 
 void lf_rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
   float ss = 0.0f;

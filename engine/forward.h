@@ -8,7 +8,7 @@
  * this rank's slices; the embedding lookup is vocab-parallel (rows this rank owns, zeros
  * elsewhere, all-reduce: exact), attention runs on this rank's KV heads and pools only (eviction
  * is local), and the partial O-proj and down outputs are all-reduced: 2 per layer + 1. The LM
- * head gives this rank's vocabulary slice; the backend gathers (parallel/tp.h).
+ * head gives this rank's vocabulary slice; the backend gathers (engine/tp.h).
  *
  * Eviction scope (ap.scope): the attention step is lf_attn_decode_layer_ref /
  * lf_attn_prefill_layer_ref, called per KV head for LF_EVICT_HEAD (with one head they are

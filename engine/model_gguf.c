@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "gguf.h"
 #include "model.h"
 #include "quant.h"

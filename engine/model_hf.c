@@ -15,8 +15,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "error.h"
-#include "json.h"
+#include "base/error.h"
+#include "text/json.h"
 #include "model.h"
 
 /* config.json and the shard index are small; anything bigger is not what we think it is. */

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "model.h"
 
 #define LLAMA2C_HEADER_BYTES 28

@@ -1,7 +1,7 @@
 /* A model's tokenizer and chat template from a HF directory or a GGUF file (model_text.h). */
 #define _POSIX_C_SOURCE 200809L
 
-#include "model_text.h"
+#include "engine/model_text.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,7 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "gguf.h"
 #include "tensor.h"
 

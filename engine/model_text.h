@@ -10,7 +10,7 @@
 #define LF_MODEL_TEXT_H
 
 #include "lfserve.h"
-#include "tokenizer.h"
+#include "text/tokenizer.h"
 
 #ifdef __cplusplus
 extern "C" {

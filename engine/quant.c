@@ -9,7 +9,7 @@
 
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "tensor.h"
 
 #define QK_K 256

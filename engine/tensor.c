@@ -12,9 +12,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "gguf.h"
-#include "json.h"
+#include "text/json.h"
 #include "quant.h"
 
 /* Checkpoint files are little-endian and read by memcpy of their bytes. */
@@ -97,45 +97,6 @@ size_t lf_dtype_row_bytes(lf_dtype t, int64_t ncols) {
   return (size_t)b;
 }
 
-static float bits_to_f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static uint32_t f32_to_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-float lf_bf16_to_f32(uint16_t h) {
-  return bits_to_f32((uint32_t)h << 16);
-}
-
-uint16_t lf_f32_to_bf16(float f) {
-  uint32_t u = f32_to_bits(f);
-  /* Rounding a NaN's mantissa could carry it into infinity; keep it a (quiet) NaN instead. */
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)(u >> 16 | 0x0040u);
-  /* Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit. Overflow of the
-   * largest finite values correctly rounds to infinity. */
-  u += 0x7FFFu + (u >> 16 & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-float lf_f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = h >> 10 & 0x1Fu;
-  uint32_t man = h & 0x3FFu;
-  if (exp == 0x1F) return bits_to_f32(sign | 0x7F800000u | man << 13); /* inf, nan (payload kept) */
-  if (exp == 0) {
-    if (man == 0) return bits_to_f32(sign); /* +-0 */
-    /* Subnormal: man * 2^-24, exact in fp32. */
-    float v = (float)man * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  return bits_to_f32(sign | (exp + 112) << 23 | man << 13); /* rebias 15 -> 127 */
-}
 
 void lf_tensor_set_free(lf_tensor_set *s) {
   if (!s) return;

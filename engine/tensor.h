@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/bf16.h"
 #include "lfserve.h"
 
 #ifdef __cplusplus
@@ -87,9 +88,6 @@ int64_t lf_tensor_numel(const lf_tensor_src *t);
 lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
                              int64_t ncols, float *dst);
 
-float lf_bf16_to_f32(uint16_t h);
-float lf_f16_to_f32(uint16_t h);
-uint16_t lf_f32_to_bf16(float f); /* round to nearest even */
 
 /* Parses one .safetensors file into the set (tensors named as in the file). */
 lf_status lf_safetensors_load(lf_tensor_set *s, const char *path);

@@ -9,10 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 #include "model.h"
 #include "parallel/shard.h"
-#include "random_weights.h"
+#include "kernels/random_weights.h"
 
 /* Where the checkpoint lives, for messages: the file, or the directory of the shards. */
 static void wt_where(const lf_checkpoint *ck, char *buf, size_t cap) {

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/json.h"
+#include "text/json.h"
 #include "launch/http_json.h"
 #include "launch/http_request.h"
 

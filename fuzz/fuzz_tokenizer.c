@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/json.h"
-#include "engine/tokenizer.h"
+#include "text/json.h"
+#include "text/tokenizer.h"
 
 static lf_tokenizer *toks[2];
 

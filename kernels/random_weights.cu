@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "base/cuda_check.h"
-#include "engine/random_weights.h"
+#include "kernels/random_weights.h"
 
 static __global__ void random_bf16_kernel(__nv_bfloat16 *dst, size_t n, uint64_t seed,
                                           uint32_t tensor, float scale, uint64_t index0) {

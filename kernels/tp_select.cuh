@@ -1,7 +1,7 @@
 /* Token selection on the device under tensor parallelism, where each rank holds a vocab slice
  * of the logits (docs/DESIGN.md §4): greedy items by (max, id) pairs, sampled items with a top-k
  * by each rank's k best candidates. CPU twins: lf_argmax (engine/sample.h) over the whole
- * logits, lf_tp_topk_logits (parallel/tp.h).
+ * logits, lf_tp_topk_logits (engine/tp.h).
  * Includable from C; every pointer is device memory.
  */
 #ifndef LF_KERNELS_TP_SELECT_CUH
@@ -29,7 +29,7 @@ lf_status lf_cuda_argmax_pairs(const float *logits, int n_vocab, int n, int id0,
 lf_status lf_cuda_tp_pick(const int32_t *all, int n_ranks, int n, int32_t *tokens,
                           struct CUstream_st *stream);
 
-/* Tensor parallelism, sampled items with a top-k (parallel/tp.h lf_tp_topk_logits, on the
+/* Tensor parallelism, sampled items with a top-k (engine/tp.h lf_tp_topk_logits, on the
  * device). lf_cuda_topk_pairs: for item i < n of this rank's slice [n][n_vocab] (global ids
  * id0 ..), pairs [n][kmax][2] get the (bits, global id) of its k largest logits, ties by lower
  * id, in no particular order, then (-inf, -1) up to kmax; k = 1 where params[i].temperature <= 0,

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/utf8.h"
+#include "text/utf8.h"
 
 void lfs_buf_free(lfs_buf *b) {
   free(b->data);

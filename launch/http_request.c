@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/utf8.h"
+#include "text/utf8.h"
 
 #define LFS_JSON_MAX_DEPTH 64
 

@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 #include "launch/http_stop.h"
 #include "lfserve.h"
 

@@ -15,9 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine/clock.h"
+#include "base/clock.h"
 #include "engine/model_text.h"
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 #include "launch/tp_launch.h"
 #include "lfserve.h"
 

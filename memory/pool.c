@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 
 /* a * b into *out; 0 on overflow of size_t. */
 static int mul_size(size_t a, size_t b, size_t *out) {

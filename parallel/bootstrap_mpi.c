@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "comm.h"
-#include "engine/error.h"
+#include "base/error.h"
 
 lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
   if (!out) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_nccl_mpi: NULL argument");

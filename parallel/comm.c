@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/error.h"
+#include "base/error.h"
 
 size_t lf_comm_dtype_size(lf_comm_dtype t) {
   switch (t) {

@@ -8,9 +8,9 @@
 #include <time.h>
 
 #include "comm.h"
-#include "engine/clock.h"
-#include "engine/error.h"
-#include "engine/tensor.h"
+#include "base/clock.h"
+#include "base/error.h"
+#include "base/bf16.h"
 
 typedef struct mpi_impl {
   MPI_Comm comm;

@@ -44,8 +44,8 @@
 #include "ar_ipc.h"
 #include "base/tuning.h"
 #include "comm.h"
-#include "engine/clock.h"
-#include "engine/error.h"
+#include "base/clock.h"
+#include "base/error.h"
 
 _Static_assert(sizeof(ncclUniqueId) == LF_NCCL_ID_BYTES, "ncclUniqueId size");
 _Static_assert(LF_NCCL_ID_BYTES == LF_NCCL_UNIQUE_ID_BYTES, "public id size");

@@ -2,7 +2,7 @@
 
 #include <string.h>
 
-#include "engine/error.h"
+#include "base/error.h"
 
 lf_status lf_shard_plan(int rank, int size, int n_heads, int n_kv_heads, int hidden_dim,
                         int vocab_size, lf_shard *out) {

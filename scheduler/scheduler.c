@@ -15,9 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "clock.h"
-#include "error.h"
-#include "sample.h"
+#include "base/clock.h"
+#include "base/error.h"
+#include "engine/sample.h"
 
 typedef struct lf_sreq lf_sreq;
 struct lf_sreq {

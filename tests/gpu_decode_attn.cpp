@@ -27,7 +27,7 @@
 #include "attention/attention.h"
 #include "attention/decode_attn.cuh"
 #include "attention/kv_write.cuh"
-#include "error.h"
+#include "base/error.h"
 #include "memory/pool.h"
 #include "tests/test_util.h"
 

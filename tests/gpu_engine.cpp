@@ -24,7 +24,7 @@
 #include "engine/backend.h"
 #include "engine/forward.h"
 #include "engine/model.h"
-#include "engine/random_weights.h"
+#include "kernels/random_weights.h"
 #include "engine/sample.h"
 #include "lfserve.h"
 #include "memory/pool.h"

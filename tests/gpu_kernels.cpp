@@ -1,5 +1,5 @@
 // The CUDA kernels of kernels/ and the KV slot write (attention/kv_write.cuh) against their CPU
-// twins (engine/forward.h, engine/sample.h, engine/random_weights.h, parallel/tp.h, or a plain
+// twins (engine/forward.h, engine/sample.h, kernels/random_weights.h, engine/tp.h, or a plain
 // host loop) on fresh random inputs with poisoned outputs: exact where the arithmetic is exact,
 // else within a stated tolerance. The attention kernels are in gpu_attention.cpp and
 // gpu_decode_attn.cpp. Label gpu: needs a CUDA device (skips without one).
@@ -17,7 +17,7 @@
 #include "attention/kv_write.cuh"
 #include "engine/forward.h"
 #include "engine/model.h"
-#include "engine/random_weights.h"
+#include "kernels/random_weights.h"
 #include "engine/sample.h"
 #include "kernels/embed.cuh"
 #include "kernels/gemv.cuh"

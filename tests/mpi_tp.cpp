@@ -23,7 +23,7 @@
 #include "fidelity_util.h"
 #include "parallel/comm.h"
 #include "parallel/shard.h"
-#include "parallel/tp.h"
+#include "engine/tp.h"
 #include "test_util.h"
 #include "tp_test_util.h"
 

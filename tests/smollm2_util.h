@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "engine/backend.h"
-#include "engine/json.h"
+#include "text/json.h"
 #include "engine/model.h"
 #include "lfserve.h"
 #include "test_util.h"

@@ -16,7 +16,7 @@
 
 #include <unistd.h>
 
-#include "engine/error.h"
+#include "base/error.h"
 #include "gguf.h"
 #include "quant.h"
 #include "tensor.h"

@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/json.h"
+#include "text/json.h"
 #include "engine/model.h"
 #include "engine/model_text.h"
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 #include "engine_test_util.h"
 #include "test_util.h"
 

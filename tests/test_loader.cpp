@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "json.h"
+#include "text/json.h"
 #include "model.h"
 #include "tensor.h"
 #include "tests/test_util.h"

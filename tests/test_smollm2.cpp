@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "engine/model_text.h"
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 #include "smollm2_util.h"
 
 namespace {

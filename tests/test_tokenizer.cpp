@@ -13,8 +13,8 @@
 #include <vector>
 
 extern "C" {
-#include "engine/json.h"
-#include "engine/tokenizer.h"
+#include "text/json.h"
+#include "text/tokenizer.h"
 }
 #include "tests/test_util.h"
 

@@ -42,7 +42,7 @@
 #include "attention/attention.h"
 #include "base/cuda_check.h"
 #include "engine/backend.h"
-#include "engine/error.h"
+#include "base/error.h"
 #include "kernels/sample.cuh"
 #include "memory/pool.h"
 #include "parallel/comm.h"

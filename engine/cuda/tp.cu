@@ -5,7 +5,7 @@
 #include "kernels/rmsnorm.cuh"
 #include "kernels/tp_select.cuh"
 #include "parallel/ar_ipc.h"
-#include "parallel/tp.h"
+#include "engine/tp.h"
 
 /*
  * With a communicator of T > 1 ranks (lf_backend_params.comm, an NCCL one: comm->device), this
@@ -44,7 +44,7 @@
  *   - CUDA graphs: NCCL collectives and the IPC kernels can be captured (NCCL >= 2.9), and the
  *     capture happens at the same step on every rank (a batch size's second run). On under TP
  *     too (LF_CUDA_GRAPHS_TP=0 turns them off there): faster at batch 1 on 2 x H200.
- * Which collectives run depends only on the items (the same on every rank: parallel/tp.h) and
+ * Which collectives run depends only on the items (the same on every rank: engine/tp.h) and
  * on logits being wanted, so the ranks' NCCL calls always pair up. */
 
 /* x[rows][dim] summed over the ranks, in place on the stream (nothing waits). */
@@ -101,7 +101,7 @@ lf_status cb_res_norm(cuda_backend *c, int rows, int slot, const float *w, void 
 
 /* Under TP, sampled batches: the largest top-k when every item is greedy (k 1) or samples with
  * 1 <= top_k <= LF_TP_TOPK_MAX, so each rank sends its k best pairs instead of its whole slice
- * (parallel/tp.h lf_tp_topk_logits does the same on CPU ranks); 0: gather the slices. Depends
+ * (engine/tp.h lf_tp_topk_logits does the same on CPU ranks); 0: gather the slices. Depends
  * only on the items, the same on every rank. */
 static int tp_topk_kmax(const cuda_backend *c, const lf_batch_item *items,
                         const lf_batch_result *res, int n, int logits_wanted) {

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 
 #include "engine/cuda/cuda_backend.h"
-#include "engine/random_weights.h"
+#include "kernels/random_weights.h"
 #include "kernels/random_weights.cuh"
 
 /* The tensor must exist with shape [rows][cols] (cols 0: a vector [rows]). */

@@ -1,4 +1,4 @@
-#include "json.h"
+#include "text/json.h"
 
 #include <locale.h>
 #include <math.h>
@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "utf8.h"
+#include "base/error.h"
+#include "text/utf8.h"
 
 typedef struct json_parser {
   const unsigned char *s; /* [len] */

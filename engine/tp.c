@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/error.h"
+#include "base/error.h"
 
 /* ---- vocab-parallel token choice ------------------------------------------------------------ */
 

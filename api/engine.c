@@ -6,17 +6,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "error.h"
+#include "engine/backend.h"
+#include "base/error.h"
 #include "memory/pool.h"
-#include "model.h"
+#include "engine/model.h"
 #include "parallel/comm.h"
 #include "parallel/shard.h"
-#include "parallel/tp.h"
+#include "engine/tp.h"
 #include "scheduler/scheduler.h"
 
 /* Tensor parallel: every rank holds a backend over its shard; rank 0 alone has the scheduler,
- * over a wrapper that broadcasts each step (parallel/tp.h); the others sit in lf_engine_follow. */
+ * over a wrapper that broadcasts each step (engine/tp.h); the others sit in lf_engine_follow. */
 struct lf_engine {
   lf_engine_config cfg;
   lf_checkpoint ck;

@@ -11,9 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "json.h"
-#include "tokenizer.h"
+#include "base/error.h"
+#include "text/json.h"
+#include "text/tokenizer.h"
 
 #define R1_USER "<\xef\xbd\x9cUser\xef\xbd\x9c>"
 #define R1_ASSISTANT                                                                               \

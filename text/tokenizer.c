@@ -10,16 +10,16 @@
  * space), so the batch and the stream decoders share one per-token path and differ only in
  * when they may emit a character.
  */
-#include "tokenizer.h"
+#include "text/tokenizer.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "json.h"
-#include "tokenizer_unicode.h"
+#include "base/error.h"
+#include "text/json.h"
+#include "text/tokenizer_unicode.h"
 
 #ifdef LF_HAVE_PCRE2
 #define PCRE2_CODE_UNIT_WIDTH 8
