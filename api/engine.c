@@ -26,48 +26,52 @@ struct lf_engine {
   lf_comm_t comm;  /* NULL on a single rank */
 };
 
-const char *lf_policy_str(lf_policy p) {
-  switch (p) {
-  case LF_POLICY_LONGFLOW:
-    return "longflow";
-  case LF_POLICY_FULL:
-    return "full";
-  case LF_POLICY_STREAMING:
-    return "streaming";
-  case LF_POLICY_H2O:
-    return "h2o";
-  }
-  return "unknown";
+/* Names of the public enums, indexed by value. */
+static const char *const POLICY_NAMES[] = {"longflow", "full", "streaming", "h2o"};
+static const char *const BACKEND_NAMES[] = {"auto", "cpu", "cuda"};
+static const char *const FINISH_NAMES[LF_FINISH_COUNT] = {
+    "none", "eos", "length", "cancelled", "error", "stop_id", "stop_sequence"};
+#define N_NAMES(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+static const char *name_of(const char *const *names, int n, int v) {
+  return v >= 0 && v < n ? names[v] : "unknown";
 }
 
+/* The index of s in names[0..n), or an LF_ERR_INVALID_ARG naming the choices (-1). */
+static int name_parse(const char *const *names, int n, const char *what, const char *s) {
+  char choices[128] = "";
+  size_t used = 0;
+  for (int i = 0; i < n; i++) {
+    if (s && strcmp(s, names[i]) == 0) return i;
+    used += (size_t)snprintf(choices + used, sizeof choices - used, "%s%s", i ? ", " : "",
+                             names[i]);
+  }
+  lf_error(LF_ERR_INVALID_ARG, "unknown %s '%s' (%s)", what, s ? s : "(null)", choices);
+  return -1;
+}
+
+const char *lf_policy_str(lf_policy p) { return name_of(POLICY_NAMES, N_NAMES(POLICY_NAMES), p); }
+
 lf_status lf_policy_parse(const char *s, lf_policy *out) {
-  static const lf_policy all[] = {LF_POLICY_LONGFLOW, LF_POLICY_FULL, LF_POLICY_STREAMING,
-                                  LF_POLICY_H2O};
-  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-    if (s && strcmp(s, lf_policy_str(all[i])) == 0) {
-      *out = all[i];
-      return LF_OK;
-    }
-  return lf_error(LF_ERR_INVALID_ARG, "unknown policy '%s' (longflow, full, streaming, h2o)",
-                  s ? s : "(null)");
+  const int i = name_parse(POLICY_NAMES, N_NAMES(POLICY_NAMES), "policy", s);
+  if (i < 0) return LF_ERR_INVALID_ARG;
+  *out = (lf_policy)i;
+  return LF_OK;
+}
+
+const char *lf_backend_str(lf_backend_kind b) {
+  return name_of(BACKEND_NAMES, N_NAMES(BACKEND_NAMES), b);
+}
+
+lf_status lf_backend_parse(const char *s, lf_backend_kind *out) {
+  const int i = name_parse(BACKEND_NAMES, N_NAMES(BACKEND_NAMES), "backend", s);
+  if (i < 0) return LF_ERR_INVALID_ARG;
+  *out = (lf_backend_kind)i;
+  return LF_OK;
 }
 
 const char *lf_finish_reason_str(lf_finish_reason r) {
-  switch (r) {
-  case LF_FINISH_NONE:
-    return "none";
-  case LF_FINISH_EOS:
-    return "stop";
-  case LF_FINISH_LENGTH:
-    return "length";
-  case LF_FINISH_CANCELLED:
-    return "cancelled";
-  case LF_FINISH_ERROR:
-    return "error";
-  case LF_FINISH_STOP:
-    return "stop_sequence";
-  }
-  return "unknown";
+  return name_of(FINISH_NAMES, LF_FINISH_COUNT, r);
 }
 
 void lf_engine_config_default(lf_engine_config *cfg) {

@@ -48,6 +48,12 @@ typedef enum lf_backend_kind {
   LF_BACKEND_CUDA,
 } lf_backend_kind;
 
+/* "auto", "cpu", "cuda" ("unknown" for a value outside the enum). */
+const char *lf_backend_str(lf_backend_kind b);
+/* Parses "auto", "cpu", "cuda"; LF_ERR_INVALID_ARG (lf_last_error names the choices) otherwise,
+ * *out unchanged. */
+lf_status lf_backend_parse(const char *s, lf_backend_kind *out);
+
 /* What happens when a pool is full. docs/DESIGN.md §3. */
 typedef enum lf_policy {
   LF_POLICY_LONGFLOW = 0, /* overwrite the slot with least ||alpha*v||_1 (per KV head) */
@@ -141,10 +147,10 @@ typedef struct lf_request {
   const int32_t *stop_ids; /* extra single ids that end generation (copied); may be NULL */
   int n_stop_ids;
   /* Stop sequences (copied; may be NULL). A generated token that could begin one of them is
-   * held back until the sequence either completes (the request finishes with LF_FINISH_STOP and
-   * the sequence's tokens are never emitted) or breaks (the held tokens are emitted). Held tokens
-   * are also emitted when the request ends for any other reason. Matching looks at generated
-   * tokens only, not the prompt. */
+   * held back until the sequence either completes (the request finishes with
+   * LF_FINISH_STOP_SEQUENCE and the sequence's tokens are never emitted) or breaks (the held
+   * tokens are emitted). Held tokens are also emitted when the request ends for any other
+   * reason. Matching looks at generated tokens only, not the prompt. */
   const lf_stop_seq *stop_seqs;
   int n_stop_seqs;
 } lf_request;
@@ -154,13 +160,19 @@ typedef enum lf_event_type {
   LF_EVENT_FINISH,    /* the request ended; finish_reason says why */
 } lf_event_type;
 
+/* Why a request ended. lf_finish_reason_str gives the name in brackets. */
 typedef enum lf_finish_reason {
-  LF_FINISH_NONE = 0,
-  LF_FINISH_EOS,        /* the model produced one of its end-of-sequence ids (not emitted) */
-  LF_FINISH_LENGTH,     /* max_tokens reached, or the model's context */
-  LF_FINISH_CANCELLED,  /* lf_engine_cancel */
-  LF_FINISH_ERROR,      /* status says what went wrong (e.g. LF_ERR_CONTEXT_FULL) */
-  LF_FINISH_STOP,       /* a stop id or stop sequence was generated (not emitted) */
+  LF_FINISH_NONE = 0,       /* "none": not finished */
+  LF_FINISH_EOS,            /* "eos": the model produced one of its end-of-sequence ids (not
+                               emitted) */
+  LF_FINISH_LENGTH,         /* "length": max_tokens reached (capped by the model's context) */
+  LF_FINISH_CANCELLED,      /* "cancelled": lf_engine_cancel */
+  LF_FINISH_ERROR,          /* "error": status says what went wrong (e.g. LF_ERR_CONTEXT_FULL) */
+  LF_FINISH_STOP_ID,        /* "stop_id": one of lf_request.stop_ids was generated (not
+                               emitted) */
+  LF_FINISH_STOP_SEQUENCE,  /* "stop_sequence": one of lf_request.stop_seqs was generated (its
+                               tokens are not emitted) */
+  LF_FINISH_COUNT           /* the number of reasons, for arrays indexed by reason */
 } lf_finish_reason;
 
 const char *lf_finish_reason_str(lf_finish_reason r);
@@ -224,7 +236,7 @@ typedef struct lf_metrics {
   uint64_t steps;
   uint64_t submitted;     /* accepted by submit */
   uint64_t rejected;      /* refused by submit with LF_ERR_QUEUE_FULL */
-  uint64_t finished[LF_FINISH_STOP + 1]; /* by finish reason */
+  uint64_t finished[LF_FINISH_COUNT]; /* by finish reason */
   double tokens_per_s;    /* tokens sampled per second over the last 10 s */
   lf_latency_summary ttft; /* time to first token (requests that produced one) */
   lf_latency_summary tpot; /* time per output token (requests with >= 2 tokens) */

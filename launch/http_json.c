@@ -98,31 +98,14 @@ void lfs_buf_json_str(lfs_buf *b, const char *s, size_t n) {
       }
       continue;
     }
-    switch (c) {
-    case '"':
-      lfs_buf_put(b, "\\\"", 2);
-      break;
-    case '\\':
-      lfs_buf_put(b, "\\\\", 2);
-      break;
-    case '\n':
-      lfs_buf_put(b, "\\n", 2);
-      break;
-    case '\r':
-      lfs_buf_put(b, "\\r", 2);
-      break;
-    case '\t':
-      lfs_buf_put(b, "\\t", 2);
-      break;
-    case '\b':
-      lfs_buf_put(b, "\\b", 2);
-      break;
-    case '\f':
-      lfs_buf_put(b, "\\f", 2);
-      break;
-    default:
+    /* '"', '\\' and the control characters: JSON's two-character escapes, else \u00XX. */
+    static const char short_from[] = "\"\\\n\r\t\b\f", short_to[] = "\"\\nrtbf";
+    const char *e = c ? strchr(short_from, (int)c) : NULL;
+    if (e) {
+      const char esc[2] = {'\\', short_to[e - short_from]};
+      lfs_buf_put(b, esc, 2);
+    } else {
       lfs_buf_printf(b, "\\u%04x", c);
-      break;
     }
     i++;
   }

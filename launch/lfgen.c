@@ -17,6 +17,7 @@
 
 #include "base/clock.h"
 #include "engine/model_text.h"
+#include "launch/cli.h"
 #include "text/tokenizer.h"
 #include "launch/tp_launch.h"
 #include "lfserve.h"
@@ -49,15 +50,6 @@ static void usage(FILE *f) {
           "  --print-ids         print generated token ids (the default without a tokenizer)\n"
           "  --tp                tensor parallel over the MPI ranks (automatic when launched\n"
           "                      by mpirun with more than one rank): rank 0 prints\n");
-}
-
-static int parse_int(const char *s, long lo, long hi, long *out) {
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo || v > hi) return -1;
-  *out = v;
-  return 0;
 }
 
 static int parse_float(const char *s, double *out) {
@@ -148,11 +140,18 @@ int main(int argc, char **argv) {
   int chat = 0, print_ids = 0, max_tokens_given = 0;
   int want_tp = lf_launched_multi_rank();
   lf_comm_t comm = NULL;
+  const lf_cli_int ints[] = {
+      {"--budget", 1, INT_MAX, &cfg.budget},
+      {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},
+      {"--sink", 0, INT_MAX, &cfg.sink},
+      {"--window", 0, INT_MAX, &cfg.window},
+      {"--top-k", 0, INT_MAX, &rq.sampling.top_k},
+  };
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    long n;
     double d;
+    const lf_cli_int *io = lf_cli_int_find(ints, sizeof ints / sizeof ints[0], a);
 #define NEED_VALUE                                                                                 \
   if (!v) {                                                                                        \
     fprintf(stderr, "lfgen: %s needs a value\n", a);                                              \
@@ -162,6 +161,9 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       usage(stdout);
       return 0;
+    } else if (io) {
+      NEED_VALUE;
+      if (lf_cli_int_set(io, v)) goto bad;
     } else if (!strcmp(a, "--model")) {
       NEED_VALUE;
       cfg.model_path = v;
@@ -178,25 +180,10 @@ int main(int argc, char **argv) {
       prompt_text = v;
     } else if (!strcmp(a, "--max-tokens")) {
       NEED_VALUE;
-      if (parse_int(v, 1, INT_MAX, &n)) goto bad;
+      long n;
+      if (lf_cli_parse_long(v, 1, INT_MAX, &n)) goto bad;
       rq.max_tokens = (int)n;
       max_tokens_given = 1;
-    } else if (!strcmp(a, "--budget")) {
-      NEED_VALUE;
-      if (parse_int(v, 1, INT_MAX, &n)) goto bad;
-      cfg.budget = (int)n;
-    } else if (!strcmp(a, "--max-batch-tokens")) {
-      NEED_VALUE;
-      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
-      cfg.max_batch_tokens = (int)n;
-    } else if (!strcmp(a, "--sink")) {
-      NEED_VALUE;
-      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
-      cfg.sink = (int)n;
-    } else if (!strcmp(a, "--window")) {
-      NEED_VALUE;
-      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
-      cfg.window = (int)n;
     } else if (!strcmp(a, "--policy")) {
       NEED_VALUE;
       if (lf_policy_parse(v, &cfg.policy) != LF_OK) {
@@ -217,10 +204,6 @@ int main(int argc, char **argv) {
       NEED_VALUE;
       if (parse_float(v, &d) || d <= 0 || d > 1) goto bad;
       rq.sampling.top_p = (float)d;
-    } else if (!strcmp(a, "--top-k")) {
-      NEED_VALUE;
-      if (parse_int(v, 0, INT_MAX, &n)) goto bad;
-      rq.sampling.top_k = (int)n;
     } else if (!strcmp(a, "--seed")) {
       NEED_VALUE;
       char *end;
@@ -229,10 +212,7 @@ int main(int argc, char **argv) {
       if (errno || *end || end == v) goto bad;
     } else if (!strcmp(a, "--backend")) {
       NEED_VALUE;
-      if (!strcmp(v, "auto")) cfg.backend = LF_BACKEND_AUTO;
-      else if (!strcmp(v, "cpu")) cfg.backend = LF_BACKEND_CPU;
-      else if (!strcmp(v, "cuda")) cfg.backend = LF_BACKEND_CUDA;
-      else goto bad;
+      if (lf_backend_parse(v, &cfg.backend) != LF_OK) goto bad;
     } else if (!strcmp(a, "--tp")) {
       want_tp = 1;
     } else if (!strcmp(a, "--ignore-eos")) {
@@ -250,14 +230,11 @@ int main(int argc, char **argv) {
       }
       chat_template = v;
     } else {
-      fprintf(stderr, "lfgen: unknown option '%s'\n", a);
-      usage(stderr);
-      return 2;
+      return lf_cli_unknown_option("lfgen", a, usage);
     }
     continue;
   bad:
-    fprintf(stderr, "lfgen: bad value '%s' for %s\n", v, a);
-    return 2;
+    return lf_cli_bad_value("lfgen", a, v);
 #undef NEED_VALUE
   }
   if (!cfg.model_path) {

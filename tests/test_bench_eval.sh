@@ -125,7 +125,7 @@ def lfgen_run(model, prompt_ids, max_tokens, policy, scope, budget, text=None):
     ids = [int(x) for x in r.stdout.split()]
     fin = re.search(r"finish (\w+)", r.stderr)
     ev = re.search(r"evictions (\d+)", r.stderr)
-    if fin and fin.group(1) == "stop":  # lfgen does not print the EOS it stopped on
+    if fin and fin.group(1) == "eos":  # lfgen does not print the EOS it stopped on
         ids.append(gen.EOS_ID)
     return r.returncode, ids, fin and fin.group(1), ev and int(ev.group(1)), r.stderr
 
@@ -175,7 +175,7 @@ for name in ("noise", "chain"):
     runs = {(r["problem"], r["policy"], r["scope"], r["fraction"]): r for r in d["runs"]}
     if name == "noise":
         assert any(r["rc"] for r in d["runs"]) and all(r["rc"] == 0 for r in d["runs"] if r["fraction"] != 0.05)
-        assert any(r["finish"] == "stop" for r in d["runs"]) and any(r["finish"] == "length" for r in d["runs"])
+        assert any(r["finish"] == "eos" for r in d["runs"]) and any(r["finish"] == "length" for r in d["runs"])
         assert any(g["runs"] > g["pools"] for g in d["groups"]), d["groups"]
         assert any(r["evictions"] for r in d["runs"] if r["policy"] == "longflow" and r["scope"] == "layer")
         outs = {tuple(r["ids"]) for k, r in runs.items() if k[0] == d["problems"][0]["id"] and not r["rc"]}

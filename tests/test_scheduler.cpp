@@ -503,14 +503,14 @@ Outcome expected_with_stops(const std::vector<int32_t> &g, const TestReq &r) {
   for (size_t t = 0; t < g.size(); t++) {
     if (std::find(r.stop_ids.begin(), r.stop_ids.end(), g[t]) != r.stop_ids.end()) {
       o.tokens = gen;
-      o.reason = LF_FINISH_STOP;
+      o.reason = LF_FINISH_STOP_ID;
       return o;
     }
     gen.push_back(g[t]);
     for (const auto &s : r.stop_seqs)
       if (s.size() <= gen.size() && std::equal(s.begin(), s.end(), gen.end() - long(s.size()))) {
         o.tokens.assign(gen.begin(), gen.end() - long(s.size()));
-        o.reason = LF_FINISH_STOP;
+        o.reason = LF_FINISH_STOP_SEQUENCE;
         return o;
       }
     if (int(gen.size()) == r.max_tokens) break;
@@ -578,18 +578,18 @@ TEST(Scheduler, StopIdsAndSequences) {
 // ---- pool sizing and metrics --------------------------------------------------------------
 
 TEST(Scheduler, PoolsForMemory) {
-  EXPECT_EQ(lf_sched_pools_for_memory(1000, 1.0, 100), 10);
-  EXPECT_EQ(lf_sched_pools_for_memory(999, 1.0, 100), 9);
-  EXPECT_EQ(lf_sched_pools_for_memory(1000, 0.9, 100), 9);
-  EXPECT_EQ(lf_sched_pools_for_memory(1000, 0.5, 100), 5);
-  EXPECT_EQ(lf_sched_pools_for_memory(99, 1.0, 100), 0);
-  EXPECT_EQ(lf_sched_pools_for_memory(1000, 1.0, 0), 0);
-  EXPECT_EQ(lf_sched_pools_for_memory(1000, 0.0, 100), 0);
-  EXPECT_EQ(lf_sched_pools_for_memory(1000, 1.5, 100), 0);
-  EXPECT_EQ(lf_sched_pools_for_memory(UINT64_MAX, 1.0, 1), INT32_MAX);
+  EXPECT_EQ(lf_pools_for_memory(1000, 1.0, 100), 10);
+  EXPECT_EQ(lf_pools_for_memory(999, 1.0, 100), 9);
+  EXPECT_EQ(lf_pools_for_memory(1000, 0.9, 100), 9);
+  EXPECT_EQ(lf_pools_for_memory(1000, 0.5, 100), 5);
+  EXPECT_EQ(lf_pools_for_memory(99, 1.0, 100), 0);
+  EXPECT_EQ(lf_pools_for_memory(1000, 1.0, 0), 0);
+  EXPECT_EQ(lf_pools_for_memory(1000, 0.0, 100), 0);
+  EXPECT_EQ(lf_pools_for_memory(1000, 1.5, 100), 0);
+  EXPECT_EQ(lf_pools_for_memory(UINT64_MAX, 1.0, 1), INT32_MAX);
   // an H200-sized example: 100 GiB at 0.9 over 3200-slot Llama-3-8B bf16 pools
   const uint64_t pool = uint64_t(32) * 8 * 3200 * 128 * 2 * 2;
-  EXPECT_EQ(lf_sched_pools_for_memory(uint64_t(100) << 30, 0.9, pool),
+  EXPECT_EQ(lf_pools_for_memory(uint64_t(100) << 30, 0.9, pool),
             int(std::floor(double(uint64_t(100) << 30) * 0.9 / double(pool))));
 
   // The engine sizes its pools from kv_memory_bytes when n_pools is 0.

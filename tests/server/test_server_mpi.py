@@ -4,7 +4,7 @@
     python3 tests/server/test_server_mpi.py --lfserve build/lfserve [--mpiexec mpiexec]
                                             [--backend cpu|cuda]
 
-CI runs it on the CPU backend (MPI between the ranks); bench/gpu_tp.sh runs it with
+CI runs it on the CPU backend (MPI between the ranks); bench/run.sh tp runs it with
 --backend cuda on two GPUs (NCCL between the ranks, one GPU per rank).
 
 A single-rank server first gives greedy references (completions from text and from token ids,

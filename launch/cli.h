@@ -1,0 +1,36 @@
+/* Command-line helpers shared by the programs (lfgen, lfserve): integer options with bounds. */
+#ifndef LF_LAUNCH_CLI_H
+#define LF_LAUNCH_CLI_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Parses the whole of s as a base-10 integer in [lo, hi] into *out: 0, or -1 (out unchanged). */
+int lf_cli_parse_long(const char *s, long lo, long hi, long *out);
+
+/* An option `name N` that sets *dst to N, lo <= N <= hi (hi at most INT_MAX). */
+typedef struct lf_cli_int {
+  const char *name;
+  long lo, hi;
+  int *dst;
+} lf_cli_int;
+
+/* The option of opts[0..n) called name, or NULL. */
+const lf_cli_int *lf_cli_int_find(const lf_cli_int *opts, size_t n, const char *name);
+
+/* Sets *o->dst from v: 0, or -1 when v is not an integer in o's bounds (*dst unchanged). */
+int lf_cli_int_set(const lf_cli_int *o, const char *v);
+
+/* Report a command-line error on stderr ("<prog>: unknown option '<a>'" then the usage;
+ * "<prog>: bad value '<v>' for <a>") and return 2, the programs' exit status for one. */
+int lf_cli_unknown_option(const char *prog, const char *a, void (*usage)(FILE *));
+int lf_cli_bad_value(const char *prog, const char *a, const char *v);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

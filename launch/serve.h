@@ -1,0 +1,205 @@
+/* lfserve's internals, shared by its files (private to the lfserve program):
+ *
+ *   lfserve.c          main: options, start-up, the signal wait, shutdown
+ *   serve_jobs.c       jobs (one per submitted request) and the engine thread that feeds them
+ *   serve_conn.c       sockets and connections, the libmicrohttpd callbacks, error replies
+ *   serve_completion.c /v1/completions and /v1/chat/completions: streaming (SSE) and whole
+ *                      responses
+ *   serve_metrics.c    GET /v1/models, /health, /metrics and the counters behind them
+ *
+ * Threads. One engine thread runs lf_engine_step in a loop and routes each event to its
+ * request's job (a token queue under S.mu, with a condition variable). libmicrohttpd runs one
+ * thread per connection: a request is parsed and checked (http_request.c), submitted, and then
+ * its connection thread waits on its job, writing SSE chunks (stream) or one JSON body. Lock
+ * order: S.mu, then the engine's own lock (submit and busy are called under S.mu, so the
+ * engine thread can never route an event before its job is in the table).
+ *
+ * Disconnects. A waiting connection thread wakes at least every 200 ms and peeks at its socket;
+ * a peer that has gone (FIN/RST) gets its request cancelled, and the engine returns the pool at
+ * its next step. libmicrohttpd's connection timeout closes clients that stall while sending a
+ * request or reading a response; it is switched off only while a non-streaming request is being
+ * generated (the server, not the client, is the slow one then).
+ */
+#ifndef LF_LAUNCH_SERVE_H
+#define LF_LAUNCH_SERVE_H
+
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#include "launch/http_json.h"
+#include "launch/http_request.h"
+#include "launch/http_stop.h"
+#include "lfserve.h"
+#include "text/tokenizer.h"
+
+#if MHD_VERSION < 0x00097002
+typedef int MHD_Result_t;
+#else
+typedef enum MHD_Result MHD_Result_t;
+#endif
+
+/* ---- jobs (serve_jobs.c) ------------------------------------------------------------------ */
+
+typedef struct job {
+  uint64_t id;
+  int refs;          /* under S.mu: the engine side (until FINISH) + the connection */
+  pthread_cond_t cv; /* tokens or the finish arrived (waits on S.mu) */
+  int32_t *toks;     /* [n_toks] routed, not yet taken by the connection */
+  int n_toks, cap_toks;
+  int finished;
+  lf_finish_reason reason;
+  lf_status status;
+  lf_request_stats stats;
+  int have_stats;
+  int text_stop;    /* the connection matched a stop string and cancelled the request */
+  int outcome;      /* OUT_*, once finished */
+  struct job *next; /* hash chain */
+} job;
+
+#define JOB_BUCKETS 4096
+
+/* How a completion request ended, as /metrics counts it (names in serve_metrics.c). */
+enum { OUT_STOP, OUT_LENGTH, OUT_ERROR, OUT_DISCONNECT, OUT_REJECTED, OUT_INVALID, OUT_N };
+/* HTTP status codes /metrics counts one by one (the list is in serve_metrics.c); the rest are
+ * counted together. */
+#define N_CODES 8
+
+/* Accepted sockets beyond --max-connections, kept for /health and /metrics: libmicrohttpd's own
+ * limit is this much higher, and completions are refused (503) beyond --max-connections. */
+#define CONN_RESERVE 16u
+
+/* One accepted socket (libmicrohttpd's socket context). */
+struct sock {
+  int fd;
+  int busy; /* a request in progress (between its headers and its completion) */
+  int shed; /* shut down to make room */
+  struct sock *prev, *next;
+};
+
+/* The server: one per process, set up by main. */
+struct srv {
+  lf_engine_t e;
+  lf_model_info mi;
+  lf_tokenizer *tok;
+  lf_chat_template *tmpl;
+  lfs_model_ctx mctx;
+  char model_name[256];
+  unsigned timeout_s;
+  size_t max_body;
+  lf_policy policy;
+  int budget;
+
+  pthread_mutex_t mu;
+  pthread_cond_t work_cv; /* a submission arrived (the engine thread may be idle) */
+  job *table[JOB_BUCKETS];
+  int n_jobs;
+  int stopping;
+  int streams_abort; /* stopping and the engine cannot end the requests: connections end them */
+  pthread_t engine_thread;
+  uint64_t step_errors;
+  int last_step_failed;
+
+  atomic_ullong outcomes[OUT_N];
+  atomic_ullong codes[N_CODES + 1]; /* the last: any other status */
+  atomic_int open_streams;
+  time_t started;
+
+  /* Connections, oldest first (under cmu): at the limit, the oldest one without a request in
+   * progress is shut down to make room, so half-open or idle keep-alive connections cannot
+   * lock out /health and /metrics. */
+  pthread_mutex_t cmu;
+  struct sock *socks;
+  int n_socks;
+  int n_shed; /* of n_socks: shut down to make room, closing (they do not count as in use) */
+  unsigned max_conn;
+};
+
+extern struct srv S;
+
+/* CLOCK_REALTIME now + 200 ms: the deadline of the waits that poll (engine idle, peer gone). */
+struct timespec srv_deadline_200ms(void);
+
+/* Under S.mu. Drops one reference; the last frees the job. */
+void srv_job_unref(job *j);
+/* Creates the job of rq and submits rq under S.mu (so the engine thread cannot route an event
+ * before the job is in the table); the job starts with two references, the engine side's and the
+ * caller's. Returns 0 with *out set; 1 when the server is stopping (nothing submitted); -1 out
+ * of memory; -2 when the engine refused the request (*s says why). */
+int srv_job_submit(const lf_request *rq, job **out, lf_status *s);
+/* Under S.mu: cancels every request in flight (stopping). */
+void srv_jobs_cancel_all(void);
+/* Under S.mu: wakes every connection waiting on a job. */
+void srv_jobs_wake_all(void);
+/* After the engine thread has stopped: drops the jobs whose FINISH never came. */
+void srv_jobs_free_all(void);
+/* The engine thread (pthread start routine). */
+void *srv_engine_main(void *arg);
+
+/* ---- connections (serve_conn.c) ----------------------------------------------------------- */
+
+typedef struct conn {
+  atomic_int refs; /* the connection (until completed) + a streaming response (until freed) */
+  struct MHD_Connection *mc;
+  int fd;
+  lfs_buf body;
+  int too_large, replied;
+  size_t dropped; /* body bytes read and dropped after too_large */
+  /* a completion in flight */
+  job *j;
+  lfs_request rq;
+  int chat;
+  int have_stream;
+  lf_tok_stream ts;
+  lfs_stopper stop; /* the request's stop strings, matched on the decoded text */
+  int text_stopped; /* a stop string matched: the output ended, the request was cancelled */
+  lfs_buf out;      /* SSE bytes not yet handed to libmicrohttpd */
+  lf_tok_text text; /* scratch: decoded text */
+  lfs_buf emit;     /* scratch: decoded text the stop strings let through */
+  int32_t *taken;   /* [cap_taken] tokens taken from the job, not yet formatted */
+  int cap_taken;
+  int n_out; /* tokens emitted so far */
+  int first_chunk_sent;
+  int done; /* [DONE] queued */
+  double last_peer_check;
+  char cid[48];
+  long long created;
+} conn;
+
+/* Drops one reference; the last cancels the request if it is still running and frees c. */
+void srv_conn_unref(conn *c);
+/* 1 when the peer has closed its end (or the socket failed). */
+int srv_peer_gone(int fd);
+
+/* Queues b as the response (a 500 instead when b ran out of memory) and counts the status. */
+MHD_Result_t srv_send_buf(struct MHD_Connection *mc, int status, const char *ctype, lfs_buf *b,
+                          const char *retry_after);
+/* OpenAI's error object {"error": {...}} for e. */
+void srv_error_json(lfs_buf *b, const lfs_error *e);
+MHD_Result_t srv_send_error(struct MHD_Connection *mc, const lfs_error *e, const char *retry_after);
+MHD_Result_t srv_reply_error(struct MHD_Connection *mc, int status, const char *type,
+                             const char *code, const char *msg);
+
+/* The libmicrohttpd callbacks. */
+void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_context,
+                       enum MHD_ConnectionNotificationCode toe);
+MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *url,
+                            const char *method, const char *version, const char *upload,
+                            size_t *upload_size, void **con_cls);
+void srv_on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
+                      enum MHD_RequestTerminationCode toe);
+
+/* ---- completions (serve_completion.c) ----------------------------------------------------- */
+
+/* POST /v1/completions (chat 0) or /v1/chat/completions (chat 1), c->body holding the request. */
+MHD_Result_t srv_handle_completion(conn *c, int chat);
+
+/* ---- GET endpoints and counters (serve_metrics.c) ----------------------------------------- */
+
+void srv_count_code(int status);
+MHD_Result_t srv_handle_models(struct MHD_Connection *mc);
+MHD_Result_t srv_handle_health(struct MHD_Connection *mc);
+MHD_Result_t srv_handle_metrics(struct MHD_Connection *mc);
+
+#endif

@@ -1,0 +1,457 @@
+/* lfserve's completions: a request is parsed, submitted as a job, and answered either as a
+ * stream of SSE chunks (one per token, cut exactly before a stop string) or as one JSON body
+ * once it has finished (serve.h). */
+#include <errno.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/clock.h"
+#include "launch/serve.h"
+
+static const char *finish_str(lf_finish_reason r) {
+  switch (r) {
+  case LF_FINISH_LENGTH:
+    return "length";
+  case LF_FINISH_CANCELLED:
+    return "abort";
+  case LF_FINISH_ERROR:
+    return "error";
+  default:
+    return "stop";
+  }
+}
+
+/* The error a failed generation reports. */
+static void finish_error(const job *j, lfs_error *e) {
+  if (j->status == LF_ERR_CONTEXT_FULL)
+    lfs_error_set(e, 400, "invalid_request_error", "context_length_exceeded", NULL,
+                  "the sequence outgrew its KV pool under the full policy");
+  else if (j->reason == LF_FINISH_CANCELLED)
+    lfs_error_set(e, 503, "server_error", "cancelled", NULL, "the request was cancelled");
+  else
+    lfs_error_set(e, 500, "server_error", "generation_failed", NULL, "generation failed: %s",
+                  lf_status_str(j->status));
+}
+
+static void put_usage(lfs_buf *b, const conn *c, const job *j) {
+  /* After a stop string the job may still be running: only c's own count is safe to read. */
+  const int completion = !c->text_stopped && j->have_stats ? j->stats.generated_tokens : c->n_out;
+  lfs_buf_printf(b, "{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}",
+                 c->rq.n_prompt, completion, c->rq.n_prompt + completion);
+}
+
+static void put_ids(lfs_buf *b, const int32_t *ids, int n) {
+  lfs_buf_puts(b, "[");
+  for (int i = 0; i < n; i++)
+    lfs_buf_printf(b, i ? ",%d" : "%d", ids[i]);
+  lfs_buf_puts(b, "]");
+}
+
+/* The common head of a response object / stream chunk. */
+static void put_head(lfs_buf *b, const conn *c, int chunk) {
+  lfs_buf_puts(b, "{\"id\":");
+  lfs_buf_json_cstr(b, c->cid);
+  lfs_buf_printf(b, ",\"object\":\"%s\",\"created\":%lld,\"model\":",
+                 c->chat ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                         : "text_completion",
+                 c->created);
+  lfs_buf_json_cstr(b, S.model_name);
+}
+
+/* One SSE chunk carrying text (and ids), or the final one (finish != NULL). */
+static void put_chunk(conn *c, const char *text, size_t len, const int32_t *ids, int n_ids,
+                      const char *finish) {
+  lfs_buf *b = &c->out;
+  lfs_buf_puts(b, "data: ");
+  put_head(b, c, 1);
+  lfs_buf_puts(b, ",\"choices\":[{\"index\":0,");
+  if (c->chat) {
+    lfs_buf_puts(b, "\"delta\":{");
+    if (!c->first_chunk_sent) lfs_buf_puts(b, "\"role\":\"assistant\"");
+    if (!finish || len || !c->first_chunk_sent) {
+      if (!c->first_chunk_sent) lfs_buf_puts(b, ",");
+      lfs_buf_puts(b, "\"content\":");
+      lfs_buf_json_str(b, text, len);
+    }
+    lfs_buf_puts(b, "}");
+  } else {
+    lfs_buf_puts(b, "\"text\":");
+    lfs_buf_json_str(b, text, len);
+  }
+  if (c->rq.return_token_ids || !S.tok) {
+    lfs_buf_puts(b, ",\"token_ids\":");
+    put_ids(b, ids, n_ids);
+  }
+  lfs_buf_puts(b, ",\"logprobs\":null,\"finish_reason\":");
+  lfs_buf_json_cstr(b, finish);
+  /* Usage goes only in the separate final chunk that stream_options.include_usage asks for,
+   * as OpenAI sends it: clients that sum usage over chunks count it once. */
+  lfs_buf_puts(b, "}]}\n\n");
+  c->first_chunk_sent = 1;
+}
+
+/* A stop string matched: the request is cancelled at once so its pool returns at the engine's
+ * next step; it finishes as a stop, whatever the engine reports. */
+static void text_stop_cancel(conn *c) {
+  pthread_mutex_lock(&S.mu);
+  job *j = c->j;
+  j->text_stop = 1;
+  if (!j->finished) {
+    lf_engine_cancel(S.e, j->id);
+  } else if (j->outcome != OUT_STOP) { /* it ended (length) before we read that far */
+    atomic_fetch_sub(&S.outcomes[j->outcome], 1);
+    atomic_fetch_add(&S.outcomes[OUT_STOP], 1);
+    j->outcome = OUT_STOP;
+  }
+  pthread_mutex_unlock(&S.mu);
+}
+
+/* Decodes one token (tok >= 0) or the decoder's final flush (tok < 0) and passes the text
+ * through the stop strings; c->emit is what may be sent. Returns 1 when a stop string matched
+ * (c->emit ends exactly before it; the request has been cancelled). */
+static int text_of(conn *c, int32_t tok) {
+  lfs_buf_clear(&c->emit);
+  if (!S.tok || c->text_stopped) return c->text_stopped;
+  lf_tok_text_clear(&c->text);
+  lf_status s =
+      tok >= 0 ? lf_tok_stream_put(&c->ts, tok, &c->text) : lf_tok_stream_flush(&c->ts, &c->text);
+  if (s != LF_OK) return 0;
+  const int r = lfs_stopper_put(&c->stop, c->text.data, c->text.len, &c->emit);
+  if (r < 0) c->out.oom = 1; /* the stream ends with an error */
+  if (r != 1) return 0;
+  c->text_stopped = 1;
+  text_stop_cancel(c);
+  return 1;
+}
+
+/* The final chunk (text, finish_reason), the usage chunk when asked for, [DONE]. */
+static void stream_end(conn *c, const char *text, size_t len, const char *finish, const job *j) {
+  put_chunk(c, text, len, NULL, 0, finish);
+  if (c->rq.include_usage) {
+    lfs_buf_puts(&c->out, "data: ");
+    put_head(&c->out, c, 1);
+    lfs_buf_puts(&c->out, ",\"choices\":[],\"usage\":");
+    put_usage(&c->out, c, j);
+    lfs_buf_puts(&c->out, "}\n\n");
+  }
+  lfs_buf_puts(&c->out, "data: [DONE]\n\n");
+  c->done = 1;
+}
+
+/* An error event and [DONE]: the server is stopping and the request cannot finish. */
+static void stream_abort(conn *c) {
+  if (c->done) return;
+  lfs_error e;
+  lfs_error_set(&e, 503, "server_error", "shutting_down", NULL,
+                "the server is shutting down (the engine stopped): the output is incomplete");
+  lfs_buf_puts(&c->out, "data: ");
+  srv_error_json(&c->out, &e);
+  lfs_buf_puts(&c->out, "\n\ndata: [DONE]\n\n");
+  c->done = 1;
+}
+
+/* Formats what the job handed over: one chunk per token (held-back partial UTF-8 characters, and
+ * text that may begin a stop string, go out with the token that completes or rules them out),
+ * then the end. A stop string ends the stream at once, cut exactly before it. */
+static void stream_format(conn *c, const int32_t *toks, int n, int finished, const job *j) {
+  if (c->done) return;
+  for (int i = 0; i < n; i++) {
+    const int stopped = text_of(c, toks[i]);
+    c->n_out++;
+    if (stopped) {
+      if (c->emit.len || c->rq.return_token_ids || !S.tok)
+        put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL);
+      stream_end(c, "", 0, "stop", j);
+      return;
+    }
+    if (c->emit.len == 0 && S.tok && !c->rq.return_token_ids) continue;
+    put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL);
+  }
+  if (!finished) return;
+  if (j->reason == LF_FINISH_ERROR) {
+    lfs_error e;
+    finish_error(j, &e);
+    lfs_buf_puts(&c->out, "data: ");
+    srv_error_json(&c->out, &e);
+    lfs_buf_puts(&c->out, "\n\n");
+    lfs_buf_puts(&c->out, "data: [DONE]\n\n");
+    c->done = 1;
+    return;
+  }
+  const int stopped = text_of(c, -1); /* the decoder's last bytes may complete a stop string */
+  if (!stopped) lfs_stopper_flush(&c->stop, &c->emit);
+  stream_end(c, c->emit.data ? c->emit.data : "", c->emit.len,
+             stopped ? "stop" : finish_str(j->reason), j);
+}
+
+/* Waits (under S.mu) until the job has news, the peer is gone or the server stops.
+ * Returns 0 with news, -1 when the peer is gone or the server has stopped, 1 when the server is
+ * stopping and the connection must end the request itself (the engine cannot). */
+static int wait_job(conn *c) {
+  job *j = c->j;
+  /* Tokens may keep arriving (no timeout ever fires): look at the socket every 200 ms anyway. */
+  const double t = lf_now_s();
+  if (t - c->last_peer_check > 0.2) {
+    c->last_peer_check = t;
+    pthread_mutex_unlock(&S.mu);
+    const int gone = srv_peer_gone(c->fd);
+    pthread_mutex_lock(&S.mu);
+    if (gone) return -1;
+  }
+  while (j->n_toks == 0 && !j->finished) {
+    if (S.streams_abort) return 1;
+    const struct timespec ts = srv_deadline_200ms();
+    if (pthread_cond_timedwait(&j->cv, &S.mu, &ts) == ETIMEDOUT) {
+      if (S.stopping == 2) return -1;
+      pthread_mutex_unlock(&S.mu);
+      const int gone = srv_peer_gone(c->fd);
+      pthread_mutex_lock(&S.mu);
+      if (gone) return -1;
+    }
+  }
+  return 0;
+}
+
+/* Takes the job's tokens into c->taken; returns how many. Under S.mu. */
+static int take_tokens(conn *c) {
+  job *j = c->j;
+  int n = j->n_toks;
+  if (n > c->cap_taken) {
+    /* Swap buffers instead of copying: the job gets our (smaller) one back. */
+    int32_t *t = c->taken;
+    int cap = c->cap_taken;
+    c->taken = j->toks;
+    c->cap_taken = j->cap_toks;
+    j->toks = t;
+    j->cap_toks = cap;
+  } else if (n > 0) {
+    memcpy(c->taken, j->toks, sizeof(int32_t) * (size_t)n);
+  }
+  j->n_toks = 0;
+  return n;
+}
+
+static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
+  (void)pos;
+  conn *c = cls;
+  for (;;) {
+    if (c->out.len) {
+      size_t n = c->out.len < max ? c->out.len : max;
+      memcpy(buf, c->out.data, n);
+      lfs_buf_consume(&c->out, n);
+      return (ssize_t)n;
+    }
+    if (c->done || c->out.oom || !c->j)
+      return c->done && !c->out.oom ? MHD_CONTENT_READER_END_OF_STREAM
+                                    : MHD_CONTENT_READER_END_WITH_ERROR;
+    /* The wait (a queued request may wait minutes) would count as idleness to libmicrohttpd,
+     * which closes the connection on our return once --timeout has passed since its last
+     * activity, after the headers went out. So the timeout is off while we wait (the server,
+     * not the client, is the slow one then) and set again after: libmicrohttpd restarts its
+     * timer only when a timeout is set on a connection that had none (setting the same value
+     * again leaves the old start in place). */
+    MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    pthread_mutex_lock(&S.mu);
+    const int gone = wait_job(c);
+    const int n = gone ? 0 : take_tokens(c);
+    const int finished = !gone && c->j->finished && c->j->n_toks == 0;
+    pthread_mutex_unlock(&S.mu);
+    MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, S.timeout_s);
+    if (gone < 0) return MHD_CONTENT_READER_END_WITH_ERROR; /* srv_conn_unref cancels the request */
+    if (gone > 0) {
+      /* The server is going down with the engine stuck (a rank died; the launcher is ending
+       * the job): end the stream properly while the process still can. */
+      stream_abort(c);
+      continue;
+    }
+    /* After finished is seen, the job is only read: the engine thread is done with it. */
+    stream_format(c, c->taken, n, finished, c->j);
+  }
+}
+
+static void stream_free(void *cls) {
+  atomic_fetch_sub(&S.open_streams, 1);
+  srv_conn_unref(cls);
+}
+
+/* A whole (non-streaming) completion: waits for the end, then one JSON body. */
+static MHD_Result_t complete_blocking(conn *c) {
+  int32_t *all = NULL;
+  int n_all = 0, cap_all = 0;
+  /* With stop strings the text is decoded as the tokens arrive, so a match ends the request at
+   * once; without, it is decoded in one go at the end. */
+  const int incremental = S.tok && c->rq.n_stop_strs > 0;
+  lfs_buf txt = {0};
+  MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+  for (;;) {
+    pthread_mutex_lock(&S.mu);
+    const int gone = wait_job(c);
+    if (gone) {
+      pthread_mutex_unlock(&S.mu);
+      free(all);
+      lfs_buf_free(&txt);
+      if (gone > 0)
+        return srv_reply_error(c->mc, 503, "server_error", "shutting_down",
+                               "the server is shutting down (the engine stopped)");
+      return MHD_NO; /* closes the connection; srv_conn_unref cancels the request */
+    }
+    job *j = c->j;
+    if (n_all + j->n_toks > cap_all) {
+      int cap = cap_all ? cap_all : 64;
+      while (cap < n_all + j->n_toks)
+        cap *= 2;
+      int32_t *p = realloc(all, sizeof *p * (size_t)cap);
+      if (!p) {
+        pthread_mutex_unlock(&S.mu);
+        free(all);
+        lfs_buf_free(&txt);
+        return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
+      }
+      all = p;
+      cap_all = cap;
+    }
+    if (j->n_toks) memcpy(all + n_all, j->toks, sizeof(int32_t) * (size_t)j->n_toks);
+    const int from = n_all;
+    n_all += j->n_toks;
+    j->n_toks = 0;
+    const int finished = j->finished;
+    pthread_mutex_unlock(&S.mu);
+    if (incremental) {
+      for (int i = from; i < n_all; i++) {
+        const int stopped = text_of(c, all[i]);
+        lfs_buf_put(&txt, c->emit.data, c->emit.len);
+        if (stopped) {
+          n_all = i + 1; /* tokens past the one that completed the stop string are dropped */
+          break;
+        }
+      }
+      if (c->text_stopped) break;
+    }
+    if (finished) break;
+  }
+  MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, S.timeout_s);
+  const job *j = c->j;
+  c->n_out = n_all;
+  /* After a stop string the job may still be running: its fields are not read then. */
+  if (!c->text_stopped && (j->reason == LF_FINISH_ERROR || j->reason == LF_FINISH_CANCELLED)) {
+    free(all);
+    lfs_buf_free(&txt);
+    lfs_error e;
+    finish_error(j, &e);
+    return srv_send_error(c->mc, &e, NULL);
+  }
+  lf_tok_text text = {0};
+  if (incremental) {
+    if (!c->text_stopped) {
+      text_of(c, -1); /* the decoder's last bytes may still complete a stop string */
+      lfs_buf_put(&txt, c->emit.data, c->emit.len);
+      lfs_buf_clear(&c->emit);
+      lfs_stopper_flush(&c->stop, &c->emit);
+      lfs_buf_put(&txt, c->emit.data, c->emit.len);
+    }
+    if (txt.oom || lf_tok_text_append(&text, txt.data ? txt.data : "", txt.len) != LF_OK) {
+      free(all);
+      lfs_buf_free(&txt);
+      lf_tok_text_free(&text);
+      return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
+    }
+    lfs_buf_free(&txt);
+  } else if (S.tok &&
+             lf_tokenizer_decode(S.tok, all, (size_t)n_all, LF_TOK_SKIP_SPECIAL, &text) != LF_OK) {
+    lf_tok_text_clear(&text);
+  }
+  lfs_buf b = {0};
+  put_head(&b, c, 0);
+  lfs_buf_puts(&b, ",\"choices\":[{\"index\":0,");
+  if (c->chat) {
+    lfs_buf_puts(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
+    lfs_buf_json_str(&b, text.data ? text.data : "", text.len);
+    lfs_buf_puts(&b, "}");
+  } else {
+    lfs_buf_puts(&b, "\"text\":");
+    lfs_buf_json_str(&b, text.data ? text.data : "", text.len);
+  }
+  if (c->rq.return_token_ids || !S.tok) {
+    lfs_buf_puts(&b, ",\"token_ids\":");
+    put_ids(&b, all, n_all);
+  }
+  lfs_buf_puts(&b, ",\"logprobs\":null,\"finish_reason\":");
+  lfs_buf_json_cstr(&b, c->text_stopped ? "stop" : finish_str(j->reason));
+  lfs_buf_puts(&b, "}],\"usage\":");
+  put_usage(&b, c, j);
+  lfs_buf_puts(&b, "}");
+  MHD_Result_t r = srv_send_buf(c->mc, 200, "application/json", &b, NULL);
+  lfs_buf_free(&b);
+  lf_tok_text_free(&text);
+  free(all);
+  return r;
+}
+
+MHD_Result_t srv_handle_completion(conn *c, int chat) {
+  lfs_error err;
+  c->chat = chat;
+  if (lfs_request_parse(&S.mctx, chat, c->body.data ? c->body.data : "", c->body.len, &c->rq, &err))
+    return srv_send_error(c->mc, &err, NULL);
+  lfs_buf_free(&c->body);
+
+  lf_request rq;
+  memset(&rq, 0, sizeof rq);
+  rq.prompt = c->rq.prompt;
+  rq.n_prompt = c->rq.n_prompt;
+  rq.max_tokens = c->rq.max_tokens;
+  rq.sampling = c->rq.sampling;
+  rq.ignore_eos = c->rq.ignore_eos;
+  rq.stop_ids = c->rq.stop_ids;
+  rq.n_stop_ids = c->rq.n_stop_ids;
+  rq.stop_seqs = c->rq.stop_seqs;
+  rq.n_stop_seqs = c->rq.n_stop_seqs;
+
+  job *j;
+  lf_status s = LF_OK;
+  const int sub = srv_job_submit(&rq, &j, &s);
+  if (sub == -1)
+    return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
+  if (sub > 0)
+    return srv_reply_error(c->mc, 503, "server_error", "shutting_down",
+                           "the server is shutting down");
+  if (sub == -2) {
+    if (s == LF_ERR_QUEUE_FULL) {
+      atomic_fetch_add(&S.outcomes[OUT_REJECTED], 1);
+      lfs_error_set(&err, 429, "server_overloaded", "queue_full", NULL,
+                    "the request queue is full; retry later");
+      return srv_send_error(c->mc, &err, "1");
+    }
+    if (s == LF_ERR_INVALID_ARG) {
+      lfs_error_set(&err, 400, "invalid_request_error", "invalid_value", NULL, "%s",
+                    lf_last_error());
+      return srv_send_error(c->mc, &err, NULL);
+    }
+    lfs_error_set(&err, 500, "server_error", "submit_failed", NULL, "%s: %s", lf_status_str(s),
+                  lf_last_error());
+    return srv_send_error(c->mc, &err, NULL);
+  }
+  c->j = j;
+  snprintf(c->cid, sizeof c->cid, "%s-%llu", chat ? "chatcmpl" : "cmpl", (unsigned long long)j->id);
+  c->created = (long long)time(NULL);
+
+  lfs_stopper_init(&c->stop, c->rq.stop_strs, c->rq.n_stop_strs);
+  if (S.tok) {
+    if (lf_tok_stream_init(&c->ts, S.tok, LF_TOK_SKIP_SPECIAL) != LF_OK)
+      return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
+    c->have_stream = 1;
+  }
+  if (!c->rq.stream) return complete_blocking(c);
+  struct MHD_Response *r =
+      MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_reader, c, stream_free);
+  if (!r) return MHD_NO;
+  atomic_fetch_add(&c->refs, 1);
+  atomic_fetch_add(&S.open_streams, 1);
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+  MHD_Result_t ret = MHD_queue_response(c->mc, MHD_HTTP_OK, r);
+  MHD_destroy_response(r);
+  srv_count_code(200);
+  return ret;
+}

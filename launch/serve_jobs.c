@@ -1,0 +1,168 @@
+/* lfserve's jobs: one per submitted request, in a hash table under S.mu, and the engine thread
+ * that steps the engine and routes each event to its request's job (serve.h). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "launch/serve.h"
+
+struct timespec srv_deadline_200ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_nsec += 200 * 1000 * 1000;
+  if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+  return ts;
+}
+
+static job **job_slot(uint64_t id) {
+  job **p = &S.table[id % JOB_BUCKETS];
+  while (*p && (*p)->id != id)
+    p = &(*p)->next;
+  return p;
+}
+
+/* Under S.mu. */
+void srv_job_unref(job *j) {
+  if (--j->refs > 0) return;
+  pthread_cond_destroy(&j->cv);
+  free(j->toks);
+  free(j);
+}
+
+int srv_job_submit(const lf_request *rq, job **out, lf_status *s) {
+  *out = NULL;
+  job *j = calloc(1, sizeof *j);
+  if (!j || pthread_cond_init(&j->cv, NULL)) {
+    free(j);
+    return -1;
+  }
+  pthread_mutex_lock(&S.mu);
+  if (S.stopping) {
+    pthread_mutex_unlock(&S.mu);
+    pthread_cond_destroy(&j->cv);
+    free(j);
+    return 1;
+  }
+  uint64_t id;
+  *s = lf_engine_submit(S.e, rq, &id);
+  if (*s == LF_OK) {
+    j->id = id;
+    j->refs = 2;
+    job **slot = job_slot(id);
+    j->next = *slot;
+    *slot = j;
+    S.n_jobs++;
+    pthread_cond_signal(&S.work_cv);
+  }
+  pthread_mutex_unlock(&S.mu);
+  if (*s != LF_OK) {
+    pthread_cond_destroy(&j->cv);
+    free(j);
+    return -2;
+  }
+  *out = j;
+  return 0;
+}
+
+void srv_jobs_cancel_all(void) {
+  for (int b = 0; b < JOB_BUCKETS; b++)
+    for (job *j = S.table[b]; j; j = j->next)
+      lf_engine_cancel(S.e, j->id);
+}
+
+void srv_jobs_wake_all(void) {
+  for (int b = 0; b < JOB_BUCKETS; b++)
+    for (job *j = S.table[b]; j; j = j->next)
+      pthread_cond_broadcast(&j->cv);
+}
+
+void srv_jobs_free_all(void) {
+  for (int b = 0; b < JOB_BUCKETS; b++)
+    while (S.table[b]) {
+      job *j = S.table[b];
+      S.table[b] = j->next;
+      srv_job_unref(j);
+    }
+}
+
+/* Engine thread: hands events to their jobs. */
+static void route(const lf_event *ev, int n) {
+  pthread_mutex_lock(&S.mu);
+  for (int i = 0; i < n; i++) {
+    job **slot = job_slot(ev[i].id);
+    job *j = *slot;
+    if (!j) continue;
+    if (ev[i].type == LF_EVENT_TOKEN) {
+      if (j->n_toks == j->cap_toks) {
+        int cap = j->cap_toks ? 2 * j->cap_toks : 16;
+        int32_t *p = realloc(j->toks, sizeof *p * (size_t)cap);
+        if (!p) {
+          /* Cannot keep the token: end the request rather than return a hole in its text. */
+          lf_engine_cancel(S.e, j->id);
+          continue;
+        }
+        j->toks = p;
+        j->cap_toks = cap;
+      }
+      j->toks[j->n_toks++] = ev[i].token;
+    } else {
+      j->finished = 1;
+      j->reason = ev[i].reason;
+      j->status = ev[i].status;
+      j->have_stats = lf_engine_request_stats(S.e, j->id, &j->stats) == LF_OK;
+      int o = j->text_stop                       ? OUT_STOP
+              : j->reason == LF_FINISH_LENGTH    ? OUT_LENGTH
+              : j->reason == LF_FINISH_ERROR     ? OUT_ERROR
+              : j->reason == LF_FINISH_CANCELLED ? OUT_DISCONNECT
+                                                 : OUT_STOP;
+      j->outcome = o;
+      atomic_fetch_add(&S.outcomes[o], 1);
+      *slot = j->next;
+      S.n_jobs--;
+      pthread_cond_broadcast(&j->cv);
+      srv_job_unref(j);
+      continue;
+    }
+    pthread_cond_broadcast(&j->cv);
+  }
+  pthread_mutex_unlock(&S.mu);
+}
+
+/* The engine thread. Under mpirun the other ranks follow the descriptors rank 0 broadcasts from
+ * inside lf_engine_step; see main(). */
+void *srv_engine_main(void *arg) {
+  (void)arg;
+  enum { CAP = 1024 };
+  lf_event *ev = malloc(sizeof *ev * CAP);
+  if (!ev) {
+    fprintf(stderr, "lfserve: out of memory in the engine thread\n");
+    return NULL;
+  }
+  for (;;) {
+    pthread_mutex_lock(&S.mu);
+    while (!(S.stopping == 2) && !lf_engine_busy(S.e)) {
+      const struct timespec ts = srv_deadline_200ms();
+      pthread_cond_timedwait(&S.work_cv, &S.mu, &ts);
+    }
+    const int stop = S.stopping == 2;
+    pthread_mutex_unlock(&S.mu);
+    if (stop) break;
+    int n = 0;
+    lf_status s = lf_engine_step(S.e, ev, CAP, &n);
+    pthread_mutex_lock(&S.mu);
+    S.last_step_failed = s != LF_OK;
+    pthread_mutex_unlock(&S.mu);
+    if (s != LF_OK) {
+      /* Under mpirun a failed rank ends tensor-parallel serving (later steps return
+       * LF_ERR_STATE); /health then reports 503 and the operator restarts the job. */
+      fprintf(stderr, "lfserve: engine step failed: %s: %s\n", lf_status_str(s), lf_last_error());
+      pthread_mutex_lock(&S.mu);
+      S.step_errors++;
+      pthread_mutex_unlock(&S.mu);
+      if (n == 0) usleep(10000);
+    }
+    route(ev, n);
+  }
+  free(ev);
+  return NULL;
+}

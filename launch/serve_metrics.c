@@ -1,0 +1,123 @@
+/* lfserve's GET endpoints: /v1/models, /health and /metrics (Prometheus text format), and the
+ * counters only /metrics reads (serve.h). */
+#include <stdio.h>
+
+#include "launch/serve.h"
+
+static const char *const outcome_names[OUT_N] = {"stop",         "length",   "error",
+                                                 "disconnected", "rejected", "invalid"};
+static const int status_codes[N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503};
+void srv_count_code(int status) {
+  for (int i = 0; i < N_CODES; i++)
+    if (status_codes[i] == status) {
+      atomic_fetch_add(&S.codes[i], 1);
+      return;
+    }
+  atomic_fetch_add(&S.codes[N_CODES], 1);
+}
+
+MHD_Result_t srv_handle_models(struct MHD_Connection *mc) {
+  lfs_buf b = {0};
+  lfs_buf_puts(&b, "{\"object\":\"list\",\"data\":[{\"id\":");
+  lfs_buf_json_cstr(&b, S.model_name);
+  lfs_buf_printf(&b,
+                 ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"lfserve\","
+                 "\"max_model_len\":%d,\"kv_budget\":%d,\"policy\":\"%s\"}]}",
+                 (long long)S.started, S.mi.max_seq_len, S.budget, lf_policy_str(S.policy));
+  MHD_Result_t r = srv_send_buf(mc, 200, "application/json", &b, NULL);
+  lfs_buf_free(&b);
+  return r;
+}
+
+MHD_Result_t srv_handle_health(struct MHD_Connection *mc) {
+  lfs_buf b = {0};
+  pthread_mutex_lock(&S.mu);
+  const int stopping = S.stopping, failed = S.last_step_failed;
+  pthread_mutex_unlock(&S.mu);
+  lfs_buf_puts(&b, stopping ? "{\"status\":\"stopping\"}"
+                   : failed ? "{\"status\":\"engine_failed\"}"
+                            : "{\"status\":\"ok\"}");
+  MHD_Result_t r = srv_send_buf(mc, stopping || failed ? 503 : 200, "application/json", &b, NULL);
+  lfs_buf_free(&b);
+  return r;
+}
+
+static void prom_hist(lfs_buf *b, const char *name, const char *help, const lf_latency_summary *h) {
+  const double *bounds = lf_latency_bucket_bounds();
+  lfs_buf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+  uint64_t cum = 0;
+  for (int i = 0; i < LF_LATENCY_BUCKETS; i++) {
+    cum += h->buckets[i];
+    if (i == LF_LATENCY_BUCKETS - 1)
+      lfs_buf_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
+    else
+      lfs_buf_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, bounds[i], (unsigned long long)cum);
+  }
+  lfs_buf_printf(b, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
+                 (unsigned long long)h->count);
+}
+
+MHD_Result_t srv_handle_metrics(struct MHD_Connection *mc) {
+  lf_metrics m;
+  if (lf_engine_metrics(S.e, &m) != LF_OK)
+    return srv_reply_error(mc, 500, "server_error", "metrics_failed", lf_last_error());
+  pthread_mutex_lock(&S.mu);
+  const int n_jobs = S.n_jobs;
+  const unsigned long long step_errors = S.step_errors;
+  pthread_mutex_unlock(&S.mu);
+  lfs_buf b = {0};
+#define GAUGE(name, help, fmt, v)                                                                  \
+  lfs_buf_printf(&b, "# HELP " name " " help "\n# TYPE " name " gauge\n" name " " fmt "\n", v)
+#define COUNTER(name, help, v)                                                                     \
+  lfs_buf_printf(&b, "# HELP " name " " help "\n# TYPE " name " counter\n" name " %llu\n",         \
+                 (unsigned long long)(v))
+  lfs_buf_puts(&b, "# HELP lfserve_requests_total Completion requests by outcome.\n"
+                   "# TYPE lfserve_requests_total counter\n");
+  for (int i = 0; i < OUT_N; i++)
+    lfs_buf_printf(&b, "lfserve_requests_total{outcome=\"%s\"} %llu\n", outcome_names[i],
+                   (unsigned long long)atomic_load(&S.outcomes[i]));
+  lfs_buf_puts(&b, "# HELP lfserve_http_responses_total HTTP responses by status code.\n"
+                   "# TYPE lfserve_http_responses_total counter\n");
+  for (int i = 0; i <= N_CODES; i++) {
+    char code[8];
+    if (i < N_CODES)
+      snprintf(code, sizeof code, "%d", status_codes[i]);
+    else
+      snprintf(code, sizeof code, "other");
+    lfs_buf_printf(&b, "lfserve_http_responses_total{code=\"%s\"} %llu\n", code,
+                   (unsigned long long)atomic_load(&S.codes[i]));
+  }
+  lfs_buf_puts(&b, "# HELP lfserve_engine_finished_total Requests the engine finished, by reason.\n"
+                   "# TYPE lfserve_engine_finished_total counter\n");
+  for (int r = LF_FINISH_EOS; r < LF_FINISH_COUNT; r++)
+    lfs_buf_printf(&b, "lfserve_engine_finished_total{reason=\"%s\"} %llu\n",
+                   lf_finish_reason_str((lf_finish_reason)r), (unsigned long long)m.finished[r]);
+  GAUGE("lfserve_queue_length", "Requests waiting for a pool.", "%d", m.waiting);
+  GAUGE("lfserve_running", "Requests holding a pool.", "%d", m.running);
+  GAUGE("lfserve_prefilling", "Running requests whose prompt is not complete.", "%d", m.prefilling);
+  GAUGE("lfserve_pools_used", "KV pools in use.", "%d", m.pools_used);
+  GAUGE("lfserve_pools_total", "KV pools.", "%d", m.pools_total);
+  GAUGE("lfserve_requests_in_flight", "Submitted requests the server still tracks.", "%d", n_jobs);
+  GAUGE("lfserve_open_streams", "Streaming responses open.", "%d", atomic_load(&S.open_streams));
+  GAUGE("lfserve_tokens_per_second", "Tokens sampled per second over the last 10 s.", "%.3f",
+        m.tokens_per_s);
+  COUNTER("lfserve_tokens_generated_total", "Tokens sampled.", m.tokens_generated);
+  COUNTER("lfserve_prompt_tokens_total", "Prompt tokens prefilled.", m.prompt_tokens);
+  COUNTER("lfserve_evictions_total", "KV slot overwrites (LongFlow and other policies).",
+          m.evictions);
+  COUNTER("lfserve_steps_total", "Engine steps.", m.steps);
+  COUNTER("lfserve_step_errors_total", "Engine steps that failed.", step_errors);
+  COUNTER("lfserve_submitted_total", "Requests accepted by the engine.", m.submitted);
+  COUNTER("lfserve_rejected_total", "Requests refused because the queue was full.", m.rejected);
+  lfs_buf_printf(&b,
+                 "# HELP lfserve_step_seconds_total Wall time spent in engine steps.\n"
+                 "# TYPE lfserve_step_seconds_total counter\nlfserve_step_seconds_total %.6f\n",
+                 m.decode_seconds);
+  prom_hist(&b, "lfserve_ttft_seconds", "Time to first token.", &m.ttft);
+  prom_hist(&b, "lfserve_tpot_seconds", "Time per output token after the first.", &m.tpot);
+#undef GAUGE
+#undef COUNTER
+  MHD_Result_t r = srv_send_buf(mc, 200, "text/plain; version=0.0.4; charset=utf-8", &b, NULL);
+  lfs_buf_free(&b);
+  return r;
+}
