@@ -626,11 +626,10 @@ static int cluster_combine(void) {
   return on;
 }
 
-/* The kernel's variant fields of attn_params, fixed to the variants measured best on an H200
- * (bench/RESULTS.md): the programmatic-launch trigger after pass 2 (0.9-1.3% faster batch-1
- * steps) and the cluster path's fast tail (4.8% faster batch-1 steps, the same bits); neither
- * per-warp tile prefetch (never measured faster) nor the L2 prefetch of the O weights (1.3%
- * slower). The kernel keeps its branches for the others until an A/B run on the GPU shows that
+/* The kernel's variant fields of attn_params, fixed to the fastest variants (bench/RESULTS.md,
+ * "Settings"): the programmatic-launch trigger after pass 2 and the cluster path's fast tail (the
+ * same bits); neither per-warp tile prefetch (never faster) nor the L2 prefetch of the O weights
+ * (slower). The kernel keeps its branches for the others until an A/B run on the GPU shows that
  * removing them leaves the step time alone (register allocation moves with them). */
 static void kernel_switches(attn_params *p) {
   p->prefetch = 0;
@@ -646,18 +645,16 @@ extern "C" int lf_cuda_decode_attn_splits(int n_seq, int n_kv_heads, int budget,
   const long pairs = (long)n_seq * n_kv_heads;
   int s = 1;
   if (pairs > 0 && pairs < n_sm) {
-    /* About two blocks per SM, at most 16 splits, none shorter than 64 slots: measured on an
-     * H200 (32/8 heads, d 128), batch 1 was fastest at 16 splits and batch 8 at 4, for budgets
-     * 1024-3200; more splits cost more in the combine than they gain in parallelism. */
+    /* About two blocks per SM, at most 16 splits, none shorter than 64 slots: beyond that more
+     * splits cost more in the combine than they gain in parallelism (bench/RESULTS.md). */
     s = (int)(2L * n_sm / pairs);
     if (s > 16) s = 16;
     const int by_len = (budget + 63) / 64;
     if (s > by_len) s = by_len;
   }
   const int smin = min_splits_for_smem(budget, group);
-  /* With the cluster combine, one cluster's worth of splits where that suffices: measured on an
-   * H200 at batch 1, 8 splits in a cluster took 19.8-29.0 us against 26.8-39.3 us for 16 with
-   * the ticket combine (budgets 1024-3200). */
+  /* With the cluster combine, one cluster's worth of splits where that suffices: combining
+   * inside the cluster beats twice the splits with the ticket combine (bench/RESULTS.md). */
   if (s > DA_CL_MAX && smin <= DA_CL_MAX && cluster_combine()) s = DA_CL_MAX;
   if (s < smin) s = smin;
   if (s > DA_SPLITS_MAX) s = DA_SPLITS_MAX;
@@ -703,7 +700,7 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   /* Raise the dynamic shared-memory limit once per size seen (idempotent, so a race between
    * host threads is harmless). The carveout is left to the driver on purpose: streaming loads
    * are staged in L1 while in flight, so the L1 left beside shared memory bounds the bytes in
-   * flight per SM (forcing the largest shared carveout cut the bandwidth by a fifth on an H200). */
+   * flight per SM (forcing the largest shared carveout cuts the bandwidth). */
   static size_t smem_set = 0;
   if (smem > 48 * 1024 && smem > smem_set) {
     LF_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D, MINB, CL>,

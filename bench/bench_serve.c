@@ -264,21 +264,10 @@ static int parse_policies(const char *s, serve_opts *o) {
 }
 
 static int parse_args(int argc, char **argv, serve_opts *o) {
-  memset(o, 0, sizeof *o);
-  o->model = "random:tiny-llama";
-  o->backend = LF_BACKEND_AUTO;
-  o->policies[0] = LF_POLICY_FULL;
-  o->policies[1] = LF_POLICY_LONGFLOW;
-  o->n_policies = 2;
-  o->prompt = 64;
-  o->output = 512;
-  o->budget = 3200;
-  o->mem_util = 0.9;
-  o->rate = 1.0;
-  o->sink = 4;
-  o->window = 32;
-  o->seed = 1;
-  o->max_batch_tokens = -1;
+  *o = (serve_opts){.model = "random:tiny-llama", .backend = LF_BACKEND_AUTO,
+                    .policies = {LF_POLICY_FULL, LF_POLICY_LONGFLOW}, .n_policies = 2,
+                    .prompt = 64, .output = 512, .budget = 3200, .mem_util = 0.9, .rate = 1.0,
+                    .sink = 4, .window = 32, .seed = 1, .max_batch_tokens = -1};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -291,10 +280,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     } else if (OPT("--model")) {
       o->model = v;
     } else if (OPT("--backend")) {
-      if (!strcmp(v, "auto")) o->backend = LF_BACKEND_AUTO;
-      else if (!strcmp(v, "cpu")) o->backend = LF_BACKEND_CPU;
-      else if (!strcmp(v, "cuda")) o->backend = LF_BACKEND_CUDA;
-      else return -1;
+      if (lf_backend_parse(v, &o->backend) != LF_OK) return -1;
     } else if (OPT("--policies") || OPT("--policy")) {
       if (parse_policies(v, o)) return -1;
     } else if (OPT("--prompt")) {
@@ -719,7 +705,7 @@ int bench_serve(int argc, char **argv) {
 #ifdef LF_HAVE_CUDA_BACKEND
   if (o.backend == LF_BACKEND_AUTO) cuda = lf_cuda_device_present();
 #endif
-  const char *backend = cuda ? "cuda" : "cpu";
+  const char *backend = lf_backend_str(cuda ? LF_BACKEND_CUDA : LF_BACKEND_CPU);
   if (o.prompt + o.output > mc.max_seq_len) {
     fprintf(stderr, "lfbench serve: prompt + output = %d exceeds the model's context %d\n",
             o.prompt + o.output, mc.max_seq_len);

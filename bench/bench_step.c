@@ -139,14 +139,8 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
     return 1;
   }
   const lf_model_config *m = &ck.cfg;
-  lf_backend_params p;
-  memset(&p, 0, sizeof p);
-  p.policy = LF_POLICY_LONGFLOW;
-  p.budget = budget;
-  p.sink = 4;
-  p.window = 32;
-  p.n_pools = max_b;
-  p.comm = comm;
+  lf_backend_params p = {.policy = LF_POLICY_LONGFLOW, .budget = budget, .sink = 4, .window = 32,
+                         .n_pools = max_b, .comm = comm};
   const int tp = comm ? comm->size : 1;
   double t0 = lf_now_s();
   if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);

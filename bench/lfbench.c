@@ -345,30 +345,13 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   BENCH_CUDA(cudaMalloc(&dws, ws_bytes ? ws_bytes : 1));
   BENCH_LF(lf_cuda_decode_attn_workspace_init(dws, ws_bytes, 0));
 
-  lf_decode_attn_args a;
-  memset(&a, 0, sizeof a);
-  a.pool.k = dk;
-  a.pool.v = dv;
-  a.pool.vnorm = dvnorm;
-  a.pool.pos = dpos;
-  a.pool.n = dn;
-  a.pool.next = dnext;
-  a.pool.n_layers = 1;
-  a.pool.n_kv_heads = n_kv;
-  a.pool.budget = B;
-  a.pool.head_dim = D;
-  a.layer = 0;
-  a.n_seq = batch;
-  a.w = dw;
-  a.q = dq;
-  a.out = dout;
-  a.group = group;
-  a.sink = sink;
-  a.policy = LF_POLICY_LONGFLOW;
-  a.scale = 1.0f / sqrtf((float)D);
-  a.n_splits = S;
-  a.workspace = dws;
-  a.workspace_bytes = ws_bytes;
+  const lf_cuda_pool_view pool = {.k = dk, .v = dv, .vnorm = dvnorm, .pos = dpos, .n = dn,
+                                  .next = dnext, .n_layers = 1, .n_kv_heads = n_kv, .budget = B,
+                                  .head_dim = D};
+  lf_decode_attn_args a = {.pool = pool, .layer = 0, .n_seq = batch, .w = dw, .q = dq,
+                           .out = dout, .group = group, .sink = sink,
+                           .policy = LF_POLICY_LONGFLOW, .scale = 1.0f / sqrtf((float)D),
+                           .n_splits = S, .workspace = dws, .workspace_bytes = ws_bytes};
 
   cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * 2 * (size_t)iters);
   float *t = malloc(sizeof(float) * (size_t)iters);

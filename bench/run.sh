@@ -4,11 +4,20 @@
 #
 #   bench/run.sh test             build, then ctest -L gpu (kernels vs their CPU twins, the engine,
 #                                 the fidelity suite; SmolLM2's when $LF_SMOLLM2_GGUF names its file)
+#                                 SANITIZE=1: also compute-sanitizer memcheck + racecheck on a
+#                                 subset of gpu_decode_attn
 #   bench/run.sh kernel           the torch SDPA peer and `lfbench kernel` (decode attention)
+#                                 PROFILE_ATTN=1: also ncu --set full on the batch-1 decode
+#                                 attention kernel (budget PROFILE_ATTN_BUDGET, default 1024)
 #   bench/run.sh step             `lfbench step`: random 8B decode steps at batch 1 and 64 against
 #                                 their weight + KV floor (STEP_ARGS adds options)
-#   bench/run.sh tp               NP ranks (default: every GPU): the TP tests, `lfbench comm`,
-#                                 `lfbench step --tp NP` against TP=1
+#                                 PROFILE=1: also ncu per kernel over one decode step of
+#                                 random:llama3-8b at each batch of PROFILE_BATCHES (default "1 64")
+#   bench/run.sh tp               NP ranks (default: every GPU; mpirun, else tests/tp_run.sh): the TP
+#                                 tests, killed-rank tests, lfgen TP=NP against TP=1, `lfbench
+#                                 comm`, `lfbench step --tp` on TP_MODELS (default llama3-8b and
+#                                 llama3-70b, which does not fit one GPU) against TP=1, and
+#                                 lfserve under mpirun when it was built
 #   bench/run.sh serve            `lfbench serve` on random:llama3-8b, 512 -> 4096, full and
 #                                 longflow (SERVE_ARGS replaces the options)
 #   bench/run.sh ab DIR           DIR holds another source tree (e.g. `git archive REV`): both are
@@ -20,6 +29,7 @@
 # GoogleTest: the system's, else a source tree carried in build-deps/googletest. PCRE2 (the
 # byte-level tokenizers): the system's, else build-deps/libpcre2-dev*.deb unpacked over / (the
 # runtime library is part of every Ubuntu base image; only the development files are missing).
+# lfserve's libmicrohttpd and cJSON: the system's, else their source tarballs in build-deps/.
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -51,6 +61,28 @@ if [ ! -e /usr/include/pcre2.h ] && ls build-deps/libpcre2-dev*.deb >/dev/null 2
   dpkg -x build-deps/libpcre2-dev*.deb / && ldconfig
 fi
 
+# dep PC GLOB PREFIX CMD: when pkg-config has no PC, unpack build-deps/GLOB and run CMD in it
+# (installing into PREFIX); PREFIX's pkgconfig folder then goes on PKG_CONFIG_PATH.
+dep() {
+  local pc=$1 glob=$2 prefix=$3 d
+  # shellcheck disable=SC2086 # GLOB is a pattern
+  if ! pkg-config --exists "$pc" 2>/dev/null && ls build-deps/$glob >/dev/null 2>&1; then
+    rm -rf "$prefix-src" && mkdir -p "$prefix-src" && tar xf build-deps/$glob -C "$prefix-src" &&
+      (cd "$prefix-src"/*/ && sh -c "$4") >>"$LOG" 2>&1 || say "$pc build FAILED"
+  fi
+  for d in "$prefix/lib" "$prefix/lib64"; do
+    [ -f "$d/pkgconfig/$pc.pc" ] && export PKG_CONFIG_PATH=$d/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  done
+  return 0
+}
+dep libmicrohttpd 'libmicrohttpd_*.orig.tar.*' /tmp/mhd-install "./configure -q \
+  --prefix=/tmp/mhd-install --disable-https --disable-doc --disable-examples --disable-curl \
+  --disable-static && make -j$J -s && make -s install"
+dep libcjson 'cjson_*.orig.tar.*' /tmp/cjson-install "cmake -S . -B build -G Ninja \
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/tmp/cjson-install -DENABLE_CJSON_TEST=OFF \
+  -DENABLE_CUSTOM_COMPILER_FLAGS=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DBUILD_SHARED_LIBS=OFF \
+  -DCMAKE_POSITION_INDEPENDENT_CODE=ON && cmake --build build && cmake --install build"
+
 build() { # SRC BUILD_DIR [TARGET...]
   local src=$1 dir=$2 t0
   shift 2
@@ -72,6 +104,14 @@ run_test() {
   (cd "$B" && ctest -L gpu -V --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
   grep -E "llama|qwen|smollm|decisive|tests passed|FAILED|Failure|Skipped" "$OUT/ctest_gpu.txt" |
     tail -80 | tee -a "$LOG"
+  [ -n "${SANITIZE:-}" ] || return
+  local filt='*B16_kv2_seq1*:*B1000_*:*B77_*:*B64_kv2_seq4*:*D128_G4_B3200_kv8_seq2*splits0*' tool
+  for tool in memcheck racecheck; do
+    say "compute-sanitizer --tool $tool"
+    compute-sanitizer --tool $tool --error-exitcode 9 "$B/tests/gpu_decode_attn" \
+      --gtest_filter="$filt" >"$OUT/sanitizer_$tool.txt" 2>&1 || { rc=1; say "$tool FAILED"; }
+    tail -4 "$OUT/sanitizer_$tool.txt" | tee -a "$LOG"
+  done
 }
 
 run_kernel() {
@@ -80,6 +120,17 @@ run_kernel() {
   local peer=()
   [ -s "$OUT/sdpa_peer.json" ] && peer=(--peer "$OUT/sdpa_peer.json")
   "$B/lfbench" kernel "${peer[@]}" --json "$OUT/lfbench_kernel.json" | tee -a "$LOG" || rc=1
+  [ -n "${PROFILE_ATTN:-}" ] || return
+  # the details page (warp states, memory chart) and the raw page's stall reasons
+  say "ncu: decode attention, batch 1, budget ${PROFILE_ATTN_BUDGET:-1024}"
+  ncu --clock-control none -k regex:decode_attn_kernel -c 3 --set full --import-source yes \
+    -f -o "$OUT/attn_b1" "$B/lfbench" kernel --batches 1 --budgets "${PROFILE_ATTN_BUDGET:-1024}" \
+    --iters 3 --warmup 1 >"$OUT/attn_b1_run.txt" 2>&1 || { rc=1; say "ncu FAILED"; return; }
+  ncu --import "$OUT/attn_b1.ncu-rep" --page details >"$OUT/attn_b1_details.txt" 2>&1
+  ncu --import "$OUT/attn_b1.ncu-rep" --page raw --csv >"$OUT/attn_b1_raw.csv" 2>&1
+  python3 bench/ncu_summary.py stalls "$OUT/attn_b1_raw.csv" | tee -a "$LOG"
+  grep -E "Duration|Registers|Achieved Occupancy|Warp Cycles Per Issued|DRAM Throughput" \
+    "$OUT/attn_b1_details.txt" | head -20 | tee -a "$LOG"
 }
 
 run_step() { # BUILD_DIR TAG
@@ -89,23 +140,73 @@ run_step() { # BUILD_DIR TAG
   # shellcheck disable=SC2086
   "$dir/lfbench" step --batches 1,64 ${STEP_ARGS:-} --json "$OUT/lfbench_step$tag.json" 2>&1 |
     grep -v "^# device" | tee -a "$LOG" || rc=1
+  [ -n "${PROFILE:-}" ] && [ -z "$tag" ] || return 0
+  local pb
+  for pb in ${PROFILE_BATCHES:-1 64}; do
+    # graphs off so ncu sees the kernels; lfbench step opens the profiled range around its last
+    # step only (LF_PROFILE_STEP)
+    say "ncu: one decode step of random:llama3-8b, batch $pb"
+    LF_CUDA_GRAPHS=0 LF_PROFILE_STEP=1 ncu --clock-control none --profile-from-start off --csv \
+      --metrics gpu__time_duration.sum,dram__bytes.sum "$dir/lfbench" step \
+      --models random:llama3-8b --batches "$pb" --steps 2 --warmup 1 >"$OUT/ncu_step_b$pb.csv" \
+      2>"$OUT/ncu_step_b$pb.err" || { rc=1; say "ncu FAILED"; continue; }
+    python3 bench/ncu_summary.py kernels "$OUT/ncu_step_b$pb.csv" | tee -a "$LOG"
+  done
+}
+
+# launch N CMD...: N ranks through mpirun (every LF_* and NCCL_* setting reaches them) when the
+# build has MPI and the machine has mpirun, else through tests/tp_run.sh (NCCL's id in a file)
+launch() {
+  local n=$1 x=() v
+  shift
+  if grep -q "LF_HAVE_MPI" "$B/build.ninja" 2>/dev/null && command -v mpirun >/dev/null; then
+    for v in $(env | grep -oE '^(LF|NCCL)_[A-Z0-9_]*'); do x+=(-x "$v"); done
+    timeout "${LT:-600}" mpirun -np "$n" --oversubscribe "${x[@]}" "$@"
+  else
+    timeout "${LT:-600}" bash tests/tp_run.sh "$n" "$@"
+  fi
 }
 
 run_tp() {
   [ "$NP" -ge 2 ] || { say "tp: $NGPU GPU here, nothing to run"; return; }
   [ -x "$B/lfbench" ] || build . "$B" || { rc=1; return; }
-  say "mpi_gpu_tp at $NP ranks"
-  mpirun -np "$NP" --oversubscribe "$B/tests/mpi_gpu_tp" >"$OUT/mpi_gpu_tp.txt" 2>&1 || rc=1
+  export LF_NCCL_TIMEOUT_S=${LF_NCCL_TIMEOUT_S:-60}
+  local how m ids=128000,9906,11,1268,527,499,30 same
+  how=$(grep -q "LF_HAVE_MPI" "$B/build.ninja" && command -v mpirun >/dev/null && echo mpirun || echo tp_run)
+  say "mpi_gpu_tp at $NP ranks ($how)"
+  launch "$NP" "$B/tests/mpi_gpu_tp" >"$OUT/mpi_gpu_tp.txt" 2>&1 || rc=1
   grep -E "PASSED|FAILED" "$OUT/mpi_gpu_tp.txt" | tail -5 | tee -a "$LOG"
+  for m in "die 1" "die 0" "hang 1"; do
+    say "killed rank: $m"
+    # shellcheck disable=SC2086
+    sh tests/mpi_gpu_tp_die.sh "$how" 2 "$B/tests/mpi_gpu_tp" $m >"$OUT/die_${m// /_}.txt" 2>&1 ||
+      { rc=1; say "$m FAILED"; }
+  done
+  # greedy tokens of TP=NP against TP=1 on a random model: bf16 meets near-ties, so the count
+  # of identical tokens before the first difference is what is judged (100 or more)
+  "$B/lfgen" --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 128 \
+    --budget 1024 --ignore-eos --print-ids >"$OUT/lfgen_tp1.txt" 2>/dev/null || rc=1
+  launch "$NP" "$B/lfgen" --model random:llama3-8b --backend cuda --prompt-ids $ids --max-tokens 128 \
+    --budget 1024 --ignore-eos --print-ids >"$OUT/lfgen_tp$NP.txt" 2>/dev/null || rc=1
+  same=$(paste -d' ' <(tr -cs '0-9-' '\n' <"$OUT/lfgen_tp1.txt") <(tr -cs '0-9-' '\n' <"$OUT/lfgen_tp$NP.txt") |
+    awk 'NF == 2 && $1 == $2 { n++; next } NF { exit } END { print n + 0 }')
+  say "lfgen: TP=$NP equals TP=1 for the first $same tokens"
+  [ "$same" -ge 100 ] || rc=1
   say "lfbench comm at $NP ranks"
-  mpirun -np "$NP" "$B/lfbench" comm --json "$OUT/lfbench_comm.json" | tee -a "$LOG" || rc=1
-  say "lfbench step: TP=1, then TP=$NP"
+  launch "$NP" "$B/lfbench" comm --json "$OUT/lfbench_comm.json" | tee -a "$LOG" || rc=1
+  say "lfbench step: TP=1, then TP=$NP on ${TP_MODELS:=random:llama3-8b,random:llama3-70b}"
   # shellcheck disable=SC2086
   "$B/lfbench" step --models random:llama3-8b --batches 1,64 ${STEP_ARGS:-} \
     --json "$OUT/lfbench_step_tp1.json" | tee -a "$LOG" || rc=1
   # shellcheck disable=SC2086
-  mpirun -np "$NP" "$B/lfbench" step --models random:llama3-8b --batches 1,64 ${STEP_ARGS:-} \
+  launch "$NP" "$B/lfbench" step --tp --models "$TP_MODELS" --batches 1,64 ${STEP_ARGS:-} \
     --json "$OUT/lfbench_step_tp$NP.json" | tee -a "$LOG" || rc=1
+  if [ -x "$B/lfserve" ] && [ "$how" = mpirun ]; then
+    say "lfserve under mpirun -np 2 --backend cuda"
+    timeout 300 python3 tests/server/test_server_mpi.py --lfserve "$B/lfserve" \
+      --mpiexec "$(command -v mpirun)" --backend cuda >"$OUT/server_mpi_cuda.txt" 2>&1 || rc=1
+    tail -3 "$OUT/server_mpi_cuda.txt" | tee -a "$LOG"
+  fi
 }
 
 run_serve() {
@@ -153,7 +254,7 @@ run_ab() { # OTHER_SRC
   run_step "$B" _this2
 }
 
-[ $# -ge 1 ] || { sed -n 2,22p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,36p "$0"; exit 2; }
 say "machine: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) x $NGPU"
 while [ $# -gt 0 ]; do
   case $1 in

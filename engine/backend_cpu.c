@@ -227,7 +227,7 @@ static lf_status cpu_pool_give(lf_backend *b, int pool) {
 }
 
 static int cpu_pools_free(lf_backend *b) {
-  return ((cpu_backend *)b)->arena.n_free;
+  return ((cpu_backend *)b)->arena.pools.n_free;
 }
 
 static int cpu_pool_slots_filled(lf_backend *b, int pool) {
@@ -301,13 +301,9 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   cpu_backend *c = calloc(1, sizeof *c);
   if (!c) return lf_error(LF_ERR_OUT_OF_MEMORY, "cpu backend");
   c->ck = ck;
-  c->base.name = "cpu";
-  c->base.forward = cpu_forward;
-  c->base.pool_take = cpu_pool_take;
-  c->base.pool_give = cpu_pool_give;
-  c->base.pools_free = cpu_pools_free;
-  c->base.pool_slots_filled = cpu_pool_slots_filled;
-  c->base.free = cpu_free;
+  c->base = (lf_backend){.name = "cpu", .forward = cpu_forward, .pool_take = cpu_pool_take,
+                         .pool_give = cpu_pool_give, .pools_free = cpu_pools_free,
+                         .pool_slots_filled = cpu_pool_slots_filled, .free = cpu_free};
   lf_attn_params ap = {.policy = p->policy,
                        .scope = p->scope,
                        .sink = p->sink,

@@ -29,9 +29,50 @@ lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out) {
   return lf_error(LF_ERR_IO, "%s: checkpoint is neither a directory nor a regular file", path);
 }
 
-/* Shapes of the random:NAME presets (the published configs of those models). */
+/* The random:NAME presets: the published configs of those models. tiny-llama and tiny-qwen3 are
+ * small enough for the cpu backend in tests; tiny-qwen3 has head_dim 64 and group 4, the shape
+ * the fused cuda decode kernel takes. */
+typedef struct random_preset {
+  const char *name;
+  lf_model_config cfg;
+} random_preset;
+
+#define LLAMA3_ROPE                                                                                \
+  .rope_theta = 500000.0f, .rope_scaling = LF_ROPE_SCALING_LLAMA3, .rope_factor = 8.0f,            \
+  .rope_low_freq_factor = 1.0f, .rope_high_freq_factor = 4.0f, .rope_original_max_pos = 8192
+#define LLAMA3_TOKENS .bos_id = 128000, .eos_ids = {128001, 128009}, .n_eos = 2
+
+/* clang-format off */ /* one preset to a paragraph */
+static const random_preset random_presets[] = {
+    {"llama3-8b",
+     {.model_type = "llama", .dim = 4096, .hidden_dim = 14336, .n_layers = 32, .n_heads = 32,
+      .n_kv_heads = 8, .head_dim = 128, .vocab_size = 128256, .max_seq_len = 131072,
+      .norm_eps = 1e-5f, LLAMA3_ROPE, LLAMA3_TOKENS}},
+    {"llama3-70b",
+     {.model_type = "llama", .dim = 8192, .hidden_dim = 28672, .n_layers = 80, .n_heads = 64,
+      .n_kv_heads = 8, .head_dim = 128, .vocab_size = 128256, .max_seq_len = 131072,
+      .norm_eps = 1e-5f, LLAMA3_ROPE, LLAMA3_TOKENS}},
+    {"qwen3-8b",
+     {.model_type = "qwen3", .dim = 4096, .hidden_dim = 12288, .n_layers = 36, .n_heads = 32,
+      .n_kv_heads = 8, .head_dim = 128, .vocab_size = 151936, .max_seq_len = 40960,
+      .rope_theta = 1000000.0f, .norm_eps = 1e-6f, .qk_norm = 1, .bos_id = -1,
+      .eos_ids = {151645, 151643}, .n_eos = 2}},
+    {"tiny-llama",
+     {.model_type = "llama", .dim = 256, .hidden_dim = 768, .n_layers = 4, .n_heads = 8,
+      .n_kv_heads = 2, .head_dim = 32, .vocab_size = 1024, .max_seq_len = 2048,
+      .rope_theta = 10000.0f, .norm_eps = 1e-5f, .bos_id = -1}},
+    {"tiny-qwen3",
+     {.model_type = "qwen3", .dim = 256, .hidden_dim = 768, .n_layers = 4, .n_heads = 8,
+      .n_kv_heads = 2, .head_dim = 64, .vocab_size = 1024, .max_seq_len = 2048,
+      .rope_theta = 1000000.0f, .norm_eps = 1e-5f, .qk_norm = 1, .bos_id = -1}},
+};
+/* clang-format on */
+#undef LLAMA3_ROPE
+#undef LLAMA3_TOKENS
+
 lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out) {
-  if (!spec || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_checkpoint_open_random: NULL argument");
+  if (!spec || !out)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_checkpoint_open_random: NULL argument");
   memset(out, 0, sizeof *out);
   char name[64];
   const char *colon = strchr(spec, ':');
@@ -61,73 +102,22 @@ lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out) {
     shard = (int)t;
     *slash = '\0';
   }
-  lf_model_config *c = &out->cfg;
-  c->norm_eps = 1e-5f;
-  c->rope_style = LF_ROPE_HALF;
-  c->bos_id = -1;
-  if (!strcmp(name, "llama3-8b") || !strcmp(name, "llama3-70b")) {
-    const int big = name[7] == '7';
-    snprintf(c->model_type, sizeof c->model_type, "llama");
-    c->dim = big ? 8192 : 4096;
-    c->hidden_dim = big ? 28672 : 14336;
-    c->n_layers = big ? 80 : 32;
-    c->n_heads = big ? 64 : 32;
-    c->n_kv_heads = 8;
-    c->head_dim = 128;
-    c->vocab_size = 128256;
-    c->max_seq_len = 131072;
-    c->rope_theta = 500000.0f;
-    c->rope_scaling = LF_ROPE_SCALING_LLAMA3;
-    c->rope_factor = 8.0f;
-    c->rope_low_freq_factor = 1.0f;
-    c->rope_high_freq_factor = 4.0f;
-    c->rope_original_max_pos = 8192;
-    c->bos_id = 128000;
-    c->eos_ids[0] = 128001;
-    c->eos_ids[1] = 128009;
-    c->n_eos = 2;
-  } else if (!strcmp(name, "qwen3-8b")) {
-    snprintf(c->model_type, sizeof c->model_type, "qwen3");
-    c->dim = 4096;
-    c->hidden_dim = 12288;
-    c->n_layers = 36;
-    c->n_heads = 32;
-    c->n_kv_heads = 8;
-    c->head_dim = 128;
-    c->vocab_size = 151936;
-    c->max_seq_len = 40960;
-    c->rope_theta = 1000000.0f;
-    c->norm_eps = 1e-6f;
-    c->qk_norm = 1;
-    c->eos_ids[0] = 151645;
-    c->eos_ids[1] = 151643;
-    c->n_eos = 2;
-  } else if (!strcmp(name, "tiny-llama") || !strcmp(name, "tiny-qwen3")) {
-    /* Small enough for the cpu backend in tests; tiny-qwen3 has head_dim 64 and group 4, the
-     * shape the fused cuda decode kernel takes. */
-    const int q3 = name[5] == 'q';
-    snprintf(c->model_type, sizeof c->model_type, q3 ? "qwen3" : "llama");
-    c->dim = 256;
-    c->hidden_dim = 768;
-    c->n_layers = 4;
-    c->n_heads = 8;
-    c->n_kv_heads = 2;
-    c->head_dim = q3 ? 64 : 32;
-    c->vocab_size = 1024;
-    c->max_seq_len = 2048;
-    c->rope_theta = q3 ? 1000000.0f : 10000.0f;
-    c->qk_norm = q3;
-  } else {
+  const random_preset *pr = NULL;
+  for (size_t i = 0; i < sizeof random_presets / sizeof random_presets[0]; i++)
+    if (!strcmp(name, random_presets[i].name)) pr = &random_presets[i];
+  if (!pr)
     return lf_error(LF_ERR_INVALID_ARG,
                     "random:%s: unknown model (llama3-8b, qwen3-8b, llama3-70b, tiny-llama, "
                     "tiny-qwen3)",
                     name);
-  }
+  lf_model_config *c = &out->cfg;
+  *c = pr->cfg;
   if (shard > 1) {
     if (c->n_kv_heads % shard || c->hidden_dim % shard || c->vocab_size % shard)
-      return lf_error(LF_ERR_INVALID_ARG,
-                      "random:%s: %d KV heads, MLP width %d and vocabulary %d must all divide by %d",
-                      spec, c->n_kv_heads, c->hidden_dim, c->vocab_size, shard);
+      return lf_error(
+          LF_ERR_INVALID_ARG,
+          "random:%s: %d KV heads, MLP width %d and vocabulary %d must all divide by %d", spec,
+          c->n_kv_heads, c->hidden_dim, c->vocab_size, shard);
     c->n_heads /= shard;
     c->n_kv_heads /= shard;
     c->hidden_dim /= shard;

@@ -541,50 +541,32 @@ lf_gguf_vtype lf_gguf_kv_type(const lf_gguf *g, int64_t i) {
   return g->kv[i].type;
 }
 
-static lf_status kv_at(const lf_gguf *g, int64_t i, const gguf_kv **kv) {
-  if (!g || i < 0 || i >= g->n_kv)
-    return lf_error(LF_ERR_INVALID_ARG, "GGUF metadata index %lld out of range", (long long)i);
-  *kv = &g->kv[i];
-  return LF_OK;
-}
-
 /* 1 when t is an integer type; *out gets the value at p, *big is set for a uint64 > INT64_MAX. */
 static int load_int(lf_gguf_vtype t, const unsigned char *p, int64_t *out, int *big) {
+/* the value at p read as T (memcpy: p need not be aligned) */
+#define LOAD_AS(T)                                                                                 \
+  {                                                                                                \
+    T v_;                                                                                          \
+    memcpy(&v_, p, sizeof v_);                                                                     \
+    *out = v_;                                                                                     \
+    return 1;                                                                                      \
+  }
   *big = 0;
   switch (t) {
   case LF_GGUF_UINT8:
-    *out = p[0];
-    return 1;
-  case LF_GGUF_INT8: {
-    int8_t v;
-    memcpy(&v, p, 1);
-    *out = v;
-    return 1;
-  }
-  case LF_GGUF_UINT16: {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    *out = v;
-    return 1;
-  }
-  case LF_GGUF_INT16: {
-    int16_t v;
-    memcpy(&v, p, 2);
-    *out = v;
-    return 1;
-  }
-  case LF_GGUF_UINT32: {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    *out = v;
-    return 1;
-  }
-  case LF_GGUF_INT32: {
-    int32_t v;
-    memcpy(&v, p, 4);
-    *out = v;
-    return 1;
-  }
+    LOAD_AS(uint8_t)
+  case LF_GGUF_INT8:
+    LOAD_AS(int8_t)
+  case LF_GGUF_UINT16:
+    LOAD_AS(uint16_t)
+  case LF_GGUF_INT16:
+    LOAD_AS(int16_t)
+  case LF_GGUF_UINT32:
+    LOAD_AS(uint32_t)
+  case LF_GGUF_INT32:
+    LOAD_AS(int32_t)
+  case LF_GGUF_INT64:
+    LOAD_AS(int64_t)
   case LF_GGUF_UINT64: {
     uint64_t v;
     memcpy(&v, p, 8);
@@ -592,12 +574,10 @@ static int load_int(lf_gguf_vtype t, const unsigned char *p, int64_t *out, int *
     *out = *big ? INT64_MAX : (int64_t)v;
     return 1;
   }
-  case LF_GGUF_INT64:
-    memcpy(out, p, 8);
-    return 1;
   default:
     return 0;
   }
+#undef LOAD_AS
 }
 
 static int load_float(lf_gguf_vtype t, const unsigned char *p, double *out) {
@@ -624,9 +604,34 @@ static int load_float(lf_gguf_vtype t, const unsigned char *p, double *out) {
   return 1;
 }
 
-static lf_status type_error(const lf_gguf *g, const gguf_kv *kv, int elem, const char *want) {
+static lf_gguf_str str_at(const unsigned char *p) {
+  uint64_t len;
+  memcpy(&len, p, 8);
+  return (lf_gguf_str){(const char *)p + 8, len};
+}
+
+/* One value to read: a key's scalar, or element j of a key's array (elem set). */
+typedef struct val_ref {
+  const gguf_kv *kv;
+  lf_gguf_vtype type;
+  const unsigned char *p;
+  int elem;
+} val_ref;
+
+static lf_status kv_ref(const lf_gguf *g, int64_t i, val_ref *r) {
+  if (!g || i < 0 || i >= g->n_kv)
+    return lf_error(LF_ERR_INVALID_ARG, "GGUF metadata index %lld out of range", (long long)i);
+  r->kv = &g->kv[i];
+  r->type = r->kv->type;
+  r->p = r->kv->val;
+  r->elem = 0;
+  return LF_OK;
+}
+
+static lf_status type_error(const lf_gguf *g, const val_ref *r, const char *want) {
   char kb[80];
-  if (elem)
+  const gguf_kv *kv = r->kv;
+  if (r->elem)
     return lf_error(LF_ERR_FORMAT, "%s: key %s is an array of %s, not of %s", g->name,
                     msg_str(kv->key, kb, sizeof kb), lf_gguf_vtype_str(kv->elem_type), want);
   return lf_error(
@@ -638,143 +643,94 @@ static lf_status type_error(const lf_gguf *g, const gguf_kv *kv, int elem, const
       lf_gguf_vtype_str(kv->type), want);
 }
 
-static lf_status big_error(const lf_gguf *g, const gguf_kv *kv) {
-  char kb[80];
-  return lf_error(LF_ERR_FORMAT, "%s: key %s holds a uint64 above the int64 range", g->name,
-                  msg_str(kv->key, kb, sizeof kb));
-}
-
-lf_status lf_gguf_kv_int(const lf_gguf *g, int64_t i, int64_t *out) {
-  const gguf_kv *kv = NULL;
-  LF_TRY(kv_at(g, i, &kv));
-  int big;
-  if (!load_int(kv->type, kv->val, out, &big)) return type_error(g, kv, 0, "an integer");
-  if (big) return big_error(g, kv);
-  return LF_OK;
-}
-
-lf_status lf_gguf_kv_float(const lf_gguf *g, int64_t i, double *out) {
-  const gguf_kv *kv = NULL;
-  LF_TRY(kv_at(g, i, &kv));
-  if (!load_float(kv->type, kv->val, out)) return type_error(g, kv, 0, "a number");
-  return LF_OK;
-}
-
-lf_status lf_gguf_kv_bool(const lf_gguf *g, int64_t i, int *out) {
-  const gguf_kv *kv = NULL;
-  LF_TRY(kv_at(g, i, &kv));
-  if (kv->type != LF_GGUF_BOOL) return type_error(g, kv, 0, "a bool");
-  *out = kv->val[0];
-  return LF_OK;
-}
-
-static lf_gguf_str str_at(const unsigned char *p) {
-  uint64_t len;
-  memcpy(&len, p, 8);
-  return (lf_gguf_str){(const char *)p + 8, len};
-}
-
-lf_status lf_gguf_kv_str(const lf_gguf *g, int64_t i, lf_gguf_str *out) {
-  const gguf_kv *kv = NULL;
-  LF_TRY(kv_at(g, i, &kv));
-  if (kv->type != LF_GGUF_STRING) return type_error(g, kv, 0, "a string");
-  *out = str_at(kv->val);
-  return LF_OK;
-}
-
 lf_status lf_gguf_arr_info(const lf_gguf *g, int64_t i, lf_gguf_vtype *elem_type, uint64_t *n) {
-  const gguf_kv *kv = NULL;
-  LF_TRY(kv_at(g, i, &kv));
-  if (kv->type != LF_GGUF_ARRAY) return type_error(g, kv, 0, "an array");
-  if (elem_type) *elem_type = kv->elem_type;
-  if (n) *n = kv->n;
+  val_ref r = {0};
+  LF_TRY(kv_ref(g, i, &r));
+  if (r.type != LF_GGUF_ARRAY) return type_error(g, &r, "an array");
+  if (elem_type) *elem_type = r.kv->elem_type;
+  if (n) *n = r.kv->n;
   return LF_OK;
 }
 
-/* The array element j of key i, its bytes at *p. */
-static lf_status arr_elem(const lf_gguf *g, int64_t i, uint64_t j, const gguf_kv **kv,
-                          const unsigned char **p) {
+/* The array element j of key i. */
+static lf_status elem_ref(const lf_gguf *g, int64_t i, uint64_t j, val_ref *r) {
   LF_TRY(lf_gguf_arr_info(g, i, NULL, NULL));
-  *kv = &g->kv[i];
-  if (j >= (*kv)->n) {
+  const gguf_kv *kv = &g->kv[i];
+  if (j >= kv->n) {
     char kb[80];
     return lf_error(LF_ERR_INVALID_ARG, "%s: key %s: index %llu outside its %llu elements", g->name,
-                    msg_str((*kv)->key, kb, sizeof kb), (unsigned long long)j,
-                    (unsigned long long)(*kv)->n);
+                    msg_str(kv->key, kb, sizeof kb), (unsigned long long)j,
+                    (unsigned long long)kv->n);
   }
-  if ((*kv)->elem_type == LF_GGUF_STRING)
-    *p = (*kv)->strs[j];
-  else
-    *p = (*kv)->val + (size_t)j * vtype_size((*kv)->elem_type);
+  r->kv = kv;
+  r->type = kv->elem_type;
+  r->p = kv->elem_type == LF_GGUF_STRING ? kv->strs[j]
+                                         : kv->val + (size_t)j * vtype_size(kv->elem_type);
+  r->elem = 1;
   return LF_OK;
 }
 
-lf_status lf_gguf_arr_int(const lf_gguf *g, int64_t i, uint64_t j, int64_t *out) {
-  const gguf_kv *kv = NULL;
-  const unsigned char *p = NULL;
-  LF_TRY(arr_elem(g, i, j, &kv, &p));
-  int big;
-  if (!load_int(kv->elem_type, p, out, &big)) return type_error(g, kv, 1, "integers");
-  if (big) return big_error(g, kv);
-  return LF_OK;
-}
-
-lf_status lf_gguf_arr_float(const lf_gguf *g, int64_t i, uint64_t j, double *out) {
-  const gguf_kv *kv = NULL;
-  const unsigned char *p = NULL;
-  LF_TRY(arr_elem(g, i, j, &kv, &p));
-  if (!load_float(kv->elem_type, p, out)) return type_error(g, kv, 1, "numbers");
-  return LF_OK;
-}
-
-lf_status lf_gguf_arr_bool(const lf_gguf *g, int64_t i, uint64_t j, int *out) {
-  const gguf_kv *kv = NULL;
-  const unsigned char *p = NULL;
-  LF_TRY(arr_elem(g, i, j, &kv, &p));
-  if (kv->elem_type != LF_GGUF_BOOL) return type_error(g, kv, 1, "bools");
-  *out = p[0];
-  return LF_OK;
-}
-
-lf_status lf_gguf_arr_str(const lf_gguf *g, int64_t i, uint64_t j, lf_gguf_str *out) {
-  const gguf_kv *kv = NULL;
-  const unsigned char *p = NULL;
-  LF_TRY(arr_elem(g, i, j, &kv, &p));
-  if (kv->elem_type != LF_GGUF_STRING) return type_error(g, kv, 1, "strings");
-  *out = str_at(p);
-  return LF_OK;
-}
-
-static lf_status find_or_fail(const lf_gguf *g, const char *key, int64_t *i) {
+static lf_status key_ref(const lf_gguf *g, const char *key, val_ref *r) {
   if (!g || !key) return lf_error(LF_ERR_INVALID_ARG, "GGUF key lookup: NULL argument");
-  *i = lf_gguf_find_key(g, key);
-  if (*i < 0) return lf_error(LF_ERR_NOT_FOUND, "%s: no metadata key %s", g->name, key);
+  const int64_t i = lf_gguf_find_key(g, key);
+  if (i < 0) return lf_error(LF_ERR_NOT_FOUND, "%s: no metadata key %s", g->name, key);
+  return kv_ref(g, i, r);
+}
+
+/* The readers by value type; each names what it wants for a scalar and for an array. */
+static lf_status read_int(const lf_gguf *g, const val_ref *r, int64_t *out) {
+  int big;
+  if (!load_int(r->type, r->p, out, &big))
+    return type_error(g, r, r->elem ? "integers" : "an integer");
+  if (big) {
+    char kb[80];
+    return lf_error(LF_ERR_FORMAT, "%s: key %s holds a uint64 above the int64 range", g->name,
+                    msg_str(r->kv->key, kb, sizeof kb));
+  }
   return LF_OK;
 }
 
-lf_status lf_gguf_get_int(const lf_gguf *g, const char *key, int64_t *out) {
-  int64_t i = -1;
-  LF_TRY(find_or_fail(g, key, &i));
-  return lf_gguf_kv_int(g, i, out);
+static lf_status read_float(const lf_gguf *g, const val_ref *r, double *out) {
+  if (!load_float(r->type, r->p, out)) return type_error(g, r, r->elem ? "numbers" : "a number");
+  return LF_OK;
 }
 
-lf_status lf_gguf_get_float(const lf_gguf *g, const char *key, double *out) {
-  int64_t i = -1;
-  LF_TRY(find_or_fail(g, key, &i));
-  return lf_gguf_kv_float(g, i, out);
+static lf_status read_bool(const lf_gguf *g, const val_ref *r, int *out) {
+  if (r->type != LF_GGUF_BOOL) return type_error(g, r, r->elem ? "bools" : "a bool");
+  *out = r->p[0];
+  return LF_OK;
 }
 
-lf_status lf_gguf_get_bool(const lf_gguf *g, const char *key, int *out) {
-  int64_t i = -1;
-  LF_TRY(find_or_fail(g, key, &i));
-  return lf_gguf_kv_bool(g, i, out);
+static lf_status read_str(const lf_gguf *g, const val_ref *r, lf_gguf_str *out) {
+  if (r->type != LF_GGUF_STRING) return type_error(g, r, r->elem ? "strings" : "a string");
+  *out = str_at(r->p);
+  return LF_OK;
 }
 
-lf_status lf_gguf_get_str(const lf_gguf *g, const char *key, lf_gguf_str *out) {
-  int64_t i = -1;
-  LF_TRY(find_or_fail(g, key, &i));
-  return lf_gguf_kv_str(g, i, out);
-}
+/* lf_gguf_kv_<name> (by index), lf_gguf_arr_<name> (array element) and lf_gguf_get_<name> (by
+ * key) for one value type T (gguf.h): locate the value, then read it with read_<name>. */
+#define GGUF_READERS(name, T)                                                                      \
+  lf_status lf_gguf_kv_##name(const lf_gguf *g, int64_t i, T *out) {                               \
+    val_ref r = {0};                                                                               \
+    LF_TRY(kv_ref(g, i, &r));                                                                      \
+    return read_##name(g, &r, out);                                                                \
+  }                                                                                                \
+  lf_status lf_gguf_arr_##name(const lf_gguf *g, int64_t i, uint64_t j, T *out) {                  \
+    val_ref r = {0};                                                                               \
+    LF_TRY(elem_ref(g, i, j, &r));                                                                 \
+    return read_##name(g, &r, out);                                                                \
+  }                                                                                                \
+  lf_status lf_gguf_get_##name(const lf_gguf *g, const char *key, T *out) {                        \
+    val_ref r = {0};                                                                               \
+    LF_TRY(key_ref(g, key, &r));                                                                   \
+    return read_##name(g, &r, out);                                                                \
+  }
+
+GGUF_READERS(int, int64_t)
+GGUF_READERS(float, double)
+GGUF_READERS(bool, int)
+GGUF_READERS(str, lf_gguf_str)
+#undef GGUF_READERS
 
 /* ---- tensors ------------------------------------------------------------------------------- */
 

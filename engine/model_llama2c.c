@@ -53,52 +53,36 @@ static lf_status l2c_register(lf_checkpoint *ck, const char *file, const float *
 
   LF_TRY(l2c_add(s, file, "model.embed_tokens.weight", V, D, p));
   p += V * D;
-  /* Stacked arrays: [n_layers][rows][cols] each; layer l is the l-th block. */
-  const float *rms_att = p;
-  p += n_layers * D;
-  const float *wq = p;
-  p += n_layers * D * D;
-  const float *wk = p;
-  p += n_layers * KV * D;
-  const float *wv = p;
-  p += n_layers * KV * D;
-  const float *wo = p;
-  p += n_layers * D * D;
-  const float *rms_ffn = p;
-  p += n_layers * D;
-  const float *w1 = p;
-  p += n_layers * H * D;
-  const float *w2 = p;
-  p += n_layers * D * H;
-  const float *w3 = p;
-  p += n_layers * H * D;
+  /* Stacked arrays in file order, [n_layers][d0][d1] each (d1 0: a vector); layer l of one is its
+   * l-th block. */
+  const struct {
+    const char *suffix;
+    int64_t d0, d1;
+  } parts[] = {
+      {"input_layernorm.weight", D, 0},   {"self_attn.q_proj.weight", D, D},
+      {"self_attn.k_proj.weight", KV, D}, {"self_attn.v_proj.weight", KV, D},
+      {"self_attn.o_proj.weight", D, D},  {"post_attention_layernorm.weight", D, 0},
+      {"mlp.gate_proj.weight", H, D},     {"mlp.down_proj.weight", D, H},
+      {"mlp.up_proj.weight", H, D},
+  };
+  enum { N_PARTS = sizeof parts / sizeof parts[0] };
+  const float *stacked[N_PARTS];
+  int64_t per_layer[N_PARTS];
+  for (int i = 0; i < N_PARTS; i++) {
+    per_layer[i] = parts[i].d0 * (parts[i].d1 > 0 ? parts[i].d1 : 1);
+    stacked[i] = p;
+    p += n_layers * per_layer[i];
+  }
   const float *rms_final = p;
   p += D;
   p += (int64_t)seq_len * head_dim; /* freq_cis_real, freq_cis_imag: [seq_len][head_dim/2] each */
   const float *wcls = p;            /* [vocab][dim] when unshared */
 
-  for (int l = 0; l < n_layers; l++) {
-    const struct {
-      const char *suffix;
-      int64_t d0, d1;
-      const float *base;
-    } parts[] = {
-        {"input_layernorm.weight", D, 0, rms_att},
-        {"self_attn.q_proj.weight", D, D, wq},
-        {"self_attn.k_proj.weight", KV, D, wk},
-        {"self_attn.v_proj.weight", KV, D, wv},
-        {"self_attn.o_proj.weight", D, D, wo},
-        {"post_attention_layernorm.weight", D, 0, rms_ffn},
-        {"mlp.gate_proj.weight", H, D, w1},
-        {"mlp.down_proj.weight", D, H, w2},
-        {"mlp.up_proj.weight", H, D, w3},
-    };
-    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
-      int64_t per_layer = parts[i].d0 * (parts[i].d1 > 0 ? parts[i].d1 : 1);
+  for (int l = 0; l < n_layers; l++)
+    for (int i = 0; i < N_PARTS; i++) {
       snprintf(nm, sizeof nm, "model.layers.%d.%s", l, parts[i].suffix);
-      LF_TRY(l2c_add(s, file, nm, parts[i].d0, parts[i].d1, parts[i].base + l * per_layer));
+      LF_TRY(l2c_add(s, file, nm, parts[i].d0, parts[i].d1, stacked[i] + l * per_layer[i]));
     }
-  }
   LF_TRY(l2c_add(s, file, "model.norm.weight", D, 0, rms_final));
   if (!shared) LF_TRY(l2c_add(s, file, "lm_head.weight", V, D, wcls));
   return LF_OK;
@@ -171,30 +155,27 @@ static lf_status l2c_open(const char *path, lf_checkpoint *ck) {
                     shared ? "" : ", unshared classifier", (unsigned long long)expect);
 
   lf_model_config *c = &ck->cfg;
-  memset(c, 0, sizeof *c);
-  snprintf(c->model_type, sizeof c->model_type, "llama2c");
-  c->dim = dim;
-  c->hidden_dim = hidden;
-  c->n_layers = n_layers;
-  c->n_heads = n_heads;
-  c->n_kv_heads = n_kv;
-  c->head_dim = head_dim;
-  c->vocab_size = vocab;
-  c->max_seq_len = seq_len;
-  c->rope_theta = 10000.0f;
-  c->norm_eps = 1e-5f;
-  c->rope_style = LF_ROPE_INTERLEAVED;
-  c->rope_scaling = LF_ROPE_SCALING_NONE;
-  c->qkv_bias = 0;
-  c->qk_norm = 0;
-  c->tie_embeddings = shared;
-  c->bos_id = 1;
   /* The llama2.c reference (run.c) stops generating when the model emits BOS (1), not the
    * sentencepiece EOS (2): stories models end a story by starting the next one. Declaring 1 as
    * the end-of-sequence id makes the engine stop exactly where the reference does
    * (greedy_reference.txt was produced that way). */
-  c->eos_ids[0] = 1;
-  c->n_eos = 1;
+  *c = (lf_model_config){.model_type = "llama2c",
+                         .dim = dim,
+                         .hidden_dim = hidden,
+                         .n_layers = n_layers,
+                         .n_heads = n_heads,
+                         .n_kv_heads = n_kv,
+                         .head_dim = head_dim,
+                         .vocab_size = vocab,
+                         .max_seq_len = seq_len,
+                         .rope_theta = 10000.0f,
+                         .norm_eps = 1e-5f,
+                         .rope_style = LF_ROPE_INTERLEAVED,
+                         .rope_scaling = LF_ROPE_SCALING_NONE,
+                         .tie_embeddings = shared,
+                         .bos_id = 1,
+                         .eos_ids = {1},
+                         .n_eos = 1};
 
   LF_TRY(l2c_register(ck, file, (const float *)((const char *)m->addr + LLAMA2C_HEADER_BYTES), dim,
                       hidden, n_layers, kv_dim, vocab, seq_len, head_dim, shared));

@@ -154,27 +154,14 @@ static void k_scale_min(const unsigned char *s, int j, int *sc, int *mn) {
   }
 }
 
-/* d, dmin (f16), scales[12], qs[128]. Sub-block j (32 elements) takes nibble j % 2 of bytes
- * qs[32 * (j / 2) + l]; value (d * sc_j) * q - (dmin * m_j). */
-static void dq_q4_k(const unsigned char *b, float *y) {
+/* Q4_K and Q5_K share the super-block of 8 sub-blocks of 32: d, dmin (f16), scales[12], then for
+ * Q5_K qh[32], then qs[128]. Sub-block j (32 elements) takes nibble j % 2 of bytes
+ * qs[32 * (j / 2) + l], and in Q5_K a fifth bit, bit j of qh[l]; value (d * sc_j) * q - (dmin *
+ * m_j). qh is NULL for Q4_K. */
+static void dq_k_nibbles(const unsigned char *b, const unsigned char *qh, const unsigned char *qs,
+                         float *y) {
   const float d = load_f16(b), dmin = load_f16(b + 2);
-  const unsigned char *scales = b + 4, *qs = b + 16;
-  for (int j = 0; j < 8; j++) {
-    int sc, mn;
-    k_scale_min(scales, j, &sc, &mn);
-    const float ds = d * (float)sc, ms = dmin * (float)mn;
-    const unsigned char *q = qs + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
-    for (int l = 0; l < 32; l++)
-      y[32 * j + l] = ds * (float)((q[l] >> shift) & 0x0F) - ms;
-  }
-}
-
-/* d, dmin (f16), scales[12], qh[32], qs[128]: Q4_K's low nibbles plus a fifth bit, bit j of
- * qh[l], for element l of sub-block j. */
-static void dq_q5_k(const unsigned char *b, float *y) {
-  const float d = load_f16(b), dmin = load_f16(b + 2);
-  const unsigned char *scales = b + 4, *qh = b + 16, *qs = b + 48;
+  const unsigned char *scales = b + 4;
   for (int j = 0; j < 8; j++) {
     int sc, mn;
     k_scale_min(scales, j, &sc, &mn);
@@ -182,10 +169,19 @@ static void dq_q5_k(const unsigned char *b, float *y) {
     const unsigned char *q = qs + 32 * (j / 2);
     const int shift = 4 * (j % 2);
     for (int l = 0; l < 32; l++) {
-      int v = ((q[l] >> shift) & 0x0F) | ((qh[l] >> j) & 1) << 4;
+      int v = (q[l] >> shift) & 0x0F;
+      if (qh) v |= ((qh[l] >> j) & 1) << 4;
       y[32 * j + l] = ds * (float)v - ms;
     }
   }
+}
+
+static void dq_q4_k(const unsigned char *b, float *y) {
+  dq_k_nibbles(b, NULL, b + 16, y);
+}
+
+static void dq_q5_k(const unsigned char *b, float *y) {
+  dq_k_nibbles(b, b + 16, b + 48, y);
 }
 
 /* ql[128], qh[64], scales[16] (int8), d (f16). Two halves of 128 elements; in half h, element

@@ -298,13 +298,9 @@ lf_status lf_backend_tp_lead(lf_backend *inner, lf_comm_t comm, lf_backend **out
     return lf_error(LF_ERR_INVALID_ARG, "rank %d cannot lead (rank 0 decides)", comm->rank);
   tp_lead *t = calloc(1, sizeof *t);
   if (!t) return lf_error(LF_ERR_OUT_OF_MEMORY, "tensor-parallel backend");
-  t->base.name = inner->name;
-  t->base.forward = lead_forward;
-  t->base.pool_take = lead_pool_take;
-  t->base.pool_give = lead_pool_give;
-  t->base.pools_free = lead_pools_free;
-  t->base.pool_slots_filled = lead_pool_slots_filled;
-  t->base.free = lead_free;
+  t->base = (lf_backend){.name = inner->name, .forward = lead_forward, .pool_take = lead_pool_take,
+                         .pool_give = lead_pool_give, .pools_free = lead_pools_free,
+                         .pool_slots_filled = lead_pool_slots_filled, .free = lead_free};
   t->inner = inner;
   t->comm = comm;
   *out = &t->base;

@@ -156,9 +156,9 @@ template <int MODE, int KS> static gemv_fn pick_nt(int nt) {
   GV_RETURN_BY_NT(nt, gemv_kernel, MODE, KS)
 }
 
-/* The kernel of a mode: 8 chunks of 16 bytes in flight per lane (16 measured slower on an
- * H200: more registers, fewer warps), one warp a row (KS = 1: rows split over 2 or 4 warps were
- * measured slower than one warp a row on an H200, bench/RESULTS.md). */
+/* The kernel of a mode: 8 chunks of 16 bytes in flight per lane (16 is slower: more registers,
+ * fewer warps), one warp a row (KS = 1: rows split over 2 or 4 warps are slower than one warp a
+ * row, bench/RESULTS.md). */
 static gemv_fn pick(lf_gemv_out mode, int nt) {
   if (mode == LF_GEMV_BF16) return pick_nt<LF_GEMV_BF16, 1>(nt);
   if (mode == LF_GEMV_GLU) return pick_nt<LF_GEMV_GLU, 1>(nt);
@@ -276,8 +276,7 @@ template <int P, int KS> static gemv_parts_fn pick_parts_nt(int nt) {
   GV_RETURN_BY_NT(nt, gemv_parts_kernel, P, KS)
 }
 
-/* The kernel of a part count, one warp a row (4 warps a row measured slower on an H200,
- * bench/RESULTS.md). */
+/* The kernel of a part count, one warp a row (4 warps a row are slower, bench/RESULTS.md). */
 static gemv_parts_fn pick_parts(int parts, int nt) {
   switch (parts) {
   case 1: return pick_parts_nt<1, 1>(nt);

@@ -6,7 +6,7 @@
  * owns one output row (two for the gated MLP), reads it with 128-bit streaming loads and reads X
  * through L1. Each token's sum is formed in the same order whatever n_tok is, so a sequence's
  * result does not depend on what else is in the batch. The engine uses it at batch 1 only: from
- * batch 2 on cuBLAS was faster on an H200 (engine/cuda/gemm.cu).
+ * batch 2 on cuBLAS is faster (engine/cuda/gemm.cu).
  *
  * Includable from C; bf16 buffers are void *; every pointer is device memory.
  */

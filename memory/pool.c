@@ -25,8 +25,8 @@ static int shape_valid(const lf_pool_shape *s) {
 }
 
 /* Bytes of every per-pool array of the arena for one pool, so n_pools * lf_pool_bytes() is the
- * arena's whole footprint (the scheduler sizes n_pools from it, docs/DESIGN.md §5). 0 when the shape is
- * invalid or the size does not fit in 64 bits. n_pools is not used. */
+ * arena's whole footprint (lf_pools_for_memory sizes n_pools from it, docs/DESIGN.md §5). 0 when
+ * the shape is invalid or the size does not fit in 64 bits. n_pools is not used. */
 uint64_t lf_pool_bytes(const lf_pool_shape *s) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
   /* Each factor is < 2^31, so the products below are checked in steps. */
@@ -60,6 +60,68 @@ int lf_pools_for_memory(uint64_t bytes, double util, uint64_t pool_bytes) {
   return n >= (long double)INT_MAX ? INT_MAX : (int)n;
 }
 
+static void pool_list_restack(lf_pool_list *l, int n_pools) {
+  /* Stack order: pool 0 on top, so pools are handed out 0, 1, 2, ... */
+  for (int i = 0; i < n_pools; i++)
+    l->free_ids[i] = n_pools - 1 - i;
+  l->n_pools = n_pools;
+  l->n_free = n_pools;
+}
+
+lf_status lf_pool_list_init(lf_pool_list *l, int n_pools) {
+  if (!l) return lf_error(LF_ERR_INVALID_ARG, "lf_pool_list_init: list is NULL");
+  memset(l, 0, sizeof *l);
+  if (n_pools < 1) return lf_error(LF_ERR_INVALID_ARG, "lf_pool_list_init: %d pools", n_pools);
+  l->free_ids = calloc((size_t)n_pools, sizeof(int));
+  l->in_use = calloc((size_t)n_pools, sizeof(uint8_t));
+  if (!l->free_ids || !l->in_use) {
+    lf_pool_list_free(l);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "lf_pool_list_init: free list of %d pools", n_pools);
+  }
+  pool_list_restack(l, n_pools);
+  return LF_OK;
+}
+
+void lf_pool_list_free(lf_pool_list *l) {
+  if (!l) return;
+  free(l->free_ids);
+  free(l->in_use);
+  memset(l, 0, sizeof *l);
+}
+
+lf_status lf_pool_list_take(lf_pool_list *l, int *pool) {
+  if (!l || !pool) return lf_error(LF_ERR_INVALID_ARG, "pool_take: NULL argument");
+  if (l->n_free <= 0)
+    return lf_error(LF_ERR_STATE, "pool_take: all %d pools are in use", l->n_pools);
+  const int p = l->free_ids[--l->n_free];
+  l->in_use[p] = 1;
+  *pool = p;
+  return LF_OK;
+}
+
+lf_status lf_pool_list_give(lf_pool_list *l, int pool) {
+  if (!l) return lf_error(LF_ERR_INVALID_ARG, "pool_give: list is NULL");
+  if (pool < 0 || pool >= l->n_pools)
+    return lf_error(LF_ERR_STATE, "pool_give: pool %d is not in [0, %d)", pool, l->n_pools);
+  if (!l->in_use[pool]) return lf_error(LF_ERR_STATE, "pool_give: pool %d is already free", pool);
+  l->in_use[pool] = 0;
+  l->free_ids[l->n_free++] = pool;
+  return LF_OK;
+}
+
+lf_status lf_pool_list_limit(lf_pool_list *l, int n_pools) {
+  if (!l || n_pools < 1 || n_pools > l->n_pools)
+    return lf_error(LF_ERR_INVALID_ARG, "limit_pools: %d pools of %d", n_pools, l ? l->n_pools : 0);
+  if (l->n_free != l->n_pools)
+    return lf_error(LF_ERR_STATE, "limit_pools: %d pools are in use", l->n_pools - l->n_free);
+  pool_list_restack(l, n_pools);
+  return LF_OK;
+}
+
+int lf_pool_list_in_use(const lf_pool_list *l, int pool) {
+  return l && pool >= 0 && pool < l->n_pools && l->in_use[pool];
+}
+
 lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
   if (!a) return lf_error(LF_ERR_INVALID_ARG, "lf_kv_arena_init: arena is NULL");
   memset(a, 0, sizeof *a);
@@ -88,19 +150,13 @@ lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
   a->n = calloc(n_heads, sizeof(int32_t));
   a->next = calloc(n_heads, sizeof(int32_t));
   a->evictions = calloc((size_t)s->n_pools, sizeof(uint64_t));
-  a->free_list = calloc((size_t)s->n_pools, sizeof(int));
-  a->in_use = calloc((size_t)s->n_pools, sizeof(uint8_t));
   if (!a->k || !a->v || !a->pos || !a->vnorm || !a->acc || !a->n || !a->next || !a->evictions ||
-      !a->free_list || !a->in_use) {
+      lf_pool_list_init(&a->pools, s->n_pools) != LF_OK) {
     lf_kv_arena_free(a);
     return lf_error(LF_ERR_OUT_OF_MEMORY,
                     "lf_kv_arena_init: cannot allocate %d pools of %llu bytes", s->n_pools,
                     (unsigned long long)lf_pool_bytes(s));
   }
-  /* Stack order: pool 0 on top, so pools are handed out 0, 1, 2, ... from a fresh arena. */
-  for (int i = 0; i < s->n_pools; i++)
-    a->free_list[i] = s->n_pools - 1 - i;
-  a->n_free = s->n_pools;
   for (int p = 0; p < s->n_pools; p++)
     lf_kv_arena_reset_pool(a, p);
   return LF_OK;
@@ -116,32 +172,20 @@ void lf_kv_arena_free(lf_kv_arena *a) {
   free(a->n);
   free(a->next);
   free(a->evictions);
-  free(a->free_list);
-  free(a->in_use);
+  lf_pool_list_free(&a->pools);
   memset(a, 0, sizeof *a);
 }
 
 lf_status lf_kv_arena_take(lf_kv_arena *a, int *pool) {
-  if (!a || !pool) return lf_error(LF_ERR_INVALID_ARG, "lf_kv_arena_take: NULL argument");
-  if (a->n_free <= 0)
-    return lf_error(LF_ERR_STATE, "lf_kv_arena_take: all %d pools are in use", a->shape.n_pools);
-  int p = a->free_list[--a->n_free];
-  a->in_use[p] = 1;
-  lf_kv_arena_reset_pool(a, p);
-  *pool = p;
+  if (!a) return lf_error(LF_ERR_INVALID_ARG, "lf_kv_arena_take: arena is NULL");
+  LF_TRY(lf_pool_list_take(&a->pools, pool));
+  lf_kv_arena_reset_pool(a, *pool);
   return LF_OK;
 }
 
 lf_status lf_kv_arena_give(lf_kv_arena *a, int pool) {
   if (!a) return lf_error(LF_ERR_INVALID_ARG, "lf_kv_arena_give: arena is NULL");
-  if (pool < 0 || pool >= a->shape.n_pools)
-    return lf_error(LF_ERR_STATE, "lf_kv_arena_give: pool %d is not in [0, %d)", pool,
-                    a->shape.n_pools);
-  if (!a->in_use[pool])
-    return lf_error(LF_ERR_STATE, "lf_kv_arena_give: pool %d is already free", pool);
-  a->in_use[pool] = 0;
-  a->free_list[a->n_free++] = pool;
-  return LF_OK;
+  return lf_pool_list_give(&a->pools, pool);
 }
 
 /* Metadata only: K/V keep stale values, which is safe because every reader stops at n. */

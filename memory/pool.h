@@ -26,27 +26,48 @@ typedef struct lf_pool_shape {
 
 /* A view of one (pool, layer, kv head): everything the attention step reads and writes. */
 typedef struct lf_kv_head {
-  float *k, *v;    /* [budget][head_dim] */
-  int32_t *pos;    /* [budget] position of the token in each slot (-1: empty) */
-  float *vnorm;    /* [budget] ||v_slot||_1, cached when the slot is written */
-  float *acc;      /* [budget] h2o: attention mass accumulated since the slot was written */
-  int32_t *n;      /* filled slots */
-  int32_t *next;   /* slot the next token overwrites once n == budget (-1: none yet) */
+  float *k, *v;  /* [budget][head_dim] */
+  int32_t *pos;  /* [budget] position of the token in each slot (-1: empty) */
+  float *vnorm;  /* [budget] ||v_slot||_1, cached when the slot is written */
+  float *acc;    /* [budget] h2o: attention mass accumulated since the slot was written */
+  int32_t *n;    /* filled slots */
+  int32_t *next; /* slot the next token overwrites once n == budget (-1: none yet) */
   int budget;
   int head_dim;
 } lf_kv_head;
 
+/* The free list of a rank's pools, shared by every backend's arena: a LIFO stack of free ids
+ * and an in-use flag per pool. Fresh (and after lf_pool_list_limit) it hands out 0, 1, 2, ...,
+ * so ranks that take and give in the same order hold the same ids. */
+typedef struct lf_pool_list {
+  int n_pools;
+  int *free_ids; /* [n_pools] stack of free pool ids */
+  int n_free;
+  uint8_t *in_use; /* [n_pools] */
+} lf_pool_list;
+
+/* LF_ERR_OUT_OF_MEMORY if the tables cannot be allocated (n_pools >= 1). */
+lf_status lf_pool_list_init(lf_pool_list *l, int n_pools);
+void lf_pool_list_free(lf_pool_list *l);
+/* Pops a free pool id; LF_ERR_STATE if none (the caller resets the pool's metadata). */
+lf_status lf_pool_list_take(lf_pool_list *l, int *pool);
+/* Returns a pool; a free or unknown pool is LF_ERR_STATE. */
+lf_status lf_pool_list_give(lf_pool_list *l, int pool);
+/* Lowers the count to n_pools (1..n_pools) and restacks 0, 1, 2, ...; every pool must be free
+ * (LF_ERR_STATE otherwise). The tables keep their size. */
+lf_status lf_pool_list_limit(lf_pool_list *l, int n_pools);
+/* 1 when pool is a taken id in [0, n_pools). */
+int lf_pool_list_in_use(const lf_pool_list *l, int pool);
+
 typedef struct lf_kv_arena {
   lf_pool_shape shape;
-  float *k, *v;       /* [pool][layer][kv_head][slot][dim] */
-  int32_t *pos;       /* [pool][layer][kv_head][slot] */
-  float *vnorm;       /* [pool][layer][kv_head][slot] */
-  float *acc;         /* [pool][layer][kv_head][slot] */
-  int32_t *n, *next;  /* [pool][layer][kv_head] */
+  float *k, *v;        /* [pool][layer][kv_head][slot][dim] */
+  int32_t *pos;        /* [pool][layer][kv_head][slot] */
+  float *vnorm;        /* [pool][layer][kv_head][slot] */
+  float *acc;          /* [pool][layer][kv_head][slot] */
+  int32_t *n, *next;   /* [pool][layer][kv_head] */
   uint64_t *evictions; /* [pool] slot overwrites since the pool was taken */
-  int *free_list;     /* [n_pools] stack of free pool ids */
-  int n_free;
-  uint8_t *in_use;    /* [n_pools] */
+  lf_pool_list pools;  /* which pools are free */
 } lf_kv_arena;
 
 /* The CUDA backend's device arena as its kernels address it: the layout of lf_kv_arena

@@ -137,7 +137,7 @@ __device__ __forceinline__ uint32_t next_call(const Params &p) {
 
 /* Kernel 1: x into this rank's buffer of this call. A kernel of its own: the peers read the
  * copy only after it completed, when its stores are visible system-wide. (One kernel that
- * copied, fenced and raised the flags gave wrong sums now and then at 0.5-4 MB on 2 x H200,
+ * copied, fenced and raised the flags gave wrong sums now and then at large messages,
  * with a fence by the flag-raising thread or by every thread.) */
 __global__ void __launch_bounds__(kThreads) ar_copy_kernel(Params p, const uint4 *x, size_t nvec) {
   const uint32_t buf = next_call(p) & 1u;
@@ -243,8 +243,7 @@ __device__ __forceinline__ void load_x(const NormArgs &a, int row, float4 (&xo)[
  * lf_cuda_gemv_parts uses over its K parts, so rank r's partial over parts [r P/T, (r+1) P/T)
  * continues it exactly and the sum equals one GPU's. NR >= p.size ranks are provided for. The
  * loads are issued in groups of up to 16 vectors before any is used: one NVLink round trip a
- * group. (One vector's loads then its adds, in turn, cost VPT round trips: 5.7 us a call for a
- * row of 4096 on 2 x H200, session 6.) */
+ * group. (One vector's loads then its adds, in turn, would cost VPT round trips a call.) */
 template <int VPT, int NR>
 __device__ __forceinline__ void sum_ranks(const Params &p, int slot, int row, int n4,
                                           float4 (&v)[VPT]) {

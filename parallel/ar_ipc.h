@@ -1,8 +1,8 @@
 /* One-shot all-reduce over CUDA IPC peer memory, for the small messages of tensor-parallel
  * decoding (GPU ranks of one node, NVLink or PCIe peer access).
  *
- * NCCL's all-reduce costs ~35 us of device time per call at 8 KB-4 MB on 2 x H200 (measured:
- * bench/RESULTS.md), and a Llama decode step makes 2 per layer. Here every rank maps every
+ * NCCL's all-reduce has a fixed device-time cost per call that dominates at decode sizes
+ * (8 KB-4 MB; bench/RESULTS.md), and a Llama decode step makes 2 per layer. Here every rank maps every
  * other rank's buffer (cudaIpcOpenMemHandle) once at start-up, and one kernel per call: copies
  * its input into its own buffer, raises a flag in every peer's buffer, waits for the peers'
  * flags, then sums all ranks' buffers in rank order 0..T-1 (fp32 accumulation) into the output
@@ -16,10 +16,9 @@
  * error flag in host-mapped memory and returns, so the stream always drains; the communicator's
  * waits check the flag (lf_ar_ipc_failed) and fail the job as for an NCCL error.
  *
- * Set up through parallel/comm_nccl.c (which exchanges the handles), on unless LF_CUSTOM_AR=0.
- * On 2 x H200 (session 4, bench/RESULTS.md) this two-kernel version takes 11.5-17 us from 8 KB
- * to 1 MB against NCCL's 31-67 us, correct at every size (session 3's wrong counts were the
- * benchmark's upload race); the fused residual call below took 0.2-0.6 ms off a TP=2 decode step.
+ * Set up through parallel/comm_nccl.c (which exchanges the handles), on unless LF_CUSTOM_AR=0:
+ * below 1 MB it is several times faster than NCCL, and the fused residual call below shortens a
+ * TP decode step (figures: bench/RESULTS.md).
  */
 #ifndef LF_AR_IPC_H
 #define LF_AR_IPC_H

@@ -59,7 +59,8 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
    * stream wait on each side */
   lf_status sc = lf_comm_init_nccl(NULL, msg + 4, rank, size, timeout_s, out);
   /* agreed by every rank before the next collective (MPI_Comm_dup): the communicator came up
-   * everywhere (the descriptor through NCCL instead was measured slower, bench/RESULTS.md) */
+   * everywhere (MPI carries the step descriptor: a host message through NCCL would take a device
+   * round trip) */
   int mine = sc == LF_OK, all = 0;
   if (MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS) all = 0;
   if (!all) {

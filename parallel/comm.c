@@ -41,18 +41,27 @@ static void local_destroy(lf_comm_t c) {
   free(c);
 }
 
-lf_status lf_comm_init_local(lf_comm_t *out) {
+lf_status lf_comm_new(const struct lf_comm *proto, size_t impl_bytes, lf_comm_t *out) {
   lf_comm_t c = calloc(1, sizeof *c);
-  if (!c) return lf_error(LF_ERR_OUT_OF_MEMORY, "communicator");
-  c->rank = 0;
-  c->size = 1;
-  c->kind = "local";
-  c->allreduce_sum = local_allreduce;
-  c->allgather = local_allgather;
-  c->bcast = local_bcast;
-  c->barrier = local_barrier;
-  c->destroy = local_destroy;
+  void *impl = impl_bytes ? calloc(1, impl_bytes) : NULL;
+  if (!c || (impl_bytes && !impl)) {
+    free(c);
+    free(impl);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "communicator");
+  }
+  *c = *proto;
+  c->rank = c->size = 0;
+  c->impl = impl;
   *out = c;
+  return LF_OK;
+}
+
+lf_status lf_comm_init_local(lf_comm_t *out) {
+  static const struct lf_comm local = {.kind = "local", .allreduce_sum = local_allreduce,
+                                       .allgather = local_allgather, .bcast = local_bcast,
+                                       .barrier = local_barrier, .destroy = local_destroy};
+  LF_TRY(lf_comm_new(&local, 0, out));
+  (*out)->size = 1;
   return LF_OK;
 }
 

@@ -50,6 +50,11 @@ struct lf_comm {
   struct lf_ar_ipc *ipc;
 };
 
+/* A new communicator for an implementation's init: a copy of proto (its kind, device flag and
+ * operations; rank and size 0) whose impl is impl_bytes of zeroed state (NULL for 0).
+ * LF_ERR_OUT_OF_MEMORY when either allocation fails (nothing is left allocated). */
+lf_status lf_comm_new(const struct lf_comm *proto, size_t impl_bytes, struct lf_comm **out);
+
 /* comm->sync when the communicator has one; LF_OK otherwise (host communicators block). */
 lf_status lf_comm_sync(struct lf_comm *c, void *stream);
 

@@ -84,9 +84,8 @@ static lf_status mpi_bcast(lf_comm_t c, void *buf, size_t bytes, int root, void 
    * a blocking MPI_Bcast busy-polls a core all that while. Poll a non-blocking broadcast
    * instead: for 20 ms, yielding between polls (the lead's host work between two steps,
    * scheduling and HTTP included, stays inside that, and a follower asleep would wake up late
-   * every step; ranks oversubscribed on few cores lose nothing measurable: mpi_tp at 8 ranks on
-   * 2 cores took 3.1-3.2 s either way), then sleep with a backoff capped at 1 ms, which is all an
-   * idle server adds to its first step. */
+   * every step; ranks oversubscribed on few cores lose no time to the yielding either), then
+   * sleep with a backoff capped at 1 ms, which is all an idle server adds to its first step. */
   MPI_Request req;
   LF_MPI_CHECK(c, MPI_Ibcast(buf, (int)bytes, MPI_BYTE, root, m->comm, &req));
   /* The root has a deadline (when set): a message too large to go eagerly completes only once
@@ -142,20 +141,12 @@ lf_status lf_comm_init_mpi(lf_comm_t *out) {
   int inited = 0;
   MPI_Initialized(&inited);
   if (!inited) return lf_error(LF_ERR_STATE, "lf_comm_init_mpi: MPI_Init has not been called");
-  lf_comm_t c = calloc(1, sizeof *c);
-  mpi_impl *m = calloc(1, sizeof *m);
-  if (!c || !m) {
-    free(c);
-    free(m);
-    return lf_error(LF_ERR_OUT_OF_MEMORY, "communicator");
-  }
-  c->impl = m;
-  c->kind = "mpi";
-  c->allreduce_sum = mpi_allreduce;
-  c->allgather = mpi_allgather;
-  c->bcast = mpi_bcast;
-  c->barrier = mpi_barrier;
-  c->destroy = mpi_destroy;
+  static const struct lf_comm proto = {.kind = "mpi", .allreduce_sum = mpi_allreduce,
+                                       .allgather = mpi_allgather, .bcast = mpi_bcast,
+                                       .barrier = mpi_barrier, .destroy = mpi_destroy};
+  lf_comm_t c;
+  LF_TRY(lf_comm_new(&proto, sizeof(mpi_impl), &c));
+  mpi_impl *m = c->impl;
   /* Errors come back as codes so a failing collective becomes an lf_status, not an abort. */
   int rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
   if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);

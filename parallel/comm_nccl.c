@@ -28,7 +28,7 @@
  *
  * bf16 sums: NCCL reduces each element once per step of its ring/tree and the result is then
  * copied, so every rank gets the same bits (NVLS, which could differ, is off: NCCL_NVLS_ENABLE=0
- * on the machines we run on, see bench/gpu_tp.sh).
+ * wherever bench/run.sh runs).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
@@ -78,7 +78,7 @@ static void nc_pause(double t0) {
 
 /* ncclCommAbort on its own thread: recent NCCL versions synchronise with the peers' aborts
  * inside ncclCommAbort, so with a peer that is stuck (alive, not in NCCL) it may never return
- * (measured on 2 x H200, NCCL 2.28: the rank hung in it). The failing call waits for it a
+ * (NCCL 2.28 was seen to hang in it). The failing call waits for it a
  * bounded time, then returns its error anyway; the thread is left behind, and the program is
  * expected to exit (lfgen, lfserve and the tests do). */
 typedef struct {
@@ -386,8 +386,8 @@ static double nc_default_timeout(double timeout_s, const lf_tuning *tu) {
 
 /* The IPC all-reduce (ar_ipc.h) when every rank can take part: each allocates its region and
  * publishes a record, all records are gathered, each maps its peers, and all must succeed
- * (else every rank keeps NCCL). On unless LF_CUSTOM_AR=0 (measured correct and 2-4x faster
- * than NCCL below 1 MB on 2 x H200: bench/RESULTS.md, session 4). LF_CUSTOM_AR_BYTES
+ * (else every rank keeps NCCL). On unless LF_CUSTOM_AR=0 (faster than NCCL below 1 MB:
+ * bench/RESULTS.md). LF_CUSTOM_AR_BYTES
  * sets the largest message it takes (default 8 MiB: beyond that NCCL's bandwidth wins anyway).
  * Only a communicator failure is an error. */
 static lf_status nc_ar_setup(lf_comm_t c, const lf_tuning *tu) {
@@ -426,22 +426,13 @@ lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, in
   if (!nccl_comm && (!unique_id || size < 1 || rank < 0 || rank >= size))
     return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_nccl: rank %d of %d%s", rank, size,
                     unique_id ? "" : " without a unique id");
-  lf_comm_t c = calloc(1, sizeof *c);
-  nccl_impl *m = calloc(1, sizeof *m);
-  if (!c || !m) {
-    free(c);
-    free(m);
-    return lf_error(LF_ERR_OUT_OF_MEMORY, "communicator");
-  }
-  c->impl = m;
-  c->kind = "nccl";
-  c->device = 1;
-  c->allreduce_sum = nc_allreduce;
-  c->allgather = nc_allgather;
-  c->bcast = nc_bcast;
-  c->barrier = nc_barrier;
-  c->sync = nc_sync;
-  c->destroy = nc_destroy;
+  static const struct lf_comm proto = {.kind = "nccl", .device = 1, .allreduce_sum = nc_allreduce,
+                                       .allgather = nc_allgather, .bcast = nc_bcast,
+                                       .barrier = nc_barrier, .sync = nc_sync,
+                                       .destroy = nc_destroy};
+  lf_comm_t c;
+  LF_TRY(lf_comm_new(&proto, sizeof(nccl_impl), &c));
+  nccl_impl *m = c->impl;
   c->rank = rank;
   c->size = size;
   lf_tuning tu;

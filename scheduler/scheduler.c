@@ -88,7 +88,7 @@ struct lf_sched {
 
   /* metrics */
   uint64_t tokens_generated, prompt_tokens, evictions, steps, submitted, rejected;
-  uint64_t finished[LF_FINISH_STOP + 1];
+  uint64_t finished[LF_FINISH_COUNT];
   double step_seconds;
   double t_init;
   double rate_t[RATE_RING]; /* end time of recent steps that sampled tokens */
@@ -103,14 +103,6 @@ static const double lat_bounds[LF_LATENCY_BUCKETS] = {0.001, 0.002, 0.005, 0.01,
 
 const double *lf_latency_bucket_bounds(void) {
   return lat_bounds;
-}
-
-int lf_sched_pools_for_memory(uint64_t kv_bytes_available, double util, uint64_t pool_bytes) {
-  if (pool_bytes == 0 || !(util > 0.0 && util <= 1.0)) return 0;
-  /* util * bytes in long double: exact for every byte count below 2^64 */
-  const long double usable = floorl((long double)kv_bytes_available * (long double)util);
-  const long double n = floorl(usable / (long double)pool_bytes);
-  return n >= (long double)INT_MAX ? INT_MAX : (int)n;
 }
 
 /* ---- requests ------------------------------------------------------------------------------ */
@@ -267,7 +259,7 @@ static void req_stats(const lf_sreq *r, double now, lf_request_stats *st) {
  * FINISH. The caller removes r from wherever it is listed and frees it. */
 static void finish(lf_sched *s, lf_sreq *r, lf_finish_reason why, lf_status st, int32_t last,
                    int upto, double now) {
-  emit_tokens(s, r, why == LF_FINISH_STOP ? upto : r->n_gen);
+  emit_tokens(s, r, why == LF_FINISH_STOP_SEQUENCE ? upto : r->n_gen);
   lf_request_stats *f = &s->fin[s->fin_next];
   req_stats(r, now, f);
   f->reason = why;
@@ -520,14 +512,14 @@ static void take_token(lf_sched *s, lf_sreq *r, int32_t tok, double now) {
     return;
   }
   if (is_stop_id(r, tok)) {
-    finish(s, r, LF_FINISH_STOP, LF_OK, tok, r->n_gen, now);
+    finish(s, r, LF_FINISH_STOP_ID, LF_OK, tok, r->n_gen, now);
     return;
   }
   r->tokens[r->n_prompt + r->n_gen++] = tok;
   int hold = 0;
   const int L = stop_seq_match(r, r->tokens + r->n_prompt, r->n_gen, &hold);
   if (L > 0) {
-    finish(s, r, LF_FINISH_STOP, LF_OK, tok, r->n_gen - L, now);
+    finish(s, r, LF_FINISH_STOP_SEQUENCE, LF_OK, tok, r->n_gen - L, now);
     return;
   }
   if (r->n_gen >= r->max_tokens) {
@@ -748,20 +740,19 @@ lf_status lf_sched_metrics(lf_sched *s, lf_metrics *m) {
   if (!s || !m) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_metrics: NULL argument");
   const double now = lf_now_s();
   pthread_mutex_lock(&s->mu);
-  memset(m, 0, sizeof *m);
-  m->running = s->n_running;
-  m->waiting = s->n_waiting;
-  m->pools_total = s->pools_total;
-  m->pools_used = s->pools_total - s->be->pools_free(s->be);
+  *m = (lf_metrics){.running = s->n_running,
+                    .waiting = s->n_waiting,
+                    .pools_total = s->pools_total,
+                    .pools_used = s->pools_total - s->be->pools_free(s->be),
+                    .tokens_generated = s->tokens_generated,
+                    .prompt_tokens = s->prompt_tokens,
+                    .evictions = s->evictions,
+                    .decode_seconds = s->step_seconds,
+                    .steps = s->steps,
+                    .submitted = s->submitted,
+                    .rejected = s->rejected};
   for (int i = 0; i < s->n_running; i++)
     if (s->running[i]->n_prefilled < s->running[i]->n_prompt) m->prefilling++;
-  m->tokens_generated = s->tokens_generated;
-  m->prompt_tokens = s->prompt_tokens;
-  m->evictions = s->evictions;
-  m->decode_seconds = s->step_seconds;
-  m->steps = s->steps;
-  m->submitted = s->submitted;
-  m->rejected = s->rejected;
   memcpy(m->finished, s->finished, sizeof m->finished);
   /* Tokens per second over the last RATE_WINDOW_S seconds; when the ring holds fewer seconds
    * than that (many fast steps), over the span the ring covers. */

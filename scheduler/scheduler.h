@@ -1,6 +1,6 @@
-/* Continuous batching (docs/DESIGN.md §5): the request queue, FCFS admission by free pools, building each
- * step's single batch (one decode token per running sequence + chunked prefill under a token
- * budget), finishing and cancelling requests, events, per-request stats and engine metrics.
+/* Continuous batching (docs/DESIGN.md §5): the request queue, FCFS admission by free pools,
+ * building each step's single batch (one decode token per running sequence + chunked prefill under
+ * a token budget), finishing and cancelling requests, events, per-request stats and engine metrics.
  *
  * The scheduler decides; the backend computes (engine/backend.h). The invariants and the
  * threading rules are in scheduler/README.md, which is normative.
@@ -44,13 +44,6 @@ int lf_sched_busy(lf_sched *s);
 lf_status lf_sched_cancel(lf_sched *s, uint64_t id);
 lf_status lf_sched_request_stats(lf_sched *s, uint64_t id, lf_request_stats *out);
 lf_status lf_sched_metrics(lf_sched *s, lf_metrics *m);
-
-/* Pool sizing (docs/DESIGN.md §5): floor(kv_bytes_available * util / pool_bytes), clamped to INT_MAX.
- * kv_bytes_available is what is left for KV after weights and workspace (device memory on a
- * GPU; a configured host budget on the CPU); util in (0, 1]. Returns 0 when not even one pool
- * fits or an argument is out of range (pool_bytes 0, util outside (0, 1]). With tensor
- * parallelism every rank computes this for its own shard and the minimum over ranks is used. */
-int lf_sched_pools_for_memory(uint64_t kv_bytes_available, double util, uint64_t pool_bytes);
 
 #ifdef __cplusplus
 }

@@ -20,7 +20,7 @@
 // environment bootstrap, lf_comm_init_nccl_env). Agreement between ranks goes through the NCCL
 // communicator's host path, so the test itself needs no MPI.
 // Needs 2 visible GPUs; with fewer every rank prints why and exits 77 (ctest: skipped).
-// Environment on NVLink H200s: NCCL_NVLS_ENABLE=0 (bench/gpu_tp.sh sets it).
+// Environment on NVLink H200s: NCCL_NVLS_ENABLE=0 (bench/run.sh sets it).
 #include <gtest/gtest.h>
 #ifdef LF_HAVE_MPI
 #include <mpi.h>

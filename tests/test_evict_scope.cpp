@@ -1,11 +1,10 @@
 /* Eviction scope: `head` (one slot per layer and KV head, docs/DESIGN.md §3) against `layer` (one slot
  * per layer shared by all its KV heads, as the released LongFlow code does).
  *
- * The layer-scope oracle below shares no code with attention.c: it keeps one list of slots per
- * layer, each holding (position, k and v of every KV head), computes every softmax in double via
- * log-sum-exp, sums the per-head LongFlow scores s_g,i = ||v_g,i||_1 * sum_h alpha_h,i over the
- * layer's heads and finds the argmin by sorting. Fresh random data every run (seed printed;
- * replay with LF_TEST_SEED=<seed>).
+ * The layer-scope oracle (tests/evict_oracle.h over all the layer's KV heads) shares no code
+ * with attention.c: it sums the per-head LongFlow scores s_g,i = ||v_g,i||_1 * sum_h alpha_h,i
+ * over the layer's heads and finds the argmin by sorting. Fresh random data every run (seed
+ * printed; replay with LF_TEST_SEED=<seed>).
  */
 #include <gtest/gtest.h>
 
@@ -24,157 +23,18 @@
 #include "lfserve.h"
 #include "memory/pool.h"
 #include "tests/engine_test_util.h"
+#include "tests/evict_oracle.h"
 #include "tests/test_util.h"
 
 namespace {
 
+/* Layer scope; window 8 unless given. */
 lf_attn_params make_params(lf_policy pol, int sink, int group, int head_dim, int recent = 0,
                            int window = 8) {
-  lf_attn_params p{};
-  p.policy = pol;
-  p.sink = sink;
-  p.window = window;
-  p.h2o_recent = recent;
-  p.group = group;
-  p.head_dim = head_dim;
-  p.scale = 1.0f / std::sqrt((float)head_dim);
+  lf_attn_params p = attn_params(pol, sink, group, head_dim, recent, window);
   p.scope = LF_EVICT_LAYER;
   return p;
 }
-
-bool close_rel(double got, double want, double rtol, double atol) {
-  return std::fabs(got - want) <= atol + rtol * std::fabs(want);
-}
-
-struct Arena {
-  lf_kv_arena a{};
-  int pool = -1;
-  Arena(int n_kv, int budget, int head_dim) {
-    lf_pool_shape s{1, 1, n_kv, budget, head_dim};
-    EXPECT_EQ(lf_kv_arena_init(&a, &s), LF_OK) << lf_last_error();
-    EXPECT_EQ(lf_kv_arena_take(&a, &pool), LF_OK) << lf_last_error();
-  }
-  ~Arena() {
-    lf_kv_arena_free(&a);
-  }
-  std::vector<lf_kv_head> heads() const {
-    std::vector<lf_kv_head> h;
-    for (int g = 0; g < a.shape.n_kv_heads; g++)
-      h.push_back(lf_kv_arena_head(&a, pool, 0, g));
-    return h;
-  }
-};
-
-/* ---------------------------------------------------------------------------------------------
- * The layer-scope oracle: one layer, n_kv KV heads, G query heads each. */
-struct LayerOracle {
-  struct Slot {
-    int32_t pos;
-    std::vector<std::vector<float>> k, v; /* [n_kv][D] */
-    std::vector<float> acc;               /* [n_kv] h2o, fp32 like the pool */
-  };
-  lf_policy policy;
-  int B, sink, G, D, n_kv, recent;
-  double scale;
-  std::vector<Slot> slots;
-  int next = -1;
-  /* results of the last step */
-  int w = -1;
-  bool evicted = false;
-  std::vector<double> out;   /* [n_kv][G][D] */
-  std::vector<double> total; /* [n] layer score */
-  std::vector<int> acceptable;
-
-  LayerOracle(const lf_attn_params &p, int budget, int n_kv_)
-      : policy(p.policy), B(budget), sink(p.sink), G(p.group), D(p.head_dim), n_kv(n_kv_),
-        recent(p.h2o_recent), scale(p.scale) {}
-
-  bool step(const float *q, const float *k, const float *v, int32_t pos) {
-    if ((int)slots.size() < B) {
-      w = (int)slots.size();
-      slots.push_back({});
-      evicted = false;
-    } else {
-      if (next < sink || next >= B) return false;
-      w = next;
-      evicted = true;
-    }
-    Slot s{pos, {}, {}, std::vector<float>(n_kv, 0.0f)};
-    for (int g = 0; g < n_kv; g++) {
-      s.k.emplace_back(k + g * D, k + (g + 1) * D);
-      s.v.emplace_back(v + g * D, v + (g + 1) * D);
-    }
-    slots[w] = s;
-    const int n = (int)slots.size();
-    out.assign((size_t)n_kv * G * D, 0.0);
-    total.assign(n, 0.0);
-    for (int g = 0; g < n_kv; g++) {
-      std::vector<double> mass(n, 0.0);
-      for (int h = 0; h < G; h++) {
-        const float *qh = q + ((size_t)g * G + h) * D;
-        std::vector<double> l(n);
-        for (int i = 0; i < n; i++) {
-          double d = 0;
-          for (int j = 0; j < D; j++)
-            d += (double)qh[j] * slots[i].k[g][j];
-          l[i] = d * scale;
-        }
-        const double m = *std::max_element(l.begin(), l.end());
-        double z = 0;
-        for (double x : l)
-          z += std::exp(x - m);
-        const double lse = m + std::log(z);
-        for (int i = 0; i < n; i++) {
-          const double a = std::exp(l[i] - lse);
-          mass[i] += a;
-          for (int j = 0; j < D; j++)
-            out[((size_t)g * G + h) * D + j] += a * slots[i].v[g][j];
-        }
-      }
-      for (int i = 0; i < n; i++) {
-        if (policy == LF_POLICY_H2O) {
-          slots[i].acc[g] = (i == w ? 0.0f : slots[i].acc[g]) + (float)mass[i];
-          total[i] += slots[i].acc[g];
-        } else if (policy == LF_POLICY_STREAMING) {
-          total[i] += slots[i].pos;
-        } else {
-          double l1 = 0;
-          for (float x : slots[i].v[g])
-            l1 += std::fabs((double)x);
-          total[i] += l1 * mass[i];
-        }
-      }
-    }
-    std::vector<char> protect(n, 0);
-    for (int i = 0; i < std::min(sink, n); i++)
-      protect[i] = 1;
-    protect[w] = 1;
-    if (policy == LF_POLICY_H2O) {
-      std::vector<int> by_recency(n);
-      std::iota(by_recency.begin(), by_recency.end(), 0);
-      std::sort(by_recency.begin(), by_recency.end(), [&](int a, int b) {
-        return slots[a].pos != slots[b].pos ? slots[a].pos > slots[b].pos : a > b;
-      });
-      for (int i = 0; i < std::min(recent, n); i++)
-        protect[by_recency[i]] = 1;
-    }
-    std::vector<int> cand;
-    for (int i = 0; i < n; i++)
-      if (!protect[i]) cand.push_back(i);
-    std::sort(cand.begin(), cand.end(),
-              [&](int a, int b) { return total[a] != total[b] ? total[a] < total[b] : a < b; });
-    acceptable.clear();
-    if (policy == LF_POLICY_FULL || cand.empty()) {
-      next = -1;
-      return true;
-    }
-    next = cand[0];
-    const double tol = policy == LF_POLICY_H2O ? 1e-5 : policy == LF_POLICY_STREAMING ? 0 : 1e-6;
-    for (int c : cand)
-      if (total[c] <= total[next] + tol * std::fabs(total[next])) acceptable.push_back(c);
-    return true;
-  }
-};
 
 struct Stats {
   long steps = 0, evictions = 0, near_ties = 0, resyncs = 0, head_scope_diverged = 0;
@@ -188,9 +48,9 @@ void lockstep(const lf_attn_params &p, int B, int n_kv, int steps, std::mt19937_
                                     << " D " << p.head_dim << " sink " << p.sink << " n_kv "
                                     << n_kv << " recent " << p.h2o_recent);
   const int G = p.group, D = p.head_dim;
-  Arena lay(n_kv, B, D), per(n_kv, B, D);
+  OnePool lay(n_kv, B, D), per(n_kv, B, D);
   std::vector<lf_kv_head> hs = lay.heads(), hp = per.heads();
-  LayerOracle o(p, B, n_kv);
+  EvictOracle o(p, B, n_kv);
   lf_attn_scratch ws{};
   std::vector<float> out((size_t)n_kv * G * D), out_h((size_t)n_kv * G * D), scores(B);
   lf_attn_params ph = p;
@@ -228,23 +88,9 @@ void lockstep(const lf_attn_params &p, int B, int n_kv, int steps, std::mt19937_
     }
     for (int i = 0; i < std::min(p.sink, n); i++)
       ASSERT_EQ(hs[0].pos[i], i);
-    for (size_t j = 0; j < out.size(); j++)
-      ASSERT_TRUE(close_rel(out[j], o.out[j], 1e-5, 1e-6))
-          << "step " << s << " out[" << j << "] " << out[j] << " vs " << o.out[j];
-    for (int i = 0; i < n; i++)
-      ASSERT_TRUE(close_rel(scores[i], o.total[i], 1e-5, 1e-12))
-          << "step " << s << " layer score[" << i << "] " << scores[i] << " vs " << o.total[i];
-    const int nx = *hs[0].next;
-    ASSERT_NE(nx, o.w);
-    ASSERT_TRUE(nx == -1 || (nx >= p.sink && nx < n)) << "next " << nx;
-    if (o.acceptable.size() > 1) st.near_ties++;
-    if (nx != o.next) {
-      const bool ok = std::find(o.acceptable.begin(), o.acceptable.end(), nx) != o.acceptable.end();
-      ASSERT_TRUE(ok) << "step " << s << ": next " << nx << " (score " << o.total[nx]
-                      << "), oracle " << o.next << " (score " << o.total[o.next] << ")";
-      o.next = nx;
-      st.resyncs++;
-    }
+    ASSERT_NO_FATAL_FAILURE(expect_oracle_out(o, out, scores, n, s));
+    ASSERT_NO_FATAL_FAILURE(
+        expect_oracle_next(o, *hs[0].next, p.sink, n, s, st.near_ties, st.resyncs));
 
     /* Scope head on the same data: outputs are attention over each head's own kept set, so they
      * equal layer scope's bit for bit while both hold the same slots (before any eviction). */
@@ -318,7 +164,7 @@ TEST(LayerScope, OneHeadEqualsHeadScope) {
   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O, LF_POLICY_STREAMING}) {
     const int B = 24, G = 3, D = 16;
     lf_attn_params p = make_params(pol, 4, G, D, 3);
-    Arena a(1, B, D), b(1, B, D), c(1, B, D);
+    OnePool a(1, B, D), b(1, B, D), c(1, B, D);
     lf_kv_head ha = a.heads()[0], hb = b.heads()[0], hc = c.heads()[0];
     lf_attn_scratch ws{};
     std::vector<float> oa(G * D), ob(G * D), oc(G * D), sa(B), sb(B), sc(B);
@@ -352,7 +198,7 @@ TEST(LayerScope, OneHeadEqualsHeadScope) {
 TEST(LayerScope, RejectsHeadsThatDisagree) {
   const int B = 6, G = 1, D = 4, n_kv = 2;
   lf_attn_params p = make_params(LF_POLICY_LONGFLOW, 1, G, D);
-  Arena a(n_kv, B, D);
+  OnePool a(n_kv, B, D);
   std::vector<lf_kv_head> hs = a.heads();
   float q[2 * D] = {1, 2, 3, 4, 4, 3, 2, 1}, k[2 * D] = {0}, v[2 * D] = {1, 1, 1, 1, 2, 2, 2, 2};
   float out[2 * D];
@@ -392,7 +238,7 @@ TEST(LayerScope, PrefillSnapKVIsLayerWide) {
     const size_t qs = (size_t)n_kv * G * D, ks = (size_t)n_kv * D;
     std::vector<float> q = lf_test_normal(gen, P * qs, 1.5f), k = lf_test_normal(gen, P * ks),
                        v = lf_test_normal(gen, P * ks);
-    Arena lay(n_kv, B, D), per(n_kv, B, D);
+    OnePool lay(n_kv, B, D), per(n_kv, B, D);
     std::vector<lf_kv_head> hs = lay.heads(), hp = per.heads();
     std::vector<float> out(P * qs, NAN), out_h(P * qs, NAN);
     uint64_t ev = 0;

@@ -1,10 +1,9 @@
 /* Decode attention with LongFlow eviction (docs/DESIGN.md §3) against an independent brute-force oracle,
  * plus the full / streaming / h2o policies, parameter checks and the slot-pool arena.
  *
- * The oracle below shares no code with attention.c: it keeps the pool as a list of (position,
- * k, v) entries indexed by slot, computes every softmax in double through log-sum-exp, and finds
- * the eviction candidate by sorting. It is driven in lockstep with lf_attn_decode_ref on fresh
- * random data (seed printed; replay with LF_TEST_SEED=<seed>).
+ * The oracle (tests/evict_oracle.h, one per KV head here) shares no code with attention.c. It is
+ * driven in lockstep with lf_attn_decode_ref on fresh random data (seed printed; replay with
+ * LF_TEST_SEED=<seed>).
  */
 #include <gtest/gtest.h>
 
@@ -19,6 +18,7 @@
 
 #include "attention/attention.h"
 #include "memory/pool.h"
+#include "tests/evict_oracle.h"
 #include "tests/test_util.h"
 
 namespace {
@@ -39,150 +39,6 @@ struct Rng {
   }
 };
 
-/* One (pool, layer 0) of an arena with n_kv heads, taken fresh. */
-struct OnePool {
-  lf_kv_arena a{};
-  int pool = -1;
-  OnePool(int n_kv, int budget, int head_dim) {
-    lf_pool_shape s{1, 1, n_kv, budget, head_dim};
-    EXPECT_EQ(lf_kv_arena_init(&a, &s), LF_OK) << lf_last_error();
-    EXPECT_EQ(lf_kv_arena_take(&a, &pool), LF_OK) << lf_last_error();
-  }
-  ~OnePool() {
-    lf_kv_arena_free(&a);
-  }
-  lf_kv_head head(int g) const {
-    return lf_kv_arena_head(&a, pool, 0, g);
-  }
-};
-
-lf_attn_params make_params(lf_policy pol, int sink, int group, int head_dim, int recent = 0,
-                           int window = 32) {
-  lf_attn_params p{};
-  p.policy = pol;
-  p.sink = sink;
-  p.window = window;
-  p.h2o_recent = recent;
-  p.group = group;
-  p.head_dim = head_dim;
-  p.scale = 1.0f / std::sqrt((float)head_dim);
-  return p;
-}
-
-bool close_rel(double got, double want, double rtol, double atol) {
-  return std::fabs(got - want) <= atol + rtol * std::fabs(want);
-}
-
-/* ---------------------------------------------------------------------------------------------
- * The brute-force oracle for one KV head. */
-struct OracleHead {
-  struct Entry {
-    int32_t pos;
-    std::vector<float> k, v;
-    float acc; /* h2o: fp32 like the pool's state, so both round the same way */
-  };
-  lf_policy policy;
-  int B, sink, G, D, recent;
-  double scale;
-  std::vector<Entry> slots; /* index = slot */
-  int next = -1;
-
-  /* Results of the last step. */
-  int w = -1;
-  bool evicted = false;
-  std::vector<double> out;     /* [G][D] */
-  std::vector<double> score;   /* [n] */
-  std::vector<int> acceptable; /* candidates within the near-tie tolerance of the minimum */
-
-  OracleHead(const lf_attn_params &p, int budget)
-      : policy(p.policy), B(budget), sink(p.sink), G(p.group), D(p.head_dim), recent(p.h2o_recent),
-        scale(p.scale) {}
-
-  double tie_tol() const {
-    return policy == LF_POLICY_H2O ? 1e-5 : policy == LF_POLICY_STREAMING ? 0.0 : 1e-6;
-  }
-
-  /* false when the oracle itself cannot proceed (a full pool with no next). */
-  bool step(const float *q, const float *k, const float *v, int32_t pos) {
-    if ((int)slots.size() < B) {
-      w = (int)slots.size();
-      slots.push_back({});
-      evicted = false;
-    } else {
-      if (next < sink || next >= B) return false;
-      w = next;
-      evicted = true;
-    }
-    slots[w] = Entry{pos, std::vector<float>(k, k + D), std::vector<float>(v, v + D), 0.0f};
-    const int n = (int)slots.size();
-
-    std::vector<double> mass(n, 0.0);
-    out.assign((size_t)G * D, 0.0);
-    for (int h = 0; h < G; h++) {
-      std::vector<double> l(n);
-      for (int i = 0; i < n; i++) {
-        double s = 0;
-        for (int d = 0; d < D; d++)
-          s += (double)q[h * D + d] * (double)slots[i].k[d];
-        l[i] = s * scale;
-      }
-      double m = *std::max_element(l.begin(), l.end()), z = 0;
-      for (double x : l)
-        z += std::exp(x - m);
-      const double lse = m + std::log(z);
-      for (int i = 0; i < n; i++) {
-        const double a = std::exp(l[i] - lse);
-        mass[i] += a;
-        for (int d = 0; d < D; d++)
-          out[h * D + d] += a * slots[i].v[d];
-      }
-    }
-
-    score.assign(n, 0.0);
-    for (int i = 0; i < n; i++) {
-      if (policy == LF_POLICY_H2O) {
-        slots[i].acc = (i == w ? 0.0f : slots[i].acc) + (float)mass[i];
-        score[i] = slots[i].acc;
-      } else if (policy == LF_POLICY_STREAMING) {
-        score[i] = slots[i].pos;
-      } else {
-        double l1 = 0;
-        for (float x : slots[i].v)
-          l1 += std::fabs((double)x);
-        score[i] = l1 * mass[i];
-      }
-    }
-
-    std::vector<char> protect(n, 0);
-    for (int i = 0; i < std::min(sink, n); i++)
-      protect[i] = 1;
-    protect[w] = 1;
-    if (policy == LF_POLICY_H2O) {
-      std::vector<int> by_recency(n);
-      std::iota(by_recency.begin(), by_recency.end(), 0);
-      std::sort(by_recency.begin(), by_recency.end(), [&](int a, int b) {
-        return slots[a].pos != slots[b].pos ? slots[a].pos > slots[b].pos : a > b;
-      });
-      for (int i = 0; i < std::min(recent, n); i++)
-        protect[by_recency[i]] = 1;
-    }
-    std::vector<int> cand;
-    for (int i = 0; i < n; i++)
-      if (!protect[i]) cand.push_back(i);
-    std::sort(cand.begin(), cand.end(),
-              [&](int a, int b) { return score[a] != score[b] ? score[a] < score[b] : a < b; });
-    acceptable.clear();
-    if (policy == LF_POLICY_FULL || cand.empty()) {
-      next = -1;
-      return true;
-    }
-    next = cand[0];
-    for (int c : cand)
-      if (score[c] <= score[next] + tie_tol() * std::fabs(score[next])) acceptable.push_back(c);
-    return true;
-  }
-};
-
 struct LockstepStats {
   long steps = 0, near_ties = 0, resyncs = 0, evictions = 0;
 };
@@ -195,7 +51,7 @@ void run_lockstep(const lf_attn_params &p, int budget, int n_kv, int steps, Rng 
                                     << p.h2o_recent << " n_kv " << n_kv);
   const int G = p.group, D = p.head_dim;
   OnePool pool(n_kv, budget, D);
-  std::vector<OracleHead> ref(n_kv, OracleHead(p, budget));
+  std::vector<EvictOracle> ref(n_kv, EvictOracle(p, budget, 1));
   std::vector<float> out((size_t)G * D), scores(budget);
 
   for (int s = 0; s < steps; s++) {
@@ -204,7 +60,7 @@ void run_lockstep(const lf_attn_params &p, int budget, int n_kv, int steps, Rng 
     for (int g = 0; g < n_kv; g++) {
       std::vector<float> q = rng.normal((size_t)G * D, qsd), k = rng.normal(D), v = rng.normal(D);
       lf_kv_head h = pool.head(g);
-      OracleHead &o = ref[g];
+      EvictOracle &o = ref[g];
       const int n_before = *h.n;
       const int w_lib = lf_kv_write_slot(&h);
       ASSERT_TRUE(o.step(q.data(), k.data(), v.data(), s)) << "oracle has no slot at step " << s;
@@ -235,30 +91,15 @@ void run_lockstep(const lf_attn_params &p, int budget, int n_kv, int steps, Rng 
       for (int i = 0; i < std::min(p.sink, *h.n); i++)
         ASSERT_EQ(h.pos[i], i);
 
-      for (int j = 0; j < G * D; j++)
-        ASSERT_TRUE(close_rel(out[j], o.out[j], 1e-5, 1e-6))
-            << "step " << s << " out[" << j << "] " << out[j] << " vs " << o.out[j];
-      for (int i = 0; i < *h.n; i++)
-        ASSERT_TRUE(close_rel(scores[i], o.score[i], 1e-5, 1e-12))
-            << "step " << s << " score[" << i << "] " << scores[i] << " vs " << o.score[i];
+      ASSERT_NO_FATAL_FAILURE(expect_oracle_out(o, out, scores, *h.n, s));
       if (p.policy == LF_POLICY_H2O) {
         for (int i = 0; i < *h.n; i++)
-          ASSERT_EQ(h.acc[i], o.slots[i].acc) << "slot " << i;
+          ASSERT_EQ(h.acc[i], o.slots[i].acc[0]) << "slot " << i;
       }
 
-      /* next: never the slot just written, never a sink; equal to the oracle's unless a
-       * near-tie makes either acceptable, in which case the oracle follows the library. */
-      const int nx = *h.next;
-      ASSERT_NE(nx, o.w);
-      ASSERT_TRUE(nx == -1 || (nx >= p.sink && nx < *h.n)) << "next " << nx;
-      if (o.acceptable.size() > 1) st.near_ties++;
-      if (nx != o.next) {
-        bool ok = std::find(o.acceptable.begin(), o.acceptable.end(), nx) != o.acceptable.end();
-        ASSERT_TRUE(ok) << "step " << s << ": next " << nx << " (score " << o.score[nx]
-                        << "), oracle " << o.next << " (score " << o.score[o.next] << ")";
-        o.next = nx;
-        st.resyncs++;
-      }
+      /* next: as the oracle's, or a near-tie's other candidate (then the oracle follows). */
+      ASSERT_NO_FATAL_FAILURE(
+          expect_oracle_next(o, *h.next, p.sink, *h.n, s, st.near_ties, st.resyncs));
     }
     st.steps++;
   }
@@ -283,12 +124,12 @@ TEST(LongFlow, LockstepWithOracleRandomConfigs) {
   } fixed[] = {{4, 1, 4, 2, 300},   {6, 3, 8, 4, 300},  {5, 8, 64, 0, 200},
                {64, 8, 64, 4, 400}, {4, 2, 16, 0, 300}, {33, 1, 4, 1, 400}};
   for (const Cfg &c : fixed)
-    run_lockstep(make_params(LF_POLICY_LONGFLOW, c.sink, c.G, c.D), c.B, 2, c.steps, rng, st);
+    run_lockstep(attn_params(LF_POLICY_LONGFLOW, c.sink, c.G, c.D), c.B, 2, c.steps, rng, st);
   for (int r = 0; r < 60 && !HasFatalFailure(); r++) {
     const int B = rng.uniform_int(4, 64);
     const int sink = rng.uniform_int(0, std::min(4, B - 2));
     const int G = rng.uniform_int(1, 8), D = dims[rng.uniform_int(0, 3)];
-    run_lockstep(make_params(LF_POLICY_LONGFLOW, sink, G, D), B, rng.uniform_int(1, 3),
+    run_lockstep(attn_params(LF_POLICY_LONGFLOW, sink, G, D), B, rng.uniform_int(1, 3),
                  rng.uniform_int(200, 400), rng, st);
   }
   report("longflow", st);
@@ -302,7 +143,7 @@ TEST(LongFlow, BudgetLargerThanSequenceIsFullAttention) {
   Rng rng(lf_test_seed_for("LongFlow.BudgetLargerThanSequenceIsFullAttention"));
   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_FULL, LF_POLICY_STREAMING, LF_POLICY_H2O}) {
     const int G = rng.uniform_int(1, 8), D = 16, steps = 150, B = 160;
-    lf_attn_params p = make_params(pol, 4, G, D, 2);
+    lf_attn_params p = attn_params(pol, 4, G, D, 2);
     OnePool pool(1, B, D);
     lf_kv_head h = pool.head(0);
     std::vector<std::vector<float>> ks, vs;
@@ -347,7 +188,7 @@ TEST(LongFlow, BudgetLargerThanSequenceIsFullAttention) {
 TEST(LongFlow, TinyValueSlotIsEvictedButSinkIsNot) {
   Rng rng(lf_test_seed_for("LongFlow.TinyValueSlotIsEvictedButSinkIsNot"));
   const int B = 8, G = 2, D = 16, sink = 2;
-  lf_attn_params p = make_params(LF_POLICY_LONGFLOW, sink, G, D);
+  lf_attn_params p = attn_params(LF_POLICY_LONGFLOW, sink, G, D);
   OnePool pool(1, B, D);
   lf_kv_head h = pool.head(0);
   std::vector<float> out((size_t)G * D);
@@ -376,7 +217,7 @@ TEST(LongFlow, TinyValueSlotIsEvictedButSinkIsNot) {
 TEST(LongFlow, ExactTiesGoToLowestSlot) {
   Rng rng(lf_test_seed_for("LongFlow.ExactTiesGoToLowestSlot"));
   const int B = 10, G = 3, D = 8, sink = 3;
-  lf_attn_params p = make_params(LF_POLICY_LONGFLOW, sink, G, D);
+  lf_attn_params p = attn_params(LF_POLICY_LONGFLOW, sink, G, D);
   OnePool pool(1, B, D);
   lf_kv_head h = pool.head(0);
   std::vector<float> k = rng.normal(D), v = rng.normal(D), out((size_t)G * D);
@@ -402,7 +243,7 @@ TEST(LongFlow, ExactTiesGoToLowestSlot) {
 TEST(FullPolicy, ErrorsAtOverflowWithNothingModified) {
   Rng rng(lf_test_seed_for("FullPolicy.ErrorsAtOverflowWithNothingModified"));
   const int B = 8, G = 2, D = 8;
-  lf_attn_params p = make_params(LF_POLICY_FULL, 4, G, D);
+  lf_attn_params p = attn_params(LF_POLICY_FULL, 4, G, D);
   OnePool pool(1, B, D);
   lf_kv_head h = pool.head(0);
   std::vector<float> out((size_t)G * D);
@@ -440,7 +281,7 @@ TEST(FullPolicy, ErrorsAtOverflowWithNothingModified) {
 TEST(FullPolicy, LockstepUntilFull) {
   Rng rng(lf_test_seed_for("FullPolicy.LockstepUntilFull"));
   LockstepStats st;
-  run_lockstep(make_params(LF_POLICY_FULL, 4, 4, 16), 48, 2, 48, rng, st);
+  run_lockstep(attn_params(LF_POLICY_FULL, 4, 4, 16), 48, 2, 48, rng, st);
   report("full", st);
   EXPECT_EQ(st.evictions, 0);
 }
@@ -450,7 +291,7 @@ TEST(StreamingPolicy, LockstepWithOracle) {
   LockstepStats st;
   for (int r = 0; r < 8 && !HasFatalFailure(); r++) {
     const int B = rng.uniform_int(4, 40), sink = rng.uniform_int(0, std::min(4, B - 2));
-    run_lockstep(make_params(LF_POLICY_STREAMING, sink, rng.uniform_int(1, 4), 8), B, 2, 150, rng,
+    run_lockstep(attn_params(LF_POLICY_STREAMING, sink, rng.uniform_int(1, 4), 8), B, 2, 150, rng,
                  st);
   }
   report("streaming", st);
@@ -461,7 +302,7 @@ TEST(StreamingPolicy, LockstepWithOracle) {
 TEST(StreamingPolicy, KeepsSinksAndMostRecent) {
   Rng rng(lf_test_seed_for("StreamingPolicy.KeepsSinksAndMostRecent"));
   const int B = 12, sink = 4, G = 2, D = 8, steps = 100;
-  lf_attn_params p = make_params(LF_POLICY_STREAMING, sink, G, D);
+  lf_attn_params p = attn_params(LF_POLICY_STREAMING, sink, G, D);
   OnePool pool(1, B, D);
   lf_kv_head h = pool.head(0);
   std::vector<float> out((size_t)G * D);
@@ -485,7 +326,7 @@ TEST(H2OPolicy, LockstepWithOracle) {
   for (int r = 0; r < 10 && !HasFatalFailure(); r++) {
     const int sink = rng.uniform_int(0, 4), recent = rng.uniform_int(0, 4);
     const int B = rng.uniform_int(sink + recent + 2, 40);
-    run_lockstep(make_params(LF_POLICY_H2O, sink, rng.uniform_int(1, 4), 8, recent), B, 2, 200, rng,
+    run_lockstep(attn_params(LF_POLICY_H2O, sink, rng.uniform_int(1, 4), 8, recent), B, 2, 200, rng,
                  st);
   }
   report("h2o", st);
@@ -495,7 +336,7 @@ TEST(H2OPolicy, LockstepWithOracle) {
 /* ------------------------------------------------------------------------------------------- */
 
 TEST(AttnParams, Check) {
-  lf_attn_params p = make_params(LF_POLICY_LONGFLOW, 4, 2, 8);
+  lf_attn_params p = attn_params(LF_POLICY_LONGFLOW, 4, 2, 8);
   EXPECT_EQ(lf_attn_params_check(&p, 6), LF_OK);
   EXPECT_EQ(lf_attn_params_check(&p, 5), LF_ERR_INVALID_ARG); /* budget < sink + 2 */
   EXPECT_STRNE(lf_last_error(), "");
@@ -537,7 +378,7 @@ TEST(AttnParams, Check) {
 }
 
 TEST(AttnDecode, RejectsBadArgumentsAndCorruptState) {
-  lf_attn_params p = make_params(LF_POLICY_LONGFLOW, 1, 1, 4);
+  lf_attn_params p = attn_params(LF_POLICY_LONGFLOW, 1, 1, 4);
   OnePool pool(1, 4, 4);
   lf_kv_head h = pool.head(0);
   float q[4] = {1, 2, 3, 4}, k[4] = {0.5f, -1, 2, 1}, v[4] = {1, -1, 0.25f, 3}, out[4];
@@ -632,7 +473,7 @@ TEST(Pool, TakeResetsMetadataAndViewsAreDisjoint) {
   EXPECT_EQ(lf_kv_arena_head(&a, 0, 0, -1).k, nullptr);
 
   /* Fill pool p through decode steps (evicting), then give it back and take it again. */
-  lf_attn_params prm = make_params(LF_POLICY_H2O, 1, 1, s.head_dim);
+  lf_attn_params prm = attn_params(LF_POLICY_H2O, 1, 1, s.head_dim);
   float out[4];
   for (int l = 0; l < s.n_layers; l++)
     for (int g = 0; g < s.n_kv_heads; g++) {

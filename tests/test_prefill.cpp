@@ -14,24 +14,14 @@
 
 #include "attention/attention.h"
 #include "memory/pool.h"
+#include "tests/evict_oracle.h"
 #include "tests/test_util.h"
 
 namespace {
 
+/* h2o keeps the 2 newest positions. */
 lf_attn_params make_params(lf_policy pol, int sink, int window, int group, int head_dim) {
-  lf_attn_params p{};
-  p.policy = pol;
-  p.sink = sink;
-  p.window = window;
-  p.h2o_recent = 2;
-  p.group = group;
-  p.head_dim = head_dim;
-  p.scale = 1.0f / std::sqrt((float)head_dim);
-  return p;
-}
-
-bool close_rel(double got, double want, double rtol, double atol) {
-  return std::fabs(got - want) <= atol + rtol * std::fabs(want);
+  return attn_params(pol, sink, group, head_dim, 2, window);
 }
 
 /* A sequence's tokens for n_kv KV heads, laid out as a model would: one row per token.
@@ -136,22 +126,6 @@ std::vector<int> snapkv_kept(const Tokens &x, int g, int B, int sink, int window
   if (pooled_out) *pooled_out = pooled;
   return kept;
 }
-
-struct OnePool {
-  lf_kv_arena a{};
-  int pool = -1;
-  OnePool(int n_kv, int budget, int head_dim) {
-    lf_pool_shape s{1, 1, n_kv, budget, head_dim};
-    EXPECT_EQ(lf_kv_arena_init(&a, &s), LF_OK) << lf_last_error();
-    EXPECT_EQ(lf_kv_arena_take(&a, &pool), LF_OK) << lf_last_error();
-  }
-  ~OnePool() {
-    lf_kv_arena_free(&a);
-  }
-  lf_kv_head head(int g) const {
-    return lf_kv_arena_head(&a, pool, 0, g);
-  }
-};
 
 /* Runs lf_attn_prefill_ref over tokens [t0, t0 + cnt) of x for every KV head; out is
  * [tok][n_kv][G][D] for the whole sequence. */

@@ -21,6 +21,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+from gguflib import rotary_permute, write_out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests/data/gguf_models")
 
@@ -60,13 +62,6 @@ def load_hf(d):
             dt = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[info["dtype"]]
             out[name] = (np.frombuffer(raw[b:e], dtype=dt).reshape(info["shape"]), info["dtype"])
     return out
-
-
-def permute(w, n_head):
-    """HF rotate-half row order -> interleaved pairs, as llama.cpp's converter does."""
-    shape = w.shape
-    return (w.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:])
-            .swapaxes(1, 2).reshape(shape))
 
 
 def llama3_rope_freqs(cfg, head_dim):
@@ -118,15 +113,12 @@ def write_model(name):
             g = "blk.%s.%s" % (parts[2], LAYER[".".join(parts[3:])])
         if arch == "llama" and (".attn_q." in g or ".attn_k." in g):
             heads = cfg["num_attention_heads"] if ".attn_q." in g else cfg["num_key_value_heads"]
-            arr = permute(arr, heads)
+            arr = rotary_permute(arr, heads)
         if dt == "BF16":
             w.add_tensor(g, np.ascontiguousarray(arr), raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
             w.add_tensor(g, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
 
 
 def write_tokenizer(name, pre):
@@ -152,10 +144,7 @@ def write_tokenizer(name, pre):
     w.add_token_merges(merges)
     w.add_bos_token_id(vocab["<|begin_of_text|>"])
     w.add_add_bos_token(True)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
 
 
 def main():

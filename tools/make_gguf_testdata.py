@@ -19,6 +19,8 @@ import sys
 
 import numpy as np
 
+from gguflib import rotary_permute, write_out
+
 try:
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -72,18 +74,8 @@ def write_quant(rng):
         else:
             w.add_tensor(name, data, raw_dtype=qtype)
         e.add_tensor(name, ref)
-    for writer in (w, e):
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-
-
-def rotary_permute(w, n_head):
-    """Hugging Face -> GGUF row order of q/k (convert_hf_to_gguf.py's permute): within each head
-    the two rotary halves are interleaved, row i*(hd/2) + j going to row 2*j + i."""
-    hd = w.shape[0] // n_head
-    return w.reshape(n_head, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).copy()
+    write_out(w)
+    write_out(e)
 
 
 def write_meta():
@@ -118,10 +110,7 @@ def write_meta():
     # with row_perm_heads = 2 must give back the plain aranges.
     w.add_tensor("perm.weight", rotary_permute(np.arange(24, dtype=np.float32).reshape(8, 3), 2))
     w.add_tensor("perm.bias", rotary_permute(np.arange(8, dtype=np.float32), 2))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
 
 
 def main():

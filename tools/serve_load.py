@@ -28,6 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "server"))
 from serverlib import Server, make_tiny_chat_model, wait_idle  # noqa: E402
+from loadlib import reference, run_all, stream_text, verdict  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "def main():\n    return 0",
            "Zürich ☃ emoji 🎉 test", "1 2 3 4 5 6 7 8", "   spaces   and\ttabs",
@@ -56,22 +57,9 @@ def main():
     try:
         refs = []
         for i, p in enumerate(PROMPTS):
-            chat = i % 2 == 1
-            body = {"max_tokens": a.max_tokens, "ignore_eos": True, "return_token_ids": True}
-            if chat:
-                body["messages"] = [{"role": "user", "content": p}]
-            else:
-                body["prompt"] = p
-            st, _, j, raw = s.post("/v1/chat/completions" if chat else "/v1/completions", body,
-                                   timeout=600)
-            assert st == 200, raw
-            ch = j["choices"][0]
-            text = ch["message"]["content"] if chat else ch["text"]
-            refs.append((chat, body, ch["token_ids"], text))
-            # The same request with a stop string from the middle of its text (chosen so that
-            # its first occurrence is there).
-            stop = next((text[i:i + 3] for i in range(len(text) // 3, len(text) - 3)
-                         if text.find(text[i:i + 3]) == i and text[i:i + 3].strip()), None)
+            chat, _, body, ids, text, stop = reference(s, i, p, a.max_tokens, 600)
+            refs.append((chat, body, ids, text))
+            # The same request with the stop string from the middle of its text.
             if stop:
                 cut = text[:text.find(stop)]
                 refs.append((chat, dict(body, stop=[stop]), None, cut))
@@ -111,11 +99,7 @@ def main():
                     assert chunks, "no chunk"
                     fin = chunks[-1]["choices"][0]
                     assert fin["finish_reason"] == ("stop" if ids_ref is None else "length"), fin
-                    ids, text = [], ""
-                    for c in chunks:
-                        ch = c["choices"][0]
-                        ids += ch.get("token_ids", [])
-                        text += ch["delta"].get("content", "") if chat else ch["text"]
+                    ids, text = stream_text(chunks, chat)
                     assert text == text_ref, (text, text_ref)
                     if ids_ref is not None:
                         assert ids == ids_ref, (ids, ids_ref)
@@ -127,10 +111,7 @@ def main():
 
         t0 = time.time()
         th = [threading.Thread(target=client) for _ in range(a.clients)]
-        for t in th:
-            t.start()
-        for t in th:
-            t.join()
+        run_all(th)
         dt = time.time() - t0
         m = wait_idle(s, 30)
         out = {k: int(m['lfserve_requests_total{outcome="%s"}' % k] -
@@ -147,18 +128,12 @@ def main():
                m["lfserve_tokens_generated_total"]))
         if out != dict(seen, error=0, disconnected=0, rejected=0, invalid=0):
             errors.append("/metrics outcomes %s differ from what the clients saw %s" % (out, seen))
-        for e in errors[:10]:
-            print("  " + e)
         ok = not errors and m["lfserve_pools_used"] == 0
         ok = ok and m['lfserve_http_responses_total{code="500"}'] == 0
         ok = ok and m['lfserve_requests_total{outcome="error"}'] == 0
     finally:
         rc = s.stop()
-    if rc != 0:
-        print("lfserve exited with %s:\n%s" % (rc, s.read_log()[-4000:]))
-        ok = False
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return verdict(s, rc, ok, errors)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "server"))
 from serverlib import Server, make_tiny_chat_model, wait_idle  # noqa: E402
+from loadlib import reference, run_all, stream_text, verdict  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "def main():\n    return 0",
            "Zürich ☃ emoji 🎉 test", "1 2 3 4 5 6 7 8", "Hello, world!"]
@@ -57,30 +58,9 @@ def main():
     try:
         refs = []
         for i, p in enumerate(PROMPTS):
-            chat = i % 2 == 1
-            body = {"max_tokens": a.max_tokens, "ignore_eos": True, "return_token_ids": True}
-            if chat:
-                body["messages"] = [{"role": "user", "content": p}]
-            else:
-                body["prompt"] = p
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            st, _, j, raw = s.post(path, body, timeout=120)
-            assert st == 200, raw
-            ch = j["choices"][0]
-            text = ch["message"]["content"] if chat else ch["text"]
-            stop = next((text[k:k + 3] for k in range(len(text) // 3, len(text) - 3)
-                         if text.find(text[k:k + 3]) == k and text[k:k + 3].strip()), None)
-            refs.append((chat, path, body, ch["token_ids"], text, stop))
+            refs.append(reference(s, i, p, a.max_tokens, 120))
         base = s.metrics()
         end = time.time() + a.minutes * 60
-
-        def stream_text(chunks, chat):
-            ids, text = [], ""
-            for c in chunks:
-                for ch in c["choices"]:
-                    ids += ch.get("token_ids", [])
-                    text += ch["delta"].get("content", "") if chat else ch["text"]
-            return ids, text
 
         def client(seed):
             rng = random.Random(seed)
@@ -138,10 +118,7 @@ def main():
         t0 = time.time()
         th = [threading.Thread(target=client, args=(a.seed * 1000 + i,)) for i in range(a.clients)]
         th.append(threading.Thread(target=sampler))
-        for t in th:
-            t.start()
-        for t in th:
-            t.join()
+        run_all(th)
         dt = time.time() - t0
         m = wait_idle(s, 60)
         rss_end = rss_kb(s.proc.pid)
@@ -158,8 +135,6 @@ def main():
               "at the end %d; queue max %d" % (samples[0][1], rss_warm, max(x[1] for x in samples),
                                                rss_end, max(x[2] for x in samples),
                                                m["lfserve_pools_used"], max(x[3] for x in samples)))
-        for e in errors[:10]:
-            print("  " + e)
         ok = not errors and m["lfserve_pools_used"] == 0
         ok = ok and d["error"] == 0 and d["rejected"] == 0 and d["invalid"] == 0
         # Cancelled streams may have finished before the server saw the client go.
@@ -168,11 +143,7 @@ def main():
         ok = ok and rss_end - rss_warm <= a.rss_slack_mb * 1024
     finally:
         rc = s.stop()
-    if rc != 0:
-        print("lfserve exited with %s:\n%s" % (rc, s.read_log()[-4000:]))
-        ok = False
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return verdict(s, rc, ok, errors)
 
 
 if __name__ == "__main__":

@@ -44,12 +44,12 @@ static lf_status apply_tuning(cuda_backend *c) {
   lf_tuning tu;
   lf_tuning_read(&tu);
   c->use_graphs = !c->p.no_graphs && tu.cuda_graphs;
-  /* collectives inside captured graphs: measured faster on 2 x H200 (see tp.cu) */
+  /* collectives inside captured graphs: faster than eager TP steps (see tp.cu; bench/RESULTS.md) */
   if (c->comm && !tu.cuda_graphs_tp) c->use_graphs = 0;
   c->graph_cap = tu.graph_cache;
   lf_pdl_allowed = tu.pdl;
   /* PDL (base/cuda_launch.cuh): faster batch-1 steps everywhere and one GPU's batch-64 steps,
-   * but slower TP=2 batch-64 steps on 2 x H200 (bench/RESULTS.md): under TP only for passes of
+   * but slower TP batch-64 steps (bench/RESULTS.md): under TP only for passes of
    * up to 16 rows. */
   c->pdl_max_rows = tu.pdl_max_rows >= 0 ? tu.pdl_max_rows : c->comm ? 16 : INT_MAX;
   c->tune_on = tu.gemm_tune;
@@ -103,8 +103,7 @@ static void cuda_free(lf_backend *b) {
   free(c->graph_used);
   free(c->graph_seen);
   free(c->tunes);
-  free(c->free_list);
-  free(c->in_use);
+  lf_pool_list_free(&c->pools);
   free(c->host_n);
   free(c);
 }
@@ -189,13 +188,9 @@ static lf_status create(cuda_backend *c) {
   if (p->n_pools == 0) LF_TRY(size_pools(c));
   c->max_items = p->n_pools;
 
-  c->free_list = (int *)malloc((size_t)p->n_pools * sizeof(int));
-  c->in_use = (uint8_t *)calloc((size_t)p->n_pools, 1);
+  LF_TRY(lf_pool_list_init(&c->pools, p->n_pools));
   c->host_n = (int *)calloc((size_t)p->n_pools, sizeof(int));
-  if (!c->layers || !c->free_list || !c->in_use || !c->host_n)
-    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
-  for (int i = 0; i < p->n_pools; i++) c->free_list[i] = p->n_pools - 1 - i;
-  c->n_free = p->n_pools;
+  if (!c->host_n) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
 
   {
     float *f = (float *)malloc(sizeof(float) * (size_t)(D / 2));
@@ -322,13 +317,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->nv = sh.n_vocab;
   c->p = *p;
   m = &c->cfg;
-  c->base.name = "cuda";
-  c->base.forward = cb_forward;
-  c->base.pool_take = cb_pool_take;
-  c->base.pool_give = cb_pool_give;
-  c->base.pools_free = cb_pools_free;
-  c->base.pool_slots_filled = cb_pool_slots_filled;
-  c->base.free = cuda_free;
+  /* lf_backend's fields in order (name, forward, pool_take, pool_give, pools_free,
+   * pool_slots_filled, free): C++17 has no designated initializers */
+  c->base = lf_backend{"cuda", cb_forward, cb_pool_take, cb_pool_give, cb_pools_free,
+                       cb_pool_slots_filled, cuda_free};
   c->qd = m->n_heads * m->head_dim;
   c->kd = m->n_kv_heads * m->head_dim;
   c->qd_own = sh.n_q * m->head_dim;

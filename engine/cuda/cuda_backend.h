@@ -122,8 +122,7 @@ typedef struct cuda_backend {
 
   /* pools */
   lf_cuda_pool_view pv; /* k, v, vnorm, pos, n, next: the device arena */
-  int *free_list, n_free;
-  uint8_t *in_use;
+  lf_pool_list pools; /* which pools are free (memory/pool.h) */
   int *host_n; /* [n_pools] fill count mirror */
 
   /* activations, rows = max(max_items, max_chunk) */

@@ -255,7 +255,7 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
       r->status = lf_error(LF_ERR_INVALID_ARG, "forward: n_tok %d < 1", it->n_tok);
       continue;
     }
-    if (it->pool < 0 || it->pool >= c->p.n_pools || !c->in_use[it->pool]) {
+    if (it->pool < 0 || it->pool >= c->p.n_pools || !lf_pool_list_in_use(&c->pools, it->pool)) {
       r->status = lf_error(LF_ERR_INVALID_ARG, "forward: pool %d is not a taken pool", it->pool);
       continue;
     }

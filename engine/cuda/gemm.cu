@@ -6,17 +6,17 @@
 #include "engine/cuda/cuda_backend.h"
 #include "kernels/gemv.cuh"
 
-/* The GEMV only at batch 1: on an H200 (random:llama3-8b) it beat cuBLAS there but lost from
+/* The GEMV only at batch 1: it beats cuBLAS there but loses from
  * batch 2 on, its per-token X reads growing with the batch (bench/RESULTS.md). */
 #define GEMV_MAX 1
 /* Prompt chunks of up to 8 tokens on the GEMVs, and the residual GEMVs in 8 K parts over all
  * ranks: with them batch-1 decoding of a short prompt gives the same bits at TP = 1, 2, 4 and 8
- * (cb_gemm_res); the parts were also measured faster than the plain GEMV on an H200. */
+ * (cb_gemm_res); the parts are also faster than the plain GEMV (bench/RESULTS.md, "Settings"). */
 #define GEMV_PREFILL 8
 #define GEMV_PARTS 8
 
 /* cuBLAS's default choice for the skinny decode GEMMs (n_tok = batch, 9..n_pools) reads the
- * weights well below the copy bandwidth (batch 64 on an H200: ~65% with attention left out).
+ * weights well below the copy bandwidth (bench/RESULTS.md).
  * So, for each decode shape, the first eager run asks cublasLt for its candidates, times each on
  * a scratch output (beta = 1 shapes would otherwise add into the residual stream) and keeps the
  * fastest; the graph captured later replays that choice, so graph and eager passes agree bit for

@@ -1,38 +1,30 @@
-/* The cuda backend's pools: a free list and each pool's fill count mirrored on the host (the
- * device arena's metadata is reset on take), so admission never reads the device. */
+/* The cuda backend's pools: memory/'s free list and each pool's fill count mirrored on the host
+ * (the device arena's metadata is reset on take), so admission never reads the device. */
 #include "engine/cuda/cuda_backend.h"
 
 lf_status cb_pool_take(lf_backend *b, int *pool) {
   cuda_backend *c = (cuda_backend *)b;
+  int p;
   if (!pool) return lf_error(LF_ERR_INVALID_ARG, "pool_take: NULL argument");
-  if (c->n_free <= 0)
-    return lf_error(LF_ERR_STATE, "pool_take: all %d pools are in use", c->p.n_pools);
   LF_CUDA_CHECK(cudaSetDevice(c->device));
-  const int p = c->free_list[--c->n_free];
+  LF_TRY(lf_pool_list_take(&c->pools, &p));
   const size_t heads = (size_t)c->cfg.n_layers * c->cfg.n_kv_heads;
   /* metadata only (n = 0, next = -1, pos = -1); K/V keep stale values below n */
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.n + p * heads, 0, heads * sizeof(int32_t), c->stream));
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.next + p * heads, 0xff, heads * sizeof(int32_t), c->stream));
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.pos + p * heads * c->p.budget, 0xff,
                                 heads * c->p.budget * sizeof(int32_t), c->stream));
-  c->in_use[p] = 1;
   c->host_n[p] = 0;
   *pool = p;
   return LF_OK;
 }
 
 lf_status cb_pool_give(lf_backend *b, int pool) {
-  cuda_backend *c = (cuda_backend *)b;
-  if (pool < 0 || pool >= c->p.n_pools)
-    return lf_error(LF_ERR_STATE, "pool_give: pool %d is not in [0, %d)", pool, c->p.n_pools);
-  if (!c->in_use[pool]) return lf_error(LF_ERR_STATE, "pool_give: pool %d is already free", pool);
-  c->in_use[pool] = 0;
-  c->free_list[c->n_free++] = pool;
-  return LF_OK;
+  return lf_pool_list_give(&((cuda_backend *)b)->pools, pool);
 }
 
 int cb_pools_free(lf_backend *b) {
-  return ((cuda_backend *)b)->n_free;
+  return ((cuda_backend *)b)->pools.n_free;
 }
 
 int cb_pool_slots_filled(lf_backend *b, int pool) {
@@ -46,14 +38,9 @@ int cb_pool_slots_filled(lf_backend *b, int pool) {
  * rebuilt so pool_take returns the same ids on every rank. The extra arena stays allocated. */
 extern "C" lf_status lf_backend_cuda_limit_pools(lf_backend *b, int n_pools) {
   cuda_backend *c = (cuda_backend *)b;
-  if (!c || n_pools < 1 || n_pools > c->p.n_pools)
-    return lf_error(LF_ERR_INVALID_ARG, "limit_pools: %d pools of %d", n_pools,
-                    c ? c->p.n_pools : 0);
-  if (c->n_free != c->p.n_pools)
-    return lf_error(LF_ERR_STATE, "limit_pools: %d pools are in use", c->p.n_pools - c->n_free);
+  if (!c) return lf_error(LF_ERR_INVALID_ARG, "limit_pools: no backend");
+  LF_TRY(lf_pool_list_limit(&c->pools, n_pools));
   c->p.n_pools = n_pools;
   c->max_items = n_pools;
-  for (int i = 0; i < n_pools; i++) c->free_list[i] = n_pools - 1 - i;
-  c->n_free = n_pools;
   return LF_OK;
 }

@@ -43,7 +43,7 @@
  *     communicator's timeout, not a hang).
  *   - CUDA graphs: NCCL collectives and the IPC kernels can be captured (NCCL >= 2.9), and the
  *     capture happens at the same step on every rank (a batch size's second run). On under TP
- *     too (LF_CUDA_GRAPHS_TP=0 turns them off there): faster at batch 1 on 2 x H200.
+ *     too (LF_CUDA_GRAPHS_TP=0 turns them off there): faster at batch 1 (bench/RESULTS.md).
  * Which collectives run depends only on the items (the same on every rank: engine/tp.h) and
  * on logits being wanted, so the ranks' NCCL calls always pair up. */
 

@@ -1,0 +1,107 @@
+/* lfbench eval (bench/bench_eval.c): the types its three files share and the functions they
+ * call across. bench_eval.c runs the grid; bench_eval_input.c parses the options and loads the
+ * problems; bench_eval_report.c scores the summary and writes the table and the JSON. */
+#ifndef LF_BENCH_EVAL_H
+#define LF_BENCH_EVAL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "engine/backend.h"
+#include "lfserve.h"
+#include "text/json.h"
+#include "text/tokenizer.h"
+
+#define EV_MAX_FRACTIONS 16
+#define EV_NAME "lfbench eval"
+
+typedef struct ev_series {
+  lf_policy policy;
+  lf_evict_scope scope;
+  char name[32]; /* "longflow", "longflow-layer": eval.py's series_name */
+} ev_series;
+
+typedef struct ev_opts {
+  const char *model, *problems, *json, *tokenizer;
+  lf_backend_kind backend;
+  int want_policy[4]; /* by lf_policy */
+  int want_scope[2];  /* by lf_evict_scope */
+  double fractions[EV_MAX_FRACTIONS];
+  int n_fractions;
+  int margin, max_concurrent, jobs, threads, sink, window, max_batch_tokens, budget_round;
+  int full_ctx, limit, ids, quiet;
+} ev_opts;
+
+typedef struct ev_problem {
+  char *id, *answer;
+  int prompt_tokens, output_tokens;
+  int32_t *prompt; /* [n_prompt] */
+  int n_prompt;
+  int32_t *want; /* encode(output) + [eos]: [n_want] */
+  int n_want;
+  lf_json *doc; /* the parsed line (for "lookback") */
+} ev_problem;
+
+typedef struct ev_run {
+  int problem, series, fi; /* fi: fraction index, -1 for full */
+  int budget, max_tokens, group;
+  uint64_t req_id;
+  /* results */
+  int32_t *ids;
+  int n_ids, cap_ids;
+  int finished, rc, have_stats;
+  lf_finish_reason reason;
+  char *error;
+  uint64_t evictions;
+  double tokens_per_s, seconds;
+  /* scores (gen.check) */
+  int answer_ok, trace_ok, first_error, stopped; /* first_error -1: none */
+  char *answer;
+} ev_run;
+
+typedef struct ev_group {
+  int series, fi, budget;
+  int *runs, n;
+  int pools;
+  double wall_s, init_s, start_s;
+  uint64_t tokens;
+  int errors;
+} ev_group;
+
+typedef struct ev_ctx {
+  const ev_opts *o;
+  const lf_tokenizer *tok;
+  int eos;
+  ev_problem *probs;
+  int n_probs;
+  ev_series series[8];
+  int n_series;
+  ev_run *runs;
+  int n_runs;
+  ev_group *groups;
+  int n_groups;
+  int *order; /* groups, largest first */
+  int next;   /* next index into order (under lock) */
+  int runs_done;
+  double t0;
+  pthread_mutex_t lock;
+} ev_ctx;
+
+/* bench_eval_input.c */
+void ev_usage(FILE *f);
+/* 0 on success, -1 on a bad option (reported); --help prints the usage and exits. */
+int ev_parse(int argc, char **argv, ev_opts *o);
+int ev_load_problems(const ev_opts *o, const lf_tokenizer *tok, int eos, ev_problem **out);
+void ev_problems_free(ev_problem *p, int n);
+
+/* bench_eval_report.c */
+char *ev_strdup(const char *s);
+/* x as Python's repr(float) writes it, so the JSON matches eval.py's. */
+void ev_py_float(double x, char *out, size_t cap);
+int ev_cmp_int(const void *a, const void *b);
+void ev_print_table(const ev_ctx *c, int *fe);
+int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe);
+
+#endif
