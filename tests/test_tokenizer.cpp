@@ -262,6 +262,7 @@ TEST(Tokenizer, RandomTextRoundTrips) {
         } else { /* a random scalar value, never a surrogate */
           uint32_t c = (uint32_t)(rng() % 0x10FFFF) + 1;
           if (c >= 0xD800 && c < 0xE000) c = 0x4E00;
+          if (c == 0x2581) c = 0x4E00; /* ▁: see above (a 1-in-10^6 draw made this test flaky) */
           char b[4];
           int n = c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4;
           if (n == 1) b[0] = (char)c;
