@@ -94,7 +94,7 @@ import gen
 p = json.loads(open(f"{d}/problem.jsonl").readline())
 out = open(f"{d}/output.txt").read()
 err = open(f"{d}/lfgen.err").read()
-stopped = re.search(r"finish stop", err) is not None
+stopped = re.search(r"finish (eos|stop)", err) is not None
 if re.fullmatch(r"[0-9 ]*\n", out):  # --print-ids was passed: ids, not text
     ids = [int(x) for x in out.split()]
     text = gen.decode(ids)
