@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include "base/error.h"
+#include "gguf.h"
 #include "model.h"
 
 lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out) {
@@ -18,14 +19,10 @@ lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out) {
   if (stat(path, &st) != 0)
     return lf_error(LF_ERR_IO, "%s: cannot open checkpoint: %s", path, strerror(errno));
   if (S_ISDIR(st.st_mode)) return lf_checkpoint_open_hf(path, out);
-  if (S_ISREG(st.st_mode)) {
-    /* GGUF files start with their magic; llama2.c files with a config of seven int32s. */
-    char magic[4] = {0};
-    FILE *f = fopen(path, "rb");
-    const int gguf = f && fread(magic, 1, 4, f) == 4 && memcmp(magic, "GGUF", 4) == 0;
-    if (f) fclose(f);
-    return gguf ? lf_checkpoint_open_gguf(path, out) : lf_checkpoint_open_llama2c(path, out);
-  }
+  /* GGUF files start with their magic; llama2.c files with a config of seven int32s. */
+  if (S_ISREG(st.st_mode))
+    return lf_gguf_file_has_magic(path) ? lf_checkpoint_open_gguf(path, out)
+                                        : lf_checkpoint_open_llama2c(path, out);
   return lf_error(LF_ERR_IO, "%s: checkpoint is neither a directory nor a regular file", path);
 }
 

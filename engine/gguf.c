@@ -448,6 +448,14 @@ static lf_status parse_tensors(rd *r, lf_gguf *g, uint64_t n) {
   return LF_OK;
 }
 
+int lf_gguf_file_has_magic(const char *path) {
+  char magic[4] = {0};
+  FILE *f = path ? fopen(path, "rb") : NULL;
+  const int yes = f && fread(magic, 1, 4, f) == 4 && memcmp(magic, "GGUF", 4) == 0;
+  if (f) fclose(f);
+  return yes;
+}
+
 lf_status lf_gguf_parse(const void *data, size_t size, const char *name, lf_gguf **out) {
   if (!out || (!data && size > 0))
     return lf_error(LF_ERR_INVALID_ARG, "lf_gguf_parse: NULL argument");

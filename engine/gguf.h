@@ -67,6 +67,9 @@ typedef struct lf_gguf lf_gguf;
  * which must outlive it. */
 lf_status lf_gguf_parse(const void *data, size_t size, const char *name, lf_gguf **out);
 void lf_gguf_free(lf_gguf *g);
+/* 1 when path is a regular file that starts with the GGUF magic (how a checkpoint path is told
+ * apart from a llama2.c file). */
+int lf_gguf_file_has_magic(const char *path);
 
 uint32_t lf_gguf_version(const lf_gguf *g);
 uint64_t lf_gguf_alignment(const lf_gguf *g);

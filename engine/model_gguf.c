@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "base/error.h"
+#include "forward.h"
 #include "gguf.h"
 #include "model.h"
 #include "quant.h"
@@ -83,19 +84,6 @@ static lf_status arch_float(const lf_gguf *g, const char *arch, const char *suff
   return lf_gguf_kv_float(g, i, out);
 }
 
-/* Llama-3 scaled inverse frequency of pair i (the formula transformers and Meta use). */
-static double llama3_inv_freq(const lf_model_config *c, int i) {
-  const double base = 1.0 / pow((double)c->rope_theta, 2.0 * i / c->head_dim);
-  const double wavelen = 2.0 * 3.14159265358979323846 / base;
-  const double low_wl = c->rope_original_max_pos / c->rope_low_freq_factor;
-  const double high_wl = c->rope_original_max_pos / c->rope_high_freq_factor;
-  if (wavelen < high_wl) return base;
-  if (wavelen > low_wl) return base / c->rope_factor;
-  const double smooth = (c->rope_original_max_pos / wavelen - c->rope_low_freq_factor) /
-                        (c->rope_high_freq_factor - c->rope_low_freq_factor);
-  return (1.0 - smooth) * base / c->rope_factor + smooth * base;
-}
-
 /* rope_freqs.weight holds, per pair, the divisor of the base frequency. Accept it when it is
  * the Llama-3 rule with the published low/high factors and some factor / original context. */
 static lf_status gguf_rope_freqs(const lf_checkpoint *ck, const char *path, lf_model_config *c) {
@@ -104,8 +92,11 @@ static lf_status gguf_rope_freqs(const lf_checkpoint *ck, const char *path, lf_m
   const int half = c->head_dim / 2;
   if (t->ndim != 1 || t->shape[0] != half)
     return lf_error(LF_ERR_FORMAT, "%s: rope_freqs.weight must have %d elements", path, half);
-  float *f = malloc((size_t)half * sizeof *f);
+  /* [3][half]: the stored divisors, the plain frequencies, the Llama-3 ones (lf_rope_freqs,
+   * the table the forward pass uses) */
+  float *f = malloc(3 * (size_t)half * sizeof *f);
   if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+  float *plain = f + half, *scaled = f + 2 * half;
   lf_status st = lf_tensor_read_f32(t, 0, 1, 0, half, f);
   if (st != LF_OK) {
     free(f);
@@ -118,6 +109,7 @@ static lf_status gguf_rope_freqs(const lf_checkpoint *ck, const char *path, lf_m
     free(f);
     return LF_OK;
   }
+  lf_rope_freqs(c, plain); /* rope_scaling is still NONE here */
   c->rope_scaling = LF_ROPE_SCALING_LLAMA3;
   c->rope_factor = factor;
   c->rope_low_freq_factor = 1.0f;
@@ -126,10 +118,10 @@ static lf_status gguf_rope_freqs(const lf_checkpoint *ck, const char *path, lf_m
   int ok = 0;
   for (int orig = 16; orig <= (1 << 22) && !ok; orig *= 2) {
     c->rope_original_max_pos = orig;
+    lf_rope_freqs(c, scaled);
     ok = 1;
     for (int i = 0; i < half && ok; i++) {
-      const double base = 1.0 / pow((double)c->rope_theta, 2.0 * i / c->head_dim);
-      const double want = base / llama3_inv_freq(c, i);
+      const double want = (double)plain[i] / scaled[i];
       if (fabs(want - f[i]) > 1e-4 * want) ok = 0;
     }
   }

@@ -20,12 +20,7 @@ static int is_dir(const char *p) {
 
 static int is_gguf(const char *p) {
   struct stat st;
-  if (!p || stat(p, &st) != 0 || !S_ISREG(st.st_mode)) return 0;
-  char magic[4] = {0};
-  FILE *f = fopen(p, "rb");
-  const int yes = f && fread(magic, 1, 4, f) == 4 && memcmp(magic, "GGUF", 4) == 0;
-  if (f) fclose(f);
-  return yes;
+  return p && stat(p, &st) == 0 && S_ISREG(st.st_mode) && lf_gguf_file_has_magic(p);
 }
 
 /* ---- JSON text building --------------------------------------------------------------------- */
@@ -217,15 +212,10 @@ static lf_status build_tokenizer_json(const lf_gguf *g, const char *path, lf_tok
   return LF_OK;
 }
 
-lf_status lf_gguf_tokenizer_json(const char *path, char **json, size_t *len) {
-  if (!path || !json || !len) return lf_error(LF_ERR_INVALID_ARG, "lf_gguf_tokenizer_json: NULL");
-  *json = NULL;
-  *len = 0;
-  gguf_file f;
-  LF_TRY(gguf_file_open(path, &f));
+/* The tokenizer.json text of an opened GGUF file into *json (malloc'ed). */
+static lf_status gguf_json(const gguf_file *f, const char *path, char **json, size_t *len) {
   lf_tok_text out = {0};
-  lf_status st = build_tokenizer_json(f.g, path, &out);
-  gguf_file_close(&f);
+  lf_status st = build_tokenizer_json(f->g, path, &out);
   if (st != LF_OK) {
     lf_tok_text_free(&out);
     return st;
@@ -233,6 +223,17 @@ lf_status lf_gguf_tokenizer_json(const char *path, char **json, size_t *len) {
   *json = out.data;
   *len = out.len;
   return LF_OK;
+}
+
+lf_status lf_gguf_tokenizer_json(const char *path, char **json, size_t *len) {
+  if (!path || !json || !len) return lf_error(LF_ERR_INVALID_ARG, "lf_gguf_tokenizer_json: NULL");
+  *json = NULL;
+  *len = 0;
+  gguf_file f;
+  LF_TRY(gguf_file_open(path, &f));
+  lf_status st = gguf_json(&f, path, json, len);
+  gguf_file_close(&f);
+  return st;
 }
 
 /* Re-raises st with "what: " before the current message (copied first: lf_error writes the
@@ -251,16 +252,17 @@ lf_status lf_model_tokenizer_open(const char *path, lf_tokenizer **tok, char *wh
   if (is_gguf(path)) {
     gguf_file f;
     LF_TRY(gguf_file_open(path, &f));
-    const int has = lf_gguf_find_key(f.g, "tokenizer.ggml.tokens") >= 0;
-    gguf_file_close(&f);
-    if (!has) {
+    if (lf_gguf_find_key(f.g, "tokenizer.ggml.tokens") < 0) {
+      gguf_file_close(&f);
       if (why) snprintf(why, why_cap, "%s has no tokenizer metadata", path);
       return LF_OK;
     }
     char *json = NULL;
     size_t len = 0;
-    LF_TRY(lf_gguf_tokenizer_json(path, &json, &len));
-    lf_status st = lf_tokenizer_init(json, len, tok);
+    lf_status st = gguf_json(&f, path, &json, &len); /* one parse of the file, not two */
+    gguf_file_close(&f);
+    if (st != LF_OK) return st;
+    st = lf_tokenizer_init(json, len, tok);
     free(json);
     if (st != LF_OK) return prefix_error(st, path);
     return LF_OK;

@@ -79,8 +79,8 @@ static void nc_pause(double t0) {
 /* ncclCommAbort on its own thread: recent NCCL versions synchronise with the peers' aborts
  * inside ncclCommAbort, so with a peer that is stuck (alive, not in NCCL) it may never return
  * (NCCL 2.28 was seen to hang in it). The failing call waits for it a
- * bounded time, then returns its error anyway; the thread is left behind, and the program is
- * expected to exit (lfgen, lfserve and the tests do). */
+ * bounded time, then returns its error anyway; the thread is left behind (the communicator is
+ * unusable after a failure; the programs built on it end once they have reported it). */
 typedef struct {
   ncclComm_t comm;
   atomic_int done;

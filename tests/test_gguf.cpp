@@ -272,20 +272,27 @@ int stored_row(int r, int hd) {
   return h * hd + 2 * j + i;
 }
 
+// A [R][C] tensor stored with llama.cpp's Q/K row order, read back in the HF order.
+lf_tensor_src permuted_src(const char *name, lf_dtype dt, int R, int C, const void *data,
+                           int heads) {
+  lf_tensor_src t{};
+  std::snprintf(t.name, sizeof t.name, "%s", name);
+  t.dtype = dt;
+  t.ndim = 2;
+  t.shape[0] = R;
+  t.shape[1] = C;
+  t.data = data;
+  t.row_perm_heads = heads;
+  return t;
+}
+
 TEST(Gguf, RowPermutationF32) {
   const int R = 12, C = 5, heads = 2, hd = R / heads;
   std::vector<float> stored(R * C);
   for (int r = 0; r < R; r++)
     for (int c = 0; c < C; c++)
       stored[size_t(stored_row(r, hd) * C + c)] = float(r * 100 + c); // HF value (r, c)
-  lf_tensor_src t{};
-  std::snprintf(t.name, sizeof t.name, "q");
-  t.dtype = LF_DTYPE_F32;
-  t.ndim = 2;
-  t.shape[0] = R;
-  t.shape[1] = C;
-  t.data = stored.data();
-  t.row_perm_heads = heads;
+  const lf_tensor_src t = permuted_src("q", LF_DTYPE_F32, R, C, stored.data(), heads);
   std::vector<float> got(R * C);
   ASSERT_EQ(lf_tensor_read_f32(&t, 0, R, 0, C, got.data()), LF_OK);
   for (int r = 0; r < R; r++)
@@ -337,14 +344,7 @@ TEST(Gguf, RowPermutationQ8_0) {
         row[b * 34 + 2 + l] = uint8_t(int8_t(r * 3 + (b * 32 + l) % 7 - 10));
     }
   }
-  lf_tensor_src t{};
-  std::snprintf(t.name, sizeof t.name, "k");
-  t.dtype = LF_DTYPE_Q8_0;
-  t.ndim = 2;
-  t.shape[0] = R;
-  t.shape[1] = C;
-  t.data = stored.data();
-  t.row_perm_heads = heads;
+  const lf_tensor_src t = permuted_src("k", LF_DTYPE_Q8_0, R, C, stored.data(), heads);
   std::vector<float> got(R * C);
   ASSERT_EQ(lf_tensor_read_f32(&t, 0, R, 0, C, got.data()), LF_OK);
   for (int r = 0; r < R; r++)

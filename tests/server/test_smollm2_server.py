@@ -58,8 +58,7 @@ def main():
                                            extra_body={"ignore_eos": True,
                                                        "return_token_ids": True})
         whole = r.choices[0].message.content
-        got = r.model_dump().get("choices")[0].get("token_ids") or \
-            r.choices[0].model_extra.get("token_ids")
+        got = r.model_dump()["choices"][0].get("token_ids")  # lfserve's extension field
         print("prompt tokens %d (lfgen %d); answer: %r" % (r.usage.prompt_tokens, ref_prompt,
                                                            whole[:200]))
         assert r.usage.prompt_tokens == ref_prompt, (r.usage.prompt_tokens, ref_prompt)
