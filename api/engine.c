@@ -117,6 +117,9 @@ static lf_status engine_init_local(lf_engine_t e) {
   lf_status s = lf_checkpoint_open(e->cfg.model_path, &e->ck);
   if (s != LF_OK) return s;
   e->ck_open = 1;
+  /* Before any backend reads a weight: every reader then sees the merged model. */
+  if (e->cfg.lora_path && e->cfg.lora_path[0])
+    LF_TRY(lf_checkpoint_apply_lora(&e->ck, e->cfg.lora_path));
   const lf_model_config *mc = &e->ck.cfg;
   if (e->cfg.budget == 0) e->cfg.budget = mc->max_seq_len;
   int n_kv = mc->n_kv_heads; /* KV heads this rank holds */

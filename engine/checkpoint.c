@@ -129,6 +129,7 @@ lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out) {
 
 void lf_checkpoint_close(lf_checkpoint *ck) {
   if (!ck) return;
+  lf_lora_free(ck->lora);
   lf_tensor_set_free(&ck->tensors);
   memset(ck, 0, sizeof *ck);
 }

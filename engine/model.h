@@ -73,6 +73,9 @@ typedef struct lf_checkpoint {
    * (engine/random_weights.h), the same on every backend. */
   int random_weights;
   uint64_t random_seed;
+  /* A LoRA adapter merged by lf_checkpoint_apply_lora (its tensors and low-rank updates, which
+   * tensors above point to), or NULL. Freed by lf_checkpoint_close. */
+  struct lf_lora *lora;
 } lf_checkpoint;
 
 /* Opens a HF model directory (config.json + model.safetensors or model.safetensors.index.json),
@@ -91,6 +94,22 @@ lf_status lf_checkpoint_open_llama2c(const char *file, lf_checkpoint *out);
 lf_status lf_checkpoint_open_gguf(const char *file, lf_checkpoint *out);
 /* spec: what follows "random:" ("NAME" or "NAME:seed"; the seed defaults to 0). */
 lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out);
+
+/* Merges a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) into
+ * an opened Hugging Face or GGUF checkpoint (engine/lora.c): every targeted weight W reads as
+ * W + scale * B·A from then on (scale lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora),
+ * in the Hugging Face layout, through lf_tensor_read_f32, so every backend and every
+ * tensor-parallel slice sees the merged model. Modules: q/k/v/o_proj, gate/up/down_proj, and on
+ * untied models lm_head and embed_tokens. Anything else (DoRA and other variants, LoRA biases,
+ * other modules, shapes that do not fit, bad files) is an error naming the adapter file, and
+ * leaves ck unchanged. A second adapter is LF_ERR_STATE. */
+lf_status lf_checkpoint_apply_lora(lf_checkpoint *ck, const char *dir);
+struct lf_lora;
+void lf_lora_free(struct lf_lora *l);
+
+/* Reads a whole small file (at most 64 MiB: configs, indices) into a fresh buffer [*len + 1],
+ * NUL-terminated; the caller frees *out. */
+lf_status lf_read_small_file(const char *path, char **out, size_t *len);
 
 /* Parses a HF config.json text into cfg (model_type llama, qwen2, qwen3). path names the file in
  * messages. */

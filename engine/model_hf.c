@@ -22,8 +22,7 @@
 /* config.json and the shard index are small; anything bigger is not what we think it is. */
 #define HF_MAX_JSON_BYTES (64u << 20)
 
-/* Reads a whole small file into a fresh buffer [*len + 1], NUL-terminated. */
-static lf_status hf_read_file(const char *path, char **out, size_t *len) {
+lf_status lf_read_small_file(const char *path, char **out, size_t *len) {
   *out = NULL;
   *len = 0;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -315,7 +314,7 @@ static lf_status hf_load_index(const char *dir, const char *index_path, lf_tenso
   char **shard_paths = NULL;  /* [n_shards] */
   size_t n_shards = 0;
   char jerr[200];
-  lf_status st = hf_read_file(index_path, &text, &len);
+  lf_status st = lf_read_small_file(index_path, &text, &len);
   if (st != LF_OK) return st;
   st = lf_json_parse(text, len, &root, jerr, sizeof jerr);
   free(text);
@@ -398,7 +397,7 @@ static lf_status hf_open(const char *dir, lf_checkpoint *ck) {
   lf_status st = hf_join(dir, "config.json", &cfg_path);
   if (st == LF_OK) st = hf_join(dir, "model.safetensors", &single);
   if (st == LF_OK) st = hf_join(dir, "model.safetensors.index.json", &index);
-  if (st == LF_OK) st = hf_read_file(cfg_path, &text, &len);
+  if (st == LF_OK) st = lf_read_small_file(cfg_path, &text, &len);
   if (st == LF_OK) st = lf_config_parse_hf(text, len, cfg_path, &ck->cfg);
   if (st == LF_OK) st = lf_config_validate(&ck->cfg, cfg_path);
   if (st == LF_OK) {

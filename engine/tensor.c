@@ -17,6 +17,10 @@
 #include "text/json.h"
 #include "quant.h"
 
+#ifdef LF_HAVE_OPENMP
+#include <omp.h>
+#endif
+
 /* Checkpoint files are little-endian and read by memcpy of their bytes. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "lfserve's checkpoint readers assume a little-endian host"
@@ -237,9 +241,9 @@ static lf_status read_block_row(const lf_tensor_src *t, uint32_t type, const uns
   return LF_OK;
 }
 
-lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
-                             int64_t ncols, float *dst) {
-  if (!t) return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_read_f32: NULL tensor");
+/* The stored values of the block (tensor.h: lf_tensor_read_f32 without the lowrank update). */
+static lf_status read_stored_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
+                                 int64_t ncols, float *dst) {
   int64_t rows, cols;
   if (t->ndim == 1) {
     rows = 1;
@@ -332,6 +336,64 @@ lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows
   }
   free(scratch);
   return st;
+}
+
+/* dst [nrows][ncols] += the block of u·v (tensor.h: lf_tensor_lowrank). Each row's sum runs in
+ * acc over k in order, so an element's bits depend neither on the block around it nor on the
+ * threads (rows are split among OpenMP threads, each with its own acc, when there is enough
+ * work: ~4M multiply-adds a thread, as lf_matmul). */
+static lf_status add_lowrank(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
+                             int64_t ncols, float *dst) {
+  const lf_tensor_lowrank *lr = t->lowrank;
+  if (t->ndim != 2 || lr->rows != t->shape[0] || lr->cols != t->shape[1] || lr->rank < 1 ||
+      !lr->u || !lr->v)
+    return lf_error(LF_ERR_INTERNAL, "%s: low-rank update does not fit the tensor", t->name);
+  if ((uint64_t)ncols > SIZE_MAX / sizeof(float))
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: rows of %lld columns are too long", t->name,
+                    (long long)ncols);
+  const size_t rank = (size_t)lr->rank, cols = (size_t)lr->cols;
+  int failed = 0;
+#ifdef LF_HAVE_OPENMP
+  const double work = (double)nrows * (double)ncols * (double)rank;
+  int nt = omp_get_max_threads();
+  if (nt > work / (double)(1L << 22)) nt = (int)(work / (double)(1L << 22));
+  if (nt < 1) nt = 1;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
+#endif
+  {
+    float *acc = malloc((size_t)ncols * sizeof *acc); /* [ncols] */
+    if (!acc) failed = 1;
+#ifdef LF_HAVE_OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < nrows; r++) {
+      if (!acc) continue;
+      const float *u = lr->u + (size_t)(row0 + r) * rank; /* [rank] */
+      memset(acc, 0, (size_t)ncols * sizeof *acc);
+      for (size_t k = 0; k < rank; k++) {
+        const float uk = u[k];
+        const float *v = lr->v + k * cols + (size_t)col0; /* [ncols] */
+        for (int64_t c = 0; c < ncols; c++)
+          acc[c] += uk * v[c];
+      }
+      float *d = dst + (size_t)r * (size_t)ncols;
+      for (int64_t c = 0; c < ncols; c++)
+        d[c] += acc[c];
+    }
+    free(acc);
+  }
+  if (failed)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "%s: cannot allocate a row of %lld floats", t->name,
+                    (long long)ncols);
+  return LF_OK;
+}
+
+lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
+                             int64_t ncols, float *dst) {
+  if (!t) return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_read_f32: NULL tensor");
+  LF_TRY(read_stored_f32(t, row0, nrows, col0, ncols, dst));
+  if (t->lowrank && nrows > 0 && ncols > 0) LF_TRY(add_lowrank(t, row0, nrows, col0, ncols, dst));
+  return LF_OK;
 }
 
 /* ---- safetensors ---------------------------------------------------------------------------

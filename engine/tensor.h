@@ -57,7 +57,21 @@ typedef struct lf_tensor_src {
    * lf_tensor_read_f32 undoes it, so readers see the Hugging Face layout. For a 1-D tensor (a
    * q/k bias) the elements are the rows. */
   int row_perm_heads;
+  /* NULL, or a low-rank update that lf_tensor_read_f32 adds to every value it reads: a LoRA
+   * adapter merged at load (engine/lora.c). Owned by whoever attached it (the checkpoint). */
+  const struct lf_tensor_lowrank *lowrank;
 } lf_tensor_src;
+
+/* W + u·v for a [rows][cols] matrix W, in the Hugging Face layout (after any row_perm_heads is
+ * undone): element (r, c) gains sum_k u[r][k] * v[k][c], summed in fp32 over k = 0..rank-1 in
+ * order and added to W's value once. The sum depends only on (r, c), so any block read (a
+ * tensor-parallel slice, a chunk of rows) gets the same values as the whole matrix. */
+typedef struct lf_tensor_lowrank {
+  int64_t rows, cols;
+  int rank;
+  const float *u; /* [rows][rank], any scale already folded in */
+  const float *v; /* [rank][cols] */
+} lf_tensor_lowrank;
 
 typedef struct lf_mapping {
   char *path;
@@ -83,8 +97,8 @@ const lf_tensor_src *lf_tensor_set_find(const lf_tensor_set *s, const char *name
 int64_t lf_tensor_numel(const lf_tensor_src *t);
 
 /* Reads rows [row0, row0+nrows) x cols [col0, col0+ncols) of a 2-D tensor (a 1-D tensor is one
- * row) into dst [nrows][ncols] as fp32, dequantizing block types and undoing row_perm_heads.
- * Bounds are checked. */
+ * row) into dst [nrows][ncols] as fp32, dequantizing block types, undoing row_perm_heads and
+ * adding the lowrank update, if any. Bounds are checked. */
 lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows, int64_t col0,
                              int64_t ncols, float *dst);
 

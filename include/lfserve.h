@@ -108,6 +108,14 @@ typedef struct lf_engine_config {
   lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER: cpu backend on one rank
                                  only (LF_BACKEND_AUTO then picks cpu; cuda or a communicator of
                                  more than one rank is LF_ERR_UNSUPPORTED) */
+  const char *lora_path;  /* a PEFT LoRA adapter directory (adapter_config.json +
+                             adapter_model.safetensors) merged into the model at load:
+                             W + scale * B·A in fp32 for q/k/v/o_proj, gate/up/down_proj, and on
+                             models with untied embeddings lm_head and embed_tokens; every
+                             backend and tensor-parallel rank runs the merged model. Plain LoRA
+                             only: DoRA, LoRA biases, other modules, mismatched shapes or a
+                             malformed adapter fail lf_engine_init with a message naming the
+                             file. HF directory or GGUF models only. NULL or "": none */
 } lf_engine_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope head,

@@ -1,7 +1,7 @@
 /* lfgen: generate from the command line.
  *
- *   lfgen --model PATH --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P] [--sink S]
- *         [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
+ *   lfgen --model PATH [--lora DIR] --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P]
+ *         [--sink S] [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
  *         [--backend auto|cpu|cuda] [--evict-scope head|layer] [--ignore-eos] [--print-ids]
  *
  * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.
@@ -26,6 +26,8 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: lfgen --model PATH (--prompt-ids 1,2,3 | --prompt TEXT) [options]\n"
           "  --model PATH        HF model directory (config.json + safetensors) or llama2.c .bin\n"
+          "  --lora DIR          merge this PEFT LoRA adapter (adapter_config.json +\n"
+          "                      adapter_model.safetensors) into the model at load\n"
           "  --prompt-ids LIST   comma-separated prompt token ids\n"
           "  --prompt TEXT       prompt text (needs a model with a tokenizer)\n"
           "  --chat              wrap --prompt as one user message in the model's chat template\n"
@@ -167,6 +169,9 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--model")) {
       NEED_VALUE;
       cfg.model_path = v;
+    } else if (!strcmp(a, "--lora")) {
+      NEED_VALUE;
+      cfg.lora_path = v;
     } else if (!strcmp(a, "--prompt-ids")) {
       NEED_VALUE;
       free(ids);
@@ -343,12 +348,12 @@ int main(int argc, char **argv) {
   }
   lf_model_info mi;
   lf_engine_model_info(e, &mi);
-  fprintf(stderr, "lfgen: %s model, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
+  fprintf(stderr, "lfgen: %s model%s%s, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
                   "budget %d, loaded in %.2f s\n",
-          mi.model_type, mi.n_layers, mi.n_heads, mi.n_kv_heads, mi.vocab_size,
-          lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
-          cfg.budget ? cfg.budget : mi.max_seq_len,
-          lf_now_s() - t_load);
+          mi.model_type, cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
+          cfg.lora_path ? cfg.lora_path : "", mi.n_layers, mi.n_heads, mi.n_kv_heads,
+          mi.vocab_size, lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
+          cfg.budget ? cfg.budget : mi.max_seq_len, lf_now_s() - t_load);
 
   /* The same limits as the server's: the prompt must fit the context, and --max-tokens what it
    * leaves (the last token is sampled, never stored); the default is cut to that room. */

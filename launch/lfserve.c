@@ -1,7 +1,7 @@
 /* lfserve: an OpenAI-compatible HTTP server over the lfserve engine.
  *
- *   lfserve --model DIR [--budget B] [--port 8000] [--host 0.0.0.0] [--policy P] [--pools N]
- *           [--max-queue N] [--backend auto|cpu|cuda] [--served-model-name NAME] ...
+ *   lfserve --model DIR [--lora DIR] [--budget B] [--port 8000] [--host 0.0.0.0] [--policy P]
+ *           [--pools N] [--max-queue N] [--backend auto|cpu|cuda] [--served-model-name NAME] ...
  *
  * This file holds main: the options, start-up (the engine, the model's tokenizer and chat
  * template, the engine thread, libmicrohttpd), the signal wait and the shutdown. launch/serve.h
@@ -34,6 +34,8 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: lfserve --model DIR [options]\n"
           "  --model PATH            HF model directory or GGUF file (its tokenizer for text prompts)\n"
+          "  --lora DIR              merge this PEFT LoRA adapter (adapter_config.json +\n"
+          "                          adapter_model.safetensors) into the model at load\n"
           "  --served-model-name S   the model id clients use (default: the directory's name)\n"
           "  --host ADDR             IPv4 address to listen on (default 0.0.0.0)\n"
           "  --port N                (default 8000; 0 picks a free port, printed at start)\n"
@@ -94,6 +96,8 @@ int main(int argc, char **argv) {
       if (lf_cli_int_set(io, v)) goto bad;
     } else if (!strcmp(a, "--model"))
       cfg.model_path = v;
+    else if (!strcmp(a, "--lora"))
+      cfg.lora_path = v;
     else if (!strcmp(a, "--served-model-name"))
       name = v;
     else if (!strcmp(a, "--host"))
@@ -276,10 +280,12 @@ int main(int argc, char **argv) {
   }
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
   fprintf(stderr,
-          "lfserve: serving '%s' (%s, %d layers, vocab %d, context %d; policy %s, budget %d; "
+          "lfserve: serving '%s' (%s%s%s, %d layers, vocab %d, context %d; policy %s, budget %d; "
           "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n"
           "lfserve: chat: %s\n",
-          S.model_name, S.mi.model_type, S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
+          S.model_name, S.mi.model_type,
+          cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
+          cfg.lora_path ? cfg.lora_path : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
           lf_policy_str(cfg.policy), S.budget, S.tok ? "yes" : "no", host,
           di ? (unsigned)di->port : (unsigned)port, lf_now_s() - t0, (long)getpid(),
           lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state);

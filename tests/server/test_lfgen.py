@@ -5,9 +5,11 @@
 
 Without --mpiexec (label cpu): --max-tokens beyond the context fails (exit 2) as the server
 answers 400; --chat on a model without a chat template fails clearly unless --chat-template
-names one; a model too big for the memory fails at once with the figures. With --mpiexec
-(label mpi): `mpiexec -np 2 lfgen` generates the ids one rank does, reports the same eviction
-count (over every KV head of the model, each counted once) and says "tp 2" in its stats line.
+names one; --lora gives the greedy tokens of PEFT's merged model (tests/data/lora) and a
+mismatched adapter fails at start-up; a model too big for the memory fails at once with the
+figures. With --mpiexec (label mpi): `mpiexec -np 2 lfgen` generates the ids one rank does,
+reports the same eviction count (over every KV head of the model, each counted once) and says
+"tp 2" in its stats line; with --lora, 2 and 4 ranks give PEFT's greedy tokens.
 """
 import argparse
 import json
@@ -68,11 +70,39 @@ def tests_cli(lfgen):
         shutil.rmtree(tmp, ignore_errors=True)
     print("ok  --chat without a template: a clear error; --chat-template chatml works")
 
+    # --lora: the greedy tokens of PEFT's merged model (tests/data/lora); a wrong adapter fails
+    # at start-up with the file and the mismatch named
+    lora, ref = lora_case("llama")
+    rc, out, err, _ = run(lora_args(lfgen, lora, ref))
+    assert rc == 0 and [int(x) for x in out.split()] == ref["greedy"], (rc, out, err)
+    assert "LoRA adapter" in err, err
+    rc, out, err, _ = run([lfgen, "--model", ref["model"], "--lora", lora_case("qwen2")[0],
+                           "--prompt-ids", "1", "--max-tokens", "2", "--backend", "cpu"])
+    assert rc == 1 and "adapter_model.safetensors" in err and "expected [8, 160]" in err, (rc, err)
+    rc, out, err, _ = run([lfgen, "--model", ref["model"], "--lora"])
+    assert rc == 2 and "--lora needs a value" in err, (rc, err)
+    print("ok  --lora: PEFT's greedy tokens; a mismatched adapter fails at start-up")
+
     rc, out, err, dt = run([lfgen, "--model", "random:llama3-70b", "--prompt-ids", "1",
                             "--max-tokens", "2", "--backend", "cpu"], timeout=60)
     assert rc == 1 and "MemAvailable" in err and "GiB" in err, (rc, err)
     assert dt < 20, dt
     print("ok  a model too big for the memory fails in %.1f s: %s" % (dt, err.strip()[-160:]))
+
+
+def lora_case(name):
+    """(adapter directory, its reference.json with "model": the base's path)."""
+    lora = os.path.join(ROOT, "tests", "data", "lora", name)
+    with open(os.path.join(lora, "reference.json")) as f:
+        ref = json.load(f)
+    ref["model"] = os.path.join(ROOT, "tests", "data", ref["base"])
+    return lora, ref
+
+
+def lora_args(lfgen, lora, ref):
+    return [lfgen, "--model", ref["model"], "--lora", lora, "--prompt-ids",
+            ",".join(str(t) for t in ref["prompt"]), "--max-tokens", str(len(ref["greedy"])),
+            "--ignore-eos", "--print-ids", "--backend", "cpu"]
 
 
 def stats(err):
@@ -100,6 +130,15 @@ def tests_tp(lfgen, mpiexec):
         assert stats(err) == ev1, (np, stats(err), ev1)
         print("ok  mpiexec -np %d: the ids and eviction count (%d) of one rank, 'tp %d' in the stats"
               % (np, ev1, np))
+    # A LoRA adapter under tensor parallelism: every rank merges its own slices (4 ranks
+    # replicate hf_tiny/llama's 2 KV heads); the ids are PEFT's greedy tokens.
+    lora, ref = lora_case("llama")
+    for np in (2, 4):
+        rc, out, err, _ = run([mpiexec, "-np", str(np), "--oversubscribe"] + lora_args(lfgen, lora, ref),
+                              env=env, timeout=300)
+        assert rc == 0 and [int(x) for x in out.split()] == ref["greedy"], (np, rc, out, err)
+        assert "tp %d" % np in err, err
+        print("ok  mpiexec -np %d --lora: PEFT's greedy tokens" % np)
 
 
 def main():

@@ -5,13 +5,15 @@
 
 Two servers: a tiny random Llama with a byte-level BPE tokenizer and chat template (made by
 tools/make_tiny_chat_model.py) and tests/data/hf_tiny/llama (no tokenizer) under the `full`
-policy with one pool. Exits non-zero on the first failure; the server's log is printed then.
+policy with one pool; then tests/data/hf_tiny/llama with the LoRA adapter tests/data/lora/llama
+(--lora). Exits non-zero on the first failure; the server's log is printed then.
 """
 import argparse
 import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -332,6 +334,29 @@ def tests_token_server(s):
 
 
 
+def lora_ref():
+    with open(os.path.join(ROOT, "tests", "data", "lora", "llama", "reference.json")) as f:
+        return json.load(f)
+
+
+def tests_lora_server(s):
+    """--lora: the completion is the greedy continuation of PEFT's merged model."""
+    ref = lora_ref()
+    st, _, j, _ = s.post(CMPL, {"prompt": ref["prompt"], "max_tokens": len(ref["greedy"]),
+                                "temperature": 0, "ignore_eos": True})
+    assert st == 200 and j["choices"][0]["token_ids"] == ref["greedy"], j
+    assert "llama + LoRA adapter " in s.read_log(), s.read_log()
+
+
+def tests_lora_refused(lfserve):
+    """An adapter that does not fit the model: lfserve exits 1 at start-up naming the file."""
+    p = subprocess.run([lfserve, "--model", os.path.join(ROOT, "tests", "data", "hf_tiny", "llama"),
+                        "--lora", os.path.join(ROOT, "tests", "data", "lora", "qwen2"),
+                        "--port", "0", "--backend", "cpu"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert p.returncode == 1 and "adapter_model.safetensors" in p.stdout, (p.returncode, p.stdout)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lfserve", required=True)
@@ -346,6 +371,9 @@ def main():
             ((os.path.join(ROOT, "tests", "data", "hf_tiny", "llama"), "--policy", "full",
               "--budget", "32", "--pools", "1", "--max-queue", "1", "--threads", "1"),
              tests_token_server),
+            ((os.path.join(ROOT, "tests", "data", "hf_tiny", "llama"), "--lora",
+              os.path.join(ROOT, "tests", "data", "lora", "llama"), "--threads", "1"),
+             tests_lora_server),
         ):
             s = Server(a.lfserve, *args)
             servers.append(s)
@@ -355,6 +383,8 @@ def main():
             rc = s.stop()
             if rc != 0:
                 raise AssertionError("lfserve exited with %s:\n%s" % (rc, s.read_log()[-4000:]))
+        tests_lora_refused(a.lfserve)
+        print("ok  tests_lora_refused")
         s = Server(a.lfserve, model, "--max-connections", "8", "--timeout", "30", "--threads", "1")
         servers.append(s)
         tests_connection_limit(s)
