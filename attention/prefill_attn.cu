@@ -1,10 +1,14 @@
-/* Prefill attention, SnapKV selection and the chunk store (see prefill_attn.cuh). Simple
- * one-warp kernels: correctness first. */
+/* Prefill attention, SnapKV selection and the chunk store (see prefill_attn.cuh).
+ *
+ * Attention for head_dim 64 and 128 runs on tensor cores (flash_kernel: mma.sync m16n8k16 bf16,
+ * fp32 accumulation, online softmax, sm_80 and later); other head dims take the one-warp kernel
+ * (warp_kernel). SnapKV scoring and the store are small kernels beside them. */
 #include "attention/prefill_attn.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <float.h>
+#include <stdint.h>
 
 #include "attention/pool_row.cuh"
 #include "base/cuda_check.h"
@@ -12,10 +16,274 @@
 #define ATT_DMAX 256
 #define ATT_ND (ATT_DMAX / 32) /* dims per lane */
 
-/* One warp per (query head h, token t): grid [n_heads, n_tok]. Keys come 32 at a time, lane j
- * computing key j's logit; an online softmax keeps (max, sum) and each lane accumulates the
- * output dims lane, lane + 32, ... */
-static __global__ void prefill_attn_kernel(lf_cuda_pool_view p, int pool, int layer, int n0,
+/* ---- tensor-core prefill ---------------------------------------------------------------------
+ * One block of FL_WARPS warps per (query head, FL_M queries of the chunk); warp w owns queries
+ * 16w..16w+15 of the block. The block walks the keys it can see (the n0 pool slots, then the
+ * chunk up to its last query) FL_N at a time: K and V tiles come into shared memory by cp.async,
+ * double-buffered (the next tile loads while this one computes); S = Q K^T and O += P V are
+ * m16n8k16 MMAs fed by ldmatrix, with P rounded to bf16 as the MMA's A operand while the softmax
+ * sums stay fp32. Rows of D bf16 are stored with their 16-byte chunks XOR-swizzled by (row % 8),
+ * so the 8 row addresses of every ldmatrix hit 8 different bank groups. Later query tiles see
+ * more keys: they are launched first. */
+#define FL_M 64
+#define FL_N 64
+#define FL_WARPS 4
+#define FL_LOG2E 1.4426950408889634f
+
+static __device__ __forceinline__ uint32_t fl_smem(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16 bytes global -> shared, or 16 zero bytes when !valid (src is not read then). */
+static __device__ __forceinline__ void fl_cp16(uint32_t dst, const void *src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+static __device__ __forceinline__ void fl_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void fl_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+static __device__ __forceinline__ void fl_ldsm(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+static __device__ __forceinline__ void fl_ldsm_t(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+static __device__ __forceinline__ void fl_mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                              uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ uint32_t fl_pack(float lo, float hi) {
+  union {
+    __nv_bfloat162 h;
+    uint32_t u;
+  } x;
+  x.h = __floats2bfloat162_rn(lo, hi);
+  return x.u;
+}
+
+/* Element offset of 16-byte chunk ch of row `row` in a swizzled [rows][D] tile. */
+template <int D> static __device__ __forceinline__ int fl_sw(int row, int ch) {
+  return row * D + ((ch ^ (row & 7)) << 3);
+}
+
+/* Rows k0..k0+FL_N-1 of the keys (or values) this block sees into a swizzled tile: key kk < n0
+ * from the pool, n0 <= kk < nk from the chunk, the rest zero. */
+template <int D>
+static __device__ __forceinline__ void fl_load_kv(__nv_bfloat16 *tile, const __nv_bfloat16 *pool,
+                                                  const __nv_bfloat16 *chunk, int chunk_stride,
+                                                  int k0, int n0, int nk) {
+  constexpr int CH = D / 8;
+  for (int i = threadIdx.x; i < FL_N * CH; i += FL_WARPS * 32) {
+    const int row = i / CH, ch = i % CH, kk = k0 + row;
+    const __nv_bfloat16 *src = kk < n0 ? pool + (size_t)kk * D
+                               : kk < nk ? chunk + (size_t)(kk - n0) * chunk_stride
+                                         : pool;
+    fl_cp16(fl_smem(tile + fl_sw<D>(row, ch)), src + ch * 8, kk < nk);
+  }
+}
+
+template <int D>
+static __global__ void __launch_bounds__(FL_WARPS * 32)
+    flash_kernel(lf_cuda_pool_view p, int pool, int layer, int n0, int n_heads, int n_tok,
+                 const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
+                 float scale, __nv_bfloat16 *out, float *ml) {
+  extern __shared__ __align__(128) unsigned char fl_shm[];
+  __nv_bfloat16 *sq = (__nv_bfloat16 *)fl_shm;
+  __nv_bfloat16 *sk = sq + FL_M * D; /* [2][FL_N][D] */
+  __nv_bfloat16 *sv = sk + 2 * FL_N * D;
+  constexpr int CH = D / 8, KS = D / 16;
+  const int h = blockIdx.y, hkv = p.n_kv_heads, g = h / (n_heads / hkv);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * FL_M; /* heaviest tiles first */
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const size_t hidx = ((size_t)pool * p.n_layers + layer) * hkv + g;
+  const __nv_bfloat16 *pk = (const __nv_bfloat16 *)p.k + hidx * p.budget * D;
+  const __nv_bfloat16 *pv = (const __nv_bfloat16 *)p.v + hidx * p.budget * D;
+  const __nv_bfloat16 *ck = k + (size_t)g * D, *cv = v + (size_t)g * D;
+  const int nk = n0 + n_tok;                                    /* keys of the chunk's last query */
+  const int nvis = min(nk, n0 + q0 + FL_M);                     /* keys this block sees */
+  const int ntiles = (nvis + FL_N - 1) / FL_N;
+
+  for (int i = threadIdx.x; i < FL_M * CH; i += FL_WARPS * 32) {
+    const int row = i / CH, ch = i % CH, t = q0 + row;
+    const __nv_bfloat16 *src = q + ((size_t)(t < n_tok ? t : 0) * n_heads + h) * D + ch * 8;
+    fl_cp16(fl_smem(sq + fl_sw<D>(row, ch)), src, t < n_tok);
+  }
+  fl_load_kv<D>(sk, pk, ck, hkv * D, 0, n0, nk);
+  fl_load_kv<D>(sv, pv, cv, hkv * D, 0, n0, nk);
+  fl_commit();
+
+  uint32_t qf[KS][4];
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const float sl2 = scale * FL_LOG2E;
+  const int r0 = q0 + warp * 16 + lane / 4; /* this thread's rows r0 and r0 + 8 (chunk index) */
+  const int lim0 = n0 + r0, lim1 = lim0 + 8; /* last key each row sees */
+
+  for (int j = 0; j < ntiles; j++) {
+    const int b = j & 1, k0 = j * FL_N;
+    if (j + 1 < ntiles) {
+      fl_load_kv<D>(sk + (b ^ 1) * FL_N * D, pk, ck, hkv * D, k0 + FL_N, n0, nk);
+      fl_load_kv<D>(sv + (b ^ 1) * FL_N * D, pv, cv, hkv * D, k0 + FL_N, n0, nk);
+      fl_commit();
+      fl_wait<1>();
+    } else {
+      fl_wait<0>();
+    }
+    __syncthreads();
+    if (j == 0) {
+#pragma unroll
+      for (int ks = 0; ks < KS; ks++)
+        fl_ldsm(qf[ks], fl_smem(sq + fl_sw<D>(warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                               2 * ks + lane / 16)));
+    }
+    const __nv_bfloat16 *tk = sk + b * FL_N * D, *tv = sv + b * FL_N * D;
+
+    /* S = Q K^T: 16 rows x FL_N keys per warp */
+    float s[FL_N / 8][4];
+#pragma unroll
+    for (int i = 0; i < FL_N / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+      for (int n2 = 0; n2 < FL_N / 16; n2++) {
+        uint32_t r[4];
+        fl_ldsm(r, fl_smem(tk + fl_sw<D>(n2 * 16 + (lane % 8) + 8 * (lane / 16),
+                                         2 * ks + (lane / 8) % 2)));
+        fl_mma(s[2 * n2], qf[ks], r[0], r[1]);
+        fl_mma(s[2 * n2 + 1], qf[ks], r[2], r[3]);
+      }
+
+    /* scale into log2 units, mask what a row must not see, online softmax */
+    const bool masked = k0 + FL_N - 1 > n0 + q0 || k0 + FL_N > nk;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < FL_N / 8; i++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int kk = k0 + i * 8 + 2 * (lane % 4) + e;
+        float x0 = s[i][e] * sl2, x1 = s[i][2 + e] * sl2;
+        if (masked) {
+          if (kk > lim0 || kk >= nk) x0 = -INFINITY;
+          if (kk > lim1 || kk >= nk) x1 = -INFINITY;
+        }
+        s[i][e] = x0;
+        s[i][2 + e] = x1;
+        mx0 = fmaxf(mx0, x0);
+        mx1 = fmaxf(mx1, x1);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    /* every row sees key 0 in tile 0, so mn is finite from there on */
+    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < FL_N / 8; i++) {
+      s[i][0] = exp2f(s[i][0] - mn0);
+      s[i][1] = exp2f(s[i][1] - mn0);
+      s[i][2] = exp2f(s[i][2] - mn1);
+      s[i][3] = exp2f(s[i][3] - mn1);
+      ps0 += s[i][0] + s[i][1];
+      ps1 += s[i][2] + s[i][3];
+    }
+    l0 = l0 * c0 + ps0; /* this thread's part of the row sums; the quad adds them at the end */
+    l1 = l1 * c1 + ps1;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+      o[i][0] *= c0;
+      o[i][1] *= c0;
+      o[i][2] *= c1;
+      o[i][3] *= c1;
+    }
+
+    /* O += P V, P from the S accumulators as bf16 A fragments */
+#pragma unroll
+    for (int kt = 0; kt < FL_N / 16; kt++) {
+      const uint32_t a[4] = {fl_pack(s[2 * kt][0], s[2 * kt][1]),
+                             fl_pack(s[2 * kt][2], s[2 * kt][3]),
+                             fl_pack(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                             fl_pack(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+      for (int d2 = 0; d2 < D / 16; d2++) {
+        uint32_t r[4];
+        fl_ldsm_t(r, fl_smem(tv + fl_sw<D>(kt * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                           2 * d2 + lane / 16)));
+        fl_mma(o[2 * d2], a, r[0], r[1]);
+        fl_mma(o[2 * d2 + 1], a, r[2], r[3]);
+      }
+    }
+    __syncthreads(); /* the next iteration's loads overwrite the other buffer's neighbour */
+  }
+
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+#pragma unroll
+  for (int i = 0; i < D / 8; i++) {
+    const int d = i * 8 + 2 * (lane % 4);
+    if (r0 < n_tok)
+      *(uint32_t *)(out + ((size_t)r0 * n_heads + h) * D + d) = fl_pack(o[i][0] * i0, o[i][1] * i0);
+    if (r0 + 8 < n_tok)
+      *(uint32_t *)(out + ((size_t)(r0 + 8) * n_heads + h) * D + d) =
+          fl_pack(o[i][2] * i1, o[i][3] * i1);
+  }
+  if (ml && lane % 4 == 0) {
+    /* (max logit, sum of exp(logit - max)) in natural units, as the one-warp kernel writes them */
+    if (r0 < n_tok) {
+      ml[((size_t)r0 * n_heads + h) * 2] = m0 / FL_LOG2E;
+      ml[((size_t)r0 * n_heads + h) * 2 + 1] = l0;
+    }
+    if (r0 + 8 < n_tok) {
+      ml[((size_t)(r0 + 8) * n_heads + h) * 2] = m1 / FL_LOG2E;
+      ml[((size_t)(r0 + 8) * n_heads + h) * 2 + 1] = l1;
+    }
+  }
+}
+
+template <int D>
+static lf_status flash_launch(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
+                              int n_heads, int n_tok, const void *q, const void *k, const void *v,
+                              float scale, void *out, float *ml, cudaStream_t stream) {
+  const size_t shm = (size_t)(FL_M + 4 * FL_N) * D * sizeof(__nv_bfloat16);
+  /* set on every call: the attribute belongs to the current device, and the call is cheap */
+  LF_CUDA_CHECK(cudaFuncSetAttribute(flash_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)shm));
+  const dim3 grid((unsigned)((n_tok + FL_M - 1) / FL_M), (unsigned)n_heads);
+  flash_kernel<D><<<grid, FL_WARPS * 32, shm, stream>>>(
+      *pv, pool, layer, n0, n_heads, n_tok, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
+      (const __nv_bfloat16 *)v, scale, (__nv_bfloat16 *)out, ml);
+  LF_CUDA_CHECK_LAUNCH("prefill flash_kernel");
+  return LF_OK;
+}
+
+/* ---- other head dims: one warp per (query head h, token t), grid [n_heads, n_tok]. Keys come
+ * 32 at a time, lane j computing key j's logit; an online softmax keeps (max, sum) and each lane
+ * accumulates the output dims lane, lane + 32, ... */
+static __global__ void warp_kernel(lf_cuda_pool_view p, int pool, int layer, int n0,
                                            int n_heads, const __nv_bfloat16 *q,
                                            const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                                            float scale, __nv_bfloat16 *out, float *ml) {
@@ -84,10 +352,14 @@ extern "C" lf_status lf_cuda_prefill_attn(const lf_cuda_pool_view *pv, int pool,
       n_tok < 0 || n_tok > 65535 || n0 < 0 || n0 > pv->budget)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_prefill_attn: bad arguments");
   if (n_tok == 0) return LF_OK;
-  prefill_attn_kernel<<<dim3(n_heads, n_tok), 32, 0, stream>>>(
+  if (pv->head_dim == 128)
+    return flash_launch<128>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale, out, ml, stream);
+  if (pv->head_dim == 64)
+    return flash_launch<64>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale, out, ml, stream);
+  warp_kernel<<<dim3(n_heads, n_tok), 32, 0, stream>>>(
       *pv, pool, layer, n0, n_heads, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
       (const __nv_bfloat16 *)v, scale, (__nv_bfloat16 *)out, ml);
-  LF_CUDA_CHECK_LAUNCH("prefill_attn_kernel");
+  LF_CUDA_CHECK_LAUNCH("prefill warp_kernel");
   return LF_OK;
 }
 
