@@ -21,6 +21,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <functional>
+#include <random>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -117,6 +120,123 @@ TEST_P(FidelityGpu, Top1MatchesFloat64) {
       << model << ": cuda agrees with float64's top-1 at " << all.eng_equal << " of " << all.n
       << " positions, transformers-bf16 at " << all.bf16_equal;
   lf_checkpoint_close(&ck);
+}
+
+// Mixed passes (engine/cuda/forward.cu): prompt chunks and decode rows of other sequences in one
+// pass over the weights must give every sequence the logits it gets when it runs alone, prompt
+// chunk by prompt chunk and then one decode step at a time. Teacher-forced, so both runs see the
+// same tokens; the GEMMs run over other row counts, so the bits may differ: max |d| is bounded
+// at kMixedMaxStd of the reference row's std (a row of another sequence, a wrong position or a
+// chunk attending the wrong slots moves logits by whole stds), and the top-1 must agree wherever
+// the reference's top-2 gap exceeds kDecisive std.
+constexpr float kMixedMaxStd = 0.3f;
+
+TEST(FidelityGpuMixed, MixedPassesMatchSeparate) {
+  if (!lf_cuda_device_present()) GTEST_SKIP() << "no CUDA device";
+  constexpr int kSeqs = 4, kChunk = 64, kDecode = 80, kBudget = 256;
+  const int prompt_len[kSeqs] = {150, 97, 40, 130};
+  for (const std::string model : {"llama3_gqa", "qwen3_qknorm"}) {
+    lf_checkpoint ck;
+    ASSERT_EQ(lf_checkpoint_open(fid_model_dir(model).c_str(), &ck), LF_OK) << lf_last_error();
+    const int V = ck.cfg.vocab_size;
+    std::mt19937 rng(1234);
+    std::vector<std::vector<int32_t>> toks(kSeqs);
+    for (int q = 0; q < kSeqs; q++)
+      for (int i = 0; i < prompt_len[q] + kDecode; i++)
+        toks[size_t(q)].push_back(int32_t(rng() % uint32_t(V)));
+    lf_backend_params p{};
+    p.policy = LF_POLICY_FULL;
+    p.budget = kBudget;
+    p.sink = 4;
+    p.window = 32;
+    p.n_pools = kSeqs;
+    // logits[seq][k]: after the prompt (k = 0), after decode token k (k = 1 .. kDecode - 1)
+    auto run = [&](bool mixed, std::vector<std::vector<std::vector<float>>> *logits) {
+      logits->assign(kSeqs, std::vector<std::vector<float>>(kDecode));
+      lf_backend *b = nullptr;
+      ASSERT_EQ(lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b), LF_OK) << lf_last_error();
+      int pool[kSeqs], fed[kSeqs] = {0, 0, 0, 0}; // tokens fed so far
+      for (int q = 0; q < kSeqs; q++) ASSERT_EQ(b->pool_take(b, &pool[q]), LF_OK);
+      std::vector<float> lg(size_t(kSeqs) * V);
+      // one forward of the items `who` (each its next chunk or decode token); mixed passes when
+      // several are given
+      auto step = [&](const std::vector<int> &who) {
+        std::vector<lf_batch_item> it(who.size());
+        std::vector<lf_batch_result> r(who.size());
+        for (size_t j = 0; j < who.size(); j++) {
+          const int q = who[j], P = prompt_len[q];
+          it[j] = lf_batch_item{};
+          it[j].pool = pool[q];
+          it[j].pos0 = fed[q];
+          it[j].n_tok = fed[q] < P ? std::min(kChunk, P - fed[q]) : 1;
+          it[j].tokens = toks[size_t(q)].data() + fed[q];
+        }
+        ASSERT_EQ(b->forward(b, it.data(), int(it.size()), r.data(), lg.data()), LF_OK)
+            << lf_last_error();
+        for (size_t j = 0; j < who.size(); j++) {
+          const int q = who[j];
+          ASSERT_EQ(r[j].status, LF_OK) << lf_last_error();
+          fed[q] += it[j].n_tok;
+          if (fed[q] >= prompt_len[q])
+            (*logits)[size_t(q)][size_t(fed[q] - prompt_len[q])].assign(
+                lg.begin() + std::ptrdiff_t(j) * V, lg.begin() + std::ptrdiff_t(j + 1) * V);
+        }
+      };
+      auto done = [&](int q) { return fed[q] >= prompt_len[q] + kDecode - 1; };
+      if (!mixed) {
+        for (int q = 0; q < kSeqs; q++)
+          while (!done(q)) step({q});
+      } else {
+        // sequence q starts at step 3q: its prompt chunks share passes with the decode rows of
+        // the sequences started before it (and with other prompts' chunks)
+        for (int t = 0;; t++) {
+          std::vector<int> who;
+          for (int q = 0; q < kSeqs; q++)
+            if (t >= 3 * q && !done(q)) who.push_back(q);
+          if (who.empty()) break;
+          step(who);
+          if (::testing::Test::HasFatalFailure()) break;
+        }
+      }
+      b->free(b);
+    };
+    std::vector<std::vector<std::vector<float>>> ref, got;
+    run(false, &ref);
+    if (HasFatalFailure()) return;
+    run(true, &got);
+    if (HasFatalFailure()) return;
+    float worst = 0;
+    int rows = 0, exact = 0, decisive = 0;
+    for (int q = 0; q < kSeqs; q++)
+      for (int k = 0; k < kDecode; k++) {
+        const std::vector<float> &a = ref[size_t(q)][size_t(k)], &g = got[size_t(q)][size_t(k)];
+        ASSERT_EQ(a.size(), size_t(V)) << "seq " << q << " step " << k;
+        ASSERT_EQ(g.size(), size_t(V)) << "seq " << q << " step " << k;
+        double mean = 0, var = 0;
+        for (float x : a) mean += x;
+        mean /= V;
+        for (float x : a) var += (x - mean) * (x - mean);
+        const float sd = float(std::sqrt(var / V)) + 1e-12f;
+        float md = 0;
+        for (int i = 0; i < V; i++) md = std::max(md, std::fabs(a[size_t(i)] - g[size_t(i)]));
+        worst = std::max(worst, md / sd);
+        exact += md == 0.0f;
+        rows++;
+        std::vector<float> srt(a);
+        std::partial_sort(srt.begin(), srt.begin() + 2, srt.end(), std::greater<float>());
+        if (srt[0] - srt[1] > kDecisive * sd) {
+          decisive++;
+          EXPECT_EQ(std::max_element(g.begin(), g.end()) - g.begin(),
+                    std::max_element(a.begin(), a.end()) - a.begin())
+              << model << " seq " << q << " step " << k;
+        }
+        EXPECT_LE(md / sd, kMixedMaxStd) << model << " seq " << q << " step " << k;
+      }
+    printf("%s: mixed vs separate passes: %d rows (%d bit-identical, %d decisive), max |d| = "
+           "%.3f std\n",
+           model.c_str(), rows, exact, decisive, double(worst));
+    lf_checkpoint_close(&ck);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, FidelityGpu, ::testing::ValuesIn(fid_models()),

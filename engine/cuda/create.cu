@@ -80,6 +80,7 @@ static void free_device_side(cuda_backend *c) {
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
   if (c->llocal != c->logits) cudaFree(c->llocal);
   cudaFreeHost(c->h_io);
+  cudaFreeHost(c->h_ptok);
   cb_graphs_free(c);
   cudaFree(c->blas_ws);
   cb_gemm_free(c);
@@ -105,6 +106,8 @@ static void cuda_free(lf_backend *b) {
   free(c->tunes);
   lf_pool_list_free(&c->pools);
   free(c->host_n);
+  free(c->segs);
+  free(c->kinds);
   free(c);
 }
 
@@ -190,7 +193,10 @@ static lf_status create(cuda_backend *c) {
 
   LF_TRY(lf_pool_list_init(&c->pools, p->n_pools));
   c->host_n = (int *)calloc((size_t)p->n_pools, sizeof(int));
-  if (!c->host_n) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
+  c->segs = (pass_seg *)calloc((size_t)p->n_pools, sizeof(pass_seg));
+  c->kinds = (uint8_t *)calloc((size_t)p->n_pools, 1);
+  if (!c->host_n || !c->segs || !c->kinds)
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
 
   {
     float *f = (float *)malloc(sizeof(float) * (size_t)(D / 2));
@@ -221,7 +227,8 @@ static lf_status create(cuda_backend *c) {
   LF_CUDA_CHECK(cudaMemset(c->pv.vnorm, 0, slots * 4));
 
   /* Workspaces. */
-  const size_t rows = (size_t)(c->max_items > c->max_chunk ? c->max_items : c->max_chunk);
+  /* a mixed pass carries a whole prefill chunk and every decode item (forward.cu) */
+  const size_t rows = (size_t)c->max_items + (size_t)c->max_chunk;
   const size_t V = (size_t)m->vocab_size, T = (size_t)c->max_chunk;
   CB_ALLOC(c->x, rows * m->dim * 4);
   CB_ALLOC(c->xb, rows * m->dim * 2);
@@ -249,7 +256,11 @@ static lf_status create(cuda_backend *c) {
   CB_ALLOC(c->ml, T * m->n_heads * 2 * 4);
   CB_ALLOC(c->snap, (size_t)hkv * 2 * T * 4);
   CB_ALLOC(c->slot_of, (size_t)hkv * T * 4);
-  CB_ALLOC(c->ptok, T * 4);
+  CB_ALLOC(c->ptok, rows * 4);
+  if (cudaMallocHost((void **)&c->h_ptok, rows * 4) != cudaSuccess) {
+    cudaGetLastError();
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: pinned prompt buffer");
+  }
   /* xf rows of failed items are read by the LM head: keep them finite */
   LF_CUDA_CHECK(cudaMemset(c->xf, 0, (size_t)c->max_items * m->dim * 2));
 

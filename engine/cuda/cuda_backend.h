@@ -10,16 +10,21 @@
  *   pools.cu    the pool free list and the host mirror of fill counts
  *
  * One forward, top to bottom:
- *   prefill items (n_tok > 1), one at a time, in chunks of at most max_chunk tokens:
- *     embed -> per layer [RMSNorm -> QKV GEMM -> bias, q/k norm, RoPE (bf16 q, k, v) -> causal
- *     GQA attention over the pool's filled slots and the chunk -> append to the pool, or SnapKV
- *     compression into an empty pool -> O GEMM (+= residual) -> RMSNorm -> gate|up GEMM ->
- *     SiLU * up -> down GEMM (+= residual)] -> final RMSNorm of the last token into xf[item]
- *   decode items (n_tok == 1), all in one batched pass: the same layers, with the new k/v
- *     written straight into the slot w = (n < B) ? n++ : next by the RoPE kernel
- *     (attention/kv_write.cuh), and the fused LongFlow decode attention
- *     (attention/decode_attn.cuh; attention/decode_attn_generic.cuh for shapes it does not take)
- *     choosing every (sequence, layer, KV head)'s next slot
+ *   prompt chunks that overflow a non-empty pool under eviction: token by token, as decode
+ *     steps (lf_prefill_kind_of);
+ *   the other prompt chunks (appended, or SnapKV-compressed into an empty pool) and the decode
+ *     items (n_tok == 1) in one mixed pass over the weights, Sarathi-style (the scheduler's
+ *     max_batch_tokens caps the prompt tokens of a step); more passes only for prompt tokens
+ *     beyond max_chunk:
+ *     embed -> per layer [RMSNorm -> QKV GEMM over every row -> bias, q/k norm, RoPE; prompt
+ *     rows to bf16 q, k, v, decode rows' k/v straight into the slot w = (n < B) ? n++ : next
+ *     (attention/kv_write.cuh) -> per prompt chunk: causal GQA attention over the pool's filled
+ *     slots and the chunk on tensor cores (attention/prefill_attn.cuh), then the append to the
+ *     pool (or SnapKV's selection and the compressed write); the decode rows: the fused LongFlow decode attention (attention/decode_attn.cuh;
+ *     decode_attn_generic.cuh for shapes it does not take), choosing every (sequence, layer,
+ *     KV head)'s next slot -> O GEMM (+= residual) -> RMSNorm -> gate|up GEMM -> SiLU * up ->
+ *     down GEMM (+= residual)] -> final RMSNorm of each item's last row into xf[item].
+ *     A step of decode items only replays a captured CUDA graph of the same layers (graphs.cu);
  *   LM head GEMM over xf [items][dim] -> argmax / sampling on the device -> tokens to the host.
  * Residual adds are the GEMMs' beta = 1: the fp32 residual stream x is cuBLAS's C.
  *
@@ -96,6 +101,18 @@ typedef struct gemm_tune {
 
 #define GEMM_TUNE_MAX 4096
 
+/* A prompt chunk in a forward pass (forward.cu): rows row0 .. row0 + T - 1 of the pass, tokens
+ * tok_off .. of item `item`, entering pool `pool` that holds n0 filled slots at positions
+ * pos0 ..; appended, or (compress) SnapKV-compressed into the empty pool; last: the prompt ends
+ * here and its final normed row goes to xf[item]. */
+typedef struct pass_seg {
+  int item, pool, T, tok_off, n0, row0, compress, last;
+  int32_t pos0;
+} pass_seg;
+
+/* cuda_backend.kinds entry of an item that is not a prompt (or failed its checks) */
+#define KIND_NONE 255
+
 typedef struct cuda_backend {
   lf_backend base;
   const lf_checkpoint *ck;
@@ -125,7 +142,8 @@ typedef struct cuda_backend {
   lf_pool_list pools; /* which pools are free (memory/pool.h) */
   int *host_n; /* [n_pools] fill count mirror */
 
-  /* activations, rows = max(max_items, max_chunk) */
+  /* activations, rows = max_items + max_chunk (a mixed pass: a prompt chunk and every decode
+   * item) */
   float *x;     /* [rows][dim] residual stream */
   bf16 *xb;     /* [rows][dim] normed input of a GEMM */
   float *qkv;   /* [rows][qd + 2 kd] */
@@ -141,7 +159,8 @@ typedef struct cuda_backend {
   float *ml;     /* [max_chunk][n_heads][2] prefill softmax (max, sum) */
   float *snap;   /* [n_kv_heads][2][max_chunk] */
   int32_t *slot_of; /* [n_kv_heads][max_chunk] */
-  int32_t *ptok;    /* [max_chunk] prefill tokens */
+  int32_t *ptok;    /* [rows] a pass's tokens: prompt chunks, then the decode items' */
+  int32_t *h_ptok;  /* pinned host staging of ptok */
   void *attn_ws;
   size_t attn_ws_bytes;
   float *simple_scratch; /* generic decode attention logits */
@@ -171,7 +190,9 @@ typedef struct cuda_backend {
   int in_capture;    /* a graph is being captured: no timing */
   gemm_tune *tunes;  /* [n_tunes] */
   int n_tunes;
-  int in_prefill;   /* set while prefill_chunk runs */
+  int in_prefill;   /* set while a pass with prompt chunks runs */
+  pass_seg *segs;   /* host [max_items]: one pass's prompt chunks (at most one per item) */
+  uint8_t *kinds;   /* host [max_items]: each item's lf_prefill_kind, or KIND_NONE */
   int pdl_max_rows; /* passes of more rows launch without PDL (LF_PDL_MAX_ROWS; default 16
                        under TP, no limit on one GPU) */
 #ifdef LF_BENCH_INSTRUMENTS

@@ -87,55 +87,120 @@ static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows
   return a;
 }
 
-/* The final normed row of sequence r goes to xf[rows_out[r]]. */
-lf_status cb_decode_pass(cuda_backend *c, int rows) {
+/* RoPE of the decode rows (row offset Tp of the pass): their k/v go straight into the pool slot
+ * the kernel picks (written to c->w for the attention). */
+static lf_status decode_rope(cuda_backend *c, const cuda_layer *L, int l, int Tp, int nd) {
+  lf_qkv_rope_args a = rope_args(c, L, nd);
+  a.qkv = c->qkv + (size_t)Tp * c->qkv_dim;
+  a.q_out = c->qb + (size_t)Tp * c->qd;
+  a.pos = c->d_step.pos;
+  a.pool = c->pv;
+  a.pool_ids = c->d_step.pool;
+  a.layer = l;
+  a.sink = c->p.sink;
+  a.policy = c->p.policy;
+  a.w = c->w;
+  return lf_cuda_qkv_rope(&a, c->stream);
+}
+
+/* LongFlow decode attention of the nd decode rows at row offset Tp. */
+static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd) {
+  const bf16 *q = c->qb + (size_t)Tp * c->qd;
+  bf16 *out = c->att + (size_t)Tp * c->qd;
+  if (!c->use_fused)
+    return lf_cuda_decode_attn_simple(&c->pv, l, nd, c->d_step.pool, c->w, c->cfg.n_heads, q,
+                                      c->ap.scale, c->p.sink, c->p.policy, out,
+                                      c->simple_scratch, c->stream);
+  lf_decode_attn_args d;
+  memset(&d, 0, sizeof d);
+  d.pool = c->pv;
+  d.layer = l;
+  d.n_seq = nd;
+  d.pool_ids = c->d_step.pool;
+  d.w = c->w;
+  d.q = q;
+  d.q_stride = 0;
+  d.out = out;
+  d.group = c->group;
+  d.sink = c->p.sink;
+  d.policy = c->p.policy;
+  d.scale = c->ap.scale;
+  d.n_splits = 0; /* lf_cuda_decode_attn_splits */
+  d.workspace = c->attn_ws;
+  d.workspace_bytes = c->attn_ws_bytes;
+  return lf_cuda_decode_attn(&d, c->stream);
+}
+
+/* One prompt chunk's part of a layer: RoPE into bf16 q, k, v, causal attention over the pool's
+ * filled slots and the chunk, then the pool write (append, or SnapKV's selection). */
+static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, const pass_seg *s) {
   const lf_model_config *m = &c->cfg;
-  LF_TRY(embed_rows(c, c->d_step.tok, rows, c->layers[0].rms_att));
+  const int B = c->p.budget;
+  lf_qkv_rope_args a = rope_args(c, L, s->T);
+  a.qkv = c->qkv + (size_t)s->row0 * c->qkv_dim;
+  a.q_out = c->qb + (size_t)s->row0 * c->qd;
+  a.pos0 = s->pos0;
+  a.k_out = c->kb + (size_t)s->row0 * c->kd;
+  a.v_out = c->vb + (size_t)s->row0 * c->kd;
+  LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
+  bf16 *q = (bf16 *)a.q_out, *k = (bf16 *)a.k_out, *v = (bf16 *)a.v_out;
+  LF_TRY(lf_cuda_prefill_attn(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, v, c->ap.scale,
+                              c->att + (size_t)s->row0 * c->qd, s->compress ? c->ml : NULL,
+                              c->stream));
+  if (!s->compress)
+    return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, NULL, s->n0, s->n0 + s->T,
+                            c->stream);
+  LF_TRY(lf_cuda_snapkv_select(m->n_heads, m->n_kv_heads, m->head_dim, s->T, B, c->p.sink,
+                               lf_snapkv_window(&c->ap, B), q, k, c->ml, c->ap.scale, c->snap,
+                               c->slot_of, c->stream));
+  return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, c->slot_of, 0, B - 1,
+                          c->stream);
+}
+
+/* One pass over the weights: the prompt chunks seg[0 .. n_seg) (rows 0 .. Tp - 1) and nd decode
+ * rows after them, tokens[Tp + nd] on the device (decode rows: d_step staged). Every GEMM runs
+ * once over all the rows; attention per chunk and once for the decode rows. The final normed
+ * rows go to xf: a chunk's last row to xf[item] when its prompt ends there, decode row r to
+ * xf[d_step.rows[r]] (fused into the last layer's residual step when there is no chunk, which
+ * is the decode step the graphs capture). */
+static lf_status run_pass(cuda_backend *c, const int32_t *tokens, const pass_seg *seg, int n_seg,
+                          int Tp, int nd) {
+  const lf_model_config *m = &c->cfg;
+  const int R = Tp + nd;
+  LF_TRY(embed_rows(c, tokens, R, c->layers[0].rms_att));
   for (int l = 0; l < m->n_layers; l++) {
     const cuda_layer *L = &c->layers[l];
     /* xb = RMSNorm(x) * rms_att: done by the step before (embedding or the last layer_tail) */
     if (!CB_SKIP(c, SKIP_QKV))
-      LF_TRY(cb_gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, rows, 0.0f));
-    lf_qkv_rope_args a = rope_args(c, L, rows);
-    a.pos = c->d_step.pos;
-    a.pool = c->pv;
-    a.pool_ids = c->d_step.pool;
-    a.layer = l;
-    a.sink = c->p.sink;
-    a.policy = c->p.policy;
-    a.w = c->w;
-    if (!CB_SKIP(c, SKIP_ROPE)) LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
-    if (CB_SKIP(c, SKIP_ATTN)) {
-      /* benchmark instrument only: att keeps whatever it held */
-    } else if (c->use_fused) {
-      lf_decode_attn_args d;
-      memset(&d, 0, sizeof d);
-      d.pool = c->pv;
-      d.layer = l;
-      d.n_seq = rows;
-      d.pool_ids = c->d_step.pool;
-      d.w = c->w;
-      d.q = c->qb;
-      d.q_stride = 0;
-      d.out = c->att;
-      d.group = c->group;
-      d.sink = c->p.sink;
-      d.policy = c->p.policy;
-      d.scale = c->ap.scale;
-      d.n_splits = 0; /* lf_cuda_decode_attn_splits */
-      d.workspace = c->attn_ws;
-      d.workspace_bytes = c->attn_ws_bytes;
-      LF_TRY(lf_cuda_decode_attn(&d, c->stream));
-    } else {
-      LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, rows, c->d_step.pool, c->w, m->n_heads, c->qb,
-                                        c->ap.scale, c->p.sink, c->p.policy, c->att,
-                                        c->simple_scratch, c->stream));
+      LF_TRY(cb_gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, R, 0.0f));
+    for (int i = 0; i < n_seg; i++) LF_TRY(seg_attention(c, L, l, &seg[i]));
+    if (nd > 0) {
+      if (!CB_SKIP(c, SKIP_ROPE)) LF_TRY(decode_rope(c, L, l, Tp, nd));
+      /* (CB_SKIP: benchmark instrument only, att keeps whatever it held) */
+      if (!CB_SKIP(c, SKIP_ATTN)) LF_TRY(decode_attention(c, l, Tp, nd));
     }
-    const int last = l + 1 == m->n_layers;
-    LF_TRY(layer_tail(c, L, rows, last ? c->rms_final : c->layers[l + 1].rms_att,
-                      last ? (void *)c->xf : (void *)c->xb, last ? c->d_step.rows : NULL));
+    if (l + 1 < m->n_layers)
+      LF_TRY(layer_tail(c, L, R, c->layers[l + 1].rms_att, c->xb, NULL));
+    else if (n_seg == 0)
+      LF_TRY(layer_tail(c, L, R, c->rms_final, c->xf, c->d_step.rows));
+    else
+      LF_TRY(layer_tail(c, L, R, NULL, c->xb, NULL)); /* x complete; the rows wanted are normed below */
   }
+  if (n_seg == 0) return LF_OK;
+  for (int i = 0; i < n_seg; i++)
+    if (seg[i].last)
+      LF_TRY(lf_cuda_rmsnorm(c->x + (size_t)(seg[i].row0 + seg[i].T - 1) * m->dim, m->dim,
+                             c->rms_final, m->dim, m->norm_eps, 1,
+                             c->xf + (size_t)seg[i].item * m->dim, m->dim, NULL, c->stream));
+  if (nd > 0)
+    LF_TRY(lf_cuda_rmsnorm(c->x + (size_t)Tp * m->dim, m->dim, c->rms_final, m->dim, m->norm_eps,
+                           nd, c->xf, m->dim, c->d_step.rows, c->stream));
   return LF_OK;
+}
+
+/* The decode step of `rows` staged items (d_step): the pass the graphs capture (graphs.cu). */
+lf_status cb_decode_pass(cuda_backend *c, int rows) {
+  return run_pass(c, c->d_step.tok, NULL, 0, 0, rows);
 }
 
 /* Uploads the first `rows` entries of the host step arrays. */
@@ -148,59 +213,31 @@ static lf_status step_upload(cuda_backend *c, int rows) {
   return LF_OK;
 }
 
-static lf_status prefill_layers(cuda_backend *c, int pool, int32_t pos0, int T, int n0,
-                                int compress);
-
-/* A chunk of one sequence's prompt, n0 slots already filled: attention, then the pool write
- * (compress: SnapKV into the empty pool). last: the final normed last row goes to xf[row]. */
-static lf_status prefill_chunk(cuda_backend *c, int pool, int32_t pos0, const int32_t *tokens,
-                               int T, int n0, int compress, int last, int row) {
-  const lf_model_config *m = &c->cfg;
-  const int B = c->p.budget;
-  LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, tokens, (size_t)T * sizeof(int32_t),
+/* A pass with prompt chunks: their tokens (and the decode items' after them) through the pinned
+ * staging buffer, eager (no graph), the GEMV only up to a short prompt's rows (cb_gemv_lim), no
+ * GEMM timing for its row counts (gemm.cu). The caller has waited for any earlier use of
+ * h_ptok. Afterwards the host mirror of each chunk's pool holds its new fill count. */
+static lf_status mixed_pass(cuda_backend *c, const lf_batch_item *items, const pass_seg *seg,
+                            int n_seg, int nd) {
+  int Tp = 0;
+  for (int i = 0; i < n_seg; i++) {
+    memcpy(c->h_ptok + Tp, items[seg[i].item].tokens + seg[i].tok_off,
+           (size_t)seg[i].T * sizeof(int32_t));
+    Tp += seg[i].T;
+  }
+  memcpy(c->h_ptok + Tp, c->h_step.tok, (size_t)nd * sizeof(int32_t));
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->ptok, c->h_ptok, (size_t)(Tp + nd) * sizeof(int32_t),
                                 cudaMemcpyHostToDevice, c->stream));
+  if (nd > 0) LF_TRY(step_upload(c, nd));
   c->in_prefill = 1;
   const int pdl_saved = lf_pdl_pass_off;
-  lf_pdl_pass_off = T > c->pdl_max_rows;
-  const lf_status st = prefill_layers(c, pool, pos0, T, n0, compress);
+  lf_pdl_pass_off = Tp + nd > c->pdl_max_rows;
+  const lf_status st = run_pass(c, c->ptok, seg, n_seg, Tp, nd);
   lf_pdl_pass_off = pdl_saved;
   c->in_prefill = 0;
   LF_TRY(st);
-  c->host_n[pool] = compress ? B - 1 : n0 + T;
-  if (!last) return LF_OK;
-  return lf_cuda_rmsnorm(c->x + (size_t)(T - 1) * m->dim, m->dim, c->rms_final, m->dim,
-                         m->norm_eps, 1, c->xf + (size_t)row * m->dim, m->dim, NULL, c->stream);
-}
-
-/* prefill_chunk's embedding and layers (in_prefill set). */
-static lf_status prefill_layers(cuda_backend *c, int pool, int32_t pos0, int T, int n0,
-                                int compress) {
-  const lf_model_config *m = &c->cfg;
-  const int B = c->p.budget;
-  LF_TRY(embed_rows(c, c->ptok, T, c->layers[0].rms_att));
-  const int w_eff = lf_snapkv_window(&c->ap, B);
-  for (int l = 0; l < m->n_layers; l++) {
-    const cuda_layer *L = &c->layers[l];
-    LF_TRY(cb_gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, T, 0.0f));
-    lf_qkv_rope_args a = rope_args(c, L, T);
-    a.pos0 = pos0;
-    a.k_out = c->kb;
-    a.v_out = c->vb;
-    LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
-    LF_TRY(lf_cuda_prefill_attn(&c->pv, pool, l, n0, m->n_heads, T, c->qb, c->kb, c->vb,
-                                c->ap.scale, c->att, compress ? c->ml : NULL, c->stream));
-    if (compress) {
-      LF_TRY(lf_cuda_snapkv_select(m->n_heads, m->n_kv_heads, m->head_dim, T, B, c->p.sink, w_eff,
-                                   c->qb, c->kb, c->ml, c->ap.scale, c->snap, c->slot_of,
-                                   c->stream));
-      LF_TRY(lf_cuda_kv_store(&c->pv, pool, l, T, pos0, c->kb, c->vb, c->slot_of, 0, B - 1,
-                              c->stream));
-    } else {
-      LF_TRY(lf_cuda_kv_store(&c->pv, pool, l, T, pos0, c->kb, c->vb, NULL, n0, n0 + T, c->stream));
-    }
-    /* the last layer leaves x alone: only its last row is normed, below */
-    LF_TRY(layer_tail(c, L, T, l + 1 < m->n_layers ? c->layers[l + 1].rms_att : NULL, c->xb, NULL));
-  }
+  for (int i = 0; i < n_seg; i++)
+    c->host_n[seg[i].pool] = seg[i].compress ? c->p.budget - 1 : seg[i].n0 + seg[i].T;
   return LF_OK;
 }
 
@@ -281,25 +318,21 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
                            it->n_tok, c->max_chunk);
   }
 
-  /* Prefill items, one at a time. */
-  for (int i = 0; i < n; i++) {
-    const lf_batch_item *it = &items[i];
-    if (res[i].status != LF_OK || it->n_tok == 1) continue;
-    const lf_prefill_kind kind = lf_prefill_kind_of(c->p.policy, B, c->host_n[it->pool], it->n_tok);
-    if (kind == LF_PREFILL_DECODE_STEPS) {
-      for (int t = 0; t < it->n_tok; t++)
-        LF_TRY(decode_one(c, it->pool, it->pos0 + t, it->tokens[t], i, &res[i].evictions));
-      continue;
-    }
-    const int compress = kind == LF_PREFILL_COMPRESS;
-    for (int off = 0; off < it->n_tok; off += c->max_chunk) {
-      const int T = it->n_tok - off < c->max_chunk ? it->n_tok - off : c->max_chunk;
-      LF_TRY(prefill_chunk(c, it->pool, it->pos0 + off, it->tokens + off, T, c->host_n[it->pool],
-                           compress, off + T == it->n_tok, i));
-    }
-  }
+  /* Every prompt's kind first: the ones run as decode steps change their pool's fill count. */
+  for (int i = 0; i < n; i++)
+    c->kinds[i] = res[i].status == LF_OK && items[i].n_tok > 1
+                      ? (uint8_t)lf_prefill_kind_of(c->p.policy, B, c->host_n[items[i].pool],
+                                                    items[i].n_tok)
+                      : KIND_NONE;
+  /* Prompt chunks that overflow a non-empty pool under eviction: token by token. They use the
+   * step arrays and wait for their copies, so they go before the decode items are staged. */
+  for (int i = 0; i < n; i++)
+    if (c->kinds[i] == LF_PREFILL_DECODE_STEPS)
+      for (int t = 0; t < items[i].n_tok; t++)
+        LF_TRY(decode_one(c, items[i].pool, items[i].pos0 + t, items[i].tokens[t], i,
+                          &res[i].evictions));
 
-  /* Decode items, one batched pass. */
+  /* Decode items, staged for the first pass. */
   int nd = 0;
   for (int i = 0; i < n; i++) {
     const lf_batch_item *it = &items[i];
@@ -311,7 +344,34 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
     nd++;
     res[i].evictions += note_decode_write(c, it->pool);
   }
-  if (nd > 0) {
+
+  /* The other prompts in chunks of at most max_chunk tokens, packed in order into passes of at
+   * most max_chunk prompt rows; the decode items ride in the first pass. Without prompts, the
+   * decode step alone (its graph). */
+  int n_seg = 0, Tp = 0, passes = 0;
+  for (int i = 0; i < n; i++) {
+    if (c->kinds[i] != LF_PREFILL_APPEND && c->kinds[i] != LF_PREFILL_COMPRESS) continue;
+    const lf_batch_item *it = &items[i];
+    const int compress = c->kinds[i] == LF_PREFILL_COMPRESS, n0 = c->host_n[it->pool];
+    for (int off = 0; off < it->n_tok; off += c->max_chunk) {
+      const int T = it->n_tok - off < c->max_chunk ? it->n_tok - off : c->max_chunk;
+      if (Tp + T > c->max_chunk) {
+        if (passes > 0) LF_TRY(cb_stream_wait(c)); /* h_ptok is reused */
+        LF_TRY(mixed_pass(c, items, c->segs, n_seg, passes == 0 ? nd : 0));
+        passes++;
+        n_seg = Tp = 0;
+      }
+      pass_seg *sg = &c->segs[n_seg++];
+      sg->item = i, sg->pool = it->pool, sg->T = T, sg->tok_off = off;
+      sg->n0 = compress ? 0 : n0 + off, sg->row0 = Tp, sg->compress = compress;
+      sg->last = off + T == it->n_tok, sg->pos0 = it->pos0 + off;
+      Tp += T;
+    }
+  }
+  if (n_seg > 0) {
+    if (passes > 0) LF_TRY(cb_stream_wait(c));
+    LF_TRY(mixed_pass(c, items, c->segs, n_seg, passes == 0 ? nd : 0));
+  } else if (nd > 0) {
     LF_TRY(step_upload(c, nd));
     LF_TRY(cb_decode_run(c, nd));
   }

@@ -64,7 +64,7 @@ static lf_status tuned_lookup(cuda_backend *c, int n_out, int n_in, int n_tok, i
   LF_CUDA_CHECK(cudaEventCreate(&e0));
   LF_CUDA_CHECK(cudaEventCreate(&e1));
   const float alpha = 1.0f, beta = beta1 ? 1.0f : 0.0f;
-  const size_t rows_all = (size_t)(c->max_items > c->max_chunk ? c->max_items : c->max_chunk);
+  const size_t rows_all = (size_t)c->max_items + (size_t)c->max_chunk;
   if ((size_t)n_tok * n_in * 2 > rows_all * 2 * c->cfg.hidden_dim * sizeof(float)) {
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
@@ -128,7 +128,8 @@ lf_status cb_gemm(cuda_backend *c, const bf16 *W, const bf16 *X, void *Y, cudaDa
     return lf_cuda_gemv(W, X, (size_t)n_in, n_in, n_out, n_tok, Y, (size_t)n_out,
                         yt == CUDA_R_32F ? LF_GEMV_F32 : LF_GEMV_BF16, beta, c->stream);
   const float alpha = 1.0f;
-  if (c->tune_on && n_tok <= c->max_items && (beta == 0.0f || beta == 1.0f)) {
+  /* decode steps only: a pass with prompt chunks has row counts of every size */
+  if (c->tune_on && !c->in_prefill && n_tok <= c->max_items && (beta == 0.0f || beta == 1.0f)) {
     gemm_tune *t = NULL;
     LF_TRY(tuned_lookup(c, n_out, n_in, n_tok, yt == CUDA_R_16BF, beta == 1.0f, &t));
     if (t && t->ok) {
