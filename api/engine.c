@@ -81,6 +81,7 @@ void lf_engine_config_default(lf_engine_config *cfg) {
   cfg->sink = 4;
   cfg->window = 32;
   cfg->mem_util = LF_MEM_UTIL_DEFAULT;
+  cfg->max_batch_tokens = LF_MAX_BATCH_TOKENS_DEFAULT;
 }
 
 void lf_engine_free(lf_engine_t e) {

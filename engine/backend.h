@@ -69,6 +69,10 @@ struct lf_backend {
   int (*pools_free)(lf_backend *b);
   int (*pool_slots_filled)(lf_backend *b, int pool); /* layer 0, KV head 0 */
   void (*free)(lf_backend *b);
+  /* The longest prompt chunk it SnapKV-compresses in one forward (lf_prefill_kind_of's
+   * LF_PREFILL_COMPRESS); 0: no limit. The scheduler runs a prompt that does not fit its pool
+   * whole only up to this (scheduler/README.md). */
+  int max_compress_tokens;
 };
 
 /* LF_BACKEND_AUTO -> cuda when built in and a device is present, else cpu; others unchanged. */

@@ -300,7 +300,8 @@ lf_status lf_backend_tp_lead(lf_backend *inner, lf_comm_t comm, lf_backend **out
   if (!t) return lf_error(LF_ERR_OUT_OF_MEMORY, "tensor-parallel backend");
   t->base = (lf_backend){.name = inner->name, .forward = lead_forward, .pool_take = lead_pool_take,
                          .pool_give = lead_pool_give, .pools_free = lead_pools_free,
-                         .pool_slots_filled = lead_pool_slots_filled, .free = lead_free};
+                         .pool_slots_filled = lead_pool_slots_filled, .free = lead_free,
+                         .max_compress_tokens = inner->max_compress_tokens};
   t->inner = inner;
   t->comm = comm;
   *out = &t->base;

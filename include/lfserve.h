@@ -80,6 +80,11 @@ const char *lf_evict_scope_str(lf_evict_scope s);
 /* Parses "head", "layer". */
 lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out);
 
+/* lf_engine_config.max_batch_tokens's default: at Poisson arrivals of 2048-token prompts on one
+ * H200 it kept the decodes' TPOT p99 within 1.5x of a decode-only step while TTFT stayed within
+ * 1.3x of an isolated prefill (bench/RESULTS.md, "Serving under arrivals"). */
+#define LF_MAX_BATCH_TOKENS_DEFAULT 512
+
 typedef struct lf_engine_config {
   const char *model_path; /* HF model dir (config.json + safetensors), GGUF file or llama2.c .bin */
   lf_backend_kind backend; /* default LF_BACKEND_AUTO */
@@ -91,11 +96,13 @@ typedef struct lf_engine_config {
                              0: derived from kv_memory_bytes when set, else by the backend
                              (cuda: mem_util of the device memory left after weights and
                              workspaces; cpu: 1). */
-  int max_batch_tokens;   /* prompt (prefill) tokens per step, 0: unbounded. A prompt longer than
-                             this is split into chunks of exactly this many tokens (see
-                             scheduler/README.md: such prompts are not SnapKV-compressed as a
-                             whole). Decode tokens are not counted: every running sequence
-                             decodes every step. */
+  int max_batch_tokens;   /* prompt (prefill) tokens per step; 0: unbounded; default
+                             LF_MAX_BATCH_TOKENS_DEFAULT. A prompt that fits its pool and is
+                             longer than this is split into chunks of exactly this many tokens,
+                             which share steps (on cuda: passes over the weights) with the
+                             running decodes; a prompt that does not fit its pool runs whole and
+                             is SnapKV-compressed as a whole (scheduler/README.md). Decode tokens
+                             are not counted: every running sequence decodes every step. */
   int max_queue;          /* waiting requests beyond which submit fails with LF_ERR_QUEUE_FULL
                              (0: unbounded) */
   int n_threads;          /* cpu backend threads (0: all cores when built with OpenMP) */
@@ -119,7 +126,7 @@ typedef struct lf_engine_config {
 } lf_engine_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope head,
- * the rest 0. */
+ * max_batch_tokens LF_MAX_BATCH_TOKENS_DEFAULT, the rest 0. */
 void lf_engine_config_default(lf_engine_config *cfg);
 
 /* Model facts the caller may need (vocabulary size, special tokens). */

@@ -553,11 +553,14 @@ static void batch_add(lf_sched *s, int *n, lf_sreq *r, int pos0, int n_tok) {
 }
 
 /* Builds the step's batch (lock held). Decodes first, then prefill chunks in admission order
- * under the token budget. A prompt's chunk boundaries depend only on its length and
- * max_batch_tokens (chunks of exactly max_batch_tokens, the last one shorter), never on what
- * else is in the batch: a chunk that does not fit into what is left of this step's budget waits
- * whole for the next step (later, smaller chunks may use the rest: first fit). Every chunk fits
- * an empty budget, and the oldest prefilling request comes first, so none starves. */
+ * under the token budget. A prompt's chunk boundaries depend only on its length, the pool size,
+ * the backend's compression limit and max_batch_tokens, never on what else is in the batch: a
+ * prompt that does not fit its pool (P > budget - 1 under eviction) runs whole when the backend
+ * can SnapKV-compress that many tokens at once; any other prompt runs in chunks of exactly
+ * max_batch_tokens, the last one shorter (scheduler/README.md). A chunk that does not fit into what is left of this
+ * step's budget waits whole for the next step (later, smaller chunks may use the rest: first
+ * fit); a whole prompt longer than the budget runs in a step that has no other chunk. The oldest
+ * prefilling request comes first, so none starves. */
 static int build_batch(lf_sched *s) {
   int n = 0;
   for (int i = 0; i < s->n_running; i++) {
@@ -570,8 +573,10 @@ static int build_batch(lf_sched *s) {
     lf_sreq *r = s->running[i];
     const int left = r->n_prompt - r->n_prefilled;
     if (left == 0) continue;
-    const int chunk = C > 0 && left > C ? C : left;
-    if (chunk > budget) continue;
+    const int whole = s->cfg.policy != LF_POLICY_FULL && r->n_prompt > s->cfg.budget - 1 &&
+                      (s->be->max_compress_tokens == 0 || r->n_prompt <= s->be->max_compress_tokens);
+    const int chunk = C > 0 && left > C && !whole ? C : left;
+    if (chunk > budget && !(chunk > C && budget == C)) continue;
     budget -= chunk;
     batch_add(s, &n, r, r->n_prefilled, chunk);
   }

@@ -56,6 +56,7 @@ static lf_status apply_tuning(cuda_backend *c) {
   /* Prefill chunk: LF_CUDA_PREFILL_CHUNK tokens, default min(max_seq_len, 2048). */
   c->max_chunk = c->cfg.max_seq_len < 2048 ? c->cfg.max_seq_len : 2048;
   if (tu.prefill_chunk > 0) c->max_chunk = tu.prefill_chunk;
+  c->base.max_compress_tokens = c->max_chunk; /* SnapKV needs the whole prompt in one chunk */
 #ifdef LF_BENCH_INSTRUMENTS
   if (tu.cuda_skip) LF_TRY(parse_skip(tu.cuda_skip, &c->skip));
 #endif
@@ -329,9 +330,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->p = *p;
   m = &c->cfg;
   /* lf_backend's fields in order (name, forward, pool_take, pool_give, pools_free,
-   * pool_slots_filled, free): C++17 has no designated initializers */
+   * pool_slots_filled, free, max_compress_tokens: set below, once max_chunk is): C++17 has no
+   * designated initializers */
   c->base = lf_backend{"cuda", cb_forward, cb_pool_take, cb_pool_give, cb_pools_free,
-                       cb_pool_slots_filled, cuda_free};
+                       cb_pool_slots_filled, cuda_free, 0};
   c->qd = m->n_heads * m->head_dim;
   c->kd = m->n_kv_heads * m->head_dim;
   c->qd_own = sh.n_q * m->head_dim;
