@@ -14,6 +14,10 @@
  * outside it (host overhead: submit, event handling) vs idle (waiting for Poisson arrivals),
  * NVML GPU utilisation sampled during the run on cuda, evictions, and an FNV-1a hash of every
  * request's generated tokens (in request order), so two runs can be compared token for token.
+ * Also per policy: the mean and largest decode batch (requests past their first token, before
+ * each step), and with --decode-only-ref, measured on the same engine after the run: the
+ * isolated prefill time of one prompt and the mean step time of a decode-only batch of the
+ * run's mean decode batch (decode_reference below), the references for TTFT p50 and TPOT p99.
  *
  * Under mpirun -np T (tensor parallelism, docs/DESIGN.md §4) every rank builds the same engines, rank 0
  * drives and reports, the others follow (lf_engine_follow). --kv-gb is then per rank: a rank
@@ -221,6 +225,7 @@ typedef struct serve_opts {
   int poisson;
   uint64_t seed;
   int quiet;
+  int decode_ref, ref_batch, ref_tokens; /* --decode-only-ref, --ref-batch, --ref-tokens */
 } serve_opts;
 
 static void serve_usage(FILE *f) {
@@ -241,12 +246,17 @@ static void serve_usage(FILE *f) {
           "  --mem-util U       (default 0.9)\n"
           "  --arrival A        all | poisson (default all)\n"
           "  --rate R           Poisson arrivals per second (default 1)\n"
-          "  --max-batch-tokens T  prefill tokens per step (default max(P, 2048))\n"
+          "  --max-batch-tokens T  prefill tokens per step (default: the engine's, 512)\n"
           "  --sink S --window W   policy parameters (default 4 32)\n"
           "  --threads T        cpu backend threads (default 0: all cores)\n"
           "  --duration S       stop after S seconds of wall time: cancel what is left and\n"
           "                     report the window (default 0: run every request to its end)\n"
           "  --seed S           prompts and arrivals (default 1)\n"
+          "  --decode-only-ref  after each policy's run, on the same engine: the isolated\n"
+          "                     prefill time of one P-token prompt (median of 3) and the mean\n"
+          "                     step time of a decode-only batch at the run's mean decode batch\n"
+          "  --ref-batch N      that batch instead (default 0: the run's mean, rounded)\n"
+          "  --ref-tokens K     output tokens of each reference request (default O)\n"
           "  --json FILE        write the rows as JSON\n"
           "  --quiet            no progress lines\n");
 }
@@ -277,6 +287,12 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       exit(0);
     } else if (!strcmp(a, "--quiet")) {
       o->quiet = 1;
+    } else if (!strcmp(a, "--decode-only-ref")) {
+      o->decode_ref = 1;
+    } else if (OPT("--ref-batch")) {
+      o->ref_batch = atoi(v);
+    } else if (OPT("--ref-tokens")) {
+      o->ref_tokens = atoi(v);
     } else if (OPT("--model")) {
       o->model = v;
     } else if (OPT("--backend")) {
@@ -327,11 +343,12 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
   }
   if (o->prompt < 1 || o->output < 1 || o->n_req < 0 || o->budget < 1 || o->full_budget < 0 ||
       o->n_pools < 0 || o->kv_gb < 0 || !(o->mem_util > 0 && o->mem_util <= 1) ||
-      !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->threads < 0 || o->duration < 0) {
+      !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->threads < 0 || o->duration < 0 ||
+      o->ref_batch < 0 || o->ref_tokens < 0 || o->ref_tokens > o->output) {
     fprintf(stderr, "lfbench serve: an option is out of range\n");
     return -1;
   }
-  if (o->max_batch_tokens < 0) o->max_batch_tokens = o->prompt > 2048 ? o->prompt : 2048;
+  if (o->max_batch_tokens < 0) o->max_batch_tokens = LF_MAX_BATCH_TOKENS_DEFAULT;
   return 0;
 }
 
@@ -347,6 +364,7 @@ typedef struct req_state {
   lf_status status;
   uint64_t id;
   int submitted;
+  int decoding; /* counted in the decode batch: first token out, not finished */
 } req_state;
 
 typedef struct serve_row {
@@ -361,6 +379,13 @@ typedef struct serve_row {
   double step_s, host_s, idle_s, mean_step_ms, gpu_busy;
   uint64_t mem_before, mem_init, mem_peak, mem_end;
   uint64_t tokens_hash; /* FNV-1a over the requests' token hashes, in request order */
+  /* decode batch: requests past their first token and not finished, before each step of the
+   * window (steps with none are not counted) */
+  double decode_batch_mean;
+  int decode_batch_max;
+  /* --decode-only-ref (ref_batch 0: not measured) */
+  int ref_batch, ref_steps;
+  double ref_prefill_s, ref_step_mean_s, ref_step_median_s;
 } serve_row;
 
 #define FNV_OFFSET 1469598103934665603ull
@@ -372,6 +397,125 @@ static uint64_t fnv1a(uint64_t h, uint64_t v) {
     h *= FNV_PRIME;
   }
   return h;
+}
+
+/* Steps e until it is idle, following the requests ids[0..n): first[i] / fin[i] get the end
+ * time of the step that sampled request i's first token / finished it (0 until then). The
+ * duration of every step that began with all n requests past their first token and none
+ * finished (a decode-only step of exactly n sequences) goes to dec_t[*n_dec] (up to cap).
+ * With cancel_rest, the others are cancelled once one finishes. Returns 0, or 1 on failure. */
+static int ref_drive(lf_engine_t e, const uint64_t *ids, int n, double *first, double *fin,
+                     double *dec_t, int cap, int *n_dec, int cancel_rest) {
+  enum { REF_EV = 1024 };
+  static lf_event ev[REF_EV];
+  int n_first = 0, n_fin = 0, cancelled = 0;
+  *n_dec = 0;
+  while (lf_engine_busy(e)) {
+    const int decode_only = n_first == n && n_fin == 0;
+    int k = 0;
+    const double ts = lf_now_s();
+    const lf_status s = lf_engine_step(e, ev, REF_EV, &k);
+    const double te = lf_now_s();
+    if (s != LF_OK) {
+      fprintf(stderr, "lfbench serve: reference step: %s: %s\n", lf_status_str(s),
+              lf_last_error());
+      return 1;
+    }
+    if (decode_only && *n_dec < cap) dec_t[(*n_dec)++] = te - ts;
+    for (int j = 0; j < k; j++)
+      for (int i = 0; i < n; i++) {
+        if (ids[i] != ev[j].id) continue;
+        if (ev[j].type == LF_EVENT_TOKEN && first[i] == 0.0) {
+          first[i] = te;
+          n_first++;
+        } else if (ev[j].type == LF_EVENT_FINISH) {
+          fin[i] = te;
+          n_fin++;
+          if (ev[j].reason == LF_FINISH_ERROR) {
+            fprintf(stderr, "lfbench serve: a reference request ended with an error: %s\n",
+                    lf_status_str(ev[j].status));
+            return 1;
+          }
+        }
+      }
+    if (n_fin && cancel_rest && !cancelled) {
+      for (int i = 0; i < n; i++)
+        if (fin[i] == 0.0) lf_engine_cancel(e, ids[i]);
+      cancelled = 1;
+    }
+  }
+  return 0;
+}
+
+/* --decode-only-ref, on the engine of the run that just ended (idle by now):
+ *  1. isolated prefill: one P-token prompt alone, submit -> end of the step that sampled its
+ *     first token; median of 3;
+ *  2. decode-only steps: ref_batch requests of P prompt and K output tokens submitted at once;
+ *     once all of them have their first token (their prefills are over), each step is a
+ *     decode step of exactly ref_batch sequences, until the first one finishes. The figure is
+ *     the mean (and median) host time around lf_engine_step of those steps, the first two left
+ *     out (a CUDA graph may be captured there): the same clock as the run's TPOT. The context
+ *     grows from about P + ref_batch (with one prefill a step) to P + K: on average about the
+ *     run's P + O / 2 when K = O. */
+static int decode_reference(const serve_opts *o, const lf_model_config *mc, lf_engine_t e,
+                            serve_row *r) {
+  const int P = o->prompt, K = o->ref_tokens ? o->ref_tokens : o->output;
+  int Bd = o->ref_batch ? o->ref_batch : (int)lround(r->decode_batch_mean);
+  if (Bd < 1) Bd = 1;
+  if (Bd > r->pools) Bd = r->pools;
+  int32_t *pr = malloc(sizeof(int32_t) * (size_t)Bd * (size_t)P);
+  uint64_t *ids = calloc((size_t)Bd, sizeof *ids);
+  double *first = calloc((size_t)Bd, sizeof *first), *fin = calloc((size_t)Bd, sizeof *fin);
+  const int cap = K + 16;
+  double *dt = calloc((size_t)cap, sizeof *dt);
+  int rc = 1, nd = 0;
+  if (!pr || !ids || !first || !fin || !dt) {
+    fprintf(stderr, "lfbench serve: out of memory\n");
+    goto out;
+  }
+  for (size_t i = 0; i < (size_t)Bd * P; i++)
+    pr[i] = (int32_t)(rng_u64() % (uint64_t)mc->vocab_size);
+  double tp[3];
+  for (int it = 0; it < 3; it++) {
+    lf_request q = {.prompt = pr, .n_prompt = P, .max_tokens = 1, .ignore_eos = 1};
+    first[0] = fin[0] = 0.0;
+    const double t0 = lf_now_s();
+    if (lf_engine_submit(e, &q, &ids[0]) != LF_OK) {
+      fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
+      goto out;
+    }
+    if (ref_drive(e, ids, 1, first, fin, dt, cap, &nd, 0) || first[0] == 0.0) goto out;
+    tp[it] = first[0] - t0;
+  }
+  qsort(tp, 3, sizeof tp[0], cmp_double);
+  r->ref_prefill_s = tp[1];
+  for (int i = 0; i < Bd; i++) {
+    lf_request q = {.prompt = pr + (size_t)i * P, .n_prompt = P, .max_tokens = K,
+                    .ignore_eos = 1};
+    first[i] = fin[i] = 0.0;
+    if (lf_engine_submit(e, &q, &ids[i]) != LF_OK) {
+      fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
+      goto out;
+    }
+  }
+  if (ref_drive(e, ids, Bd, first, fin, dt, cap, &nd, 1)) goto out;
+  r->ref_batch = Bd;
+  const int skip = nd > 4 ? 2 : 0;
+  r->ref_steps = nd - skip;
+  if (r->ref_steps > 0) {
+    double sum = 0.0;
+    for (int i = skip; i < nd; i++) sum += dt[i];
+    r->ref_step_mean_s = sum / r->ref_steps;
+    r->ref_step_median_s = pct(dt + skip, r->ref_steps, 50);
+  }
+  rc = 0;
+out:
+  free(pr);
+  free(ids);
+  free(first);
+  free(fin);
+  free(dt);
+  return rc;
 }
 
 /* One policy's engine and workload. Under TP (comm) every rank calls this with the same
@@ -456,6 +600,8 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   enum { EV_CAP = 4096 };
   static lf_event ev[EV_CAP];
   int next_sub = 0, done = 0, rc = 0;
+  int decoding = 0, dec_steps = 0; /* the decode batch: see serve_row */
+  double dec_sum = 0.0;
   const double t0 = lf_now_s();
   double last_mem = t0, last_util = t0, last_print = t0;
   double t_end, cutoff = -1.0;
@@ -497,6 +643,11 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       }
       break; /* nothing left: every request ended */
     }
+    if (cutoff < 0 && decoding > 0) {
+      dec_sum += decoding;
+      dec_steps++;
+      if (decoding > r->decode_batch_max) r->decode_batch_max = decoding;
+    }
     int n = 0;
     const double ts = lf_now_s();
     s = lf_engine_step(e, ev, EV_CAP, &n);
@@ -525,11 +676,17 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
         if (!q->tokens) {
           q->first_t = te;
           q->hash = FNV_OFFSET;
+          q->decoding = 1;
+          decoding++;
         }
         q->last_t = te;
         q->tokens++;
         q->hash = fnv1a(q->hash, (uint64_t)(uint32_t)ev[k].token);
       } else {
+        if (q->decoding) {
+          q->decoding = 0;
+          decoding--;
+        }
         q->finished = 1;
         q->reason = ev[k].reason;
         q->status = ev[k].status;
@@ -590,6 +747,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   r->host_s = r->wall_s - r->step_s - r->idle_s;
   if (r->host_s < 0) r->host_s = 0;
   r->mean_step_ms = r->steps ? 1e3 * r->step_s / (double)r->steps : 0.0;
+  r->decode_batch_mean = dec_steps ? dec_sum / dec_steps : 0.0;
   r->gpu_busy = gpu_util_close(&gu);
   {
     lf_metrics m;
@@ -602,6 +760,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
     }
   }
   if (r->finished_other) rc = 3;
+  if (o->decode_ref && rc == 0 && decode_reference(o, mc, e, r)) rc = 1;
 out:
   lf_engine_free(e);
   free(rq);
@@ -649,16 +808,33 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
           "\"output\": %d, \"arrival\": \"%s\", \"rate\": %g, \"kv_gb\": %g, \"mem_util\": %g, "
           "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"duration\": %g, "
-          "\"seed\": %llu, \"mem_kind\": \"%s\", \"tp\": %d,\n \"rows\": [\n",
+          "\"seed\": %llu, \"mem_kind\": \"%s\", \"tp\": %d, \"decode_only_ref\": %s, "
+          "\"ref_tokens\": %d,\n \"rows\": [\n",
           o->model, backend, host, mc->n_layers, mc->n_kv_heads, mc->head_dim, o->prompt,
           o->output, o->poisson ? "poisson" : "all", o->poisson ? o->rate : 0.0, o->kv_gb,
           o->mem_util, o->max_batch_tokens, o->sink, o->window, o->duration,
-          (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used", tp);
+          (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used", tp,
+          o->decode_ref ? "true" : "false",
+          o->decode_ref ? (o->ref_tokens ? o->ref_tokens : o->output) : 0);
   for (int i = 0; i < n; i++) {
     const serve_row *r = &rows[i];
     char gpu[32] = "null";
     if (r->gpu_busy >= 0) snprintf(gpu, sizeof gpu, "%.4f", r->gpu_busy);
     const double w = r->wall_s > 0 ? r->wall_s : 1.0;
+    char ref[7][32];
+    for (int k = 0; k < 7; k++) snprintf(ref[k], sizeof ref[k], "null");
+    if (r->ref_batch) {
+      snprintf(ref[0], sizeof ref[0], "%d", r->ref_batch);
+      snprintf(ref[1], sizeof ref[1], "%d", r->ref_steps);
+      snprintf(ref[2], sizeof ref[2], "%.6f", r->ref_prefill_s);
+      if (r->ref_steps > 0) {
+        snprintf(ref[3], sizeof ref[3], "%.4f", 1e3 * r->ref_step_mean_s);
+        snprintf(ref[4], sizeof ref[4], "%.4f", 1e3 * r->ref_step_median_s);
+        snprintf(ref[5], sizeof ref[5], "%.4f", r->tpot_p99 / r->ref_step_mean_s);
+      }
+      if (r->ref_prefill_s > 0)
+        snprintf(ref[6], sizeof ref[6], "%.4f", r->ttft_p50 / r->ref_prefill_s);
+    }
     fprintf(f,
             "  {\"policy\": \"%s\", \"budget\": %d, \"pools\": %d, \"pool_bytes\": %llu, "
             "\"requests\": %d, \"finished_length\": %d, \"finished_other\": %d, "
@@ -669,7 +845,10 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             "\"steps\": %llu, \"mean_step_ms\": %.4f, \"step_fraction\": %.5f, "
             "\"host_fraction\": %.5f, \"idle_fraction\": %.5f, \"gpu_busy\": %s, "
             "\"mem_before\": %llu, \"mem_init\": %llu, \"mem_peak\": %llu, \"mem_end\": %llu, "
-            "\"evictions\": %llu, \"tokens_fnv1a\": \"%016llx\"}%s\n",
+            "\"evictions\": %llu, \"tokens_fnv1a\": \"%016llx\", \"decode_batch_mean\": %.3f, "
+            "\"decode_batch_max\": %d, \"ref_batch\": %s, \"ref_steps\": %s, "
+            "\"ref_prefill_s\": %s, \"ref_decode_step_ms\": %s, \"ref_decode_step_ms_median\": %s, "
+            "\"tpot_p99_over_ref\": %s, \"ttft_p50_over_ref_prefill\": %s}%s\n",
             r->policy, r->budget, r->pools, (unsigned long long)r->pool_bytes, r->n_req,
             r->finished_length, r->finished_other, r->not_finished,
             (unsigned long long)r->output_tokens, r->wall_s, r->init_s, r->tokens_per_s,
@@ -678,7 +857,8 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             r->step_s / w, r->host_s / w, r->idle_s / w, gpu, (unsigned long long)r->mem_before,
             (unsigned long long)r->mem_init, (unsigned long long)r->mem_peak,
             (unsigned long long)r->mem_end, (unsigned long long)r->evictions,
-            (unsigned long long)r->tokens_hash, i + 1 < n ? "," : "");
+            (unsigned long long)r->tokens_hash, r->decode_batch_mean, r->decode_batch_max,
+            ref[0], ref[1], ref[2], ref[3], ref[4], ref[5], ref[6], i + 1 < n ? "," : "");
   }
   fprintf(f, "]}\n");
   fclose(f);
@@ -758,6 +938,30 @@ int bench_serve(int argc, char **argv) {
   for (int i = 0; i < n; i++)
     printf("# %s: generated tokens, FNV-1a over the requests in order: %016llx\n", rows[i].policy,
            (unsigned long long)rows[i].tokens_hash);
+  for (int i = 0; i < n; i++) {
+    const serve_row *r = &rows[i];
+    printf("# %s: decode batch (sequences past their first token, before each step) mean %.1f, "
+           "max %d\n",
+           r->policy, r->decode_batch_mean, r->decode_batch_max);
+    if (!o.decode_ref) continue;
+    if (!r->ref_batch) {
+      printf("# %s: decode-only reference: not measured\n", r->policy);
+      continue;
+    }
+    printf("# %s: isolated prefill of one %d-token prompt %.4f s (median of 3): TTFT p50 / it = "
+           "%.2fx (issue 19: <= 2)\n",
+           r->policy, o.prompt, r->ref_prefill_s,
+           r->ref_prefill_s > 0 ? r->ttft_p50 / r->ref_prefill_s : 0.0);
+    if (r->ref_steps > 0)
+      printf("# %s: decode-only step at batch %d: %.3f ms mean, %.3f median (%d steps): TPOT p99 "
+             "/ it = %.2fx (issue 19: <= 1.5), TPOT p50 / it = %.2fx\n",
+             r->policy, r->ref_batch, 1e3 * r->ref_step_mean_s, 1e3 * r->ref_step_median_s,
+             r->ref_steps, r->tpot_p99 / r->ref_step_mean_s, r->tpot_p50 / r->ref_step_mean_s);
+    else
+      printf("# %s: decode-only step at batch %d: no decode-only step (--ref-tokens too small "
+             "for the batch)\n",
+             r->policy, r->ref_batch);
+  }
   /* The headline ratio, when both are there. */
   const serve_row *full = NULL, *lf = NULL;
   for (int i = 0; i < n; i++) {

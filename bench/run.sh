@@ -23,7 +23,16 @@
 #   bench/run.sh ab DIR           DIR holds another source tree (e.g. `git archive REV`): both are
 #                                 built; the gpu tests of this tree, then lfgen greedy outputs
 #                                 (must be bit-identical) and `lfbench step` of both, side by side
-#   bench/run.sh prefill          `lfbench prefill` and its transformers peer, once they exist
+#   bench/run.sh prefill          the transformers peer (bench/prefill_peer.py), then `lfbench
+#                                 prefill --peer` on random:qwen3-8b: TTFT of B prompts of P tokens,
+#                                 P 512..32768, B 1 and 8; each program stops starting rows after
+#                                 PREFILL_TIME s (default 120); PREFILL_ARGS / PREFILL_PEER_ARGS
+#                                 add options (e.g. --prompts 2048 --batches 1,8 to both)
+#   bench/run.sh serve-poisson    `lfbench serve --decode-only-ref` on random:qwen3-8b, 2048 -> 512,
+#                                 longflow, Poisson arrivals at each rate of SERVE_RATES (default
+#                                 "2 4.5 7"), about SERVE_SPAN s of arrivals each (default 40, cut
+#                                 at SERVE_DURATION, default 60), then bench/plot_serve.py
+#                                 (SERVE_POISSON_ARGS adds options)
 # Several may be given: `bench/run.sh test step`. Exit status 1 when anything failed.
 #
 # GoogleTest: the system's, else a source tree carried in build-deps/googletest. PCRE2 (the
@@ -99,7 +108,7 @@ build() { # SRC BUILD_DIR [TARGET...]
 }
 
 run_test() {
-  [ -x "$B/tests/gpu_engine" ] || build . "$B" || { rc=1; return; }
+  build . "$B" || { rc=1; return; } # always: a warm machine keeps an older build in $B
   say "ctest -L gpu"
   (cd "$B" && ctest -L gpu -V --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
   grep -E "llama|qwen|smollm|decisive|tests passed|FAILED|Failure|Skipped" "$OUT/ctest_gpu.txt" |
@@ -218,6 +227,43 @@ run_serve() {
     tee -a "$LOG" || rc=1
 }
 
+# Prefill against transformers: the peer first (alone on the GPU), then lfbench with its JSON.
+run_prefill() {
+  build . "$B" lfbench || { rc=1; return; }
+  local lim=${PREFILL_TIME:-120}
+  say "prefill: transformers peer (bench/prefill_peer.py), at most $lim s of rows"
+  # shellcheck disable=SC2086
+  python3 bench/prefill_peer.py --shape qwen3-8b --warmup 1 --iters 3 --time-limit "$lim" \
+    ${PREFILL_PEER_ARGS:-} --json "$OUT/prefill_peer.json" 2>&1 | tee "$OUT/prefill_peer.txt" |
+    tee -a "$LOG" || { rc=1; say "prefill peer FAILED"; }
+  local peer=()
+  [ -s "$OUT/prefill_peer.json" ] && peer=(--peer "$OUT/prefill_peer.json")
+  say "lfbench prefill, at most $lim s of rows"
+  # shellcheck disable=SC2086
+  "$B/lfbench" prefill --model random:qwen3-8b --backend cuda --warmup 1 --iters 3 \
+    --time-limit "$lim" ${PREFILL_ARGS:-} "${peer[@]}" --json "$OUT/lfbench_prefill.json" 2>&1 |
+    tee "$OUT/lfbench_prefill.txt" | tee -a "$LOG" || rc=1
+}
+
+# TTFT and TPOT against the Poisson arrival rate, with the isolated-prefill and decode-only
+# references measured by each run on its own engine; one JSON per rate, then the plot.
+run_serve_poisson() {
+  build . "$B" lfbench || { rc=1; return; }
+  local rate n files=()
+  for rate in ${SERVE_RATES:-2 4.5 7}; do
+    n=$(awk -v r="$rate" -v s="${SERVE_SPAN:-40}" 'BEGIN { n = int(r * s + 0.5); print n < 1 ? 1 : n }')
+    say "lfbench serve: Poisson $rate/s, $n requests of 2048 -> 512 on random:qwen3-8b"
+    # shellcheck disable=SC2086
+    "$B/lfbench" serve --model random:qwen3-8b --backend cuda --prompt 2048 --output 512 \
+      --policies longflow --budget 3200 --n-pools 96 --requests "$n" --arrival poisson \
+      --rate "$rate" --duration "${SERVE_DURATION:-60}" --decode-only-ref ${SERVE_POISSON_ARGS:-} \
+      --json "$OUT/serve_poisson_r$rate.json" 2>&1 | tee -a "$LOG" || rc=1
+    [ -s "$OUT/serve_poisson_r$rate.json" ] && files+=("$OUT/serve_poisson_r$rate.json")
+  done
+  [ ${#files[@]} -gt 0 ] || return
+  python3 bench/plot_serve.py "$OUT/serve_poisson.png" "${files[@]}" 2>&1 | tee -a "$LOG" || rc=1
+}
+
 # Greedy token ids of lfgen on a few models, one line per run, for a bit-for-bit comparison.
 greedy_ids() { # BUILD_DIR FILE
   local dir=$1 f=$2
@@ -254,7 +300,7 @@ run_ab() { # OTHER_SRC
   run_step "$B" _this2
 }
 
-[ $# -ge 1 ] || { sed -n 2,36p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,/^# Several may be given/p' "$0"; exit 2; }
 say "machine: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) x $NGPU"
 while [ $# -gt 0 ]; do
   case $1 in
@@ -264,7 +310,8 @@ while [ $# -gt 0 ]; do
   tp) run_tp ;;
   serve) run_serve ;;
   ab) shift; run_ab "$1" ;;
-  prefill) say "prefill: lfbench prefill does not exist yet"; rc=1 ;;
+  prefill) run_prefill ;;
+  serve-poisson) run_serve_poisson ;;
   *) echo "bench/run.sh: unknown part '$1'"; exit 2 ;;
   esac
   shift
