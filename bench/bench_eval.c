@@ -153,6 +153,7 @@ static void run_group(ev_ctx *c, ev_group *g) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = o->model;
+  cfg.lora_path = o->lora;
   cfg.backend = o->backend;
   cfg.policy = se->policy;
   cfg.evict_scope = se->scope;

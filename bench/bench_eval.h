@@ -25,6 +25,7 @@ typedef struct ev_series {
 
 typedef struct ev_opts {
   const char *model, *problems, *json, *tokenizer;
+  const char *lora; /* --lora DIR: a PEFT adapter merged at load, or NULL */
   lf_backend_kind backend;
   int want_policy[4]; /* by lf_policy */
   int want_scope[2];  /* by lf_evict_scope */

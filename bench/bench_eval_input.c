@@ -28,6 +28,7 @@ void ev_usage(FILE *f) {
           "Accuracy against KV budget on trace-task problems (tools/task/gen.py --out), every\n"
           "series run through the engine's scheduler, one engine per (series, budget) group.\n"
           "  --model DIR          HF model directory (its tokenizer.json encodes the prompts)\n"
+          "  --lora DIR           a PEFT LoRA adapter merged into the model at load\n"
           "  --problems FILE      JSON lines: id, prompt, output, answer, prompt_tokens,\n"
           "                       output_tokens (gen.py --out)\n"
           "  --n N                first N problems only (default 0: all)\n"
@@ -153,7 +154,7 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       o->quiet = 1;
       continue;
     }
-    static const char *const valued[] = {"--model",          "--problems",  "--json",
+    static const char *const valued[] = {"--model",          "--lora",      "--problems",  "--json",
                                          "--tokenizer",      "--policies",  "--policy",
                                          "--scopes",         "--fractions", "--backend",
                                          "--full-budget",    "--n",         "--margin",
@@ -176,6 +177,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
     int r = 0;
     if (!strcmp(a, "--model"))
       o->model = v;
+    else if (!strcmp(a, "--lora"))
+      o->lora = v;
     else if (!strcmp(a, "--problems"))
       o->problems = v;
     else if (!strcmp(a, "--json"))

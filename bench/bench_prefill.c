@@ -51,7 +51,7 @@ int bench_prefill(int argc, char **argv);
 #define PF_MAX_LIST 32
 
 typedef struct pf_opts {
-  const char *model, *json, *peer;
+  const char *model, *json, *peer, *lora;
   lf_backend_kind backend;
   int prompts[PF_MAX_LIST], n_prompts;
   int batches[PF_MAX_LIST], n_batches;
@@ -75,6 +75,7 @@ static void pf_usage(FILE *f) {
   fprintf(f,
           "usage: lfbench prefill [options]\n"
           "  --model M              (default random:qwen3-8b)\n"
+          "  --lora DIR             a PEFT LoRA adapter merged into the model at load\n"
           "  --backend B            auto | cpu | cuda (default auto)\n"
           "  --prompts LIST         prompt lengths P (default 512,1024,2048,4096,8192,16384,32768)\n"
           "  --batches LIST         prompts submitted together B (default 1,8)\n"
@@ -131,6 +132,8 @@ static int pf_parse(int argc, char **argv, pf_opts *o) {
     i++;
     if (!strcmp(a, "--model")) {
       o->model = v;
+    } else if (!strcmp(a, "--lora")) {
+      o->lora = v;
     } else if (!strcmp(a, "--backend")) {
       if (lf_backend_parse(v, &o->backend) != LF_OK) return -1;
     } else if (!strcmp(a, "--prompts")) {
@@ -340,6 +343,7 @@ static int pf_row_run(const pf_opts *o, const lf_model_config *m, lf_backend_kin
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = o->model;
+  cfg.lora_path = o->lora;
   cfg.backend = backend;
   cfg.policy = LF_POLICY_FULL;
   cfg.budget = P + 1; /* the prompt and the first token: never full */

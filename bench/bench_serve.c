@@ -215,7 +215,7 @@ static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, int budget, i
 #define MAX_POLICIES 4
 
 typedef struct serve_opts {
-  const char *model, *json;
+  const char *model, *json, *lora;
   lf_backend_kind backend;
   lf_policy policies[MAX_POLICIES];
   int n_policies;
@@ -232,6 +232,7 @@ static void serve_usage(FILE *f) {
   fprintf(f,
           "usage: lfbench serve [options]\n"
           "  --model M          HF dir, llama2.c .bin or random:NAME (default random:tiny-llama)\n"
+          "  --lora DIR         a PEFT LoRA adapter merged into the model at load\n"
           "  --backend B        auto | cpu | cuda (default auto)\n"
           "  --policies LIST    comma list of full, longflow, streaming, h2o (default\n"
           "                     full,longflow)\n"
@@ -295,6 +296,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       o->ref_tokens = atoi(v);
     } else if (OPT("--model")) {
       o->model = v;
+    } else if (OPT("--lora")) {
+      o->lora = v;
     } else if (OPT("--backend")) {
       if (lf_backend_parse(v, &o->backend) != LF_OK) return -1;
     } else if (OPT("--policies") || OPT("--policy")) {
@@ -545,6 +548,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = o->model;
+  cfg.lora_path = o->lora;
   cfg.backend = cuda ? LF_BACKEND_CUDA : LF_BACKEND_CPU;
   cfg.policy = pol;
   cfg.budget = r->budget;
