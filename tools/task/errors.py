@@ -128,6 +128,9 @@ def main():
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=dt).eval()
     kw = gen.gen_kwargs(args)
+    if not gen.knobs_default(kw):
+        ap.error("the token roles are those of the original format: --reread, --named-rules "
+                 "and --remind are not supported here")
     probs = list(gen.problems(args.n, args.split, args.seed, args.start, **kw))
     tot = collections.Counter()
     err = collections.Counter()

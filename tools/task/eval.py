@@ -21,7 +21,9 @@ layer-scope series is named `longflow-layer`. Exit status 1 when --min-full-accu
 and full-KV accuracy is below it (the CI assertion).
 
 Metrics per (policy, fraction): accuracy (answer line exact), trace_exact (whole output exact,
-<eos> included), median first wrong output token, mean evictions.
+<eos> included), median first wrong output token, mean evictions; and, in `answer_credit`,
+partial credit: the mean fraction of answer registers right (gen.answer_credit), next to exact
+match. The JSON's `task_knobs` lists the generator settings (gen.py `knobs`) of the problems.
 """
 import argparse
 import json
@@ -79,6 +81,47 @@ def summarize(runs, fractions, scopes=("head",)):
     return out
 
 
+def credit_summary(runs, problems, fractions, scopes=("head",)):
+    """Partial credit per answer register: per run, the fraction of the expected answer's
+    registers the generated answer line has right (gen.answer_credit; 0 for a failed run or no
+    answer line); per (series, fraction), n, their mean, and the shares of runs with every
+    register right (= accuracy) and with none. Kept apart from `summary` and `runs`, which
+    have lfbench eval's schema."""
+    per_run = []
+    for r in runs:
+        want = problems[r["problem"]]["answer"]
+        c = 0.0 if r.get("rc", 0) != 0 else gen.answer_credit(want, r.get("answer"))
+        per_run.append({"problem": r["problem"], "policy": r["policy"],
+                        "scope": r.get("scope", "head"), "fraction": r["fraction"],
+                        "credit": round(c, 6)})
+    out = {}
+    series = [(pol, sc) for pol in POLICIES for sc in (scopes if pol in SCOPED else ("head",))]
+    for pol, scope in series:
+        rows = {}
+        for f in ([None] if pol == "full" else fractions):
+            cs = [x["credit"] for x in per_run if x["policy"] == pol and x["scope"] == scope and
+                  (pol == "full" or x["fraction"] == f)]
+            if cs:
+                rows["all" if f is None else str(f)] = {
+                    "n": len(cs), "mean_credit": sum(cs) / len(cs),
+                    "all_right": sum(c == 1.0 for c in cs) / len(cs),
+                    "none_right": sum(c == 0.0 for c in cs) / len(cs)}
+        if rows:
+            out[series_name(pol, scope)] = rows
+    return {"summary": out, "runs": per_run}
+
+
+def task_knobs(problems):
+    """The distinct generator settings of the problems (gen.py's `knobs`; None for problems
+    written before it recorded them)."""
+    seen = []
+    for p in problems.values():
+        k = p.get("knobs")
+        if k not in seen:
+            seen.append(k)
+    return seen
+
+
 def plot(summary, fractions, path, title):
     import matplotlib
     matplotlib.use("Agg")
@@ -121,6 +164,16 @@ def print_table(summary, full_budget):
             print(f"{pol:<15} {b:>7} {s['n']:4d} {100 * s['accuracy']:8.1f}% "
                   f"{100 * s['trace_exact']:6.1f}% {s['median_first_error']:8d} {ev:>10}"
                   + (f"  ({s['errors']} runs failed)" if s["errors"] else ""))
+
+
+def print_credit(credit, full_budget):
+    print(f"\npartial credit (fraction of answer registers right)\n{'policy':<15} {'budget':>7} "
+          f"{'n':>4} {'credit':>7} {'all':>7} {'none':>7}")
+    for pol, rows in credit.items():
+        for k, s in rows.items():
+            b = full_budget if k == "all" else f"{100 * float(k):g}%"
+            print(f"{pol:<15} {b:>7} {s['n']:4d} {100 * s['mean_credit']:6.1f}% "
+                  f"{100 * s['all_right']:6.1f}% {100 * s['none_right']:6.1f}%")
 
 
 def main():
@@ -181,6 +234,8 @@ def main():
             with open(problems_file, "w") as f:
                 for p in gen.problems(args.n, args.split, args.seed, **gen.gen_kwargs(args)):
                     f.write(json.dumps(p) + "\n")
+        with open(problems_file) as f:
+            problems = {p["id"]: p for p in (json.loads(ln) for ln in f if ln.strip())}
         # one lfbench call per distinct set of policy options (usually one for everything)
         calls = {}
         for pol in policies:
@@ -213,9 +268,12 @@ def main():
     runs.sort(key=lambda r: (order[r["problem"]], POLICIES.index(r["policy"]),
                              SCOPES.index(r.get("scope", "head")), r["fraction"] or 0))
     summary = summarize(runs, fractions, scopes)
+    credit = credit_summary(runs, problems, fractions, scopes)
+    knobs = task_knobs({p["id"]: problems[p["id"]] for p in res["problems"]})
     res.update({"lfbench": args.lfbench, "engine_args": args.engine_args,
                 "policy_args": args.policy_args, "policies": policies,
-                "wall_s": round(time.time() - t0, 3), "summary": summary, "runs": runs})
+                "wall_s": round(time.time() - t0, 3), "summary": summary, "runs": runs,
+                "answer_credit": credit, "task_knobs": knobs})
     if len(calls) > 1:
         res["groups"] = None  # per call; not merged
     tmp_out = args.out + ".tmp"
@@ -224,11 +282,14 @@ def main():
     os.replace(tmp_out, args.out)
     if len(calls) > 1:
         print_table(summary, args.full_budget)
+    print_credit(credit["summary"], args.full_budget)
+    print(f"task knobs: {json.dumps(knobs)}")
     print(f"wrote {args.out}")
     if args.plot:
         plot(summary, fractions, args.plot,
              f"trace task, {len(res['problems'])} problems, "
              f"{os.path.basename(os.path.abspath(args.model))}"
+             + "".join(f", {gen.knobs_label(k)}" for k in knobs if k and gen.knobs_label(k))
              + (f", {args.engine_args}" if args.engine_args else ""))
         print(f"wrote {args.plot}")
     if args.min_full_accuracy is not None:

@@ -31,9 +31,14 @@ def needed(problem, e):
     line = full[line_start:line_end if line_end >= 0 else len(full)]
     if line.startswith("#"):
         return ("round header", 0)
+    bar = line.find(" |")  # the reread knob's check walk: local scratch after the result
+    if bar >= 0 and i - line_start > bar:
+        return ("check walk", 0)
     if full[i].isdigit() and full[i - 1].isalpha():
         field = len(full[line_start:i + 1].split(" ")) - 1
-        if line.startswith("ans") or field in (1, 2):
+        if field == 0:
+            return ("rule text", 0)  # a named rule: "R3"
+        if line.startswith("ans") or line.startswith("recall") or field in (1, 2):
             v, j = full[i - 1], i - 2
             while j >= 0 and not (full[j] == v and full[j + 1].isdigit() and
                                   (j == 0 or full[j - 1] in " \n")):
@@ -65,6 +70,9 @@ def main():
         p = by_id.get(r["problem"])
         if p is None:
             sys.exit(f"problem {r['problem']} not among the given problems (same options as eval.py?)")
+        if p.get("format") == "hf-chatml":
+            sys.exit("failures.py counts positions in task tokens (one per character); runs of "
+                     "--format hf records are in the model's tokens")
         if p["prompt_tokens"] != r["prompt_tokens"]:
             sys.exit(f"problem {r['problem']}: prompt differs from the run's (other task options?)")
         e = r["first_error"]
