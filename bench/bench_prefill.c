@@ -551,14 +551,10 @@ int bench_prefill(int argc, char **argv) {
   const lf_model_config mc = ck.cfg;
   lf_checkpoint_close(&ck);
 
-  int cuda = o.backend == LF_BACKEND_CUDA;
-#ifdef LF_HAVE_CUDA_BACKEND
-  if (o.backend == LF_BACKEND_AUTO) cuda = lf_cuda_device_present();
-#endif
-  const lf_backend_kind backend = cuda ? LF_BACKEND_CUDA : LF_BACKEND_CPU;
+  const lf_backend_kind backend = lf_backend_resolve(o.backend);
   char device[256] = "cpu";
 #ifdef LF_HAVE_CUDA
-  if (cuda) {
+  if (backend == LF_BACKEND_CUDA) {
     struct cudaDeviceProp prop;
     int dev = 0;
     if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess)

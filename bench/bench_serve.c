@@ -884,11 +884,8 @@ int bench_serve(int argc, char **argv) {
   const lf_model_config mc = ck.cfg;
   lf_checkpoint_close(&ck);
 
-  /* Resolve auto the way lf_backend_create does, so pool sizes use the right layout. */
-  int cuda = o.backend == LF_BACKEND_CUDA;
-#ifdef LF_HAVE_CUDA_BACKEND
-  if (o.backend == LF_BACKEND_AUTO) cuda = lf_cuda_device_present();
-#endif
+  /* Resolved as lf_backend_create resolves it, so pool sizes use the right layout. */
+  const int cuda = lf_backend_resolve(o.backend) == LF_BACKEND_CUDA;
   const char *backend = lf_backend_str(cuda ? LF_BACKEND_CUDA : LF_BACKEND_CPU);
   if (o.prompt + o.output > mc.max_seq_len) {
     fprintf(stderr, "lfbench serve: prompt + output = %d exceeds the model's context %d\n",
