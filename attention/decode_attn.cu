@@ -91,23 +91,6 @@ static __device__ __forceinline__ uint32_t bf16_interleave(uint32_t x, uint32_t 
   return __byte_perm(x, y, hi ? 0x7632 : 0x5410);
 }
 
-static __device__ __forceinline__ uint32_t bf16_pack(float lo, float hi) {
-  union {
-    __nv_bfloat162 h;
-    uint32_t u;
-  } x;
-  x.h = __floats2bfloat162_rn(lo, hi);
-  return x.u;
-}
-
-static __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 static __device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long x) {
   for (int o = 16; o > 0; o >>= 1) {
     unsigned long long y = __shfl_xor_sync(0xffffffffu, x, o);

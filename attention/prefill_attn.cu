@@ -12,6 +12,7 @@
 
 #include "attention/pool_row.cuh"
 #include "base/cuda_check.h"
+#include "base/cuda_ptx.cuh"
 
 #define ATT_DMAX 256
 #define ATT_ND (ATT_DMAX / 32) /* dims per lane */
@@ -56,23 +57,6 @@ static __device__ __forceinline__ void fl_ldsm_t(uint32_t r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-
-static __device__ __forceinline__ void fl_mma(float c[4], const uint32_t a[4], uint32_t b0,
-                                              uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-static __device__ __forceinline__ uint32_t fl_pack(float lo, float hi) {
-  union {
-    __nv_bfloat162 h;
-    uint32_t u;
-  } x;
-  x.h = __floats2bfloat162_rn(lo, hi);
-  return x.u;
 }
 
 /* Element offset of 16-byte chunk ch of row `row` in a swizzled [rows][D] tile. */
@@ -165,8 +149,8 @@ static __global__ void __launch_bounds__(FL_WARPS * 32)
         uint32_t r[4];
         fl_ldsm(r, fl_smem(tk + fl_sw<D>(n2 * 16 + (lane % 8) + 8 * (lane / 16),
                                          2 * ks + (lane / 8) % 2)));
-        fl_mma(s[2 * n2], qf[ks], r[0], r[1]);
-        fl_mma(s[2 * n2 + 1], qf[ks], r[2], r[3]);
+        mma_bf16(s[2 * n2], qf[ks], r[0], r[1]);
+        mma_bf16(s[2 * n2 + 1], qf[ks], r[2], r[3]);
       }
 
     /* scale into log2 units, mask what a row must not see, online softmax */
@@ -220,17 +204,17 @@ static __global__ void __launch_bounds__(FL_WARPS * 32)
     /* O += P V, P from the S accumulators as bf16 A fragments */
 #pragma unroll
     for (int kt = 0; kt < FL_N / 16; kt++) {
-      const uint32_t a[4] = {fl_pack(s[2 * kt][0], s[2 * kt][1]),
-                             fl_pack(s[2 * kt][2], s[2 * kt][3]),
-                             fl_pack(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                             fl_pack(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+      const uint32_t a[4] = {bf16_pack(s[2 * kt][0], s[2 * kt][1]),
+                             bf16_pack(s[2 * kt][2], s[2 * kt][3]),
+                             bf16_pack(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                             bf16_pack(s[2 * kt + 1][2], s[2 * kt + 1][3])};
 #pragma unroll
       for (int d2 = 0; d2 < D / 16; d2++) {
         uint32_t r[4];
         fl_ldsm_t(r, fl_smem(tv + fl_sw<D>(kt * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
                                            2 * d2 + lane / 16)));
-        fl_mma(o[2 * d2], a, r[0], r[1]);
-        fl_mma(o[2 * d2 + 1], a, r[2], r[3]);
+        mma_bf16(o[2 * d2], a, r[0], r[1]);
+        mma_bf16(o[2 * d2 + 1], a, r[2], r[3]);
       }
     }
     __syncthreads(); /* the next iteration's loads overwrite the other buffer's neighbour */
@@ -246,10 +230,10 @@ static __global__ void __launch_bounds__(FL_WARPS * 32)
   for (int i = 0; i < D / 8; i++) {
     const int d = i * 8 + 2 * (lane % 4);
     if (r0 < n_tok)
-      *(uint32_t *)(out + ((size_t)r0 * n_heads + h) * D + d) = fl_pack(o[i][0] * i0, o[i][1] * i0);
+      *(uint32_t *)(out + ((size_t)r0 * n_heads + h) * D + d) = bf16_pack(o[i][0] * i0, o[i][1] * i0);
     if (r0 + 8 < n_tok)
       *(uint32_t *)(out + ((size_t)(r0 + 8) * n_heads + h) * D + d) =
-          fl_pack(o[i][2] * i1, o[i][3] * i1);
+          bf16_pack(o[i][2] * i1, o[i][3] * i1);
   }
   if (ml && lane % 4 == 0) {
     /* (max logit, sum of exp(logit - max)) in natural units, as the one-warp kernel writes them */

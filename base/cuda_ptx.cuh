@@ -2,7 +2,32 @@
 #ifndef LF_CUDA_PTX_CUH
 #define LF_CUDA_PTX_CUH
 
+#include <cuda_bf16.h>
 #include <stdint.h>
+
+/* (lo, hi) rounded to bf16 in one register, lo in the low half: an MMA operand pair. */
+static __device__ __forceinline__ uint32_t bf16_pack(float lo, float hi) {
+  union {
+    __nv_bfloat162 h;
+    uint32_t u;
+  } x;
+  x.h = __floats2bfloat162_rn(lo, hi);
+  return x.u;
+}
+
+/* c += A B on tensor cores (sm_80+): mma.sync m16n8k16, bf16 A (16x16, row: a0..a3) and B
+ * (16x8, col: b0, b1), fp32 accumulators c (the fragment layouts of the PTX ISA). */
+static __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+static __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0,
+                                                uint32_t b1) {
+  mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
+}
 
 /* A 16-byte load of data read once per launch (K/V slots, weights): through the non-coherent
  * path without allocating in L1, so it does not displace what is reused. */
