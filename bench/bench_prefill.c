@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "bench_util.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "lfserve.h"
@@ -93,19 +94,6 @@ static void pf_usage(FILE *f) {
           "  --seed S               prompt tokens (default 1)\n");
 }
 
-static int pf_list(const char *s, int *out, int cap) {
-  int n = 0;
-  while (*s) {
-    char *end;
-    const long v = strtol(s, &end, 10);
-    if (end == s || v <= 0 || v > 1 << 24 || n == cap) return -1;
-    out[n++] = (int)v;
-    if (*end && *end != ',') return -1;
-    s = *end == ',' ? end + 1 : end;
-  }
-  return n;
-}
-
 static int pf_parse(int argc, char **argv, pf_opts *o) {
   static const int def_p[] = {512, 1024, 2048, 4096, 8192, 16384, 32768};
   memset(o, 0, sizeof *o);
@@ -137,9 +125,9 @@ static int pf_parse(int argc, char **argv, pf_opts *o) {
     } else if (!strcmp(a, "--backend")) {
       if (lf_backend_parse(v, &o->backend) != LF_OK) return -1;
     } else if (!strcmp(a, "--prompts")) {
-      if ((o->n_prompts = pf_list(v, o->prompts, PF_MAX_LIST)) < 1) return -1;
+      if ((o->n_prompts = bench_int_list(v, o->prompts, PF_MAX_LIST)) < 1) return -1;
     } else if (!strcmp(a, "--batches")) {
-      if ((o->n_batches = pf_list(v, o->batches, PF_MAX_LIST)) < 1) return -1;
+      if ((o->n_batches = bench_int_list(v, o->batches, PF_MAX_LIST)) < 1) return -1;
     } else if (!strcmp(a, "--warmup")) {
       o->warmup = atoi(v);
     } else if (!strcmp(a, "--iters")) {
@@ -268,11 +256,6 @@ static uint32_t pf_rand(uint32_t n) { /* splitmix64 */
   return (uint32_t)((z ^ (z >> 31)) % n);
 }
 
-static int pf_cmp_double(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
 static int pf_is_oom(lf_status s) { return s == LF_ERR_OUT_OF_MEMORY; }
 
 /* One repetition: submit B prompts, step to the last first token, drain. *t: seconds. Returns
@@ -385,9 +368,8 @@ static int pf_row_run(const pf_opts *o, const lf_model_config *m, lf_backend_kin
     }
     if (i >= warmup) t[i - warmup] = dt;
   }
-  qsort(t, (size_t)r->iters, sizeof *t, pf_cmp_double);
-  r->min_s = t[0];
-  r->time_s = r->iters % 2 ? t[r->iters / 2] : 0.5 * (t[r->iters / 2 - 1] + t[r->iters / 2]);
+  r->time_s = bench_median(t, r->iters);
+  r->min_s = t[0]; /* sorted by bench_median */
 out:
   free(prompts);
   free(ids);

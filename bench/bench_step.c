@@ -28,6 +28,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
+
 #include "base/clock.h"
 #include "lfserve.h"
 
@@ -44,29 +46,6 @@
 #endif
 
 #define STEP_MAX_LIST 16
-
-static int cmp_double(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median_d(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-static int list_of(const char *s, int *out, int cap) {
-  int n = 0;
-  while (*s && n < cap) {
-    char *end;
-    const long v = strtol(s, &end, 10);
-    if (end == s || v <= 0) return -1;
-    out[n++] = (int)v;
-    if (*end && *end != ',') return -1;
-    s = *end == ',' ? end + 1 : end;
-  }
-  return n;
-}
 
 static uint64_t step_rng = 0x2545f4914f6cdd1dull;
 static uint32_t rnd(uint32_t n) {
@@ -98,7 +77,7 @@ static int step_copy_bw(double *gbs) {
   }
   double td[10];
   for (int i = 0; i < 10; i++) td[i] = t[i];
-  *gbs = 2.0 * (double)bytes / (median_d(td, 10) * 1e-3) / 1e9;
+  *gbs = 2.0 * (double)bytes / (bench_median(td, 10) * 1e-3) / 1e9;
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaFree(a);
@@ -211,7 +190,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
       }
       pos++;
     }
-    const double med = median_d(t, steps);
+    const double med = bench_median(t, steps);
     /* every pool holds `budget` slots once its first decode token is in */
     const double kv = (double)bs * m->n_layers * m->n_kv_heads * budget * m->head_dim * 2.0 * 2.0;
     const double floor_s = (wb + kv) / tp / (copy_gbs * 1e9); /* per GPU */
@@ -269,7 +248,7 @@ int bench_step(int argc, char **argv) {
     if (!strcmp(o, "--models")) {
       snprintf(models_buf, sizeof models_buf, "%s", v);
     } else if (!strcmp(o, "--batches")) {
-      if ((nb = list_of(v, batches, STEP_MAX_LIST)) < 1) return 2;
+      if ((nb = bench_int_list(v, batches, STEP_MAX_LIST)) < 1) return 2;
     } else if (!strcmp(o, "--budget")) {
       budget = atoi(v);
     } else if (!strcmp(o, "--steps")) {

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_util.h"
 #include "lfserve.h"
 
 #ifdef LF_HAVE_CUDA
@@ -45,19 +46,6 @@ static void usage(FILE *f) {
 }
 
 #ifdef LF_HAVE_CUDA
-static int parse_list(const char *s, int *out, int cap) {
-  int n = 0;
-  while (*s && n < cap) {
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (end == s || v <= 0) return -1;
-    out[n++] = (int)v;
-    s = *end == ',' ? end + 1 : end;
-    if (*end && *end != ',') return -1;
-  }
-  return n;
-}
-
 #define BENCH_CUDA(stmt)                                                                           \
   do {                                                                                             \
     cudaError_t e_ = (stmt);                                                                       \
@@ -435,9 +423,9 @@ static int bench_kernel(int argc, char **argv) {
       return 2;
     }
     if (!strcmp(o, "--batches"))
-      n_batches = parse_list(v, batches, 16);
+      n_batches = bench_int_list(v, batches, 16);
     else if (!strcmp(o, "--budgets"))
-      n_budgets = parse_list(v, budgets, 16);
+      n_budgets = bench_int_list(v, budgets, 16);
     else if (!strcmp(o, "--heads"))
       n_heads = atoi(v);
     else if (!strcmp(o, "--kv-heads"))
