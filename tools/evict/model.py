@@ -16,8 +16,12 @@ import json
 import math
 import os
 import struct
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from gguflib import rotary_unpermute  # noqa: E402
 
 
 class Config:
@@ -131,13 +135,6 @@ _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-def _unpermute(w, n_head):
-    """llama.cpp's converter interleaves each head's rotary halves; this undoes it (rows)."""
-    rows = w.shape[0]
-    hd = rows // n_head
-    return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _load_gguf(path):
     import gguf  # the `gguf` package (pip); only GGUF models need it
 
@@ -178,9 +175,9 @@ def _load_gguf(path):
         shape = [int(x) for x in reversed(tt.shape)]
         a = a.reshape(shape)
         if arch == "llama" and rest_is(name, "attn_q.weight"):
-            a = _unpermute(a, cfg.n_heads)
+            a = rotary_unpermute(a, cfg.n_heads)
         elif arch == "llama" and rest_is(name, "attn_k.weight"):
-            a = _unpermute(a, cfg.n_kv_heads)
+            a = rotary_unpermute(a, cfg.n_kv_heads)
         t[hf] = a
     cfg.vocab_size = t["model.embed_tokens.weight"].shape[0]
     return cfg, t
