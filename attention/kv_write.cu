@@ -9,16 +9,21 @@
 #include "base/cuda_launch.cuh"
 
 #define ROPE_DMAX 256
+#define ROPE_WARPS 4 /* heads per block: one-warp blocks made a 2048-token prefill launch-bound */
 
-/* One warp per (head, token): grid [n_heads + n_kv_heads, n_tok]. Block x < n_heads is a query
- * head; the others are KV head g = x - n_heads and do both k and v. */
+/* One warp per (head, token): grid [ceil((n_heads + n_kv_heads) / ROPE_WARPS), n_tok], block
+ * [32, ROPE_WARPS]. Head x < n_heads is a query head; the others are KV head g = x - n_heads and
+ * do both k and v. Warps share nothing but the block. */
 static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
-  __shared__ float buf[ROPE_DMAX];
+  __shared__ float sbuf[ROPE_WARPS][ROPE_DMAX];
+  const int hx = (int)(blockIdx.x * ROPE_WARPS + threadIdx.y);
+  if (hx >= a.n_heads + a.n_kv_heads) return;
+  float *buf = sbuf[threadIdx.y];
   const int t = blockIdx.y, lane = threadIdx.x, D = a.head_dim, half = D / 2;
-  const int is_q = (int)blockIdx.x < a.n_heads;
-  const int g = is_q ? 0 : (int)blockIdx.x - a.n_heads;
+  const int is_q = hx < a.n_heads;
+  const int g = is_q ? 0 : hx - a.n_heads;
   const int qd = a.n_heads * D, kd = a.n_kv_heads * D;
-  const int off = is_q ? (int)blockIdx.x * D : qd + g * D; /* column of this head in qkv */
+  const int off = is_q ? hx * D : qd + g * D; /* column of this head in qkv */
   const float *src = a.qkv + (size_t)t * a.qkv_stride;
   /* Before the wait, what no recent kernel writes: the positions and pool ids (uploaded before
    * the pass), the pool's fill and eviction candidate (written by the previous step's kernels of
@@ -65,7 +70,7 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
   __syncwarp();
 
   if (is_q) {
-    __nv_bfloat16 *q = (__nv_bfloat16 *)a.q_out + (size_t)t * qd + (size_t)blockIdx.x * D;
+    __nv_bfloat16 *q = (__nv_bfloat16 *)a.q_out + (size_t)t * qd + (size_t)hx * D;
     for (int d = lane; d < D; d += 32) q[d] = __float2bfloat16(buf[d]);
     return;
   }
@@ -114,7 +119,8 @@ extern "C" lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, cudaStream_t st
                 pv->n_kv_heads != a->n_kv_heads || pv->head_dim != a->head_dim))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: incomplete pool write");
   if (a->n_tok == 0) return LF_OK;
-  lf_launch(qkv_rope_kernel, dim3(a->n_heads + a->n_kv_heads, a->n_tok), dim3(32), 0, stream, *a);
+  lf_launch(qkv_rope_kernel, dim3((a->n_heads + a->n_kv_heads + ROPE_WARPS - 1) / ROPE_WARPS, a->n_tok),
+            dim3(32, ROPE_WARPS), 0, stream, *a);
   LF_CUDA_CHECK_LAUNCH("qkv_rope_kernel");
   return LF_OK;
 }

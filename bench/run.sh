@@ -20,9 +20,10 @@
 #                                 lfserve under mpirun when it was built
 #   bench/run.sh serve            `lfbench serve` on random:llama3-8b, 512 -> 4096, full and
 #                                 longflow (SERVE_ARGS replaces the options)
-#   bench/run.sh ab DIR           DIR holds another source tree (e.g. `git archive REV`): both are
-#                                 built; the gpu tests of this tree, then lfgen greedy outputs
-#                                 (must be bit-identical) and `lfbench step` of both, side by side
+#   bench/run.sh ab DIR           DIR holds another source tree (e.g. `git archive REV`): lfgen and
+#                                 lfbench of both are built, then lfgen greedy outputs (must be
+#                                 bit-identical) and `lfbench step` of both, interleaved twice
+#                                 (add `test` for this tree's gpu tests)
 #   bench/run.sh prefill          the transformers peer (bench/prefill_peer.py), then `lfbench
 #                                 prefill --peer` on random:qwen3-8b: TTFT of B prompts of P tokens,
 #                                 P 512..32768, B 1 and 8; each program stops starting rows after
@@ -282,10 +283,9 @@ run_ab() { # OTHER_SRC
   # both at once: the other tree needs only what is timed and compared
   build "$other" "$B-other" lfgen lfbench &
   local pid=$!
-  build . "$B" || rc=1
+  build . "$B" lfgen lfbench || rc=1
   wait "$pid" || rc=1
   [ "$rc" = 0 ] || return
-  run_test
   say "lfgen greedy ids: $other against this tree"
   greedy_ids "$B-other" "$OUT/greedy_other.txt"
   greedy_ids "$B" "$OUT/greedy_this.txt"
