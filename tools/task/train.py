@@ -213,13 +213,27 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     pos = position_ids.expand(B, -1)
     restart = (pos[:, 1:] != pos[:, :-1] + 1).cpu()
     rows = []
-    for b in range(B):
-        cuts = [0] + (torch.nonzero(restart[b]).flatten() + 1).tolist() + [L]
-        rows.append(torch.cat([F.scaled_dot_product_attention(
-            query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
-            dropout_p=dropout, is_causal=True, scale=scaling)
-            for s, e in zip(cuts, cuts[1:]) if e > s], dim=2))
+    # Not cuDNN, which builds an execution plan for each new shape: packed documents bring new
+    # lengths every step. On the H200, LoRA training of SmolLM2 ran at 7.5k tokens/s with 2.5 ms
+    # of host time per SDPA call (cProfile), against 65k when the same batch was repeated; the
+    # plan builds are the likely cause (to be confirmed there: tools/task/README.md).
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel(VARLEN_SDPA_BACKENDS):
+        for b in range(B):
+            cuts = [0] + (torch.nonzero(restart[b]).flatten() + 1).tolist() + [L]
+            rows.append(torch.cat([F.scaled_dot_product_attention(
+                query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
+                dropout_p=dropout, is_causal=True, scale=scaling)
+                for s, e in zip(cuts, cuts[1:]) if e > s], dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+
+
+def _varlen_backends():
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+VARLEN_SDPA_BACKENDS = _varlen_backends()
 
 
 def register_varlen():
