@@ -139,15 +139,25 @@ static lf_status engine_init_local(lf_engine_t e) {
                       "communicator (lf_comm_init_nccl_mpi), not '%s'",
                       e->comm->size, e->comm->kind ? e->comm->kind : "?");
   }
-  /* Layer-scope eviction exists in the cpu backend's single-rank forward only: its one slot per
-   * layer needs every KV head of the layer, which a tensor-parallel rank does not hold. */
+  /* Layer-scope eviction exists in the cpu backend's forward only. Under tensor parallelism it
+   * is rank-local (each rank's KV heads of a layer share a slot); evict_groups splits a single
+   * rank's heads the same way, e.g. to measure what T ranks would do on one. */
+  if (e->cfg.evict_groups < 0 || e->cfg.evict_groups > 4096)
+    return lf_error(LF_ERR_INVALID_ARG, "evict_groups %d (0..4096)", e->cfg.evict_groups);
+  if (e->cfg.evict_scope == LF_EVICT_HEAD && e->cfg.evict_groups > 1)
+    return lf_error(LF_ERR_INVALID_ARG, "evict_groups %d needs eviction scope layer",
+                    e->cfg.evict_groups);
   if (e->cfg.evict_scope != LF_EVICT_HEAD) {
     if (e->cfg.evict_scope != LF_EVICT_LAYER)
       return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope %d", (int)e->cfg.evict_scope);
-    if (e->comm)
-      return lf_error(LF_ERR_UNSUPPORTED,
-                      "eviction scope layer runs on a single rank only (%d ranks given)",
-                      e->comm->size);
+    if (e->comm && e->cfg.evict_groups > 1)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "evict_groups %d with %d ranks: under tensor parallelism layer scope is "
+                      "rank-local (each rank's KV heads are one group); leave evict_groups 0",
+                      e->cfg.evict_groups, e->comm->size);
+    if (e->cfg.evict_groups > 1 && mc->n_kv_heads % e->cfg.evict_groups)
+      return lf_error(LF_ERR_INVALID_ARG, "evict_groups %d does not divide the model's %d KV heads",
+                      e->cfg.evict_groups, mc->n_kv_heads);
     if (e->cfg.backend == LF_BACKEND_AUTO) e->cfg.backend = LF_BACKEND_CPU;
     if (e->cfg.backend != LF_BACKEND_CPU)
       return lf_error(LF_ERR_UNSUPPORTED,
@@ -157,6 +167,7 @@ static lf_status engine_init_local(lf_engine_t e) {
   LF_TRY(resolve_pools(&e->cfg, mc, n_kv));
   lf_backend_params bp = {.policy = e->cfg.policy,
                           .scope = e->cfg.evict_scope,
+                          .scope_groups = e->cfg.evict_groups,
                           .budget = e->cfg.budget,
                           .sink = e->cfg.sink,
                           .window = e->cfg.window,

@@ -32,6 +32,9 @@ typedef struct lf_attn_params {
   float scale;    /* 1/sqrt(head_dim) */
   lf_evict_scope scope; /* which heads share an eviction decision; the per-head functions
                            below ignore it, the forward picks per-head or *_layer_ref calls */
+  int scope_groups;     /* layer scope: the layer's KV heads held here, split into this many
+                           contiguous groups of one eviction slot each (0 or 1: one group).
+                           The forward reads it; the functions below see one group's heads */
 } lf_attn_params;
 
 /* Reusable scratch for the decode step, so a forward does not allocate per call: zero it

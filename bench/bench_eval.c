@@ -157,6 +157,7 @@ static void run_group(ev_ctx *c, ev_group *g) {
   cfg.backend = o->backend;
   cfg.policy = se->policy;
   cfg.evict_scope = se->scope;
+  cfg.evict_groups = se->scope == LF_EVICT_LAYER ? o->evict_groups : 0;
   cfg.budget = g->budget;
   cfg.sink = o->sink;
   cfg.window = o->window;

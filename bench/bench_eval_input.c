@@ -37,6 +37,8 @@ void ev_usage(FILE *f) {
           "                       (default 0.05,0.1,0.2,0.4): ceil(fraction x output_tokens)\n"
           "  --scopes LIST        eviction scopes for longflow: head, layer (default head;\n"
           "                       layer: cpu backend only)\n"
+          "  --evict-groups G     layer scope: each layer's KV heads in G groups of one slot,\n"
+          "                       what G tensor-parallel ranks evict (default 0: one group)\n"
           "  --budget-round Q     round budgets up to a multiple of Q: fewer, larger groups\n"
           "                       (default 1: exact budgets)\n"
           "  --full-budget fit|ctx  full's pool: the largest prompt + output + margin (fit,\n"
@@ -160,7 +162,7 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--full-budget",    "--n",         "--margin",
                                          "--max-concurrent", "--jobs",      "--threads",
                                          "--sink",           "--window",    "--max-batch-tokens",
-                                         "--budget-round"};
+                                         "--budget-round",   "--evict-groups"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -225,6 +227,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, INT_MAX, &o->sink);
     else if (!strcmp(a, "--window"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->window);
+    else if (!strcmp(a, "--evict-groups"))
+      r = parse_int_opt(a, v, 0, 4096, &o->evict_groups);
     else if (!strcmp(a, "--max-batch-tokens"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->max_batch_tokens);
     else if (!strcmp(a, "--budget-round"))

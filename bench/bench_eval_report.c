@@ -247,9 +247,9 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
   fprintf(f,
           ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, "
           "\"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
-          "\"full_budget\": \"%s\"},\n \"budget_round\": %d, \"fractions\": [",
+          "\"full_budget\": \"%s\", \"evict_groups\": %d},\n \"budget_round\": %d, \"fractions\": [",
           backend, o->sink, o->window, o->max_batch_tokens, o->threads, o->jobs, o->max_concurrent,
-          o->full_ctx ? "ctx" : "fit", o->budget_round);
+          o->full_ctx ? "ctx" : "fit", o->evict_groups, o->budget_round);
   for (int i = 0; i < o->n_fractions; i++) {
     if (i) fputs(", ", f);
     json_num(f, o->fractions[i]);

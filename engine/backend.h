@@ -39,7 +39,10 @@ typedef struct lf_batch_result {
 
 typedef struct lf_backend_params {
   lf_policy policy;
-  lf_evict_scope scope; /* LF_EVICT_LAYER: cpu on one rank only (engine.c checks) */
+  lf_evict_scope scope; /* LF_EVICT_LAYER: cpu only (engine.c checks); under tensor
+                           parallelism each rank's KV heads of a layer share a slot */
+  int scope_groups;     /* LF_EVICT_LAYER on one rank: the layer's KV heads in this many groups
+                           of one slot each (0/1: one); lf_engine_config.evict_groups */
   int budget, sink, window;
   int n_pools;     /* cuda: 0 sizes the pools from the free device memory (see mem_util);
                      pools_free() after create says how many. The cpu backend needs >= 1. */

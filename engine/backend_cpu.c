@@ -138,7 +138,7 @@ static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int 
     }
     /* Evictions are counted over the model's KV heads, each once however many ranks hold it.
      * Every KV head of a pool takes the same writes and so overwrites as many slots as any
-     * other (scope head; scope layer is single-rank), so this rank's count times
+     * other (in every scope: one write, so at most one overwrite, per head), so this rank's count times
      * Hkv / (KV heads held here) is the model's total, also when KV heads are replicated. */
     r->evictions *= (uint64_t)(c->ck->cfg.n_kv_heads / sh->n_kv);
     /* Only failures every rank meets alike may stay per-item (see engine/tp.h). */
@@ -306,6 +306,7 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
                          .pool_slots_filled = cpu_pool_slots_filled, .free = cpu_free};
   lf_attn_params ap = {.policy = p->policy,
                        .scope = p->scope,
+                       .scope_groups = p->scope_groups,
                        .sink = p->sink,
                        .window = p->window,
                        .h2o_recent = p->window,

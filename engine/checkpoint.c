@@ -62,6 +62,10 @@ static const random_preset random_presets[] = {
      {.model_type = "qwen3", .dim = 256, .hidden_dim = 768, .n_layers = 4, .n_heads = 8,
       .n_kv_heads = 2, .head_dim = 64, .vocab_size = 1024, .max_seq_len = 2048,
       .rope_theta = 1000000.0f, .norm_eps = 1e-5f, .qk_norm = 1, .bos_id = -1}},
+    {"tiny-llama-kv4", /* four KV heads: eviction groups and rank-local layer scope in tests */
+     {.model_type = "llama", .dim = 256, .hidden_dim = 768, .n_layers = 4, .n_heads = 8,
+      .n_kv_heads = 4, .head_dim = 32, .vocab_size = 1024, .max_seq_len = 2048,
+      .rope_theta = 10000.0f, .norm_eps = 1e-5f, .bos_id = -1}},
 };
 /* clang-format on */
 #undef LLAMA3_ROPE
@@ -105,7 +109,7 @@ lf_status lf_checkpoint_open_random(const char *spec, lf_checkpoint *out) {
   if (!pr)
     return lf_error(LF_ERR_INVALID_ARG,
                     "random:%s: unknown model (llama3-8b, qwen3-8b, llama3-70b, tiny-llama, "
-                    "tiny-qwen3)",
+                    "tiny-qwen3, tiny-llama-kv4)",
                     name);
   lf_model_config *c = &out->cfg;
   *c = pr->cfg;

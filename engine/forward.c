@@ -161,11 +161,21 @@ lf_status lf_cpu_forward_init_tp(lf_cpu_forward *f, const lf_model_config *cfg,
   if (arena->shape.n_kv_heads != f->sh.n_kv || ap->group * f->sh.n_kv != f->sh.n_cq)
     return lf_error(LF_ERR_INVALID_ARG, "forward: arena has %d KV heads, the plan %d",
                     arena->shape.n_kv_heads, f->sh.n_kv);
-  if (ap->scope == LF_EVICT_LAYER && f->comm)
-    return lf_error(LF_ERR_UNSUPPORTED,
-                    "forward: eviction scope layer needs all KV heads of a layer on one rank "
-                    "(%d ranks given)",
-                    f->comm->size);
+  if (ap->scope == LF_EVICT_LAYER) {
+    /* Under tensor parallelism a group never spans ranks: each rank's KV heads of a layer are
+     * its own group (rank-local layer scope), so eviction needs no communication. */
+    const int g = ap->scope_groups > 1 ? ap->scope_groups : 1;
+    if (f->comm && g != 1)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "forward: eviction groups (%d) apply to a single rank; under tensor "
+                      "parallelism each rank's KV heads are one group",
+                      g);
+    if (f->sh.n_kv % g)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "forward: %d KV heads do not split into %d eviction groups", f->sh.n_kv, g);
+  } else if (ap->scope_groups > 1) {
+    return lf_error(LF_ERR_INVALID_ARG, "forward: eviction groups need scope layer");
+  }
   f->inv_freq = malloc(sizeof(float) * (size_t)(cfg->head_dim / 2));
   f->heads = malloc(sizeof(lf_kv_head) * (size_t)f->sh.n_kv);
   if (!f->inv_freq || !f->heads) {
@@ -251,12 +261,15 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
       lf_rope_apply(kt, hkv, hd, p, f->inv_freq, c->rope_style);
     }
     /* Attention over this sequence's pool, one call per eviction scope: a KV head (head scope)
-     * or all the layer's (layer scope, one eviction decision shared by its heads). With one
+     * or a group of the layer's heads held here (layer scope: all of them unless scope_groups
+     * splits them; one eviction decision shared by the group's heads). With one
      * head the *_layer_ref functions are exactly the per-head ones, and f->ws serves every
      * call, prefill's decode steps included. An error here (only LF_ERR_CONTEXT_FULL in
      * practice) depends on the pool's fill alone, which is the same on every rank, so all ranks
      * leave at the same point and no collective is left half-entered. */
-    const int per = f->ap.scope == LF_EVICT_LAYER ? hkv : 1;
+    const int per = f->ap.scope != LF_EVICT_LAYER ? 1
+                    : f->ap.scope_groups > 1     ? hkv / f->ap.scope_groups
+                                                 : hkv;
     for (int t = 0; pools && t < n_tok; t++) {
       float *att = f->att + (size_t)t * qd;
       if (status[t] != LF_OK) {

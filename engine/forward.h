@@ -13,8 +13,9 @@
  * Eviction scope (ap.scope): the attention step is lf_attn_decode_layer_ref /
  * lf_attn_prefill_layer_ref, called per KV head for LF_EVICT_HEAD (with one head they are
  * exactly the per-head functions) and once per layer over all KV heads for LF_EVICT_LAYER (one
- * eviction slot per layer, layer-wide SnapKV). Layer scope needs the whole layer: with more
- * than one rank it is LF_ERR_UNSUPPORTED at init.
+ * eviction slot per layer, layer-wide SnapKV), or once per group of ap.scope_groups contiguous
+ * groups. With more than one rank, layer scope is rank-local: the KV heads this rank holds are
+ * the group, so eviction stays communication-free (ap.scope_groups must then be 0 or 1).
  */
 #ifndef LF_FORWARD_H
 #define LF_FORWARD_H

@@ -80,7 +80,7 @@ typedef struct lf_checkpoint {
 
 /* Opens a HF model directory (config.json + model.safetensors or model.safetensors.index.json),
  * a GGUF file or a llama2.c legacy .bin file, chosen by what path is, or "random:NAME[:seed]" (NAME one of
- * llama3-8b, qwen3-8b, llama3-70b, tiny-llama, tiny-qwen3) for seeded random weights of that
+ * llama3-8b, qwen3-8b, llama3-70b, tiny-llama, tiny-qwen3, tiny-llama-kv4) for seeded random weights of that
  * shape ("random:NAME/T[:seed]": one rank's shard at tensor-parallel degree T, as a whole
  * model: heads, KV heads, MLP width and vocabulary divided by T). Validates the config. */
 lf_status lf_checkpoint_open(const char *path, lf_checkpoint *out);

@@ -72,8 +72,10 @@ typedef enum lf_evict_scope {
   LF_EVICT_LAYER,    /* one slot per layer, shared by all its KV heads: the argmin of the scores
                         summed over the layer's KV heads (the released LongFlow code). A prompt
                         longer than the pool is SnapKV-compressed layer-wide too (the per-head
-                        SnapKV scores summed over the layer's KV heads). cpu backend and a
-                        single rank only: cuda or tensor parallelism is LF_ERR_UNSUPPORTED */
+                        SnapKV scores summed over the layer's KV heads). Under tensor
+                        parallelism it is rank-local: one slot per layer among the KV heads a
+                        rank holds, so eviction needs no communication. cpu backend only: cuda
+                        is LF_ERR_UNSUPPORTED */
 } lf_evict_scope;
 
 const char *lf_evict_scope_str(lf_evict_scope s);
@@ -112,9 +114,14 @@ typedef struct lf_engine_config {
                                (docs/DESIGN.md §5); 0: not set */
   double mem_util;        /* fraction of kv_memory_bytes (or of free device memory) the pools
                              may take, in (0, 1]; default 0.9 (0: 0.9) */
-  lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER: cpu backend on one rank
-                                 only (LF_BACKEND_AUTO then picks cpu; cuda or a communicator of
-                                 more than one rank is LF_ERR_UNSUPPORTED) */
+  lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER: cpu backend only
+                                 (LF_BACKEND_AUTO then picks cpu; cuda is LF_ERR_UNSUPPORTED);
+                                 rank-local under tensor parallelism */
+  int evict_groups;       /* LF_EVICT_LAYER on one rank: split each layer's KV heads into this
+                             many contiguous groups of one eviction slot each (0 or 1: one
+                             group). G = T gives on one rank exactly what T tensor-parallel
+                             ranks evict (rank-local layer scope). Must divide the KV heads;
+                             with more than one rank it must be 0 */
   const char *lora_path;  /* a PEFT LoRA adapter directory (adapter_config.json +
                              adapter_model.safetensors) merged into the model at load:
                              W + scale * B·A in fp32 for q/k/v/o_proj, gate/up/down_proj, and on

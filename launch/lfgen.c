@@ -2,7 +2,8 @@
  *
  *   lfgen --model PATH [--lora DIR] --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P]
  *         [--sink S] [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
- *         [--backend auto|cpu|cuda] [--evict-scope head|layer] [--ignore-eos] [--print-ids]
+ *         [--backend auto|cpu|cuda] [--evict-scope head|layer] [--evict-groups G] [--ignore-eos]
+ *         [--print-ids]
  *
  * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.
  */
@@ -38,7 +39,9 @@ static void usage(FILE *f) {
           "  --budget B          KV slots per sequence (default: the model's context)\n"
           "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
           "  --evict-scope S     head | layer: one eviction slot per KV head or per layer\n"
-          "                      (layer: cpu backend, one rank; default head)\n"
+          "                      (layer: cpu backend; rank-local under --tp; default head)\n"
+          "  --evict-groups G    layer scope: each layer's KV heads in G groups of one slot\n"
+          "                      (G = T: what T tensor-parallel ranks evict; default 1)\n"
           "  --sink S            never-evicted first slots (default 4)\n"
           "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts that fit the pool are "
@@ -146,6 +149,7 @@ int main(int argc, char **argv) {
       {"--budget", 1, INT_MAX, &cfg.budget},
       {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},
       {"--sink", 0, INT_MAX, &cfg.sink},
+      {"--evict-groups", 0, 4096, &cfg.evict_groups},
       {"--window", 0, INT_MAX, &cfg.window},
       {"--top-k", 0, INT_MAX, &rq.sampling.top_k},
   };

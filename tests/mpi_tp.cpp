@@ -113,6 +113,56 @@ TEST(MpiTp, GreedyTokensMatchSingleRank) {
   }
 }
 
+// Layer-scope eviction under tensor parallelism is rank-local: one slot per layer among the KV
+// heads a rank holds. On random:tiny-llama-kv4 (4 KV heads) the sharded engine must give the
+// tokens of a single-rank engine whose layers' KV heads are split into the same groups
+// (evict_groups = T, or 4 when T > 4 replicates the heads: one head a rank), and, at 2 ranks,
+// not those of the whole-layer scope (so the grouping is seen). Small pools: every decode step
+// evicts, and the 23-token prompt is SnapKV-compressed per group.
+TEST(MpiTp, LayerScopeIsRankLocal) {
+  const char *model = "random:tiny-llama-kv4";
+  const int T = g_comm->size, groups = T < 4 ? T : 4;
+  if (!all_agree(plan_fits(model))) GTEST_SKIP() << model << " does not split over " << T;
+  lf_engine_config cfg;
+  lf_engine_config_default(&cfg);
+  cfg.model_path = model;
+  cfg.backend = LF_BACKEND_CPU;
+  cfg.policy = LF_POLICY_LONGFLOW;
+  cfg.evict_scope = LF_EVICT_LAYER;
+  cfg.budget = 16;
+  cfg.n_pools = 2;
+  cfg.sink = 2;
+  cfg.window = 4;
+  const std::vector<TpGen> gens = {{prompt_of(9, 1024, 0), 60, 0.0f, 0},
+                                   {prompt_of(23, 1024, 1), 50, 0.0f, 0},
+                                   {prompt_of(5, 1024, 2), 40, 0.8f, 7}};
+  lf_engine_t e = nullptr;
+  ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
+  const auto tp = lf_tp_test_run(e, gens, g_comm->rank == 0);
+  lf_engine_free(e);
+  lf_engine_config bad = cfg;
+  bad.evict_groups = 2; /* groups are a single rank's: refused on every rank alike */
+  EXPECT_EQ(lf_engine_init(&bad, g_comm, &e), LF_ERR_INVALID_ARG);
+  if (g_comm->rank != 0) return;
+  auto single = [&](int g) {
+    lf_engine_config c1 = cfg;
+    c1.evict_groups = g;
+    lf_engine_t e1 = nullptr;
+    EXPECT_EQ(lf_engine_init(&c1, nullptr, &e1), LF_OK) << lf_last_error();
+    auto r = e1 ? lf_tp_test_run(e1, gens, true) : std::vector<std::vector<int32_t>>{};
+    lf_engine_free(e1);
+    return r;
+  };
+  const auto ref = single(groups);
+  ASSERT_EQ(ref.size(), gens.size());
+  for (size_t k = 0; k < gens.size(); k++)
+    EXPECT_EQ(tp[k], ref[k]) << "request " << k << ": " << T << " ranks against " << groups
+                             << " eviction groups on one";
+  if (groups == 2) {
+    EXPECT_NE(single(1), ref) << "rank-local and whole-layer scope agreed: the test saw no grouping";
+  }
+}
+
 // Distributed top-k sampling (lf_tp_topk_logits: each rank's k best, one gather) against the
 // whole logits (lf_tp_gather_logits): lf_sample must return the same token for every draw.
 // Logits drawn per rank with repeated values (ties across and within slices) and a vocab that

@@ -15,6 +15,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention/attention.h"
@@ -408,6 +409,112 @@ TEST(LayerScope, ForwardKeepsLayerHeadsInStep) {
   lf_checkpoint_close(&ck);
 }
 
+/* Eviction groups (what T tensor-parallel ranks do, on one rank): with the 4 KV heads of
+ * random:tiny-llama-kv4 in 2 groups, heads {0,1} and {2,3} each stay in step through a compressed
+ * prompt and 100 evicting decode steps, and the two groups choose differently; 4 groups of one
+ * head are head scope, token for token and slot for slot. */
+namespace {
+struct GroupRun {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<int32_t>> pos; /* [layer * n_kv + head][B] */
+  uint64_t evictions = 0;
+};
+
+GroupRun run_groups(lf_evict_scope scope, int groups, int B) {
+  GroupRun r;
+  lf_checkpoint ck;
+  EXPECT_EQ(lf_checkpoint_open("random:tiny-llama-kv4", &ck), LF_OK) << lf_last_error();
+  lf_weights w;
+  EXPECT_EQ(lf_weights_load_f32(&ck, &w), LF_OK) << lf_last_error();
+  const lf_model_config &c = ck.cfg;
+  lf_kv_arena arena;
+  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, B, c.head_dim};
+  EXPECT_EQ(lf_kv_arena_init(&arena, &ps), LF_OK);
+  int pool = -1;
+  EXPECT_EQ(lf_kv_arena_take(&arena, &pool), LF_OK);
+  lf_attn_params ap = make_params(LF_POLICY_LONGFLOW, 4, c.n_heads / c.n_kv_heads, c.head_dim, 0,
+                                  8);
+  ap.scope = scope;
+  ap.scope_groups = groups;
+  lf_cpu_forward f;
+  EXPECT_EQ(lf_cpu_forward_init(&f, &c, &w, &arena, &ap), LF_OK) << lf_last_error();
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; i++) prompt.push_back(1 + (i * 37) % (c.vocab_size - 1));
+  std::vector<float> logits(c.vocab_size);
+  EXPECT_EQ(lf_cpu_forward_run(&f, pool, 0, (int)prompt.size(), prompt.data(), logits.data(),
+                               nullptr, &r.evictions),
+            LF_OK)
+      << lf_last_error();
+  int32_t pos = (int32_t)prompt.size();
+  for (int s = 0; s < 100; s++, pos++) {
+    const int32_t tok = (int32_t)(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    r.tokens.push_back(tok);
+    EXPECT_EQ(lf_cpu_forward_run(&f, pool, pos, 1, &tok, logits.data(), nullptr, &r.evictions),
+              LF_OK)
+        << lf_last_error();
+  }
+  for (int l = 0; l < c.n_layers; l++)
+    for (int g = 0; g < c.n_kv_heads; g++) {
+      lf_kv_head h = lf_kv_arena_head(&arena, pool, l, g);
+      r.pos.emplace_back(h.pos, h.pos + B);
+    }
+  lf_cpu_forward_free(&f);
+  lf_kv_arena_free(&arena);
+  lf_weights_free(&ck.cfg, &w);
+  lf_checkpoint_close(&ck);
+  return r;
+}
+} // namespace
+
+TEST(LayerScope, GroupsSplitTheLayer) {
+  const int B = 24, hkv = 4, layers = 4;
+  GroupRun two = run_groups(LF_EVICT_LAYER, 2, B);
+  ASSERT_EQ((int)two.pos.size(), layers * hkv);
+  bool groups_differ = false;
+  for (int l = 0; l < layers; l++) {
+    const auto &p = two.pos;
+    EXPECT_EQ(p[l * hkv + 0], p[l * hkv + 1]) << "layer " << l << ": heads 0 and 1 share a slot";
+    EXPECT_EQ(p[l * hkv + 2], p[l * hkv + 3]) << "layer " << l << ": heads 2 and 3 share a slot";
+    groups_differ |= p[l * hkv + 0] != p[l * hkv + 2];
+  }
+  EXPECT_TRUE(groups_differ) << "the two groups never chose differently: the test saw nothing";
+  GroupRun one = run_groups(LF_EVICT_LAYER, 1, B);
+  bool layer_differs = false;
+  for (int l = 0; l < layers; l++) {
+    for (int g = 1; g < hkv; g++) EXPECT_EQ(one.pos[l * hkv], one.pos[l * hkv + g]);
+    layer_differs |= one.pos[l * hkv] != two.pos[l * hkv] || one.pos[l * hkv] != two.pos[l * hkv + 2];
+  }
+  EXPECT_TRUE(layer_differs) << "two groups evicted exactly as one";
+  GroupRun four = run_groups(LF_EVICT_LAYER, 4, B);
+  GroupRun head = run_groups(LF_EVICT_HEAD, 0, B);
+  EXPECT_EQ(four.tokens, head.tokens);
+  EXPECT_EQ(four.pos, head.pos);
+  EXPECT_EQ(four.evictions, head.evictions);
+  EXPECT_EQ(two.evictions, head.evictions); /* one overwrite per head per step in every scope */
+}
+
+TEST(LayerScope, GroupsMustSplitTheHeads) {
+  for (auto [scope, groups, want] : {std::tuple{LF_EVICT_LAYER, 3, LF_ERR_INVALID_ARG},
+                                     std::tuple{LF_EVICT_HEAD, 2, LF_ERR_INVALID_ARG},
+                                     std::tuple{LF_EVICT_LAYER, -1, LF_ERR_INVALID_ARG},
+                                     std::tuple{LF_EVICT_LAYER, 2, LF_OK}}) {
+    lf_engine_config cfg;
+    lf_engine_config_default(&cfg);
+    cfg.model_path = "random:tiny-llama-kv4";
+    cfg.backend = LF_BACKEND_CPU;
+    cfg.budget = 32;
+    cfg.evict_scope = scope;
+    cfg.evict_groups = groups;
+    lf_engine_t e = nullptr;
+    EXPECT_EQ(lf_engine_init(&cfg, nullptr, &e), want)
+        << lf_evict_scope_str(scope) << " groups " << groups << ": " << lf_last_error();
+    if (want != LF_OK) {
+      EXPECT_NE(std::string(lf_last_error()).find("groups"), std::string::npos);
+    }
+    lf_engine_free(e);
+  }
+}
+
 TEST(LayerScope, EngineEndToEnd) {
   const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
   std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
@@ -428,7 +535,7 @@ TEST(LayerScope, EngineEndToEnd) {
   EXPECT_EQ(lay_big.tokens, head_big.tokens);
   EXPECT_EQ(lay_big.stats.evictions, 0u);
 
-  /* Layer scope is cpu-only and single-rank. */
+  /* Layer scope is cpu-only (rank-local under tensor parallelism: tests/mpi_tp.cpp). */
   GenRun cuda = generate(dir, LF_EVICT_LAYER, LF_BACKEND_CUDA, budget, prompt, 4);
   EXPECT_EQ(cuda.init, LF_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(lf_last_error()).find("layer"), std::string::npos) << lf_last_error();
