@@ -78,6 +78,8 @@ static void score_run(const ev_ctx *c, ev_run *r) {
       break;
     }
   if (r->first_error < 0 && r->n_ids > p->n_want) r->first_error = p->n_want;
+  r->tf_wrong = 0;
+  for (int i = 0; i < p->n_want; i++) r->tf_wrong += i >= r->n_ids || r->ids[i] != p->want[i];
   r->trace_ok = r->first_error < 0;
   r->stopped = 0;
   int n = 0;
@@ -196,6 +198,11 @@ static void run_group(ev_ctx *c, ev_group *g) {
     rq.prompt = p->prompt;
     rq.n_prompt = p->n_prompt;
     rq.max_tokens = r->max_tokens; /* greedy: sampling all zero */
+    if (c->o->teacher_forced) { /* every expected id fed, <eos> included; EOS does not stop it */
+      rq.forced = p->want;
+      rq.n_forced = p->n_want;
+      rq.max_tokens = p->n_want;
+    }
     s = lf_engine_submit(e, &rq, &r->req_id);
     if (s != LF_OK) {
       pthread_mutex_lock(&c->lock);

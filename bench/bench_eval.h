@@ -34,6 +34,7 @@ typedef struct ev_opts {
   int margin, max_concurrent, jobs, threads, sink, window, max_batch_tokens, budget_round;
   int evict_groups; /* layer-scope series: lf_engine_config.evict_groups */
   int full_ctx, limit, ids, quiet;
+  int teacher_forced; /* feed the expected output, score every position's greedy token */
 } ev_opts;
 
 typedef struct ev_problem {
@@ -60,6 +61,7 @@ typedef struct ev_run {
   double tokens_per_s, seconds;
   /* scores (gen.check) */
   int answer_ok, trace_ok, first_error, stopped; /* first_error -1: none */
+  int tf_wrong; /* teacher forcing: positions whose greedy token is not the expected one */
   char *answer;
 } ev_run;
 

@@ -54,6 +54,9 @@ void ev_usage(FILE *f) {
           "  --tokenizer FILE     tokenizer.json (default MODEL/tokenizer.json)\n"
           "  --json FILE          write runs + summary (tools/task/eval.py's schema)\n"
           "  --ids                also write every run's prompt and generated token ids\n"
+          "  --teacher-forced     feed each run the expected output (the engine's teacher\n"
+          "                       forcing) and score every position's greedy token: token\n"
+          "                       error per run and series, wrong positions in the JSON\n"
           "  --quiet              no per-run progress lines\n");
 }
 
@@ -154,6 +157,10 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
     }
     if (!strcmp(a, "--quiet")) {
       o->quiet = 1;
+      continue;
+    }
+    if (!strcmp(a, "--teacher-forced")) {
+      o->teacher_forced = 1;
       continue;
     }
     static const char *const valued[] = {"--model",          "--lora",      "--problems",  "--json",

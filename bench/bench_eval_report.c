@@ -179,19 +179,22 @@ int ev_cmp_int(const void *a, const void *b) {
 typedef struct ev_sum {
   int n, errors, n_ev;
   double accuracy, trace_exact, mean_evictions;
+  double token_error; /* teacher forcing: wrong positions / expected positions */
   int median_first_error;
 } ev_sum;
 
 static void summarize(const ev_ctx *c, int s, int f, ev_sum *out, int *fe) {
   memset(out, 0, sizeof *out);
   int ok = 0, tr = 0;
-  double ev = 0;
+  double ev = 0, wrong = 0, want = 0;
   for (int i = 0; i < c->n_runs; i++) {
     const ev_run *r = &c->runs[i];
     if (r->series != s || r->fi != f) continue;
     fe[out->n++] = r->first_error >= 0 ? r->first_error : c->probs[r->problem].output_tokens;
     ok += r->answer_ok;
     tr += r->trace_ok;
+    wrong += r->tf_wrong;
+    want += c->probs[r->problem].n_want;
     out->errors += r->rc != 0;
     if (r->have_stats) {
       ev += (double)r->evictions;
@@ -204,11 +207,12 @@ static void summarize(const ev_ctx *c, int s, int f, ev_sum *out, int *fe) {
   out->trace_exact = (double)tr / out->n;
   out->median_first_error = fe[out->n / 2];
   out->mean_evictions = out->n_ev ? ev / out->n_ev : 0;
+  out->token_error = want > 0 ? wrong / want : 0;
 }
 
 void ev_print_table(const ev_ctx *c, int *fe) {
-  printf("\n%-15s %7s %4s %9s %7s %8s %10s\n", "policy", "budget", "n", "accuracy", "trace",
-         "1st err", "evictions");
+  printf("\n%-15s %7s %4s %9s %7s %8s %10s%s\n", "policy", "budget", "n", "accuracy", "trace",
+         "1st err", "evictions", c->o->teacher_forced ? "  tok err" : "");
   for (int s = 0; s < c->n_series; s++) {
     const int full = c->series[s].policy == LF_POLICY_FULL;
     for (int f = full ? -1 : 0; f < (full ? 0 : c->o->n_fractions); f++) {
@@ -223,6 +227,7 @@ void ev_print_table(const ev_ctx *c, int *fe) {
       if (m.n_ev) snprintf(evs, sizeof evs, "%.0f", m.mean_evictions);
       printf("%-15s %7s %4d %8.1f%% %6.1f%% %8d %10s", c->series[s].name, b, m.n, 100 * m.accuracy,
              100 * m.trace_exact, m.median_first_error, evs);
+      if (c->o->teacher_forced) printf(" %8.3f%%", 100 * m.token_error);
       if (m.errors) printf("  (%d runs failed)", m.errors);
       printf("\n");
     }
@@ -247,9 +252,11 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
   fprintf(f,
           ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, "
           "\"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
-          "\"full_budget\": \"%s\", \"evict_groups\": %d},\n \"budget_round\": %d, \"fractions\": [",
+          "\"full_budget\": \"%s\", \"evict_groups\": %d},\n \"teacher_forced\": %s, "
+          "\"budget_round\": %d, \"fractions\": [",
           backend, o->sink, o->window, o->max_batch_tokens, o->threads, o->jobs, o->max_concurrent,
-          o->full_ctx ? "ctx" : "fit", o->evict_groups, o->budget_round);
+          o->full_ctx ? "ctx" : "fit", o->evict_groups, o->teacher_forced ? "true" : "false",
+          o->budget_round);
   for (int i = 0; i < o->n_fractions; i++) {
     if (i) fputs(", ", f);
     json_num(f, o->fractions[i]);
@@ -310,6 +317,10 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
         json_num(f, m.mean_evictions);
       else
         fputs("null", f);
+      if (o->teacher_forced) {
+        fprintf(f, ", \"token_error\": ");
+        json_num(f, m.token_error);
+      }
       fprintf(f, ", \"errors\": %d}", m.errors);
     }
     if (!first_row) fputc('}', f);
@@ -356,6 +367,12 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
     fprintf(f, ", \"answer\": ");
     json_cstr(f, r->answer);
     fprintf(f, ", \"stopped\": %s, \"generated\": %d", r->stopped ? "true" : "false", r->n_ids);
+    if (o->teacher_forced) { /* positions of the expected output whose greedy token differs */
+      fprintf(f, ", \"tf_wrong\": %d, \"tf_wrong_at\": [", r->tf_wrong);
+      for (int j = 0, k = 0; j < p->n_want; j++)
+        if (j >= r->n_ids || r->ids[j] != p->want[j]) fprintf(f, k++ ? ",%d" : "%d", j);
+      fputc(']', f);
+    }
     if (r->error) {
       fprintf(f, ", \"stderr\": ");
       json_cstr(f, r->error);

@@ -175,6 +175,14 @@ typedef struct lf_request {
    * reason. Matching looks at generated tokens only, not the prompt. */
   const lf_stop_seq *stop_seqs;
   int n_stop_seqs;
+  /* Teacher forcing (evaluation), when n_forced > 0: at generated position i the model is fed
+   * forced[i] instead of what it sampled, and the TOKEN event of position i carries the token it
+   * sampled there (with temperature 0: its argmax given the forced history). EOS does not end
+   * such a request: it runs min(max_tokens, n_forced) positions and finishes with
+   * LF_FINISH_LENGTH. Copied at submit; ids must be in the vocabulary; no stop ids or
+   * sequences with it. */
+  const int32_t *forced;
+  int n_forced;
 } lf_request;
 
 typedef enum lf_event_type {

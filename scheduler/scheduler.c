@@ -35,6 +35,7 @@ struct lf_sreq {
   int ignore_eos;
   int32_t *stop_ids; /* [n_stop_ids] */
   int n_stop_ids;
+  int32_t *forced;  /* [max_tokens] teacher forcing: fed back instead of the sampled ids */
   int32_t *seq_ids; /* all stop sequences back to back */
   int *seq_off;     /* [n_seqs + 1] offsets into seq_ids */
   int n_seqs;
@@ -110,6 +111,7 @@ const double *lf_latency_bucket_bounds(void) {
 static void req_free(lf_sreq *r) {
   if (!r) return;
   free(r->tokens);
+  free(r->forced);
   free(r->stop_ids);
   free(r->seq_ids);
   free(r->seq_off);
@@ -366,6 +368,14 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
       return lf_error(LF_ERR_INVALID_ARG, "stop sequence %d is empty or too long", i);
     seq_total += rq->stop_seqs[i].n_ids;
   }
+  if (rq->n_forced < 0 || (rq->n_forced > 0 && !rq->forced))
+    return lf_error(LF_ERR_INVALID_ARG, "bad forced token list");
+  if (rq->n_forced > 0 && (rq->n_stop_ids > 0 || rq->n_stop_seqs > 0))
+    return lf_error(LF_ERR_INVALID_ARG, "teacher forcing takes no stop ids or sequences");
+  for (int i = 0; i < rq->n_forced; i++)
+    if (rq->forced[i] < 0 || rq->forced[i] >= c->vocab_size)
+      return lf_error(LF_ERR_INVALID_ARG, "forced token %d at index %d is outside [0, %d)",
+                      rq->forced[i], i, c->vocab_size);
   if (!(rq->sampling.temperature >= 0.0f) || rq->sampling.top_k < 0 ||
       !(rq->sampling.top_p >= 0.0f && rq->sampling.top_p <= 1.0f))
     return lf_error(LF_ERR_INVALID_ARG, "sampling: temperature >= 0, top_k >= 0, 0 <= top_p <= 1");
@@ -374,6 +384,7 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   int max_tokens = rq->max_tokens;
   if (max_tokens > c->max_seq_len - rq->n_prompt + 1)
     max_tokens = c->max_seq_len - rq->n_prompt + 1;
+  if (rq->n_forced > 0 && max_tokens > rq->n_forced) max_tokens = rq->n_forced;
 
   lf_sreq *r = calloc(1, sizeof *r);
   if (!r) return lf_error(LF_ERR_OUT_OF_MEMORY, "request");
@@ -381,12 +392,14 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   r->stop_ids = rq->n_stop_ids ? malloc(sizeof(int32_t) * (size_t)rq->n_stop_ids) : NULL;
   r->seq_ids = seq_total ? malloc(sizeof(int32_t) * (size_t)seq_total) : NULL;
   r->seq_off = rq->n_stop_seqs ? malloc(sizeof(int) * (size_t)(rq->n_stop_seqs + 1)) : NULL;
+  r->forced = rq->n_forced > 0 ? malloc(sizeof(int32_t) * (size_t)max_tokens) : NULL;
   if (!r->tokens || (rq->n_stop_ids && !r->stop_ids) || (seq_total && !r->seq_ids) ||
-      (rq->n_stop_seqs && !r->seq_off)) {
+      (rq->n_stop_seqs && !r->seq_off) || (rq->n_forced > 0 && !r->forced)) {
     req_free(r);
     return lf_error(LF_ERR_OUT_OF_MEMORY, "request");
   }
   memcpy(r->tokens, rq->prompt, sizeof(int32_t) * (size_t)rq->n_prompt);
+  if (r->forced) memcpy(r->forced, rq->forced, sizeof(int32_t) * (size_t)max_tokens);
   if (rq->n_stop_ids) memcpy(r->stop_ids, rq->stop_ids, sizeof(int32_t) * (size_t)rq->n_stop_ids);
   r->n_stop_ids = rq->n_stop_ids;
   int off = 0;
@@ -507,6 +520,15 @@ static void take_token(lf_sched *s, lf_sreq *r, int32_t tok, double now) {
   r->t_last = now;
   r->n_sampled++;
   s->tokens_generated++;
+  if (r->forced) { /* teacher forcing: report what was sampled, feed the forced id */
+    r->tokens[r->n_prompt + r->n_gen] = r->forced[r->n_gen];
+    r->n_gen++;
+    r->n_out++;
+    lf_event te = {.id = r->id, .type = LF_EVENT_TOKEN, .token = tok};
+    ev_push(s, &te);
+    if (r->n_gen >= r->max_tokens) finish(s, r, LF_FINISH_LENGTH, LF_OK, tok, 0, now);
+    return;
+  }
   if (is_eos(s, r, tok)) {
     finish(s, r, LF_FINISH_EOS, LF_OK, tok, 0, now);
     return;

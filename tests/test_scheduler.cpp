@@ -684,3 +684,106 @@ TEST(Scheduler, MetricsAndRequestStats) {
 }
 
 } // namespace
+
+// ---- teacher forcing (lf_request.forced) --------------------------------------------------------
+// Runs one request on a fresh engine; returns the TOKEN events' ids, the finish reason and the
+// evictions. forced may be empty (free running).
+namespace {
+struct Forced {
+  std::vector<int32_t> tokens;
+  lf_finish_reason reason = LF_FINISH_NONE;
+  uint64_t evictions = 0;
+  lf_status submit = LF_OK;
+};
+
+Forced run_forced(const lf_engine_config &cfg, const std::vector<int32_t> &prompt, int max_tokens,
+                  const std::vector<int32_t> &forced, const std::vector<int32_t> &stop = {}) {
+  Forced f;
+  lf_engine_t e = nullptr;
+  EXPECT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+  if (!e) return f;
+  lf_request rq{};
+  rq.prompt = prompt.data();
+  rq.n_prompt = int(prompt.size());
+  rq.max_tokens = max_tokens;
+  rq.ignore_eos = 1;
+  rq.forced = forced.empty() ? nullptr : forced.data();
+  rq.n_forced = int(forced.size());
+  rq.stop_ids = stop.empty() ? nullptr : stop.data();
+  rq.n_stop_ids = int(stop.size());
+  uint64_t id = 0;
+  f.submit = lf_engine_submit(e, &rq, &id);
+  lf_event ev[16];
+  while (f.submit == LF_OK && lf_engine_busy(e)) {
+    int n = 0;
+    EXPECT_EQ(lf_engine_step(e, ev, 16, &n), LF_OK) << lf_last_error();
+    for (int i = 0; i < n; i++) {
+      if (ev[i].type == LF_EVENT_TOKEN)
+        f.tokens.push_back(ev[i].token);
+      else
+        f.reason = ev[i].reason;
+    }
+  }
+  lf_request_stats st;
+  if (f.submit == LF_OK && lf_engine_request_stats(e, id, &st) == LF_OK) f.evictions = st.evictions;
+  lf_engine_free(e);
+  return f;
+}
+} // namespace
+
+// Forcing the model's own greedy output changes nothing: the same tokens, the same evictions
+// (longflow, a pool far smaller than the output). Forcing another sequence F: the token reported
+// at position i is the greedy next token of prompt + F[0..i) run from scratch (policy full, so
+// the history is the same whichever way it entered the pool). EOS inside F does not stop it.
+TEST(TeacherForcing, ReportsTheGreedyTokenUnderTheForcedHistory) {
+  const std::string model = lf_repo_data_dir() + "/hf_tiny/llama";
+  const std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
+  lf_engine_config lf = base_config(model, LF_POLICY_LONGFLOW, 24, 1, 0);
+  const Forced own = run_forced(lf, prompt, 80, {});
+  ASSERT_EQ(own.tokens.size(), 80u);
+  ASSERT_GT(own.evictions, 0u);
+  const Forced again = run_forced(lf, prompt, 80, own.tokens);
+  EXPECT_EQ(again.tokens, own.tokens);
+  EXPECT_EQ(again.evictions, own.evictions);
+  EXPECT_EQ(again.reason, LF_FINISH_LENGTH);
+
+  lf_engine_config full = base_config(model, LF_POLICY_FULL, 128, 1, 0);
+  std::mt19937_64 rng(lf_test_seed());
+  const int vocab = model_vocab(model);
+  ASSERT_GT(vocab, 0);
+  std::vector<int32_t> F(30);
+  for (auto &t : F) t = int32_t(rng() % uint64_t(vocab));
+  lf_model_info mi{};
+  {
+    lf_engine_t e = nullptr;
+    ASSERT_EQ(lf_engine_init(&full, nullptr, &e), LF_OK);
+    lf_engine_model_info(e, &mi);
+    lf_engine_free(e);
+  }
+  if (mi.n_eos > 0) F[10] = mi.eos_ids[0]; /* an EOS in the forced history */
+  const Forced tf = run_forced(full, prompt, 1000, F);
+  ASSERT_EQ(tf.tokens.size(), F.size()) << "runs min(max_tokens, n_forced) positions";
+  EXPECT_EQ(tf.reason, LF_FINISH_LENGTH);
+  int differ = 0;
+  for (size_t i = 0; i < F.size(); i++) {
+    std::vector<int32_t> p = prompt;
+    p.insert(p.end(), F.begin(), F.begin() + long(i));
+    const Forced one = run_forced(full, p, 1, {});
+    ASSERT_EQ(one.tokens.size(), 1u);
+    EXPECT_EQ(tf.tokens[i], one.tokens[0]) << "position " << i;
+    differ += tf.tokens[i] != F[i];
+  }
+  EXPECT_GT(differ, 0) << "random forced ids that the model always predicts: the test saw nothing";
+}
+
+TEST(TeacherForcing, BadRequestsAreRefused) {
+  const std::string model = lf_repo_data_dir() + "/hf_tiny/llama";
+  lf_engine_config cfg = base_config(model, LF_POLICY_LONGFLOW, 24, 1, 0);
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  EXPECT_EQ(run_forced(cfg, prompt, 5, {4, 5, -1}).submit, LF_ERR_INVALID_ARG);
+  EXPECT_EQ(run_forced(cfg, prompt, 5, {4, 5, 1 << 30}).submit, LF_ERR_INVALID_ARG);
+  EXPECT_EQ(run_forced(cfg, prompt, 5, {4, 5, 6}, {9}).submit, LF_ERR_INVALID_ARG);
+  const Forced capped = run_forced(cfg, prompt, 2, {4, 5, 6});
+  EXPECT_EQ(capped.submit, LF_OK);
+  EXPECT_EQ(capped.tokens.size(), 2u) << "max_tokens caps the forced positions";
+}
