@@ -201,7 +201,7 @@ static void run_group(ev_ctx *c, ev_group *g) {
     if (c->o->teacher_forced) { /* every expected id fed, <eos> included; EOS does not stop it */
       rq.forced = p->want;
       rq.n_forced = p->n_want;
-      rq.max_tokens = p->n_want;
+      rq.max_tokens = r->max_tokens = p->n_want;
     }
     s = lf_engine_submit(e, &rq, &r->req_id);
     if (s != LF_OK) {

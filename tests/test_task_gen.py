@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools", "task"))
 import gen  # noqa: E402
 
 # keys gen.make_problem added with the knobs; everything else must be as it was
-NEW_KEYS = ("knobs", "redundancy", "_reads_x", "_needed")
+NEW_KEYS = ("knobs", "redundancy", "_reads_x", "_needed", "_roles")
 
 # sha256 (first 32 hex digits) of json.dumps(problem without NEW_KEYS, sort_keys=True) over each
 # set, computed with tools/task/gen.py of commit c629ffa (before the knobs)
@@ -388,9 +388,42 @@ def test_cli():
               "--out differs from gen.problems")
 
 
+def test_roles():
+    """_roles, checked against the text: one per output character; a value digit's look-back
+    lands on the same digit (the register's latest value, in the prompt or the output), and only
+    value digits carry one besides headers, rules and skips; results and headers are digits."""
+    settings = [{}, {"reread": 0.03}, {"named_rules": True, "remind": 2},
+                {"reread": 0.1, "named_rules": True, "remind": 1, "memo": (1, 2)}]
+    for kw in settings:
+        for i in range(6):
+            p = gen.make_problem(gen.problem_seed("roles", 0, i), min_len=600, max_len=1500, **kw)
+            roles, out = p["_roles"], p["output"]
+            check(len(roles) == len(out), f"roles: {len(roles)} for {len(out)} chars {kw}")
+            seq = "\x00" + p["prompt"] + out
+            start = 1 + len(p["prompt"])
+            seen = set()
+            for j, (role, back) in enumerate(roles):
+                seen.add(role.split(":")[0])
+                c = out[j]
+                if role.startswith("value:"):
+                    ok = c.isdigit() and back is not None and 0 < back <= start + j and \
+                        seq[start + j - back] == c and seq[start + j - back - 1].isalpha()
+                    check(ok, f"roles: value digit {j} of {p['id']} {kw}: back {back}")
+                elif role in ("result", "header") and c != "#":
+                    check(c.isdigit(), f"roles: {role} char {c!r} at {j} {kw}")
+                elif role in ("newline", "space"):
+                    check(c in "\n ", f"roles: {role} char {c!r} at {j} {kw}")
+                if back is not None and role.split(":")[0] not in ("value", "header", "rule", "skip"):
+                    check(False, f"roles: {role} has a look-back at {j} {kw}")
+            want = {"header", "newline", "space", "rule", "name", "value", "result", "ans"}
+            check(want <= seen, f"roles: missing {want - seen} {kw}")
+            if kw.get("reread"):
+                check("check" in seen, f"roles: no check walk with {kw}")
+
+
 def main():
     for t in (test_defaults, test_reread, test_named_rules, test_remind, test_knobs_recorded,
-              test_credit, test_hf_format, test_cli):
+              test_credit, test_hf_format, test_cli, test_roles):
         t()
     if failures:
         print(f"task_gen: {len(failures)} FAILED")

@@ -346,11 +346,13 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         needed = {}    # output position -> what a later line reads there (value, header)
         copies = set()  # output positions of rule texts a later line copies (copy format)
         scratch = 0
+        roles = []      # per output character: (role, look-back in characters or None)
 
-        def emit(s):
+        def emit(s, role="text", back=None):
             nonlocal pos
             out.append(s)
             pos += len(s)
+            roles.extend([(role, back)] * len(s))
 
         def mark(a, n, what):
             for i in range(a, a + n):
@@ -361,8 +363,10 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
                         needed.setdefault(i, what)
 
         def read(v, kind, label, xkind=None):
-            emit(f"{v}{values[v]}")
-            d = pos - 1 - last_pos[v]
+            d = pos + 1 - last_pos[v]
+            emit(v, "name:" + kind)
+            emit(str(values[v]), "value:" + kind, d)
+            assert d == pos - 1 - last_pos[v]
             reads.append((d, kind))
             reads_x.append((d, xkind or kind, last_label[v] - label))
             mark(last_pos[v], 1, "value")  # the digit that holds the value
@@ -371,15 +375,16 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
 
         for label in range(n_rounds, 0, -1):
             mark(hdr, 2, "header")  # the round number counts down from the previous one
-            emit(f"#{label:02d}\n")
+            emit(f"#{label:02d}", "header", pos + 1 - hdr)
+            emit("\n", "newline")
             hdr = pos - 3
             if remind and label % remind == 0:
                 mark(hdr, 2, "header")  # whether to recall depends on the round number
-                emit("recall")
+                emit("recall", "recall")
                 for v in dormant:
-                    emit(" ")
+                    emit(" ", "space")
                     read(v, "recall", label)
-                emit("\n")
+                emit("\n", "newline")
             for v in dests:
                 text = name[v] if named_rules else rule_text(v)
                 reads_x.append((pos - rule_src[v], "rule", rule_label[v] - label))
@@ -388,35 +393,42 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
                     rule_src[v], rule_label[v] = pos, label
                 if period[v] > 1:
                     mark(hdr, 2, "header")  # run or skip depends on the round number
+                rule_back = pos - rule_src[v]
                 if label % period[v]:
-                    emit(text + " .\n")
+                    emit(text, "rule", rule_back)
+                    emit(" .", "skip", pos - hdr)  # skipped: decided by the round number
+                    emit("\n", "newline")
                     continue
                 x, op, y = rules[v]
                 kind = "hot" if period[v] == 1 else "cold"
-                emit(text + " ")
+                emit(text, "rule", rule_back)
+                emit(" ", "space")
                 read(x, "const" if x in constants else kind, label)
-                emit(" ")
+                emit(" ", "space")
                 read(y, "const" if y in constants else kind, label)
                 a = values[x]
                 values[v] = (values[x] + values[y]) % 10 if op == "+" else \
                     (values[x] - values[y]) % 10
-                emit(f" {v}{values[v]}")
+                emit(" ", "space")
+                emit(v, "result_name")
+                emit(str(values[v]), "result")
                 last_pos[v] = pos - 1
                 last_label[v] = label
                 if steps:
                     walk = check_walk(steps, a, values[v])
                     scratch += len(walk)
-                    emit(walk)
-                emit("\n")
-        emit("ans")
+                    emit(walk, "check")
+                emit("\n", "newline")
+        emit("ans", "ans")
         for v in registers:
-            emit(" ")
+            emit(" ", "space")
             # _reads_x counts a constant that no rule reads as a memo: only the answer reads it
             read(v, "memo" if v in memos else "ans", 0,
                  "memo" if v not in dests and v not in read_by_rules else None)
-        emit("\n")
+        emit("\n", "newline")
         by = {w: sum(1 for x in needed.values() if x == w) for w in ("value", "header")}
         by["with_copies"] = len(copies | set(needed))
+        render.roles = roles
         return prompt, "".join(out), reads, reads_x, sorted(p - start for p in needed), by, \
             scratch
 
@@ -449,6 +461,8 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
     period, rules, init = draw(n_rounds)
     prompt, output, reads, reads_x, need, need_by, scratch = render(n_rounds, period, rules,
                                                                     init, steps)
+    render_roles = render.roles
+    assert len(render_roles) == len(output)
 
     answer = output[output.rindex("ans "):-1]
     dist = sorted(d for d, _ in reads)
@@ -493,6 +507,14 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         "_reads": reads,
         "_reads_x": reads_x,
         "_needed": need,  # output character offsets a later line reads again
+        # per output character (the answer line included; <eos> not): (role, look-back in
+        # characters to what it copies, or None). Roles: header (the round number, look-back to
+        # the previous one), newline, space, text, recall, rule (a rule's name or copied text,
+        # look-back to its source), skip (" ." of a rule that does not run this round), name:K and
+        # value:K for a register read of kind K (hot, cold, const, recall, ans, memo; the value
+        # digit's look-back is to that register's latest value), result_name, result, check
+        # (scratch walk), ans
+        "_roles": render_roles,
     }
 
 
