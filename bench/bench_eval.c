@@ -342,7 +342,8 @@ static int make_runs(ev_ctx *c, int ctx_len) {
         if (full) {
           r->budget = full_budget;
         } else {
-          const double b = ceil(o->fractions[f] * (double)c->probs[i].output_tokens);
+          const int base = o->budget_of_live ? c->probs[i].live_tokens : c->probs[i].output_tokens;
+          const double b = ceil(o->fractions[f] * (double)base);
           long long bb = b < 1 ? 1 : b > (double)INT_MAX ? INT_MAX : (long long)b;
           bb = (bb + o->budget_round - 1) / o->budget_round * o->budget_round;
           r->budget = bb > INT_MAX ? INT_MAX : (int)bb;

@@ -35,11 +35,13 @@ typedef struct ev_opts {
   int evict_groups; /* layer-scope series: lf_engine_config.evict_groups */
   int full_ctx, limit, ids, quiet;
   int teacher_forced; /* feed the expected output, score every position's greedy token */
+  int budget_of_live; /* --budget-of live: fractions are of each problem's live_tokens */
 } ev_opts;
 
 typedef struct ev_problem {
   char *id, *answer;
   int prompt_tokens, output_tokens;
+  int live_tokens; /* the oracle live set (gen.py "live_tokens"); 0 when the file has none */
   int32_t *prompt; /* [n_prompt] */
   int n_prompt;
   int32_t *want; /* encode(output) + [eos]: [n_want] */

@@ -35,6 +35,8 @@ void ev_usage(FILE *f) {
           "  --policies LIST      comma list of full, longflow, streaming, h2o (default all)\n"
           "  --fractions LIST     budgets as fractions of each problem's output length\n"
           "                       (default 0.05,0.1,0.2,0.4): ceil(fraction x output_tokens)\n"
+          "  --budget-of output|live  live: the fractions are multiples of each problem's\n"
+          "                       oracle live set instead (gen.py's live_tokens)\n"
           "  --scopes LIST        eviction scopes for longflow: head, layer (default head;\n"
           "                       layer: cpu backend only)\n"
           "  --evict-groups G     layer scope: each layer's KV heads in G groups of one slot,\n"
@@ -169,7 +171,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--full-budget",    "--n",         "--margin",
                                          "--max-concurrent", "--jobs",      "--threads",
                                          "--sink",           "--window",    "--max-batch-tokens",
-                                         "--budget-round",   "--evict-groups"};
+                                         "--budget-round",   "--evict-groups",
+                                         "--budget-of"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -236,6 +239,14 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, INT_MAX, &o->window);
     else if (!strcmp(a, "--evict-groups"))
       r = parse_int_opt(a, v, 0, 4096, &o->evict_groups);
+    else if (!strcmp(a, "--budget-of")) {
+      if (!strcmp(v, "live") || !strcmp(v, "output")) {
+        o->budget_of_live = !strcmp(v, "live");
+      } else {
+        fprintf(stderr, EV_NAME ": --budget-of output|live, not '%s'\n", v);
+        r = -1;
+      }
+    }
     else if (!strcmp(a, "--max-batch-tokens"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->max_batch_tokens);
     else if (!strcmp(a, "--budget-round"))
@@ -340,6 +351,13 @@ int ev_load_problems(const ev_opts *o, const lf_tokenizer *tok, int eos, ev_prob
     if (!id || !prompt || !output || !answer ||
         field_int(doc, "prompt_tokens", o->problems, line_no, &p->prompt_tokens) ||
         field_int(doc, "output_tokens", o->problems, line_no, &p->output_tokens)) {
+      rc = -1;
+      break;
+    }
+    if (o->budget_of_live &&
+        field_int(doc, "live_tokens", o->problems, line_no, &p->live_tokens)) {
+      fprintf(stderr, EV_NAME ": --budget-of live needs gen.py's live_tokens in every problem (for "
+                      "hf records: written with --hf-tokenizer)\n");
       rc = -1;
       break;
     }

@@ -223,7 +223,8 @@ void ev_print_table(const ev_ctx *c, int *fe) {
       if (full)
         snprintf(b, sizeof b, "%s", c->o->full_ctx ? "ctx" : "fit");
       else
-        snprintf(b, sizeof b, "%g%%", 100 * c->o->fractions[f]);
+        snprintf(b, sizeof b, c->o->budget_of_live ? "%gxlive" : "%g%%",
+                 c->o->budget_of_live ? c->o->fractions[f] : 100 * c->o->fractions[f]);
       if (m.n_ev) snprintf(evs, sizeof evs, "%.0f", m.mean_evictions);
       printf("%-15s %7s %4d %8.1f%% %6.1f%% %8d %10s", c->series[s].name, b, m.n, 100 * m.accuracy,
              100 * m.trace_exact, m.median_first_error, evs);
@@ -253,10 +254,10 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
           ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, "
           "\"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
           "\"full_budget\": \"%s\", \"evict_groups\": %d},\n \"teacher_forced\": %s, "
-          "\"budget_round\": %d, \"fractions\": [",
+          "\"budget_of\": \"%s\", \"budget_round\": %d, \"fractions\": [",
           backend, o->sink, o->window, o->max_batch_tokens, o->threads, o->jobs, o->max_concurrent,
           o->full_ctx ? "ctx" : "fit", o->evict_groups, o->teacher_forced ? "true" : "false",
-          o->budget_round);
+          o->budget_of_live ? "live" : "output", o->budget_round);
   for (int i = 0; i < o->n_fractions; i++) {
     if (i) fputs(", ", f);
     json_num(f, o->fractions[i]);

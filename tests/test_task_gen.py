@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools", "task"))
 import gen  # noqa: E402
 
 # keys gen.make_problem added with the knobs; everything else must be as it was
-NEW_KEYS = ("knobs", "redundancy", "_reads_x", "_needed", "_roles")
+NEW_KEYS = ("knobs", "redundancy", "_reads_x", "_needed", "_roles", "_deps", "live_tokens")
 
 # sha256 (first 32 hex digits) of json.dumps(problem without NEW_KEYS, sort_keys=True) over each
 # set, computed with tools/task/gen.py of commit c629ffa (before the knobs)
@@ -421,9 +421,36 @@ def test_roles():
                 check("check" in seen, f"roles: no check walk with {kw}")
 
 
+def test_live_set():
+    """live_tokens against a brute-force count (every step, every source token), and _deps
+    against the roles: every value digit's source (its look-back) lies inside a dependency that
+    the digit's register name reads."""
+    for kw in [{}, {"named_rules": True, "reread": 0.03, "remind": 2}]:
+        for i in range(4):
+            p = gen.make_problem(gen.problem_seed("live", 0, i), min_len=500, max_len=1200, **kw)
+            deps, start = p["_deps"], 1 + len(p["prompt"])
+            last = {}
+            for lo, hi, rd in deps:
+                for q in range(lo, hi):
+                    if q <= rd - 1:
+                        last[q] = max(last.get(q, -1), rd - 1)
+            n = start + len(p["output"]) + 1
+            brute = max(sum(1 for q, r in last.items() if q <= t <= r) for t in range(n))
+            check(p["live_tokens"] == brute,
+                  f"live set {p['live_tokens']} != brute force {brute} ({kw} {i})")
+            readers = {rd: (lo, hi) for lo, hi, rd in deps}
+            for j, (role, back) in enumerate(p["_roles"]):
+                if role.startswith("value:"):
+                    q = start + j
+                    src = readers.get(q)
+                    check(src is not None and src[0] <= q - back < src[1],
+                          f"live set: value digit at {j} has no dependency on {q - back} ({kw})")
+            check(0 < p["live_tokens"] < p["output_tokens"], f"live set {p['live_tokens']} ({kw})")
+
+
 def main():
     for t in (test_defaults, test_reread, test_named_rules, test_remind, test_knobs_recorded,
-              test_credit, test_hf_format, test_cli, test_roles):
+              test_credit, test_hf_format, test_cli, test_roles, test_live_set):
         t()
     if failures:
         print(f"task_gen: {len(failures)} FAILED")

