@@ -148,7 +148,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
             std::vector<int32_t> next(dp.heads);
             CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
-            lf_attn_params ap{pol, 4, 32, 32, G, D, scale, LF_EVICT_HEAD};
+            lf_attn_params ap{pol, 4, 32, 32, G, D, scale, LF_EVICT_HEAD, 0};
             for (int s2 = 0; s2 < NS; s2++)
               for (int g = 0; g < hkv; g++) {
                 lf_kv_head h = lf_kv_arena_head(&a, pools[size_t(s2)], 0, g);
@@ -219,7 +219,7 @@ TEST(GpuKernels, PrefillVsReference) {
     dp.init(a);
     dp.upload(a);
     lf_attn_params ap{LF_POLICY_LONGFLOW, 4, 32, 32, c.G, D, 1.0f / std::sqrt(float(D)),
-                     LF_EVICT_HEAD};
+                     LF_EVICT_HEAD, 0};
     int32_t pos0 = 0;
     for (int T : {c.T1, c.T2}) {
       if (T == 0) continue;
