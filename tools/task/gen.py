@@ -365,11 +365,10 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
                         needed.setdefault(i, what)
 
         def read(v, kind, label, xkind=None):
-            d = pos + 1 - last_pos[v]
-            deps.append((last_pos[v] - 1, last_pos[v] + 1, pos + 1))  # "v<digit>" it copies
             emit(v, "name:" + kind)
+            d = pos - last_pos[v]  # from the digit about to be written to the one it copies
+            deps.append((last_pos[v] - 1, last_pos[v] + 1, pos))  # "v<digit>" it copies
             emit(str(values[v]), "value:" + kind, d)
-            assert d == pos - 1 - last_pos[v]
             reads.append((d, kind))
             reads_x.append((d, xkind or kind, last_label[v] - label))
             mark(last_pos[v], 1, "value")  # the digit that holds the value
@@ -436,10 +435,8 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         emit("\n", "newline")
         by = {w: sum(1 for x in needed.values() if x == w) for w in ("value", "header")}
         by["with_copies"] = len(copies | set(needed))
-        render.roles = roles
-        render.deps = deps
         return prompt, "".join(out), reads, reads_x, sorted(p - start for p in needed), by, \
-            scratch
+            scratch, roles, deps
 
     def executed_lines(n_rounds, period):
         return sum(1 for label in range(1, n_rounds + 1) for v in dests if label % period[v] == 0)
@@ -457,7 +454,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         tried = {}
         while n_rounds not in tried:
             period, rules, init = draw(n_rounds)
-            _, o, _, _, need, _, _ = render(n_rounds, period, rules, init, 0)
+            _, o, _, _, need, _, _, _, _ = render(n_rounds, period, rules, init, 0)
             lines_run = executed_lines(n_rounds, period)
             s = _steps_for(len(need), len(o) + 1, lines_run, reread)
             length = len(o) + lines_run * check_walk_len(s)
@@ -468,11 +465,8 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         n_rounds = min(tried, key=lambda k: (tried[k][0], k))
         steps = tried[n_rounds][1]
     period, rules, init = draw(n_rounds)
-    prompt, output, reads, reads_x, need, need_by, scratch = render(n_rounds, period, rules,
-                                                                    init, steps)
-    render_roles = render.roles
-    assert len(render_roles) == len(output)
-    deps = render.deps
+    prompt, output, reads, reads_x, need, need_by, scratch, roles, deps = render(
+        n_rounds, period, rules, init, steps)
 
     answer = output[output.rindex("ans "):-1]
     dist = sorted(d for d, _ in reads)
@@ -524,7 +518,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         # value:K for a register read of kind K (hot, cold, const, recall, ans, memo; the value
         # digit's look-back is to that register's latest value), result_name, result, check
         # (scratch walk), ans
-        "_roles": render_roles,
+        "_roles": roles,
         # (lo, hi, reader) in sequence positions (<bos> 0, prompt character i at i + 1, output
         # character j at 1 + len(prompt) + j): the reader needs characters lo..hi-1 (a register
         # name and value it copies, a rule it applies, the round number it counts down from or
@@ -780,10 +774,9 @@ def live_max(deps, tok_of):
     return best
 
 
-def hf_counts(tok, text, needed):
-    """(tokens of `text`, how many of them hold a character in `needed`) with an HF tokenizer:
-    a model token counts as read again when any of its characters is."""
-    enc = tok.encode(text, add_special_tokens=False)
+def hf_counts(enc, needed):
+    """(tokens of an HF tokenizer's encoding `enc` of a text, how many of them hold a character
+    in `needed`): a model token counts as read again when any of its characters is."""
     need = set(needed)
     hit = sum(1 for a, b in enc.offsets if any(i in need for i in range(a, b)))
     return len(enc.ids), hit
@@ -831,7 +824,8 @@ def hf_record(p, tok=None, needed=None, deps=None):
     if tok is not None:
         penc = tok.encode(r["prompt"], add_special_tokens=False)
         r["prompt_tokens"] = len(penc.ids)
-        n, hit = hf_counts(tok, p["output"], needed or [])
+        oenc = tok.encode(p["output"], add_special_tokens=False)
+        n, hit = hf_counts(oenc, needed or [])
         r["output_tokens"] = n + 1  # + <|im_end|>
         if needed is not None:
             r["redundancy"] = dict(p["redundancy"], reread_model=round(hit / (n + 1), 6))
@@ -839,7 +833,7 @@ def hf_record(p, tok=None, needed=None, deps=None):
             tp = p["prompt"].rstrip("\n")
             off = r["prompt"].index(user) + len(HF_INSTRUCTION) + 2
             pm = _char_tokens(len(r["prompt"]), penc.offsets)
-            om = _char_tokens(len(p["output"]), tok.encode(p["output"], add_special_tokens=False).offsets)
+            om = _char_tokens(len(p["output"]), oenc.offsets)
             n_p, start = len(penc.ids), 1 + len(p["prompt"])
 
             def tok_of(q):
@@ -921,7 +915,7 @@ def print_stats(args, kw):
                 dists.append(d)
                 kinds.setdefault(k, []).append(d)
         if tok is not None:
-            n, hit = hf_counts(tok, p["output"], p["_needed"])
+            n, hit = hf_counts(tok.encode(p["output"], add_special_tokens=False), p["_needed"])
             hf_lens.append(n + 1)
             hf_rr.append(hit / (n + 1))
     dists.sort()
