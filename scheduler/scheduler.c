@@ -23,7 +23,8 @@ typedef struct lf_sreq lf_sreq;
 struct lf_sreq {
   uint64_t id;
   lf_sreq *prev, *next; /* waiting list links */
-  int32_t *tokens;      /* [n_prompt + max_tokens] prompt, then generated ids that were kept */
+  int32_t *tokens;      /* [n_prompt + max_tokens] prompt, then generated ids that were kept (teacher
+                           forcing: the forced ids, all written at submit) */
   int n_prompt;
   int n_prefilled; /* prompt tokens already run through the model */
   int n_gen;       /* generated ids kept in tokens (excludes a final EOS / stop id) */
@@ -35,7 +36,7 @@ struct lf_sreq {
   int ignore_eos;
   int32_t *stop_ids; /* [n_stop_ids] */
   int n_stop_ids;
-  int32_t *forced;  /* [max_tokens] teacher forcing: fed back instead of the sampled ids */
+  int forced;       /* teacher forcing: tokens already holds the ids fed back after the prompt */
   int32_t *seq_ids; /* all stop sequences back to back */
   int *seq_off;     /* [n_seqs + 1] offsets into seq_ids */
   int n_seqs;
@@ -111,7 +112,6 @@ const double *lf_latency_bucket_bounds(void) {
 static void req_free(lf_sreq *r) {
   if (!r) return;
   free(r->tokens);
-  free(r->forced);
   free(r->stop_ids);
   free(r->seq_ids);
   free(r->seq_off);
@@ -392,14 +392,14 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   r->stop_ids = rq->n_stop_ids ? malloc(sizeof(int32_t) * (size_t)rq->n_stop_ids) : NULL;
   r->seq_ids = seq_total ? malloc(sizeof(int32_t) * (size_t)seq_total) : NULL;
   r->seq_off = rq->n_stop_seqs ? malloc(sizeof(int) * (size_t)(rq->n_stop_seqs + 1)) : NULL;
-  r->forced = rq->n_forced > 0 ? malloc(sizeof(int32_t) * (size_t)max_tokens) : NULL;
   if (!r->tokens || (rq->n_stop_ids && !r->stop_ids) || (seq_total && !r->seq_ids) ||
-      (rq->n_stop_seqs && !r->seq_off) || (rq->n_forced > 0 && !r->forced)) {
+      (rq->n_stop_seqs && !r->seq_off)) {
     req_free(r);
     return lf_error(LF_ERR_OUT_OF_MEMORY, "request");
   }
   memcpy(r->tokens, rq->prompt, sizeof(int32_t) * (size_t)rq->n_prompt);
-  if (r->forced) memcpy(r->forced, rq->forced, sizeof(int32_t) * (size_t)max_tokens);
+  r->forced = rq->n_forced > 0;
+  if (r->forced) memcpy(r->tokens + rq->n_prompt, rq->forced, sizeof(int32_t) * (size_t)max_tokens);
   if (rq->n_stop_ids) memcpy(r->stop_ids, rq->stop_ids, sizeof(int32_t) * (size_t)rq->n_stop_ids);
   r->n_stop_ids = rq->n_stop_ids;
   int off = 0;
@@ -520,8 +520,7 @@ static void take_token(lf_sched *s, lf_sreq *r, int32_t tok, double now) {
   r->t_last = now;
   r->n_sampled++;
   s->tokens_generated++;
-  if (r->forced) { /* teacher forcing: report what was sampled, feed the forced id */
-    r->tokens[r->n_prompt + r->n_gen] = r->forced[r->n_gen];
+  if (r->forced) { /* teacher forcing: report what was sampled; the forced id is fed */
     r->n_gen++;
     r->n_out++;
     lf_event te = {.id = r->id, .type = LF_EVENT_TOKEN, .token = tok};
