@@ -79,7 +79,7 @@ static void score_run(const ev_ctx *c, ev_run *r) {
     }
   if (r->first_error < 0 && r->n_ids > p->n_want) r->first_error = p->n_want;
   r->tf_wrong = 0;
-  for (int i = 0; i < p->n_want; i++) r->tf_wrong += i >= r->n_ids || r->ids[i] != p->want[i];
+  for (int i = 0; i < p->n_want; i++) r->tf_wrong += ev_wrong_at(p, r, i);
   r->trace_ok = r->first_error < 0;
   r->stopped = 0;
   int n = 0;

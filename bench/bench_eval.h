@@ -67,6 +67,11 @@ typedef struct ev_run {
   char *answer;
 } ev_run;
 
+/* Whether run r's token at expected position j differs from problem p's (or is missing). */
+static inline int ev_wrong_at(const ev_problem *p, const ev_run *r, int j) {
+  return j >= r->n_ids || r->ids[j] != p->want[j];
+}
+
 typedef struct ev_group {
   int series, fi, budget;
   int *runs, n;

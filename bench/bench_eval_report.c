@@ -371,7 +371,7 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
     if (o->teacher_forced) { /* positions of the expected output whose greedy token differs */
       fprintf(f, ", \"tf_wrong\": %d, \"tf_wrong_at\": [", r->tf_wrong);
       for (int j = 0, k = 0; j < p->n_want; j++)
-        if (j >= r->n_ids || r->ids[j] != p->want[j]) fprintf(f, k++ ? ",%d" : "%d", j);
+        if (ev_wrong_at(p, r, j)) fprintf(f, k++ ? ",%d" : "%d", j);
       fputc(']', f);
     }
     if (r->error) {
