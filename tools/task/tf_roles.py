@@ -126,21 +126,20 @@ def main():
     roles = sorted({r for t in table.values() for r in t["role"]},
                    key=lambda r: (PRIORITY.index(r.split(":")[0]) if r != "eos" else 99, r))
     backs = [bucket(lo) for lo, _ in BUCKETS]
+
+    def rows(field, keys):  # one line per key: error % (count) in every series
+        for key in keys:
+            cells = []
+            for t in table.values():
+                w, n = t[field].get(key, (0, 0))
+                cells.append(f"{100 * w / n:8.2f} ({n:6d})" if n else f"{'-':>17}")
+            print(f"{key:<14}" + "".join(f"{c:>17}" for c in cells))
+
     print("teacher-forced token error (%) by role; columns: series@fraction, runs")
     print(f"{'role':<14}" + "".join(f"{k[:16]:>17}" for k in table))
-    for r in roles:
-        cells = []
-        for t in table.values():
-            w, n = t["role"].get(r, (0, 0))
-            cells.append(f"{100 * w / n:8.2f} ({n:6d})" if n else f"{'-':>17}")
-        print(f"{r:<14}" + "".join(f"{c:>17}" for c in cells))
+    rows("role", roles)
     print("value digits by look-back (task characters)")
-    for b in backs:
-        cells = []
-        for t in table.values():
-            w, n = t["back"].get(b, (0, 0))
-            cells.append(f"{100 * w / n:8.2f} ({n:6d})" if n else f"{'-':>17}")
-        print(f"{b:<14}" + "".join(f"{c:>17}" for c in cells))
+    rows("back", backs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"eval": os.path.abspath(args.eval), "series": table,
