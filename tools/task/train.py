@@ -37,6 +37,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gen  # noqa: E402
@@ -217,7 +218,6 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # lengths every step. On the H200, LoRA training of SmolLM2 ran at 7.5k tokens/s with 2.5 ms
     # of host time per SDPA call (cProfile), against 65k when the same batch was repeated; the
     # plan builds are the likely cause (to be confirmed there: tools/task/README.md).
-    from torch.nn.attention import sdpa_kernel
     with sdpa_kernel(VARLEN_SDPA_BACKENDS):
         for b in range(B):
             cuts = [0] + (torch.nonzero(restart[b]).flatten() + 1).tolist() + [L]
@@ -228,12 +228,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
 
 
-def _varlen_backends():
-    from torch.nn.attention import SDPBackend
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-VARLEN_SDPA_BACKENDS = _varlen_backends()
+VARLEN_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def register_varlen():
