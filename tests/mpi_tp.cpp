@@ -136,30 +136,21 @@ TEST(MpiTp, LayerScopeIsRankLocal) {
   const std::vector<TpGen> gens = {{prompt_of(9, 1024, 0), 60, 0.0f, 0},
                                    {prompt_of(23, 1024, 1), 50, 0.0f, 0},
                                    {prompt_of(5, 1024, 2), 40, 0.8f, 7}};
+  lf_engine_config grouped = cfg;
+  grouped.evict_groups = groups;
+  const auto [tp, ref] = lf_tp_test_run_both(cfg, g_comm, gens, &grouped);
   lf_engine_t e = nullptr;
-  ASSERT_EQ(lf_engine_init(&cfg, g_comm, &e), LF_OK) << lf_last_error();
-  const auto tp = lf_tp_test_run(e, gens, g_comm->rank == 0);
+  /* groups are a single rank's: refused on every rank alike */
+  EXPECT_EQ(lf_engine_init(&grouped, g_comm, &e), LF_ERR_INVALID_ARG);
   lf_engine_free(e);
-  lf_engine_config bad = cfg;
-  bad.evict_groups = 2; /* groups are a single rank's: refused on every rank alike */
-  EXPECT_EQ(lf_engine_init(&bad, g_comm, &e), LF_ERR_INVALID_ARG);
   if (g_comm->rank != 0) return;
-  auto single = [&](int g) {
-    lf_engine_config c1 = cfg;
-    c1.evict_groups = g;
-    lf_engine_t e1 = nullptr;
-    EXPECT_EQ(lf_engine_init(&c1, nullptr, &e1), LF_OK) << lf_last_error();
-    auto r = e1 ? lf_tp_test_run(e1, gens, true) : std::vector<std::vector<int32_t>>{};
-    lf_engine_free(e1);
-    return r;
-  };
-  const auto ref = single(groups);
   ASSERT_EQ(ref.size(), gens.size());
   for (size_t k = 0; k < gens.size(); k++)
     EXPECT_EQ(tp[k], ref[k]) << "request " << k << ": " << T << " ranks against " << groups
                              << " eviction groups on one";
   if (groups == 2) {
-    EXPECT_NE(single(1), ref) << "rank-local and whole-layer scope agreed: the test saw no grouping";
+    EXPECT_NE(lf_tp_test_run_single(cfg, gens), ref)
+        << "rank-local and whole-layer scope agreed: the test saw no grouping";
   }
 }
 

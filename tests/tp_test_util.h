@@ -65,26 +65,34 @@ inline std::vector<std::vector<int32_t>> lf_tp_test_run(lf_engine_t e,
   return out;
 }
 
+/* The requests on a single-rank engine of config cfg (empty on a failed start). */
+inline std::vector<std::vector<int32_t>> lf_tp_test_run_single(const lf_engine_config &cfg,
+                                                               const std::vector<TpGen> &gens) {
+  lf_engine_t e = nullptr;
+  const lf_status s = lf_engine_init(&cfg, nullptr, &e);
+  EXPECT_EQ(s, LF_OK) << lf_last_error();
+  if (s != LF_OK) return {};
+  auto out = lf_tp_test_run(e, gens, true);
+  lf_engine_free(e);
+  return out;
+}
+
 /* The same requests on a TP engine over comm (every rank takes part) and then, on rank 0, on a
- * single-rank engine of the same config. Returns {TP tokens, single-rank tokens}, both empty on
- * the followers (and on a failed start). */
+ * single-rank engine of the same config (or of *ref_cfg). Returns {TP tokens, single-rank
+ * tokens}, both empty on the followers (and on a failed start). */
 inline std::pair<std::vector<std::vector<int32_t>>, std::vector<std::vector<int32_t>>>
-lf_tp_test_run_both(const lf_engine_config &cfg, lf_comm_t comm, const std::vector<TpGen> &gens) {
+lf_tp_test_run_both(const lf_engine_config &cfg, lf_comm_t comm, const std::vector<TpGen> &gens,
+                    const lf_engine_config *ref_cfg = nullptr) {
   const bool lead = lf_comm_rank(comm) == 0;
-  std::vector<std::vector<int32_t>> tp, ref;
+  std::vector<std::vector<int32_t>> tp;
   lf_engine_t e = nullptr;
   lf_status s = lf_engine_init(&cfg, comm, &e);
   EXPECT_EQ(s, LF_OK) << lf_last_error();
-  if (s != LF_OK) return {tp, ref};
+  if (s != LF_OK) return {tp, {}};
   tp = lf_tp_test_run(e, gens, lead);
   lf_engine_free(e);
-  if (!lead) return {tp, ref};
-  s = lf_engine_init(&cfg, nullptr, &e);
-  EXPECT_EQ(s, LF_OK) << lf_last_error();
-  if (s != LF_OK) return {tp, ref};
-  ref = lf_tp_test_run(e, gens, true);
-  lf_engine_free(e);
-  return {tp, ref};
+  if (!lead) return {tp, {}};
+  return {tp, lf_tp_test_run_single(ref_cfg ? *ref_cfg : cfg, gens)};
 }
 
 /* The part of a lost-rank run after the deliberate failure: followers follow; rank 0 serves one
