@@ -352,78 +352,19 @@ GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind 
   return r;
 }
 
-} // namespace
-
-/* The cpu forward with layer scope keeps every layer's heads in step through a compressed
- * prompt and many evicting decode steps. */
-TEST(LayerScope, ForwardKeepsLayerHeadsInStep) {
-  const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
-  lf_checkpoint ck;
-  ASSERT_EQ(lf_checkpoint_open(dir.c_str(), &ck), LF_OK) << lf_last_error();
-  lf_weights w;
-  ASSERT_EQ(lf_weights_load_f32(&ck, &w), LF_OK) << lf_last_error();
-  const lf_model_config &c = ck.cfg;
-  ASSERT_GT(c.n_kv_heads, 1);
-  const int B = 24;
-  lf_kv_arena arena;
-  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, B, c.head_dim};
-  ASSERT_EQ(lf_kv_arena_init(&arena, &ps), LF_OK);
-  int pool;
-  ASSERT_EQ(lf_kv_arena_take(&arena, &pool), LF_OK);
-  lf_attn_params ap = make_params(LF_POLICY_LONGFLOW, 4, c.n_heads / c.n_kv_heads, c.head_dim, 0,
-                                  8);
-  lf_cpu_forward f;
-  ASSERT_EQ(lf_cpu_forward_init(&f, &c, &w, &arena, &ap), LF_OK) << lf_last_error();
-  std::vector<int32_t> prompt;
-  for (int i = 0; i < 40; i++)
-    prompt.push_back(1 + (i * 37) % (c.vocab_size - 1));
-  std::vector<float> logits(c.vocab_size);
-  uint64_t ev = 0;
-  ASSERT_EQ(lf_cpu_forward_run(&f, pool, 0, (int)prompt.size(), prompt.data(), logits.data(),
-                               nullptr, &ev),
-            LF_OK)
-      << lf_last_error();
-  int32_t pos = (int32_t)prompt.size();
-  for (int s = 0; s < 100; s++, pos++) {
-    const int32_t tok = (int32_t)(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    ASSERT_EQ(lf_cpu_forward_run(&f, pool, pos, 1, &tok, logits.data(), nullptr, &ev), LF_OK)
-        << lf_last_error();
-  }
-  EXPECT_EQ(ev, (uint64_t)(100 - 1) * c.n_layers * c.n_kv_heads);
-  bool layers_differ = false;
-  for (int l = 0; l < c.n_layers; l++) {
-    lf_kv_head h0 = lf_kv_arena_head(&arena, pool, l, 0);
-    ASSERT_EQ(*h0.n, B);
-    for (int g = 1; g < c.n_kv_heads; g++) {
-      lf_kv_head h = lf_kv_arena_head(&arena, pool, l, g);
-      ASSERT_EQ(*h.next, *h0.next);
-      ASSERT_EQ(0, std::memcmp(h.pos, h0.pos, sizeof(int32_t) * B)) << "layer " << l;
-    }
-    lf_kv_head first = lf_kv_arena_head(&arena, pool, 0, 0);
-    layers_differ |= std::memcmp(h0.pos, first.pos, sizeof(int32_t) * B) != 0;
-  }
-  (void)layers_differ; /* layers decide independently; they may or may not agree */
-  lf_cpu_forward_free(&f);
-  lf_kv_arena_free(&arena);
-  lf_weights_free(&ck.cfg, &w);
-  lf_checkpoint_close(&ck);
-}
-
-/* Eviction groups (what T tensor-parallel ranks do, on one rank): with the 4 KV heads of
- * random:tiny-llama-kv4 in 2 groups, heads {0,1} and {2,3} each stay in step through a compressed
- * prompt and 100 evicting decode steps, and the two groups choose differently; 4 groups of one
- * head are head scope, token for token and slot for slot. */
-namespace {
 struct GroupRun {
   std::vector<int32_t> tokens;
   std::vector<std::vector<int32_t>> pos; /* [layer * n_kv + head][B] */
+  std::vector<int32_t> n, next;          /* [layer * n_kv + head] */
   uint64_t evictions = 0;
 };
 
-GroupRun run_groups(lf_evict_scope scope, int groups, int B) {
+/* The cpu forward on `model` with a pool of B slots: a 40-token prompt (compressed), then 100
+ * greedy decode steps that evict; the pools at the end. */
+GroupRun run_groups(const std::string &model, lf_evict_scope scope, int groups, int B) {
   GroupRun r;
   lf_checkpoint ck;
-  EXPECT_EQ(lf_checkpoint_open("random:tiny-llama-kv4", &ck), LF_OK) << lf_last_error();
+  EXPECT_EQ(lf_checkpoint_open(model.c_str(), &ck), LF_OK) << lf_last_error();
   lf_weights w;
   EXPECT_EQ(lf_weights_load_f32(&ck, &w), LF_OK) << lf_last_error();
   const lf_model_config &c = ck.cfg;
@@ -457,6 +398,8 @@ GroupRun run_groups(lf_evict_scope scope, int groups, int B) {
     for (int g = 0; g < c.n_kv_heads; g++) {
       lf_kv_head h = lf_kv_arena_head(&arena, pool, l, g);
       r.pos.emplace_back(h.pos, h.pos + B);
+      r.n.push_back(*h.n);
+      r.next.push_back(*h.next);
     }
   lf_cpu_forward_free(&f);
   lf_kv_arena_free(&arena);
@@ -466,9 +409,34 @@ GroupRun run_groups(lf_evict_scope scope, int groups, int B) {
 }
 } // namespace
 
+/* The cpu forward with layer scope keeps every layer's heads in step through a compressed
+ * prompt and many evicting decode steps. */
+TEST(LayerScope, ForwardKeepsLayerHeadsInStep) {
+  const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
+  lf_checkpoint ck;
+  ASSERT_EQ(lf_checkpoint_open(dir.c_str(), &ck), LF_OK) << lf_last_error();
+  const int L = ck.cfg.n_layers, hkv = ck.cfg.n_kv_heads;
+  lf_checkpoint_close(&ck);
+  ASSERT_GT(hkv, 1);
+  const int B = 24;
+  const GroupRun r = run_groups(dir, LF_EVICT_LAYER, 0, B);
+  EXPECT_EQ(r.evictions, (uint64_t)(100 - 1) * L * hkv);
+  for (int l = 0; l < L; l++) {
+    ASSERT_EQ(r.n[size_t(l * hkv)], B);
+    for (int g = 1; g < hkv; g++) {
+      ASSERT_EQ(r.next[size_t(l * hkv + g)], r.next[size_t(l * hkv)]);
+      ASSERT_EQ(r.pos[size_t(l * hkv + g)], r.pos[size_t(l * hkv)]) << "layer " << l;
+    }
+  }
+}
+
+/* Eviction groups (what T tensor-parallel ranks do, on one rank): with the 4 KV heads of
+ * random:tiny-llama-kv4 in 2 groups, heads {0,1} and {2,3} each stay in step through a compressed
+ * prompt and 100 evicting decode steps, and the two groups choose differently; 4 groups of one
+ * head are head scope, token for token and slot for slot. */
 TEST(LayerScope, GroupsSplitTheLayer) {
   const int B = 24, hkv = 4, layers = 4;
-  GroupRun two = run_groups(LF_EVICT_LAYER, 2, B);
+  GroupRun two = run_groups("random:tiny-llama-kv4", LF_EVICT_LAYER, 2, B);
   ASSERT_EQ((int)two.pos.size(), layers * hkv);
   bool groups_differ = false;
   for (int l = 0; l < layers; l++) {
@@ -478,15 +446,15 @@ TEST(LayerScope, GroupsSplitTheLayer) {
     groups_differ |= p[l * hkv + 0] != p[l * hkv + 2];
   }
   EXPECT_TRUE(groups_differ) << "the two groups never chose differently: the test saw nothing";
-  GroupRun one = run_groups(LF_EVICT_LAYER, 1, B);
+  GroupRun one = run_groups("random:tiny-llama-kv4", LF_EVICT_LAYER, 1, B);
   bool layer_differs = false;
   for (int l = 0; l < layers; l++) {
     for (int g = 1; g < hkv; g++) EXPECT_EQ(one.pos[l * hkv], one.pos[l * hkv + g]);
     layer_differs |= one.pos[l * hkv] != two.pos[l * hkv] || one.pos[l * hkv] != two.pos[l * hkv + 2];
   }
   EXPECT_TRUE(layer_differs) << "two groups evicted exactly as one";
-  GroupRun four = run_groups(LF_EVICT_LAYER, 4, B);
-  GroupRun head = run_groups(LF_EVICT_HEAD, 0, B);
+  GroupRun four = run_groups("random:tiny-llama-kv4", LF_EVICT_LAYER, 4, B);
+  GroupRun head = run_groups("random:tiny-llama-kv4", LF_EVICT_HEAD, 0, B);
   EXPECT_EQ(four.tokens, head.tokens);
   EXPECT_EQ(four.pos, head.pos);
   EXPECT_EQ(four.evictions, head.evictions);
