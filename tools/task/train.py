@@ -38,6 +38,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+    import inspect as _inspect
+    _VARLEN_ARGS = set(_inspect.signature(varlen_attn).parameters)
+except ImportError:
+    varlen_attn, _VARLEN_ARGS = None, set()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gen  # noqa: E402
@@ -194,41 +200,73 @@ def build_config(args):
         use_cache=False)
 
 
+def doc_bounds(position_ids):
+    """Packed documents of a [rows, L] position-id tensor (a document starts where the positions
+    do not continue; rows never share one) -> (cu_seqlens int32 [docs + 1] over the flattened
+    rows, on the CPU; longest document). Compute it on the CPU copy of the batch and pass it to
+    the model as `packed_docs=`: read from a GPU tensor it costs a synchronization per layer."""
+    pos = position_ids.detach().cpu()
+    B, L = pos.shape
+    starts = torch.ones(B, L, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    first = torch.nonzero(starts.flatten()).flatten()
+    cu = torch.cat([first, torch.tensor([B * L])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     position_ids=None, **kwargs):
-    """transformers attention function (registered as "varlen"): causal SDPA run per packed
-    document, the documents found where the position ids restart, instead of one masked
-    attention over the whole row. Same result as "sdpa" with the packed mask (the packing check
-    compares), but no work on the masked-out blocks: on the CPU a 1 x 8704 row of ~4 problems
-    trains ~5x faster. Without position ids (evaluation, generation) or with an explicit mask it
-    is plain "sdpa"."""
+                     position_ids=None, packed_docs=None, **kwargs):
+    """transformers attention function (registered as "varlen"): causal attention within each
+    packed document, the documents found where the position ids restart (or given as
+    `packed_docs`, from doc_bounds()), instead of one masked attention over the whole row. Same
+    result as "sdpa" with the packed mask (the packing check compares), but no work on the
+    masked-out blocks. On CUDA one variable-length flash-attention call covers all the rows; on
+    the CPU it is causal SDPA per document (~5x faster than the masked row at 1 x 8704). Without
+    position ids (evaluation, generation) or with an explicit mask it is plain "sdpa"."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    B, _, L, _ = query.shape
-    groups = query.shape[1] // key.shape[1]
+    B, H, L, D = query.shape
+    cu, longest = packed_docs if packed_docs is not None else doc_bounds(position_ids)
+    groups = H // key.shape[1]
+    if query.is_cuda and varlen_attn is not None and (
+            torch.is_autocast_enabled("cuda") or value.dtype in (torch.bfloat16, torch.float16)):
+        # (B, H, L, D) -> (B*L, H, D); flash attention wants one 16-bit dtype (RoPE in float32
+        # hidden states promotes q and k)
+        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else \
+            value.dtype
+        q, k, v = (x.transpose(1, 2).reshape(B * L, x.shape[1], D).to(dt)
+                   for x in (query, key, value))
+        cu_d = cu.to(query.device, non_blocking=True)
+        kw = {"scale": scaling}
+        if "window_size" in _VARLEN_ARGS:
+            kw["window_size"] = (-1, 0)  # causal
+        else:
+            kw["is_causal"] = True
+        if groups > 1:
+            if "enable_gqa" in _VARLEN_ARGS:
+                kw["enable_gqa"] = True
+            else:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        with sdpa_kernel(VARLEN_BACKENDS):
+            out = varlen_attn(q, k, v, cu_d, cu_d, longest, longest, **kw)
+        return out.reshape(B, L, H, D), None
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    pos = position_ids.expand(B, -1)
-    restart = (pos[:, 1:] != pos[:, :-1] + 1).cpu()
-    rows = []
-    # Not cuDNN, which builds an execution plan for each new shape: packed documents bring new
-    # lengths every step. On the H200, LoRA training of SmolLM2 ran at 7.5k tokens/s with 2.5 ms
-    # of host time per SDPA call (cProfile), against 65k when the same batch was repeated; the
-    # plan builds are the likely cause (to be confirmed there: tools/task/README.md).
-    with sdpa_kernel(VARLEN_SDPA_BACKENDS):
-        for b in range(B):
-            cuts = [0] + (torch.nonzero(restart[b]).flatten() + 1).tolist() + [L]
-            rows.append(torch.cat([F.scaled_dot_product_attention(
-                query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
-                dropout_p=dropout, is_causal=True, scale=scaling)
-                for s, e in zip(cuts, cuts[1:]) if e > s], dim=2))
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+    q, k, v = (x.transpose(0, 1).reshape(x.shape[1], B * L, D) for x in (query, key, value))
+    cuts = cu.tolist()
+    out = torch.cat([F.scaled_dot_product_attention(
+        q[None, :, s:e], k[None, :, s:e], v[None, :, s:e], dropout_p=dropout, is_causal=True,
+        scale=scaling)[0] for s, e in zip(cuts, cuts[1:])], dim=1)
+    return out.reshape(H, B, L, D).permute(1, 2, 0, 3).contiguous(), None
 
 
-VARLEN_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Flash attention only. cuDNN, which torch prefers on Hopper, builds an execution plan for each
+# new shape, and packed rows bring new document lengths every step: LoRA training of SmolLM2 on
+# the H200 ran at 7.5k tokens/s with 2.5 ms of host time per attention call (cProfile).
+VARLEN_BACKENDS = [SDPBackend.FLASH_ATTENTION]
 
 
 def register_varlen():
@@ -526,6 +564,7 @@ def main():
         t0 = time.time()
         inp, pos, lab, wt, n_docs = packer.next_batch()
         t_data += time.time() - t0
+        extra = {"packed_docs": doc_bounds(pos)} if args.attn == "varlen" else {}
         inp, pos, lab, wt = (x.to(device, non_blocking=True) for x in (inp, pos, lab, wt))
         lr = lr_at(step, total or 10 ** 9, args)
         for g in opt.param_groups:
@@ -533,7 +572,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         try:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                logits = fwd(input_ids=inp, position_ids=pos, use_cache=False).logits
+                logits = fwd(input_ids=inp, position_ids=pos, use_cache=False, **extra).logits
             # labels[t] is predicted at t-1
             ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                  lab[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="none")

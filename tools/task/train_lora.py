@@ -670,9 +670,10 @@ def main():
         ce_sum, hit_sum = 0.0, 0
         try:
             for inp, pos, lab, _ in micro:
+                docs = train.doc_bounds(pos)  # on the CPU copy: no synchronization
                 inp, pos, lab = inp.to(device), pos.to(device), lab.to(device)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                    hidden = model.model(input_ids=inp, position_ids=pos,
+                    hidden = model.model(input_ids=inp, position_ids=pos, packed_docs=docs,
                                          use_cache=False).last_hidden_state
                     ce, _, hits = chunked_loss(model, hidden, lab, args.loss_chunk)
                 (ce / max(1, n_lab)).backward()
