@@ -29,6 +29,10 @@
 #define FL_M 64
 #define FL_N 64
 #define FL_WARPS 4
+/* Three blocks an SM for head_dim 128: 64 KB of shared memory each (the Q tile lives in K's
+ * second buffer) and at most 168 registers a thread; at 80 KB and 173 registers only two fit. */
+#define FL_MIN_BLOCKS 3
+static_assert(FL_M == FL_N, "the Q tile is stored in a K tile buffer");
 #define FL_LOG2E 1.4426950408889634f
 
 static __device__ __forceinline__ uint32_t fl_smem(const void *p) {
@@ -81,14 +85,14 @@ static __device__ __forceinline__ void fl_load_kv(__nv_bfloat16 *tile, const __n
 }
 
 template <int D>
-static __global__ void __launch_bounds__(FL_WARPS * 32)
+static __global__ void __launch_bounds__(FL_WARPS * 32, FL_MIN_BLOCKS)
     flash_kernel(lf_cuda_pool_view p, int pool, int layer, int n0, int n_heads, int n_tok,
                  const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                  float scale, __nv_bfloat16 *out, float *ml) {
   extern __shared__ __align__(128) unsigned char fl_shm[];
-  __nv_bfloat16 *sq = (__nv_bfloat16 *)fl_shm;
-  __nv_bfloat16 *sk = sq + FL_M * D; /* [2][FL_N][D] */
+  __nv_bfloat16 *sk = (__nv_bfloat16 *)fl_shm; /* [2][FL_N][D] */
   __nv_bfloat16 *sv = sk + 2 * FL_N * D;
+  __nv_bfloat16 *sq = sk + FL_N * D; /* the Q tile borrows K's second buffer until qf is read */
   constexpr int CH = D / 8, KS = D / 16;
   const int h = blockIdx.y, hkv = p.n_kv_heads, g = h / (n_heads / hkv);
   const int q0 = (gridDim.x - 1 - blockIdx.x) * FL_M; /* heaviest tiles first */
@@ -109,8 +113,15 @@ static __global__ void __launch_bounds__(FL_WARPS * 32)
   fl_load_kv<D>(sk, pk, ck, hkv * D, 0, n0, nk);
   fl_load_kv<D>(sv, pv, cv, hkv * D, 0, n0, nk);
   fl_commit();
-
+  fl_wait<0>();
+  __syncthreads();
   uint32_t qf[KS][4];
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++)
+    fl_ldsm(qf[ks], fl_smem(sq + fl_sw<D>(warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                           2 * ks + lane / 16)));
+  __syncthreads(); /* every warp holds its Q fragments before tile 1 overwrites the Q tile */
+
   float o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
@@ -130,12 +141,6 @@ static __global__ void __launch_bounds__(FL_WARPS * 32)
       fl_wait<0>();
     }
     __syncthreads();
-    if (j == 0) {
-#pragma unroll
-      for (int ks = 0; ks < KS; ks++)
-        fl_ldsm(qf[ks], fl_smem(sq + fl_sw<D>(warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
-                                               2 * ks + lane / 16)));
-    }
     const __nv_bfloat16 *tk = sk + b * FL_N * D, *tv = sv + b * FL_N * D;
 
     /* S = Q K^T: 16 rows x FL_N keys per warp */
@@ -252,7 +257,7 @@ template <int D>
 static lf_status flash_launch(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
                               int n_heads, int n_tok, const void *q, const void *k, const void *v,
                               float scale, void *out, float *ml, cudaStream_t stream) {
-  const size_t shm = (size_t)(FL_M + 4 * FL_N) * D * sizeof(__nv_bfloat16);
+  const size_t shm = (size_t)4 * FL_N * D * sizeof(__nv_bfloat16);
   /* set on every call: the attribute belongs to the current device, and the call is cheap */
   LF_CUDA_CHECK(cudaFuncSetAttribute(flash_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      (int)shm));
