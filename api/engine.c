@@ -139,9 +139,9 @@ static lf_status engine_init_local(lf_engine_t e) {
                       "communicator (lf_comm_init_nccl_mpi), not '%s'",
                       e->comm->size, e->comm->kind ? e->comm->kind : "?");
   }
-  /* Layer-scope eviction exists in the cpu backend's forward only. Under tensor parallelism it
-   * is rank-local (each rank's KV heads of a layer share a slot); evict_groups splits a single
-   * rank's heads the same way, e.g. to measure what T ranks would do on one. */
+  /* Layer-scope eviction: under tensor parallelism it is rank-local (each rank's KV heads of a
+   * layer share a slot); evict_groups splits a single rank's heads the same way, e.g. to measure
+   * what T ranks would do on one. Both backends (cuda: lf_cuda_layer_argmin). */
   if (e->cfg.evict_groups < 0 || e->cfg.evict_groups > 4096)
     return lf_error(LF_ERR_INVALID_ARG, "evict_groups %d (0..4096)", e->cfg.evict_groups);
   if (e->cfg.evict_scope == LF_EVICT_HEAD && e->cfg.evict_groups > 1)
@@ -158,10 +158,6 @@ static lf_status engine_init_local(lf_engine_t e) {
     if (e->cfg.evict_groups > 1 && mc->n_kv_heads % e->cfg.evict_groups)
       return lf_error(LF_ERR_INVALID_ARG, "evict_groups %d does not divide the model's %d KV heads",
                       e->cfg.evict_groups, mc->n_kv_heads);
-    if (e->cfg.backend == LF_BACKEND_AUTO) e->cfg.backend = LF_BACKEND_CPU;
-    if (e->cfg.backend != LF_BACKEND_CPU)
-      return lf_error(LF_ERR_UNSUPPORTED,
-                      "eviction scope layer runs on the cpu backend only (use --backend cpu)");
   }
   e->cfg.backend = lf_backend_resolve(e->cfg.backend);
   LF_TRY(resolve_pools(&e->cfg, mc, n_kv));

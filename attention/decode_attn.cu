@@ -80,6 +80,7 @@ typedef struct attn_params {
   unsigned *cnt;
   float2 *ml;
   float *po, *lg;
+  float *scores; /* NULL, or [n_seq][n_kv][budget]: every candidate's score (layer scope) */
 } attn_params;
 
 static __device__ __forceinline__ uint32_t u4_get(const uint4 &x, int i) {
@@ -121,7 +122,8 @@ static __device__ __forceinline__ void prefetch_tiles(const __nv_bfloat16 *base,
 template <bool GLOBAL_LG>
 static __device__ unsigned long long score_key(const attn_params &p, size_t hidx, int lo, int hi,
                                                int wslot, const float *lg, const float *fin_m,
-                                               const float *fin_il, unsigned long long *red_key) {
+                                               const float *fin_il, unsigned long long *red_key,
+                                               float *sc) {
   const int G = p.group, B = p.budget;
   unsigned long long best = ~0ull;
   if (p.policy != LF_POLICY_FULL) {
@@ -145,6 +147,7 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
         for (int h = 0; h < DA_GMAX; h++)
           if (h < G) mass += exp2f((l[h] - fin_m[h]) * DA_LOG2E) * fin_il[h];
         key = __float_as_uint(vn * mass);
+        if (sc && i != wslot) sc[i] = vn * mass;
       }
       const unsigned long long kk = ((unsigned long long)key << 32) | (unsigned)i;
       if (i != wslot) best = kk < best ? kk : best;
@@ -252,6 +255,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   const int n = p.n[hidx];
   const int wslot = p.w[pair];
   __nv_bfloat16 *out = p.out + (pair * G) * D; /* [G][D] of this (seq, kv head) */
+  float *scores_row = p.scores ? p.scores + pair * B : nullptr;
 
   if (n <= 0) { /* nothing to attend: zero output, no candidate */
     if (split == 0) {
@@ -447,7 +451,8 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       *(__nv_bfloat162 *)(out + h * D + d) =
           __floats2bfloat162_rn(o_s[h * D + d] * fin_il[h], o_s[h * D + d + 1] * fin_il[h]);
     }
-    const unsigned long long best = score_key<false>(p, hidx, 0, n, wslot, lg_s, fin_m, fin_il, red_key);
+    const unsigned long long best =
+        score_key<false>(p, hidx, 0, n, wslot, lg_s, fin_m, fin_il, red_key, scores_row);
     if (tid == 0) p.next[hidx] = key_slot(best);
     return;
   }
@@ -509,7 +514,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
     }
     const unsigned long long best =
-        score_key<false>(p, hidx, s0, s1, wslot, lg_s, fin_m, fin_il, red_key);
+        score_key<false>(p, hidx, s0, s1, wslot, lg_s, fin_m, fin_il, red_key, scores_row);
     if (tid == 0) cl.map_shared_rank(cl_key, 0)[split] = best;
     cl.sync(); /* keys are in split 0; nobody reads another split's memory after this */
     if (split == 0 && tid == 0) {
@@ -564,7 +569,8 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
   }
   const unsigned long long best =
-      score_key<true>(p, hidx, 0, n, wslot, p.lg + pair * B * G, fin_m, fin_il, red_key);
+      score_key<true>(p, hidx, 0, n, wslot, p.lg + pair * B * G, fin_m, fin_il, red_key,
+                      scores_row);
   if (tid == 0) p.next[hidx] = key_slot(best);
 }
 
@@ -789,6 +795,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.ml = S > 1 && !cl ? (float2 *)(ws + wl.ml) : NULL;
   p.po = S > 1 && !cl ? (float *)(ws + wl.po) : NULL;
   p.lg = S > 1 && !cl ? (float *)(ws + wl.lg) : NULL;
+  p.scores = a->policy == LF_POLICY_LONGFLOW ? a->scores : NULL;
 
   const dim3 grid(S, pv->n_kv_heads, a->n_seq);
   /* Four blocks per SM (128 registers) while four blocks' shared memory still leaves L1 room

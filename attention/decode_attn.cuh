@@ -56,6 +56,10 @@ typedef struct lf_decode_attn_args {
   void *workspace; /* >= lf_cuda_decode_attn_workspace_bytes(), prepared once with
                     * lf_cuda_decode_attn_workspace_init() and reused by every call */
   size_t workspace_bytes;
+  /* Layer-scope eviction: NULL, or fp32 [n_seq][n_kv_heads][budget] where longflow also writes
+   * every candidate's score (slots >= sink, except w) for lf_cuda_layer_argmin; next is still
+   * written per head (the layer argmin overwrites it). */
+  float *scores;
 } lf_decode_attn_args;
 
 /* The split count the launcher uses for n_splits == 0 on a device with n_sm multiprocessors

@@ -29,7 +29,8 @@ static __device__ float block_reduce(float x, int is_max, float *red) {
 static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
                                             const int32_t *pool_ids, const int32_t *w, int n_heads,
                                             const __nv_bfloat16 *q, float scale, int sink,
-                                            int policy, __nv_bfloat16 *out, float *scratch) {
+                                            int policy, __nv_bfloat16 *out, float *scratch,
+                                            float *scores) {
   extern __shared__ float sm[]; /* q [G][D], then m [G], L [G] */
   __shared__ float red[DEC_NT / 32];
   __shared__ unsigned long long redk[DEC_NT / 32];
@@ -89,6 +90,7 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
       for (int h = 0; h < G; h++) mass += lg[(size_t)h * B + i] / lh[h];
       const float sc = p.vnorm[hidx * B + i] * mass;
       key = ((unsigned long long)__float_as_uint(sc) << 32) | (unsigned)i;
+      if (scores) scores[((size_t)s * hkv + g) * B + i] = sc;
     }
     best = key < best ? key : best;
   }
@@ -112,7 +114,7 @@ extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int
                                                 const int32_t *pool_ids, const int32_t *w,
                                                 int n_heads, const void *q, float scale, int sink,
                                                 lf_policy policy, void *out, float *scratch,
-                                                cudaStream_t stream) {
+                                                float *scores, cudaStream_t stream) {
   if (!pv || !pool_ids || !w || !q || !out || !scratch || n_heads % pv->n_kv_heads ||
       n_seq < 0 || n_seq > 65535)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: bad arguments");
@@ -126,7 +128,52 @@ extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int
                     pv->head_dim);
   decode_simple_kernel<<<dim3(pv->n_kv_heads, n_seq), DEC_NT, smem, stream>>>(
       *pv, layer, pool_ids, w, n_heads, (const __nv_bfloat16 *)q, scale, sink, (int)policy,
-      (__nv_bfloat16 *)out, scratch);
+      (__nv_bfloat16 *)out, scratch, policy == LF_POLICY_LONGFLOW ? scores : NULL);
   LF_CUDA_CHECK_LAUNCH("decode_simple_kernel");
+  return LF_OK;
+}
+
+/* One block per (sequence s, group c of `per` KV heads): the sum of the group's scores per slot
+ * (in head order), its argmin over slots >= sink except the one written this step (lowest slot
+ * on ties), written to next of every head of the group. All heads of a group hold the same n
+ * and wrote the same slot: they have shared every decision since the pool was taken. */
+static __global__ void layer_argmin_kernel(lf_cuda_pool_view p, int layer, const int32_t *pool_ids,
+                                           const int32_t *w, int sink, int per,
+                                           const float *scores) {
+  __shared__ unsigned long long redk[DEC_NT / 32];
+  const int s = blockIdx.x, g0 = blockIdx.y * per, hkv = p.n_kv_heads, B = p.budget;
+  const size_t hidx = ((size_t)pool_ids[s] * p.n_layers + layer) * hkv + g0;
+  const int n = p.n[hidx], ws = w[(size_t)s * hkv + g0];
+  const float *sc = scores + ((size_t)s * hkv + g0) * B;
+  unsigned long long best = ~0ull;
+  for (int i = sink + (int)threadIdx.x; i < n; i += DEC_NT) {
+    if (i == ws) continue;
+    float sum = 0.0f;
+    for (int gg = 0; gg < per; gg++) sum += sc[(size_t)gg * B + i];
+    const unsigned long long key = ((unsigned long long)__float_as_uint(sum) << 32) | (unsigned)i;
+    best = key < best ? key : best;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long y = __shfl_xor_sync(0xffffffffu, best, o);
+    best = y < best ? y : best;
+  }
+  if ((threadIdx.x & 31) == 0) redk[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x < per) {
+    for (int i = 0; i < DEC_NT / 32; i++) best = redk[i] < best ? redk[i] : best;
+    p.next[hidx + threadIdx.x] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
+  }
+}
+
+extern "C" lf_status lf_cuda_layer_argmin(const lf_cuda_pool_view *pv, int layer, int n_seq,
+                                          const int32_t *pool_ids, const int32_t *w, int sink,
+                                          int per, const float *scores, cudaStream_t stream) {
+  if (!pv || !pool_ids || !w || !scores || per < 1 || per > DEC_NT || pv->n_kv_heads % per ||
+      n_seq < 0 || n_seq > 65535 || sink < 0 || layer < 0 || layer >= pv->n_layers)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_layer_argmin: bad arguments");
+  if (n_seq == 0) return LF_OK;
+  layer_argmin_kernel<<<dim3(n_seq, pv->n_kv_heads / per), DEC_NT, 0, stream>>>(
+      *pv, layer, pool_ids, w, sink, per, scores);
+  LF_CUDA_CHECK_LAUNCH("layer_argmin_kernel");
   return LF_OK;
 }

@@ -24,12 +24,24 @@ struct CUstream_st;
  * out, and sets next (longflow: argmin of ||v||_1 * sum_h alpha; streaming: smallest position;
  * full: -1) over slots >= sink except w[s][g], lowest slot on ties.
  *   q, out: bf16 [n_seq][n_heads][head_dim]; w: [n_seq][n_kv_heads];
- *   scratch: fp32 >= lf_cuda_decode_attn_simple_scratch(n_seq, ...) floats. */
+ *   scratch: fp32 >= lf_cuda_decode_attn_simple_scratch(n_seq, ...) floats; scores: NULL, or (layer
+ *   scope, longflow) fp32 [n_seq][n_kv_heads][budget], every candidate's score (lf_cuda_layer_argmin). */
 size_t lf_cuda_decode_attn_simple_scratch(int n_seq, int n_heads, int budget);
 lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int layer, int n_seq,
                                      const int32_t *pool_ids, const int32_t *w, int n_heads,
                                      const void *q, float scale, int sink, lf_policy policy,
-                                     void *out, float *scratch, struct CUstream_st *stream);
+                                     void *out, float *scratch, float *scores,
+                                     struct CUstream_st *stream);
+
+/* Layer-scope eviction (docs/DESIGN.md §3), after either decode kernel ran with `scores`
+ * (fp32 [n_seq][n_kv_heads][budget], longflow): the layer's KV heads in groups of `per`
+ * contiguous heads (per = n_kv_heads: the whole layer; under tensor parallelism the rank's
+ * heads), one slot per group: the argmin of the scores summed over the group's heads, over slots
+ * >= sink except w[s][first head of the group], lowest slot on ties, written to next of every
+ * head of the group (-1 when there is no candidate). */
+lf_status lf_cuda_layer_argmin(const lf_cuda_pool_view *pv, int layer, int n_seq,
+                               const int32_t *pool_ids, const int32_t *w, int sink, int per,
+                               const float *scores, struct CUstream_st *stream);
 
 #ifdef __cplusplus
 }

@@ -374,6 +374,16 @@ static __global__ void snapkv_score_kernel(int n_heads, int hkv, int D, int n_to
   snap[(size_t)g * 2 * n_tok + j] = s;
 }
 
+/* Layer-scope SnapKV: every head of a group of `per` gets the group's summed raw scores (head
+ * order), so the per-head selection below keeps one set for the group. */
+static __global__ void snapkv_group_sum_kernel(int n_tok, int L, int per, float *snap) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x, g0 = blockIdx.y * per;
+  if (j >= L) return;
+  float s = 0.0f;
+  for (int gg = 0; gg < per; gg++) s += snap[(size_t)(g0 + gg) * 2 * n_tok + j];
+  for (int gg = 0; gg < per; gg++) snap[(size_t)(g0 + gg) * 2 * n_tok + j] = s;
+}
+
 /* One block per KV head: pooled scores (width-5 average, zero padded, divided by 5), the rank of
  * every candidate (higher score first, ties to the lower position), then the slot of every kept
  * token in position order. */
@@ -409,11 +419,12 @@ static __global__ void snapkv_select_kernel(int n_tok, int budget, int sink, int
 }
 
 extern "C" lf_status lf_cuda_snapkv_select(int n_heads, int n_kv_heads, int head_dim, int n_tok,
-                                           int budget, int sink, int w_eff, const void *q,
+                                           int budget, int sink, int w_eff, int per, const void *q,
                                            const void *k, const float *ml, float scale,
                                            float *snap, int32_t *slot_of, cudaStream_t stream) {
   if (!q || !k || !ml || !snap || !slot_of || n_kv_heads < 1 || n_heads % n_kv_heads ||
-      n_tok < budget || w_eff < 0 || sink < 0 || budget - 1 - sink - w_eff < 0 || n_kv_heads > 65535)
+      n_tok < budget || w_eff < 0 || sink < 0 || budget - 1 - sink - w_eff < 0 || n_kv_heads > 65535 ||
+      per < 1 || n_kv_heads % per)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_snapkv_select: bad arguments");
   const int L = n_tok - w_eff;
   if (L > 0) {
@@ -421,6 +432,11 @@ extern "C" lf_status lf_cuda_snapkv_select(int n_heads, int n_kv_heads, int head
         n_heads, n_kv_heads, head_dim, n_tok, w_eff, (const __nv_bfloat16 *)q,
         (const __nv_bfloat16 *)k, ml, scale, snap);
     LF_CUDA_CHECK_LAUNCH("snapkv_score_kernel");
+    if (per > 1) {
+      snapkv_group_sum_kernel<<<dim3((L + 127) / 128, n_kv_heads / per), 128, 0, stream>>>(
+          n_tok, L, per, snap);
+      LF_CUDA_CHECK_LAUNCH("snapkv_group_sum_kernel");
+    }
   }
   snapkv_select_kernel<<<n_kv_heads, 1024, 0, stream>>>(n_tok, budget, sink, w_eff, snap, slot_of);
   LF_CUDA_CHECK_LAUNCH("snapkv_select_kernel");

@@ -34,9 +34,11 @@ lf_status lf_cuda_prefill_attn(const lf_cuda_pool_view *pv, int pool, int layer,
  * tokens, the last w_eff and the budget-1-sink-w_eff others of highest pooled score are kept.
  * Fills slot_of [n_kv_heads][n_tok] with the slot of each kept token (kept tokens fill slots
  * 0..budget-2 in position order) or -1. snap: fp32 scratch [n_kv_heads][2][n_tok]. q, k and ml as
- * passed to (and produced by) lf_cuda_prefill_attn. */
+ * passed to (and produced by) lf_cuda_prefill_attn. per: KV heads per eviction group (1: every
+ * head its own selection; layer scope: the group's scores are summed, in head order, and the
+ * group keeps one set); must divide n_kv_heads. */
 lf_status lf_cuda_snapkv_select(int n_heads, int n_kv_heads, int head_dim, int n_tok, int budget,
-                                int sink, int w_eff, const void *q, const void *k,
+                                int sink, int w_eff, int per, const void *q, const void *k,
                                 const float *ml, float scale, float *snap, int32_t *slot_of,
                                 struct CUstream_st *stream);
 

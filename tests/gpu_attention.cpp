@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention/attention.h"
+#include "attention/decode_attn.cuh"
 #include "attention/decode_attn_generic.cuh"
 #include "attention/prefill_attn.cuh"
 #include "lfserve.h"
@@ -141,7 +142,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
             CK(cudaMemset(dout, 0xff, q.size() * 2));
             const float scale = 1.0f / std::sqrt(float(D));
             ASSERT_EQ(lf_cuda_decode_attn_simple(&dp.v, 0, NS, dpools, dw, hq, dq, scale, 4, pol,
-                                                 dout, scr, nullptr),
+                                                 dout, scr, nullptr, nullptr),
                       LF_OK)
                 << lf_last_error();
             std::vector<uint16_t> out(q.size());
@@ -253,7 +254,7 @@ TEST(GpuKernels, PrefillVsReference) {
                 LF_OK);
       if (compress) {
         const int w_eff = std::max(0, std::min(32, B - 1 - 4));
-        ASSERT_EQ(lf_cuda_snapkv_select(hq, hkv, D, T, B, 4, w_eff, dq, dk, ml, ap.scale, snap,
+        ASSERT_EQ(lf_cuda_snapkv_select(hq, hkv, D, T, B, 4, w_eff, 1, dq, dk, ml, ap.scale, snap,
                                         slot_of, nullptr),
                   LF_OK);
         ASSERT_EQ(lf_cuda_kv_store(&dp.v, 0, 0, T, pos0, dk, dv, slot_of, 0, B - 1, nullptr), LF_OK);
@@ -303,6 +304,242 @@ TEST(GpuKernels, PrefillVsReference) {
     }
     lf_kv_arena_free(&a);
   }
+}
+
+// Layer-scope eviction on the GPU (either decode kernel with `scores`, then lf_cuda_layer_argmin)
+// against lf_attn_decode_layer_ref on identical bf16 inputs: 4 KV heads as one group (the layer)
+// or two groups of two (rank-local at 2 ranks), generic (head_dim 32) and fused (64, 128) kernels,
+// several splits (budget 700). Every head of a group gets the same slot, equal to the CPU's
+// except at near-ties of the summed score.
+TEST(GpuKernels, LayerScopeDecodeVsReference) {
+  NEED_GPU();
+  const uint64_t seed = lf_test_seed();
+  std::mt19937_64 r(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  int near_ties = 0, cases = 0, moved = 0;
+  for (int D : {32, 64, 128})
+    for (int per : {4, 2})
+      for (int G : {1, 4})
+        for (int B : {40, 700}) {
+          const int hkv = 4, hq = hkv * G, P = 3, NS = 2, sink = 4;
+          lf_pool_shape ps{P, 1, hkv, B, D};
+          lf_kv_arena a;
+          ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
+          const std::vector<int32_t> pools = {2, 0};
+          for (int pl : pools)
+            for (int g0 = 0; g0 < hkv; g0 += per) {
+              const int nxt = sink + int(r() % uint64_t(B - sink)); // shared by the group
+              for (int g = g0; g < g0 + per; g++) {
+                lf_kv_head h = lf_kv_arena_head(&a, pl, 0, g);
+                for (int i = 0; i < B; i++) {
+                  double l1 = 0;
+                  for (int d = 0; d < D; d++) {
+                    h.k[size_t(i) * D + d] = bfr(nd(r));
+                    h.v[size_t(i) * D + d] = bfr(nd(r));
+                    l1 += std::fabs(double(h.v[size_t(i) * D + d]));
+                  }
+                  h.vnorm[i] = float(l1);
+                  h.pos[i] = i;
+                }
+                *h.n = B;
+                *h.next = nxt;
+              }
+            }
+          std::vector<float> q(size_t(NS) * hq * D), kn(size_t(NS) * hkv * D), vn(kn.size());
+          for (auto &x : q) x = bfr(nd(r));
+          for (auto &x : kn) x = bfr(nd(r));
+          for (auto &x : vn) x = bfr(nd(r));
+          // the device gets the pools after step 1 (the new k/v in the shared slot)
+          lf_kv_arena after;
+          ASSERT_EQ(lf_kv_arena_init(&after, &ps), LF_OK);
+          const size_t slots = size_t(P) * hkv * B;
+          std::copy(a.k, a.k + slots * D, after.k);
+          std::copy(a.v, a.v + slots * D, after.v);
+          std::copy(a.vnorm, a.vnorm + slots, after.vnorm);
+          std::copy(a.pos, a.pos + slots, after.pos);
+          std::copy(a.n, a.n + size_t(P) * hkv, after.n);
+          std::copy(a.next, a.next + size_t(P) * hkv, after.next);
+          std::vector<int32_t> w(size_t(NS) * hkv);
+          for (int s2 = 0; s2 < NS; s2++)
+            for (int g = 0; g < hkv; g++) {
+              lf_kv_head h = lf_kv_arena_head(&after, pools[size_t(s2)], 0, g);
+              const int ws = lf_kv_write_slot(&h);
+              w[size_t(s2) * hkv + g] = ws;
+              double l1 = 0;
+              for (int d = 0; d < D; d++) {
+                h.k[size_t(ws) * D + d] = kn[(size_t(s2) * hkv + g) * D + d];
+                h.v[size_t(ws) * D + d] = vn[(size_t(s2) * hkv + g) * D + d];
+                l1 += std::fabs(double(vn[(size_t(s2) * hkv + g) * D + d]));
+              }
+              h.vnorm[ws] = float(l1);
+              h.pos[ws] = 1000 + s2;
+            }
+          DevPool dp;
+          dp.init(after);
+          dp.upload(after);
+          CK(cudaMemset(dp.v.next, 0x7f, dp.heads * 4)); // poison
+          std::vector<uint16_t> qb(q.size());
+          for (size_t i = 0; i < q.size(); i++) qb[i] = lf_f32_to_bf16(q[i]);
+          uint16_t *dq = dev<uint16_t>(q.size()), *dout = dev<uint16_t>(q.size());
+          int32_t *dpools = dev<int32_t>(NS), *dw = dev<int32_t>(w.size());
+          float *dsc = dev<float>(size_t(NS) * hkv * B);
+          CK(cudaMemcpy(dq, qb.data(), qb.size() * 2, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(dpools, pools.data(), NS * 4, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+          const float scale = 1.0f / std::sqrt(float(D));
+          void *ws_mem = nullptr;
+          if (D == 32) {
+            float *scr = dev<float>(lf_cuda_decode_attn_simple_scratch(NS, hq, B));
+            ASSERT_EQ(lf_cuda_decode_attn_simple(&dp.v, 0, NS, dpools, dw, hq, dq, scale, sink,
+                                                 LF_POLICY_LONGFLOW, dout, scr, dsc, nullptr),
+                      LF_OK)
+                << lf_last_error();
+            ws_mem = scr;
+          } else {
+            lf_decode_attn_args d{};
+            d.pool = dp.v;
+            d.layer = 0;
+            d.n_seq = NS;
+            d.pool_ids = dpools;
+            d.w = dw;
+            d.q = dq;
+            d.out = dout;
+            d.group = G;
+            d.sink = sink;
+            d.policy = LF_POLICY_LONGFLOW;
+            d.scale = scale;
+            d.workspace_bytes = lf_cuda_decode_attn_workspace_bytes(NS, hkv, B, G, D, 0);
+            CK(cudaMalloc(&ws_mem, d.workspace_bytes));
+            ASSERT_EQ(lf_cuda_decode_attn_workspace_init(ws_mem, d.workspace_bytes, nullptr), LF_OK);
+            d.workspace = ws_mem;
+            d.scores = dsc;
+            ASSERT_EQ(lf_cuda_decode_attn(&d, nullptr), LF_OK) << lf_last_error();
+          }
+          ASSERT_EQ(lf_cuda_layer_argmin(&dp.v, 0, NS, dpools, dw, sink, per, dsc, nullptr), LF_OK)
+              << lf_last_error();
+          std::vector<int32_t> next(dp.heads);
+          CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
+          lf_attn_params ap{LF_POLICY_LONGFLOW, sink, 32, 32, G, D, scale, LF_EVICT_LAYER, 0};
+          lf_attn_scratch aws{};
+          for (int s2 = 0; s2 < NS; s2++)
+            for (int g0 = 0; g0 < hkv; g0 += per) {
+              std::vector<lf_kv_head> hs;
+              for (int g = g0; g < g0 + per; g++)
+                hs.push_back(lf_kv_arena_head(&a, pools[size_t(s2)], 0, g));
+              std::vector<float> ref(size_t(per) * G * D), S(static_cast<size_t>(B));
+              int ev = 0;
+              ASSERT_EQ(lf_attn_decode_layer_ref(&ap, hs.data(), per,
+                                                 &q[(size_t(s2) * hq + size_t(g0) * G) * D],
+                                                 &kn[(size_t(s2) * hkv + g0) * D],
+                                                 &vn[(size_t(s2) * hkv + g0) * D], 1000 + s2,
+                                                 ref.data(), &ev, S.data(), &aws),
+                        LF_OK);
+              const int want = *hs[0].next;
+              const size_t hi = size_t(pools[size_t(s2)]) * hkv + g0;
+              const int got = next[hi];
+              for (int g = 1; g < per; g++)
+                ASSERT_EQ(next[hi + size_t(g)], got) << "a group's heads disagree, seed " << seed;
+              cases++;
+              moved += want != w[size_t(s2) * hkv + g0];
+              if (got != want) {
+                ASSERT_TRUE(got >= sink && got < B && got != w[size_t(s2) * hkv + g0])
+                    << "next " << got << " vs " << want << " seed " << seed;
+                ASSERT_LE(std::fabs(S[size_t(got)] - S[size_t(want)]), 1e-4f * S[size_t(want)] + 1e-9f)
+                    << "next " << got << " vs " << want << ": not a near-tie (D " << D << " per "
+                    << per << " G " << G << " B " << B << "), seed " << seed;
+                near_ties++;
+              }
+            }
+          lf_attn_scratch_free(&aws);
+          cudaFree(ws_mem);
+          cudaFree(dq);
+          cudaFree(dout);
+          cudaFree(dpools);
+          cudaFree(dw);
+          cudaFree(dsc);
+          lf_kv_arena_free(&a);
+          lf_kv_arena_free(&after);
+        }
+  printf("layer-scope decode: %d group choices, %d near-tie differences\n", cases, near_ties);
+  EXPECT_GT(moved, 0);
+}
+
+// Layer-scope SnapKV (lf_cuda_snapkv_select with per > 1) against lf_attn_prefill_layer_ref: the
+// heads of a group keep the same positions, and the kept set is the CPU's but for near-ties.
+TEST(GpuKernels, LayerScopeSnapKV) {
+  NEED_GPU();
+  const uint64_t seed = lf_test_seed();
+  std::mt19937_64 r(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int D : {64, 128})
+    for (int per : {4, 2}) {
+      const int hkv = 4, G = 2, hq = hkv * G, B = 120, T = 400, sink = 4;
+      const int w_eff = std::max(0, std::min(32, B - 1 - sink));
+      std::vector<float> q(size_t(T) * hq * D), k(size_t(T) * hkv * D), v(k.size());
+      for (auto &x : q) x = bfr(4.0f * nd(r));
+      for (auto &x : k) x = bfr(nd(r));
+      for (auto &x : v) x = bfr(nd(r));
+      lf_pool_shape ps{1, 1, hkv, B, D};
+      lf_kv_arena a;
+      ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
+      int pool = -1;
+      ASSERT_EQ(lf_kv_arena_take(&a, &pool), LF_OK);
+      lf_attn_params ap{LF_POLICY_LONGFLOW, sink, 32, 32, G, D, 1.0f / std::sqrt(float(D)),
+                        LF_EVICT_LAYER, 0};
+      lf_attn_scratch aws{};
+      std::vector<float> ref(q.size());
+      for (int g0 = 0; g0 < hkv; g0 += per) {
+        std::vector<lf_kv_head> hs;
+        for (int g = g0; g < g0 + per; g++) hs.push_back(lf_kv_arena_head(&a, 0, 0, g));
+        ASSERT_EQ(lf_attn_prefill_layer_ref(&ap, hs.data(), per, T, 0, &q[size_t(g0) * G * D],
+                                            size_t(hq) * D, &k[size_t(g0) * D], &v[size_t(g0) * D],
+                                            size_t(hkv) * D, &ref[size_t(g0) * G * D],
+                                            size_t(hq) * D, nullptr, &aws),
+                  LF_OK);
+      }
+      lf_attn_scratch_free(&aws);
+      DevPool dp;
+      dp.init(a);
+      auto up = [&](const std::vector<float> &x) {
+        std::vector<uint16_t> b(x.size());
+        for (size_t i = 0; i < x.size(); i++) b[i] = lf_f32_to_bf16(x[i]);
+        uint16_t *d = dev<uint16_t>(b.size());
+        EXPECT_EQ(cudaMemcpy(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        return d;
+      };
+      uint16_t *dq = up(q), *dk = up(k), *dv = up(v), *dout = dev<uint16_t>(q.size());
+      float *ml = dev<float>(size_t(T) * hq * 2), *snap = dev<float>(size_t(hkv) * 2 * T);
+      int32_t *slot_of = dev<int32_t>(size_t(hkv) * T);
+      CK(cudaMemset(dp.v.n, 0, dp.heads * 4));
+      ASSERT_EQ(lf_cuda_prefill_attn(&dp.v, 0, 0, 0, hq, T, dq, dk, dv, ap.scale, dout, ml, nullptr),
+                LF_OK);
+      ASSERT_EQ(lf_cuda_snapkv_select(hq, hkv, D, T, B, sink, w_eff, per, dq, dk, ml, ap.scale,
+                                      snap, slot_of, nullptr),
+                LF_OK)
+          << lf_last_error();
+      std::vector<int32_t> so(size_t(hkv) * T);
+      CK(cudaMemcpy(so.data(), slot_of, so.size() * 4, cudaMemcpyDeviceToHost));
+      int differ = 0;
+      for (int g = 0; g < hkv; g++) {
+        const int g0 = g / per * per;
+        for (int t = 0; t < T; t++)
+          ASSERT_EQ(so[size_t(g) * T + t], so[size_t(g0) * T + t])
+              << "head " << g << " keeps another set than head " << g0 << ", seed " << seed;
+        // the CPU's kept positions for this head
+        lf_kv_head h = lf_kv_arena_head(&a, 0, 0, g);
+        std::vector<char> cpu_keep(size_t(T), 0);
+        for (int i = 0; i < *h.n; i++) cpu_keep[size_t(h.pos[i])] = 1;
+        for (int t = 0; t < T; t++) differ += (so[size_t(g) * T + t] >= 0) != (cpu_keep[size_t(t)] != 0);
+      }
+      // bf16 attention against fp64 scores: a few swaps at the selection's edge at most
+      EXPECT_LE(differ, 2 * hkv * 4) << "D " << D << " per " << per << ", seed " << seed;
+      printf("layer-scope SnapKV D %d per %d: %d kept/dropped positions differ from the cpu\n", D,
+             per, differ);
+      for (void *p : {(void *)dq, (void *)dk, (void *)dv, (void *)dout, (void *)ml, (void *)snap,
+                      (void *)slot_of})
+        cudaFree(p);
+      lf_kv_arena_free(&a);
+    }
 }
 
 } // namespace

@@ -487,7 +487,7 @@ TEST(LayerScope, EngineEndToEnd) {
   const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
   std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
   const int max_tokens = 200, budget = 32;
-  GenRun lay = generate(dir, LF_EVICT_LAYER, LF_BACKEND_AUTO, budget, prompt, max_tokens);
+  GenRun lay = generate(dir, LF_EVICT_LAYER, LF_BACKEND_CPU, budget, prompt, max_tokens);
   ASSERT_EQ(lay.init, LF_OK) << lf_last_error();
   EXPECT_EQ((int)lay.tokens.size(), max_tokens);
   EXPECT_EQ(lay.stats.slots_filled, budget);
@@ -503,10 +503,7 @@ TEST(LayerScope, EngineEndToEnd) {
   EXPECT_EQ(lay_big.tokens, head_big.tokens);
   EXPECT_EQ(lay_big.stats.evictions, 0u);
 
-  /* Layer scope is cpu-only (rank-local under tensor parallelism: tests/mpi_tp.cpp). */
-  GenRun cuda = generate(dir, LF_EVICT_LAYER, LF_BACKEND_CUDA, budget, prompt, 4);
-  EXPECT_EQ(cuda.init, LF_ERR_UNSUPPORTED);
-  EXPECT_NE(std::string(lf_last_error()).find("layer"), std::string::npos) << lf_last_error();
+  /* (cuda: tests/gpu_layer_scope.cpp; tensor parallelism: tests/mpi_tp.cpp) */
   GenRun bad = generate(dir, (lf_evict_scope)5, LF_BACKEND_CPU, budget, prompt, 4);
   EXPECT_EQ(bad.init, LF_ERR_INVALID_ARG);
 }

@@ -77,7 +77,7 @@ static void free_device_side(cuda_backend *c) {
                   c->att,   c->gu,    c->hb,   c->xf,      c->logits,   c->probs,
                   c->w,     c->ml,    c->snap, c->slot_of, c->ptok,     c->attn_ws,
                   c->simple_scratch, c->sort_ws, c->io,   c->lsend,    c->pairs,
-                  c->pairs_all};
+                  c->pairs_all, c->scores};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
   if (c->llocal != c->logits) cudaFree(c->llocal);
   cudaFreeHost(c->h_io);
@@ -280,6 +280,16 @@ static lf_status create(cuda_backend *c) {
     CB_ALLOC(c->simple_scratch,
              lf_cuda_decode_attn_simple_scratch(c->max_items, m->n_heads, p->budget) * 4);
   }
+  c->evict_per = 1;
+  if (p->scope == LF_EVICT_LAYER) {
+    const int groups = p->scope_groups > 1 ? p->scope_groups : 1;
+    if (hkv % groups)
+      return lf_error(LF_ERR_INVALID_ARG, "cuda backend: %d KV heads do not split into %d "
+                      "eviction groups", hkv, groups);
+    c->evict_per = hkv / groups;
+  }
+  if (c->evict_per > 1 && p->policy == LF_POLICY_LONGFLOW)
+    CB_ALLOC(c->scores, (size_t)c->max_items * hkv * p->budget * 4);
   c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
   CB_ALLOC(c->sort_ws, c->sort_ws_bytes);
 

@@ -164,6 +164,10 @@ typedef struct cuda_backend {
   void *attn_ws;
   size_t attn_ws_bytes;
   float *simple_scratch; /* generic decode attention logits */
+  int evict_per;  /* KV heads per eviction decision: 1 (scope head), or a group of the layer's
+                     (scope layer: all this rank's, or n_kv / scope_groups) */
+  float *scores;  /* [max_items][n_kv_heads][budget] layer scope, longflow: every candidate's
+                     score for lf_cuda_layer_argmin (NULL otherwise) */
   void *sort_ws;
   size_t sort_ws_bytes;
   int32_t *io;        /* device: step_io arrays, then sample params, then tokens */

@@ -103,14 +103,8 @@ static lf_status decode_rope(cuda_backend *c, const cuda_layer *L, int l, int Tp
   return lf_cuda_qkv_rope(&a, c->stream);
 }
 
-/* LongFlow decode attention of the nd decode rows at row offset Tp. */
-static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd) {
-  const bf16 *q = c->qb + (size_t)Tp * c->qd;
-  bf16 *out = c->att + (size_t)Tp * c->qd;
-  if (!c->use_fused)
-    return lf_cuda_decode_attn_simple(&c->pv, l, nd, c->d_step.pool, c->w, c->cfg.n_heads, q,
-                                      c->ap.scale, c->p.sink, c->p.policy, out,
-                                      c->simple_scratch, c->stream);
+/* The fused kernel (decode_attn.cu) on the decode rows. */
+static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, bf16 *out, int nd) {
   lf_decode_attn_args d;
   memset(&d, 0, sizeof d);
   d.pool = c->pv;
@@ -128,7 +122,25 @@ static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd) {
   d.n_splits = 0; /* lf_cuda_decode_attn_splits */
   d.workspace = c->attn_ws;
   d.workspace_bytes = c->attn_ws_bytes;
+  d.scores = c->scores;
   return lf_cuda_decode_attn(&d, c->stream);
+}
+
+/* LongFlow decode attention of the nd decode rows at row offset Tp. */
+static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd) {
+  const bf16 *q = c->qb + (size_t)Tp * c->qd;
+  bf16 *out = c->att + (size_t)Tp * c->qd;
+  if (!c->use_fused) {
+    LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, nd, c->d_step.pool, c->w, c->cfg.n_heads, q,
+                                      c->ap.scale, c->p.sink, c->p.policy, out,
+                                      c->simple_scratch, c->scores, c->stream));
+  } else {
+    LF_TRY(decode_attention_fused(c, l, q, out, nd));
+  }
+  /* layer scope: one slot per group of KV heads, from the scores the kernel left */
+  if (!c->scores) return LF_OK;
+  return lf_cuda_layer_argmin(&c->pv, l, nd, c->d_step.pool, c->w, c->p.sink, c->evict_per,
+                              c->scores, c->stream);
 }
 
 /* One prompt chunk's part of a layer: RoPE into bf16 q, k, v, causal attention over the pool's
@@ -151,7 +163,8 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
     return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, NULL, s->n0, s->n0 + s->T,
                             c->stream);
   LF_TRY(lf_cuda_snapkv_select(m->n_heads, m->n_kv_heads, m->head_dim, s->T, B, c->p.sink,
-                               lf_snapkv_window(&c->ap, B), q, k, c->ml, c->ap.scale, c->snap,
+                               lf_snapkv_window(&c->ap, B), c->evict_per, q, k, c->ml,
+                               c->ap.scale, c->snap,
                                c->slot_of, c->stream));
   return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, c->slot_of, 0, B - 1,
                           c->stream);
