@@ -470,7 +470,7 @@ int bench_eval(int argc, char **argv) {
     c.order[i] = i;
   qsort(c.order, (size_t)c.n_groups, sizeof *c.order, cmp_group);
 
-  /* auto resolved as lf_backend_create does; layer-scope engines always run on the cpu */
+  /* auto resolved as lf_backend_create does */
   const char *backend =
       lf_backend_str(o.backend == LF_BACKEND_CUDA ? LF_BACKEND_CUDA : LF_BACKEND_CPU);
 #ifdef LF_HAVE_CUDA_BACKEND

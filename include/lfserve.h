@@ -74,8 +74,7 @@ typedef enum lf_evict_scope {
                         longer than the pool is SnapKV-compressed layer-wide too (the per-head
                         SnapKV scores summed over the layer's KV heads). Under tensor
                         parallelism it is rank-local: one slot per layer among the KV heads a
-                        rank holds, so eviction needs no communication. cpu backend only: cuda
-                        is LF_ERR_UNSUPPORTED */
+                        rank holds, so eviction needs no communication. Both backends. */
 } lf_evict_scope;
 
 const char *lf_evict_scope_str(lf_evict_scope s);
@@ -114,8 +113,7 @@ typedef struct lf_engine_config {
                                (docs/DESIGN.md §5); 0: not set */
   double mem_util;        /* fraction of kv_memory_bytes (or of free device memory) the pools
                              may take, in (0, 1]; default 0.9 (0: 0.9) */
-  lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER: cpu backend only
-                                 (LF_BACKEND_AUTO then picks cpu; cuda is LF_ERR_UNSUPPORTED);
+  lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER (both backends):
                                  rank-local under tensor parallelism */
   int evict_groups;       /* LF_EVICT_LAYER on one rank: split each layer's KV heads into this
                              many contiguous groups of one eviction slot each (0 or 1: one

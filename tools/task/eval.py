@@ -16,7 +16,7 @@ every problem's prompt + output (--full-budget ctx: the model's whole context). 
 passes options through to `lfbench eval` (e.g. "--sink 4 --backend cuda --budget-round 16
 --max-concurrent 64"); --policy-args adds some to one policy only (e.g. "h2o=--window 64"), which
 runs that policy in a separate `lfbench eval`. --scopes head,layer runs longflow with both
-eviction scopes (`layer`: one slot per layer shared by its KV heads, cpu backend only); its
+eviction scopes (`layer`: one slot per layer shared by its KV heads); its
 layer-scope series is named `longflow-layer`. Exit status 1 when --min-full-accuracy is given
 and full-KV accuracy is below it (the CI assertion).
 
@@ -189,7 +189,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--scopes", default="head",
-                    help="eviction scopes for longflow, e.g. head,layer (layer: cpu backend only)")
+                    help="eviction scopes for longflow, e.g. head,layer")
     ap.add_argument("--fractions", default="0.05,0.1,0.2,0.4",
                     help="budgets as fractions of each problem's output length")
     ap.add_argument("--margin", type=int, default=32, help="max tokens = expected + margin")
