@@ -82,6 +82,7 @@ void lf_engine_config_default(lf_engine_config *cfg) {
   cfg->window = 32;
   cfg->mem_util = LF_MEM_UTIL_DEFAULT;
   cfg->max_batch_tokens = LF_MAX_BATCH_TOKENS_DEFAULT;
+  cfg->evict_scope = LF_EVICT_LAYER; /* docs/TASK.md section 10: lower error at every budget */
 }
 
 void lf_engine_free(lf_engine_t e) {

@@ -221,6 +221,7 @@ typedef struct serve_opts {
   int n_policies;
   int n_req, prompt, output, budget, full_budget, n_pools, max_batch_tokens, threads;
   int sink, window;
+  lf_evict_scope scope;
   double kv_gb, mem_util, rate, duration;
   int poisson;
   uint64_t seed;
@@ -249,6 +250,8 @@ static void serve_usage(FILE *f) {
           "  --rate R           Poisson arrivals per second (default 1)\n"
           "  --max-batch-tokens T  prefill tokens per step (default: the engine's, 512)\n"
           "  --sink S --window W   policy parameters (default 4 32)\n"
+          "  --evict-scope S    layer | head: one eviction slot per layer or per KV head\n"
+          "                     (default layer)\n"
           "  --threads T        cpu backend threads (default 0: all cores)\n"
           "  --duration S       stop after S seconds of wall time: cancel what is left and\n"
           "                     report the window (default 0: run every request to its end)\n"
@@ -278,7 +281,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
   *o = (serve_opts){.model = "random:tiny-llama", .backend = LF_BACKEND_AUTO,
                     .policies = {LF_POLICY_FULL, LF_POLICY_LONGFLOW}, .n_policies = 2,
                     .prompt = 64, .output = 512, .budget = 3200, .mem_util = 0.9, .rate = 1.0,
-                    .sink = 4, .window = 32, .seed = 1, .max_batch_tokens = -1};
+                    .sink = 4, .window = 32, .scope = LF_EVICT_LAYER, .seed = 1,
+                    .max_batch_tokens = -1};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -326,6 +330,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       o->rate = atof(v);
     } else if (OPT("--max-batch-tokens")) {
       o->max_batch_tokens = atoi(v);
+    } else if (OPT("--evict-scope")) {
+      if (lf_evict_scope_parse(v, &o->scope) != LF_OK) return -1;
     } else if (OPT("--sink")) {
       o->sink = atoi(v);
     } else if (OPT("--window")) {
@@ -554,6 +560,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   cfg.budget = r->budget;
   cfg.sink = o->sink;
   cfg.window = o->window;
+  cfg.evict_scope = o->scope;
   cfg.n_pools = r->pools;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
@@ -811,12 +818,14 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
           "{\"bench\": \"serve\", \"model\": \"%s\", \"backend\": \"%s\", \"host\": \"%s\", "
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
           "\"output\": %d, \"arrival\": \"%s\", \"rate\": %g, \"kv_gb\": %g, \"mem_util\": %g, "
-          "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"duration\": %g, "
+          "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"evict_scope\": \"%s\", "
+          "\"duration\": %g, "
           "\"seed\": %llu, \"mem_kind\": \"%s\", \"tp\": %d, \"decode_only_ref\": %s, "
           "\"ref_tokens\": %d,\n \"rows\": [\n",
           o->model, backend, host, mc->n_layers, mc->n_kv_heads, mc->head_dim, o->prompt,
           o->output, o->poisson ? "poisson" : "all", o->poisson ? o->rate : 0.0, o->kv_gb,
-          o->mem_util, o->max_batch_tokens, o->sink, o->window, o->duration,
+          o->mem_util, o->max_batch_tokens, o->sink, o->window, lf_evict_scope_str(o->scope),
+          o->duration,
           (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used", tp,
           o->decode_ref ? "true" : "false",
           o->decode_ref ? (o->ref_tokens ? o->ref_tokens : o->output) : 0);

@@ -39,8 +39,8 @@ typedef struct lf_batch_result {
 
 typedef struct lf_backend_params {
   lf_policy policy;
-  lf_evict_scope scope; /* LF_EVICT_LAYER: cpu only (engine.c checks); under tensor
-                           parallelism each rank's KV heads of a layer share a slot */
+  lf_evict_scope scope; /* LF_EVICT_LAYER: under tensor parallelism each rank's KV heads of a
+                           layer share a slot */
   int scope_groups;     /* LF_EVICT_LAYER on one rank: the layer's KV heads in this many groups
                            of one slot each (0/1: one); lf_engine_config.evict_groups */
   int budget, sink, window;

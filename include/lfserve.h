@@ -113,8 +113,8 @@ typedef struct lf_engine_config {
                                (docs/DESIGN.md §5); 0: not set */
   double mem_util;        /* fraction of kv_memory_bytes (or of free device memory) the pools
                              may take, in (0, 1]; default 0.9 (0: 0.9) */
-  lf_evict_scope evict_scope; /* default LF_EVICT_HEAD. LF_EVICT_LAYER (both backends):
-                                 rank-local under tensor parallelism */
+  lf_evict_scope evict_scope; /* lf_engine_config_default: LF_EVICT_LAYER, rank-local under
+                                 tensor parallelism (a zeroed config: LF_EVICT_HEAD) */
   int evict_groups;       /* LF_EVICT_LAYER on one rank: split each layer's KV heads into this
                              many contiguous groups of one eviction slot each (0 or 1: one
                              group). G = T gives on one rank exactly what T tensor-parallel
@@ -130,7 +130,7 @@ typedef struct lf_engine_config {
                              file. HF directory or GGUF models only. NULL or "": none */
 } lf_engine_config;
 
-/* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope head,
+/* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,
  * max_batch_tokens LF_MAX_BATCH_TOKENS_DEFAULT, the rest 0. */
 void lf_engine_config_default(lf_engine_config *cfg);
 

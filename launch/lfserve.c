@@ -1,6 +1,7 @@
 /* lfserve: an OpenAI-compatible HTTP server over the lfserve engine.
  *
  *   lfserve --model DIR [--lora DIR] [--budget B] [--port 8000] [--host 0.0.0.0] [--policy P]
+ *           [--evict-scope layer|head]
  *           [--pools N] [--max-queue N] [--backend auto|cpu|cuda] [--served-model-name NAME] ...
  *
  * This file holds main: the options, start-up (the engine, the model's tokenizer and chat
@@ -42,6 +43,8 @@ static void usage(FILE *f) {
           "  --budget B              KV slots per sequence (default: the model's context)\n"
           "  --policy P              longflow | full | streaming | h2o (default longflow)\n"
           "  --sink S  --window W    eviction sinks / prefill window (defaults 4, 32)\n"
+          "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
+          "                          (default layer; rank-local under mpirun)\n"
           "  --pools N               concurrent sequences (default: from --kv-memory-gb, else 1)\n"
           "  --kv-memory-gb G        memory for KV pools when --pools is not given\n"
           "  --max-queue N           waiting requests before 429 (default 1024)\n"
@@ -123,6 +126,8 @@ int main(int argc, char **argv) {
       cfg.kv_memory_bytes = (uint64_t)(g * 1073741824.0);
     } else if (!strcmp(a, "--policy")) {
       if (lf_policy_parse(v, &cfg.policy) != LF_OK) goto bad;
+    } else if (!strcmp(a, "--evict-scope")) {
+      if (lf_evict_scope_parse(v, &cfg.evict_scope) != LF_OK) goto bad;
     } else if (!strcmp(a, "--backend")) {
       if (lf_backend_parse(v, &cfg.backend) != LF_OK) goto bad;
     } else {

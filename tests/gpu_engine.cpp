@@ -72,11 +72,12 @@ struct Run {
 // Greedy generation of n_gen tokens after `prompt`, one sequence (or several at once).
 std::vector<Run> generate(lf_backend_kind kind, const lf_checkpoint &ck, lf_policy policy,
                           int budget, const std::vector<std::vector<int32_t>> &prompts, int n_gen,
-                          int no_graphs = 0) {
+                          int no_graphs = 0, lf_evict_scope scope = LF_EVICT_HEAD) {
   const int ns = int(prompts.size());
   const int vocab = ck.cfg.vocab_size;
   lf_backend_params p{};
   p.policy = policy;
+  p.scope = scope;
   p.budget = budget;
   p.sink = 4;
   p.window = 32;
@@ -191,12 +192,13 @@ struct E2E {
   ~E2E() { lf_checkpoint_close(&src); }
 
   void check(lf_policy policy, int budget, const std::vector<std::vector<int32_t>> &prompts,
-             int n_gen, size_t want) {
+             int n_gen, size_t want, lf_evict_scope scope = LF_EVICT_HEAD) {
     const lf_checkpoint &ck = src.random_weights ? src : b16.ck;
-    auto cpu = generate(LF_BACKEND_CPU, ck, policy, budget, prompts, n_gen);
-    auto gpu = generate(LF_BACKEND_CUDA, ck, policy, budget, prompts, n_gen);
+    auto cpu = generate(LF_BACKEND_CPU, ck, policy, budget, prompts, n_gen, 0, scope);
+    auto gpu = generate(LF_BACKEND_CUDA, ck, policy, budget, prompts, n_gen, 0, scope);
     for (size_t i = 0; i < prompts.size(); i++) {
-      const std::string what = name + " " + lf_policy_str(policy) + " B=" +
+      const std::string what = name + " " + lf_policy_str(policy) + " scope " +
+                               lf_evict_scope_str(scope) + " B=" +
                                std::to_string(budget) + " seq " + std::to_string(i) + "/" +
                                std::to_string(prompts.size()) + " prompt " +
                                std::to_string(prompts[i].size());
@@ -232,6 +234,11 @@ void e2e_model(const std::string &path) {
   m.check(LF_POLICY_LONGFLOW, 48, {prompt_of(9, V, 5), prompt_of(3, V, 6)}, n_gen, 200);
   // longflow with a prompt longer than the budget: SnapKV compression at prefill
   m.check(LF_POLICY_LONGFLOW, 64, {prompt_of(100, V, 7)}, std::min(n_gen, ctx - 110), 100);
+  // the same two with layer scope (one slot per layer; layer-wide SnapKV)
+  m.check(LF_POLICY_LONGFLOW, 48, {prompt_of(9, V, 5), prompt_of(3, V, 6)}, n_gen, 200,
+          LF_EVICT_LAYER);
+  m.check(LF_POLICY_LONGFLOW, 64, {prompt_of(100, V, 7)}, std::min(n_gen, ctx - 110), 100,
+          LF_EVICT_LAYER);
   // full policy outgrowing its pool: LF_ERR_CONTEXT_FULL on both
   m.check(LF_POLICY_FULL, 16, {prompt_of(6, V, 8)}, 20, 10);
 }

@@ -292,6 +292,7 @@ TEST(MpiGpuTp, EngineGreedyTokensMatchSingleGpu) {
       cfg.model_path = m.c_str();
       cfg.backend = LF_BACKEND_CUDA;
       cfg.policy = pol;
+      cfg.evict_scope = LF_EVICT_HEAD; // TP-invariant; layer scope is rank-local
       cfg.budget = pol == LF_POLICY_FULL ? 160 : 16;
       cfg.n_pools = 2;
       cfg.sink = 2;

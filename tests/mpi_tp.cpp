@@ -77,6 +77,9 @@ void compare_engines(const std::string &path, lf_policy policy, int budget, int 
   cfg.model_path = path.c_str();
   cfg.backend = LF_BACKEND_CPU;
   cfg.policy = policy;
+  // head scope: its evictions do not depend on how the heads are split, so T ranks must equal
+  // one; layer scope is rank-local (LayerScopeIsRankLocal holds it against evict_groups = T)
+  cfg.evict_scope = LF_EVICT_HEAD;
   cfg.budget = budget;
   cfg.n_pools = n_pools;
   cfg.sink = 2;

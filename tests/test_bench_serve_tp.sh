@@ -13,8 +13,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # random:tiny-llama: 2 KV heads, split by 2 ranks and replicated at 4; a budget below prompt + output,
-# so longflow and streaming evict; Poisson arrivals so requests join a running batch
-args=(serve --model random:tiny-llama --backend cpu --prompt 24 --output 80 --budget 40
+# so longflow and streaming evict; Poisson arrivals so requests join a running batch; head scope,
+# whose evictions do not depend on the split (layer scope is rank-local)
+args=(serve --model random:tiny-llama --backend cpu --evict-scope head --prompt 24 --output 80 --budget 40
   --policies full,longflow,streaming --threads 1 --quiet --arrival poisson --rate 400 --seed 7)
 "$LFBENCH" "${args[@]}" --n-pools 3 --requests 7 --json "$tmp/np1.json" >"$tmp/np1.txt"
 for np in 2 4; do

@@ -22,7 +22,7 @@ QUESTION="Describe, step by step, how to start a vegetable garden: choosing the 
 the soil, choosing and planting seeds, watering, and caring for the plants through the season."
 MAX_TOKENS=600
 # KV slots per layer and KV head: the prompt is 67 tokens, so slots are overwritten from the
-# 134th generated token on (greedy, this answer ends by itself after about 255 tokens). At 128
+# 134th generated token on (greedy, this answer ends by itself after about 290 tokens). At 128
 # slots this 135M model starts repeating itself; at 200 the answer stays whole.
 BUDGET=200
 echo "== SmolLM2-135M-Instruct ($gguf) =="

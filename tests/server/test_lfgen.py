@@ -115,8 +115,10 @@ def tests_tp(lfgen, mpiexec):
     model, n = model_for_tp()
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMP_NUM_THREADS="1")
-    args = [lfgen, "--model", model, "--prompt-ids", "1,2,3", "--max-tokens", n, "--policy",
+    # head scope: its evictions do not depend on how the KV heads are split over the ranks
+    base = [lfgen, "--model", model, "--prompt-ids", "1,2,3", "--max-tokens", n, "--policy",
             "longflow", "--budget", "64", "--ignore-eos", "--print-ids", "--backend", "cpu"]
+    args = base + ["--evict-scope", "head"]
     rc, out1, err1, _ = run(args, env=env)
     assert rc == 0, err1
     assert "tp " not in err1.splitlines()[-1], err1
@@ -130,6 +132,17 @@ def tests_tp(lfgen, mpiexec):
         assert stats(err) == ev1, (np, stats(err), ev1)
         print("ok  mpiexec -np %d: the ids and eviction count (%d) of one rank, 'tp %d' in the stats"
               % (np, ev1, np))
+    # layer scope (the default) is rank-local: 2 ranks evict as one rank with its KV heads in
+    # 2 groups, and (the test models have 2 or 4 KV heads a layer) not as one rank whole
+    rc, lay1, err, _ = run(base, env=env)
+    assert rc == 0 and "scope layer" in err, err
+    rc, grp, err, _ = run(base + ["--evict-groups", "2"], env=env)
+    assert rc == 0, err
+    rc, out, err, _ = run([mpiexec, "-np", "2", "--oversubscribe"] + base, env=env, timeout=300)
+    assert rc == 0, err
+    assert out == grp, "2 ranks under layer scope: not the ids of --evict-groups 2"
+    assert out != lay1, "2 ranks under layer scope gave one rank's whole-layer ids"
+    print("ok  mpiexec -np 2, layer scope: the ids of one rank with --evict-groups 2")
     # A LoRA adapter under tensor parallelism: every rank merges its own slices (4 ranks
     # replicate hf_tiny/llama's 2 KV heads); the ids are PEFT's greedy tokens.
     lora, ref = lora_case("llama")

@@ -116,7 +116,9 @@ def main():
     if a.backend == "cuda":
         launcher = [a.mpiexec, "-np", "2", "-x", "NCCL_NVLS_ENABLE=0"]
     model = make_tiny_chat_model(os.path.join(tempfile.mkdtemp(prefix="lfmpi-"), "tinychat"))
-    args = ("--budget", "64", "--pools", "4", "--threads", "1", "--backend", a.backend)
+    # head scope: the same evictions however the KV heads are split (layer scope is rank-local)
+    args = ("--budget", "64", "--pools", "4", "--threads", "1", "--backend", a.backend,
+            "--evict-scope", "head")
     servers, ok = [], True
     try:
         s = Server(a.lfserve, model, *args, env=env)
