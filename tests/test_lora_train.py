@@ -14,7 +14,9 @@ For each of hf_tiny/llama (untied embeddings) and hf_tiny/qwen2 (tied embeddings
      the reference;
   3. lfgen --lora DIR (full KV, greedy) must give the same tokens, up to the first step whose
      top-2 margin is too small to decide (reported; none expected);
-  4. with peft installed, PeftModel.from_pretrained on the same directory must give the same
+  4. the eviction simulator's model with the adapter merged (tools/evict/model.py, float64)
+     must give torch's log-probabilities over the prompt;
+  5. with peft installed, PeftModel.from_pretrained on the same directory must give the same
      logits (skipped without peft).
 Exit 77 (skipped) without torch, transformers or safetensors.
 """
@@ -111,6 +113,17 @@ def check_model(name, lfgen, tmp):
         if got[:n_ok] != tokens[:n_ok]:
             fail(f"{name}: lfgen --lora gave {got}, torch {tokens} (compared {n_ok} steps)")
         print(f"{name}: lfgen --lora: same greedy tokens ({n_ok} of {N_GEN} steps decided)")
+
+    # the eviction simulator merges the adapter itself (tools/evict/model.py, float64)
+    sys.path.insert(0, os.path.join(ROOT, "tools", "evict"))
+    import numpy as np
+    import model as evm
+    lp, _ = evm.full_pass(evm.Model(base, np.float64, lora=out), prompt)
+    d = float(np.abs(lp - torch.log_softmax(logits.double(), -1).numpy()).max())
+    # torch runs in float32 (~1e-4 here); without the merge they differ by about `moved` (> 0.05)
+    if not d <= 1e-3:
+        fail(f"{name}: tools/evict/model.py --lora log-probabilities differ from torch's by {d:.3g}")
+    print(f"{name}: tools/evict/model.py with the adapter: log-probabilities within {d:.2g}")
 
     try:
         import peft

@@ -183,6 +183,34 @@ def _load_gguf(path):
     return cfg, t
 
 
+def merge_lora(t, d):
+    """Adds a PEFT LoRA adapter (directory: adapter_config.json + adapter_model.safetensors) into
+    the HF-named float32 weights t: W += alpha / r * B @ A, as engine/lora.c merges it. Plain
+    LoRA only (no rslora, DoRA, biases or per-module ranks)."""
+    with open(os.path.join(d, "adapter_config.json")) as f:
+        ac = json.load(f)
+    if ac.get("use_rslora") or ac.get("use_dora") or ac.get("rank_pattern") or \
+            ac.get("alpha_pattern") or ac.get("bias", "none") != "none":
+        raise ValueError("%s: only plain LoRA adapters are supported" % d)
+    scale = float(ac["lora_alpha"]) / float(ac["r"])
+    ab = _read_safetensors(os.path.join(d, "adapter_model.safetensors"))
+    n = 0
+    for name, a in ab.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        base = name[:-len(".lora_A.weight")]
+        target = base[len("base_model.model."):] + ".weight"
+        if target not in t:
+            raise ValueError("%s: %s has no base weight %s" % (d, name, target))
+        b = ab[base + ".lora_B.weight"]
+        t[target] = (t[target].astype(np.float32) +
+                     np.float32(scale) * (b.astype(np.float32) @ a.astype(np.float32)))
+        n += 1
+    if n == 0:
+        raise ValueError("%s: no lora_A tensors" % d)
+    return n
+
+
 def rest_is(name, suffix):
     return name.startswith("blk.") and name.split(".", 2)[2] == suffix
 
@@ -216,8 +244,10 @@ class Model:
     """Weights in the compute dtype, fused for few BLAS calls: wqkv [dim][q+k+v], wo [q][dim],
     wgu [dim][2*hidden], wdown [hidden][dim] (x @ w layouts), lm_head [vocab][dim]."""
 
-    def __init__(self, path, dtype=np.float64):
+    def __init__(self, path, dtype=np.float64, lora=None):
         cfg, t = _load_gguf(path) if os.path.isfile(path) else _load_hf(path)
+        if lora:
+            merge_lora(t, lora)
         self.cfg = cfg
         self.path = path
         self.dtype = dtype

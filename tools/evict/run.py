@@ -26,6 +26,7 @@ scores (float64) and the metrics; one BLAS thread unless --threads.
 """
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -54,7 +55,29 @@ def parse():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "evict_sim_smollm2.json"))
     ap.add_argument("--bucket", type=int, default=200, help="KL curve bucket (positions)")
+    ap.add_argument("--lora", help="PEFT LoRA adapter merged into the model (model.merge_lora)")
+    ap.add_argument("--task", help="instead of --texts: task records (tools/task/gen.py --format "
+                    "hf), teacher-forced on prompt + completion; budgets are fractions of each "
+                    "record's output tokens, rounded up")
+    ap.add_argument("--task-n", type=int, default=1, help="the N records with the shortest output")
+    ap.add_argument("--tokenizer", help="tokenizer.json for --task (gen.py --save-hf-tokenizer)")
     return ap.parse_args()
+
+
+def task_items(a):
+    """(name, ids, n_prompt, output_tokens) of the --task-n shortest records, tokenized as
+    train_lora.py and lfbench eval do (prompt and completion separately)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "task"))
+    import gen
+    recs = [json.loads(x) for x in open(a.task) if x.strip()]
+    recs.sort(key=lambda r: r["output_tokens"])
+    tok = gen.load_hf_tokenizer(a.tokenizer)
+    out = []
+    for r in recs[:a.task_n]:
+        p = tok.encode(r["prompt"], add_special_tokens=False).ids
+        c = tok.encode(r["completion"], add_special_tokens=False).ids
+        out.append((r["id"], p + c, len(p), r["output_tokens"]))
+    return out
 
 
 def tokenizer_for(path):
@@ -110,14 +133,25 @@ def main():
                                      capture_output=True, text=True, check=True).stdout.strip()
     dt = np.float32 if a.dtype == "float32" else np.float64
     cpu0, wall0 = time.process_time(), time.time()
-    m = evm.Model(path, dt)
-    tok = tokenizer_for(path)
+    m = evm.Model(path, dt, lora=a.lora)
+    fr = [float(f) for f in a.budgets.split(",")]
+    if a.task:
+        items = task_items(a)
+    else:
+        tok = tokenizer_for(path)
+        items = []
+        for name in a.texts.split(","):
+            ids = tok(evt.TEXTS[name])["input_ids"]
+            if len(ids) < a.tokens:
+                raise SystemExit("text %s has %d tokens < %d" % (name, len(ids), a.tokens))
+            items.append((name, [int(x) for x in ids[:a.tokens]], 0, a.tokens))
     T = a.tokens
-    budgets = [int(round(float(f) * T)) for f in a.budgets.split(",")]
+    budgets = [int(round(f * T)) for f in fr]
     oracle_taus = [a.tau] + [float(x) for x in a.oracle_taus.split(",") if x]
     result = {
         "what": "eviction policies vs full KV, teacher-forced, in tools/evict/sim.py",
         "model": os.path.basename(path.rstrip("/")), "model_config": m.cfg.as_dict(),
+        "lora": a.lora, "task": a.task,
         "dtype": a.dtype, "tokens": T, "budgets": budgets, "budget_fractions": a.budgets,
         "sink": a.sink, "tau": a.tau, "oracle_taus": oracle_taus, "harm_window": a.harm_window,
         "random_seed": a.seed, "prompt": "first min(B)-1 tokens as one appended chunk, then decode",
@@ -129,6 +163,9 @@ def main():
                     "to with weight >= tau within the next harm_window steps",
             "needed_later": "share of evictions whose token the full run attends to strongly later at all",
             "kl_curve": "mean KL per bucket of positions [start, start + bucket) from t = B",
+            "tf_error": "share of the positions t >= B that predict a completion token (t >= "
+                        "n_prompt - 1) where the argmax is not the text's token t + 1 (full's "
+                        "over the same positions: tf_error_full)",
         },
         "host": platform.node(), "python": platform.python_version(), "numpy": np.__version__,
         "texts": {},
@@ -140,12 +177,10 @@ def main():
             "longflow rank-local scope (rank:%d) left out: %d ranks do not split this model's %d KV "
             "heads into groups of more than one, so it equals head scope (T >= Hkv) or layer "
             "scope (T = 1)" % (a.ranks, a.ranks, H))
-    for name in a.texts.split(","):
-        text = evt.TEXTS[name]
-        ids = tok(text)["input_ids"]
-        if len(ids) < T:
-            raise SystemExit("text %s has %d tokens < %d" % (name, len(ids), T))
-        ids = [int(x) for x in ids[:T]]
+    for name, ids, n_prompt, n_out in items:
+        T = len(ids)
+        if a.task:
+            budgets = [max(1, math.ceil(f * n_out)) for f in fr]
         t0 = time.time()
         stats = {}
         logp_full, tables = evm.full_pass(m, ids, taus=oracle_taus, stats=stats)
@@ -159,7 +194,9 @@ def main():
         kl = np.zeros((R, T))
         top1 = np.zeros((R, T), dtype=bool)
         nll = np.zeros((R, T))
+        wrong = np.zeros((R, T), dtype=bool)
         full_top = logp_full.argmax(-1)
+        full_wrong = np.array([full_top[t] != ids[t + 1] for t in range(T - 1)] + [False])
         t1 = time.time()
         for t in range(P0, T):
             logits = s.feed([ids[t]])
@@ -169,6 +206,7 @@ def main():
             top1[:, t] = lq.argmax(-1) == full_top[t]
             if t + 1 < T:
                 nll[:, t] = -lq[:, ids[t + 1]]
+                wrong[:, t] = lq.argmax(-1) != ids[t + 1]
             if (t - P0) % 200 == 0:
                 print("  text %s: position %d/%d, %.2f s/step" % (
                     name, t, T, (time.time() - t1) / max(1, t - P0)), flush=True)
@@ -180,6 +218,7 @@ def main():
             B = sp.budget
             sl = slice(B, T)
             sl_nll = slice(B, T - 1)
+            sl_tf = slice(max(B, n_prompt - 1), T - 1)
             curve = [float(kl[r, b:min(b + a.bucket, T)].mean()) for b in range(B, T, a.bucket)]
             runs[sp.name] = {
                 "policy": sp.policy, "scope": sp.scope, "budget": B, "sink": sp.sink,
@@ -188,18 +227,22 @@ def main():
                 "kl": float(kl[r, sl].mean()), "kl_median": float(np.median(kl[r, sl])),
                 "top1": float(top1[r, sl].mean()), "nll": float(nll[r, sl_nll].mean()),
                 "nll_full": float(full_nll[sl_nll].mean()),
+                "tf_error": float(wrong[r, sl_tf].mean()),
+                "tf_error_full": float(full_wrong[sl_tf].mean()),
                 "harm": float(harm[r]), "needed_later": float(later[r]),
                 "evictions": int(s.evictions[r]), "kl_curve": curve,
             }
         result["texts"][name] = {
-            "n_tokens": T, "token_ids": ids, "full_pass_s": round(t_full, 1),
+            "n_tokens": T, "n_prompt": n_prompt, "budgets": budgets, "token_ids": ids,
+            "full_pass_s": round(t_full, 1),
             "sim_s": round(t_sim, 1), "sink_mass_by_layer": [round(x, 4) for x in stats["sink_mass"]],
             "runs": runs,
         }
         print("text %s: full pass %.0f s, %d runs side by side %.0f s" % (name, t_full, R, t_sim))
         for k, v in runs.items():
-            print("  %-22s KL %.4f  top1 %.3f  nll %.3f (full %.3f)  harm %.3f" % (
-                k, v["kl"], v["top1"], v["nll"], v["nll_full"], v["harm"]))
+            print("  %-22s KL %.4f  top1 %.3f  nll %.3f (full %.3f)  tf err %.4f (full %.4f)  "
+                  "harm %.3f" % (k, v["kl"], v["top1"], v["nll"], v["nll_full"], v["tf_error"],
+                                 v["tf_error_full"], v["harm"]))
     result["cpu_s"] = round(time.process_time() - cpu0, 1)
     result["wall_s"] = round(time.time() - wall0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
