@@ -392,6 +392,10 @@ typedef struct serve_row {
    * window (steps with none are not counted) */
   double decode_batch_mean;
   int decode_batch_max;
+  /* steps of the window split by whether some submitted request was still without its first
+   * token before the step (its prompt in the step, or waiting for a pool): count and mean ms */
+  uint64_t prompt_steps, decode_steps;
+  double prompt_step_ms, decode_step_ms;
   /* --decode-only-ref (ref_batch 0: not measured) */
   int ref_batch, ref_steps;
   double ref_prefill_s, ref_step_mean_s, ref_step_median_s;
@@ -613,6 +617,8 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   int next_sub = 0, done = 0, rc = 0;
   int decoding = 0, dec_steps = 0; /* the decode batch: see serve_row */
   double dec_sum = 0.0;
+  int no_token = 0; /* submitted, not finished, no token yet */
+  double prompt_step_s = 0.0, decode_step_s = 0.0;
   const double t0 = lf_now_s();
   double last_mem = t0, last_util = t0, last_print = t0;
   double t_end, cutoff = -1.0;
@@ -641,6 +647,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       }
       rq[next_sub].submit_t = tn;
       rq[next_sub].submitted = 1;
+      no_token++;
       next_sub++;
     }
     if (!lf_engine_busy(e)) {
@@ -665,8 +672,16 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
     const double te = lf_now_s();
     if (cutoff < 0) { /* steps that drain cancellations after the window are not counted */
       const double lim = o->duration > 0 ? t0 + o->duration : te;
-      r->step_s += (te < lim ? te : lim) - ts;
+      const double dt = (te < lim ? te : lim) - ts;
+      r->step_s += dt;
       r->steps++;
+      if (no_token > 0) {
+        prompt_step_s += dt;
+        r->prompt_steps++;
+      } else {
+        decode_step_s += dt;
+        r->decode_steps++;
+      }
     }
     if (s != LF_OK) {
       fprintf(stderr, "lfbench serve: step: %s: %s\n", lf_status_str(s), lf_last_error());
@@ -685,6 +700,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       if (ev[k].type == LF_EVENT_TOKEN) {
         if (cutoff >= 0) continue; /* after the window */
         if (!q->tokens) {
+          no_token--;
           q->first_t = te;
           q->hash = FNV_OFFSET;
           q->decoding = 1;
@@ -698,6 +714,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
           q->decoding = 0;
           decoding--;
         }
+        if (!q->tokens) no_token--;
         q->finished = 1;
         q->reason = ev[k].reason;
         q->status = ev[k].status;
@@ -759,6 +776,8 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   if (r->host_s < 0) r->host_s = 0;
   r->mean_step_ms = r->steps ? 1e3 * r->step_s / (double)r->steps : 0.0;
   r->decode_batch_mean = dec_steps ? dec_sum / dec_steps : 0.0;
+  r->prompt_step_ms = r->prompt_steps ? 1e3 * prompt_step_s / (double)r->prompt_steps : 0.0;
+  r->decode_step_ms = r->decode_steps ? 1e3 * decode_step_s / (double)r->decode_steps : 0.0;
   r->gpu_busy = gpu_util_close(&gu);
   {
     lf_metrics m;
@@ -859,7 +878,8 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             "\"host_fraction\": %.5f, \"idle_fraction\": %.5f, \"gpu_busy\": %s, "
             "\"mem_before\": %llu, \"mem_init\": %llu, \"mem_peak\": %llu, \"mem_end\": %llu, "
             "\"evictions\": %llu, \"tokens_fnv1a\": \"%016llx\", \"decode_batch_mean\": %.3f, "
-            "\"decode_batch_max\": %d, \"ref_batch\": %s, \"ref_steps\": %s, "
+            "\"decode_batch_max\": %d, \"prompt_steps\": %llu, \"prompt_step_ms\": %.4f, "
+            "\"decode_steps\": %llu, \"decode_step_ms\": %.4f, \"ref_batch\": %s, \"ref_steps\": %s, "
             "\"ref_prefill_s\": %s, \"ref_decode_step_ms\": %s, \"ref_decode_step_ms_median\": %s, "
             "\"tpot_p99_over_ref\": %s, \"ttft_p50_over_ref_prefill\": %s}%s\n",
             r->policy, r->budget, r->pools, (unsigned long long)r->pool_bytes, r->n_req,
@@ -871,7 +891,8 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             (unsigned long long)r->mem_init, (unsigned long long)r->mem_peak,
             (unsigned long long)r->mem_end, (unsigned long long)r->evictions,
             (unsigned long long)r->tokens_hash, r->decode_batch_mean, r->decode_batch_max,
-            ref[0], ref[1], ref[2], ref[3], ref[4], ref[5], ref[6], i + 1 < n ? "," : "");
+            (unsigned long long)r->prompt_steps, r->prompt_step_ms,
+            (unsigned long long)r->decode_steps, r->decode_step_ms, ref[0], ref[1], ref[2], ref[3], ref[4], ref[5], ref[6], i + 1 < n ? "," : "");
   }
   fprintf(f, "]}\n");
   fclose(f);
@@ -953,6 +974,10 @@ int bench_serve(int argc, char **argv) {
     printf("# %s: decode batch (sequences past their first token, before each step) mean %.1f, "
            "max %d\n",
            r->policy, r->decode_batch_mean, r->decode_batch_max);
+    printf("# %s: steps with a request still before its first token (prompt work or a wait for "
+           "a pool): %llu, mean %.3f ms; the others: %llu, mean %.3f ms\n",
+           r->policy, (unsigned long long)r->prompt_steps, r->prompt_step_ms,
+           (unsigned long long)r->decode_steps, r->decode_step_ms);
     if (!o.decode_ref) continue;
     if (!r->ref_batch) {
       printf("# %s: decode-only reference: not measured\n", r->policy);
