@@ -37,6 +37,15 @@ typedef struct lf_attn_params {
                            The forward reads it; the functions below see one group's heads */
 } lf_attn_params;
 
+/* KV heads that share one eviction decision: 1 for LF_EVICT_HEAD; for LF_EVICT_LAYER the n_kv
+ * heads held here, or one of `groups` contiguous groups of them when groups > 1. 0 when groups
+ * does not divide n_kv. */
+static inline int lf_evict_group_heads(lf_evict_scope scope, int groups, int n_kv) {
+  if (scope != LF_EVICT_LAYER) return 1;
+  if (groups <= 1) return n_kv;
+  return n_kv % groups ? 0 : n_kv / groups;
+}
+
 /* Reusable scratch for the decode step, so a forward does not allocate per call: zero it
  * ({0}) before first use; the functions grow it as needed; free it with lf_attn_scratch_free. */
 typedef struct lf_attn_scratch {

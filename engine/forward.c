@@ -170,7 +170,7 @@ lf_status lf_cpu_forward_init_tp(lf_cpu_forward *f, const lf_model_config *cfg,
                       "forward: eviction groups (%d) apply to a single rank; under tensor "
                       "parallelism each rank's KV heads are one group",
                       g);
-    if (f->sh.n_kv % g)
+    if (!lf_evict_group_heads(ap->scope, g, f->sh.n_kv))
       return lf_error(LF_ERR_INVALID_ARG,
                       "forward: %d KV heads do not split into %d eviction groups", f->sh.n_kv, g);
   } else if (ap->scope_groups > 1) {
@@ -267,9 +267,7 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
      * call, prefill's decode steps included. An error here (only LF_ERR_CONTEXT_FULL in
      * practice) depends on the pool's fill alone, which is the same on every rank, so all ranks
      * leave at the same point and no collective is left half-entered. */
-    const int per = f->ap.scope != LF_EVICT_LAYER ? 1
-                    : f->ap.scope_groups > 1     ? hkv / f->ap.scope_groups
-                                                 : hkv;
+    const int per = lf_evict_group_heads(f->ap.scope, f->ap.scope_groups, hkv);
     for (int t = 0; pools && t < n_tok; t++) {
       float *att = f->att + (size_t)t * qd;
       if (status[t] != LF_OK) {

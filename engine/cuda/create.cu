@@ -280,14 +280,10 @@ static lf_status create(cuda_backend *c) {
     CB_ALLOC(c->simple_scratch,
              lf_cuda_decode_attn_simple_scratch(c->max_items, m->n_heads, p->budget) * 4);
   }
-  c->evict_per = 1;
-  if (p->scope == LF_EVICT_LAYER) {
-    const int groups = p->scope_groups > 1 ? p->scope_groups : 1;
-    if (hkv % groups)
-      return lf_error(LF_ERR_INVALID_ARG, "cuda backend: %d KV heads do not split into %d "
-                      "eviction groups", hkv, groups);
-    c->evict_per = hkv / groups;
-  }
+  c->evict_per = lf_evict_group_heads(p->scope, p->scope_groups, hkv);
+  if (!c->evict_per)
+    return lf_error(LF_ERR_INVALID_ARG, "cuda backend: %d KV heads do not split into %d "
+                    "eviction groups", hkv, p->scope_groups);
   if (c->evict_per > 1 && p->policy == LF_POLICY_LONGFLOW)
     CB_ALLOC(c->scores, (size_t)c->max_items * hkv * p->budget * 4);
   c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
