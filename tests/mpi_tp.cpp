@@ -70,20 +70,27 @@ bool all_agree(bool v) {
   return x != 0;
 }
 
-void compare_engines(const std::string &path, lf_policy policy, int budget, int n_pools,
-                     const std::vector<TpGen> &gens) {
+// The cpu engines these tests compare: small pools, sink 2, SnapKV window 4.
+lf_engine_config small_cpu_config(const char *path, lf_policy policy, lf_evict_scope scope,
+                                  int budget, int n_pools) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
-  cfg.model_path = path.c_str();
+  cfg.model_path = path;
   cfg.backend = LF_BACKEND_CPU;
   cfg.policy = policy;
-  // head scope: its evictions do not depend on how the heads are split, so T ranks must equal
-  // one; layer scope is rank-local (LayerScopeIsRankLocal holds it against evict_groups = T)
-  cfg.evict_scope = LF_EVICT_HEAD;
+  cfg.evict_scope = scope;
   cfg.budget = budget;
   cfg.n_pools = n_pools;
   cfg.sink = 2;
   cfg.window = 4;
+  return cfg;
+}
+
+void compare_engines(const std::string &path, lf_policy policy, int budget, int n_pools,
+                     const std::vector<TpGen> &gens) {
+  // head scope: its evictions do not depend on how the heads are split, so T ranks must equal
+  // one; layer scope is rank-local (LayerScopeIsRankLocal holds it against evict_groups = T)
+  const lf_engine_config cfg = small_cpu_config(path.c_str(), policy, LF_EVICT_HEAD, budget, n_pools);
   auto [tp, ref] = lf_tp_test_run_both(cfg, g_comm, gens);
   if (g_comm->rank != 0) return;
   ASSERT_EQ(ref.size(), gens.size());
@@ -126,16 +133,7 @@ TEST(MpiTp, LayerScopeIsRankLocal) {
   const char *model = "random:tiny-llama-kv4";
   const int T = g_comm->size, groups = T < 4 ? T : 4;
   if (!all_agree(plan_fits(model))) GTEST_SKIP() << model << " does not split over " << T;
-  lf_engine_config cfg;
-  lf_engine_config_default(&cfg);
-  cfg.model_path = model;
-  cfg.backend = LF_BACKEND_CPU;
-  cfg.policy = LF_POLICY_LONGFLOW;
-  cfg.evict_scope = LF_EVICT_LAYER;
-  cfg.budget = 16;
-  cfg.n_pools = 2;
-  cfg.sink = 2;
-  cfg.window = 4;
+  const lf_engine_config cfg = small_cpu_config(model, LF_POLICY_LONGFLOW, LF_EVICT_LAYER, 16, 2);
   const std::vector<TpGen> gens = {{prompt_of(9, 1024, 0), 60, 0.0f, 0},
                                    {prompt_of(23, 1024, 1), 50, 0.0f, 0},
                                    {prompt_of(5, 1024, 2), 40, 0.8f, 7}};
