@@ -24,6 +24,19 @@ static __device__ float block_reduce(float x, int is_max, float *red) {
   return x;
 }
 
+/* The block's smallest (score, slot) key; every thread gets it. */
+static __device__ unsigned long long block_min_key(unsigned long long x, unsigned long long *red) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = y < x ? y : x;
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = red[0];
+  for (int i = 1; i < DEC_NT / 32; i++) x = red[i] < x ? red[i] : x;
+  return x;
+}
+
 /* One block per (KV head g, sequence s). Logits, then weights, of the group's heads live in the
  * scratch [s][head][budget]. */
 static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
@@ -94,16 +107,8 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
     }
     best = key < best ? key : best;
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long y = __shfl_xor_sync(0xffffffffu, best, o);
-    best = y < best ? y : best;
-  }
-  if ((threadIdx.x & 31) == 0) redk[threadIdx.x >> 5] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int i = 1; i < DEC_NT / 32; i++) best = redk[i] < best ? redk[i] : best;
-    p.next[hidx] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
-  }
+  best = block_min_key(best, redk);
+  if (threadIdx.x == 0) p.next[hidx] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
 }
 
 extern "C" size_t lf_cuda_decode_attn_simple_scratch(int n_seq, int n_heads, int budget) {
@@ -153,16 +158,8 @@ static __global__ void layer_argmin_kernel(lf_cuda_pool_view p, int layer, const
     const unsigned long long key = ((unsigned long long)__float_as_uint(sum) << 32) | (unsigned)i;
     best = key < best ? key : best;
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long y = __shfl_xor_sync(0xffffffffu, best, o);
-    best = y < best ? y : best;
-  }
-  if ((threadIdx.x & 31) == 0) redk[threadIdx.x >> 5] = best;
-  __syncthreads();
-  if (threadIdx.x < per) {
-    for (int i = 0; i < DEC_NT / 32; i++) best = redk[i] < best ? redk[i] : best;
-    p.next[hidx + threadIdx.x] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
-  }
+  best = block_min_key(best, redk);
+  if (threadIdx.x < per) p.next[hidx + threadIdx.x] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
 }
 
 extern "C" lf_status lf_cuda_layer_argmin(const lf_cuda_pool_view *pv, int layer, int n_seq,

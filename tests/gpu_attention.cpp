@@ -61,6 +61,42 @@ struct DevPool {
   }
 };
 
+// Step 1 of a decode step on the host, layer 0: *after (initialised by the caller) becomes a
+// copy of a with each sequence's new k and v (kn, vn: [seq][kv head][head_dim]) in the slot
+// lf_kv_write_slot picks, at position 1000 + seq, the fill count grown. -> the write slots
+// [seq][kv head].
+std::vector<int32_t> write_new_tokens(const lf_kv_arena &a, lf_kv_arena *after,
+                                      const std::vector<int32_t> &pools,
+                                      const std::vector<float> &kn, const std::vector<float> &vn) {
+  const lf_pool_shape &ps = a.shape;
+  const int hkv = ps.n_kv_heads, B = ps.budget, D = ps.head_dim, NS = int(pools.size());
+  const size_t heads = size_t(ps.n_pools) * ps.n_layers * hkv, slots = heads * B;
+  std::copy(a.k, a.k + slots * D, after->k);
+  std::copy(a.v, a.v + slots * D, after->v);
+  std::copy(a.vnorm, a.vnorm + slots, after->vnorm);
+  std::copy(a.pos, a.pos + slots, after->pos);
+  std::copy(a.n, a.n + heads, after->n);
+  std::copy(a.next, a.next + heads, after->next);
+  std::vector<int32_t> w(size_t(NS) * hkv);
+  for (int s2 = 0; s2 < NS; s2++)
+    for (int g = 0; g < hkv; g++) {
+      lf_kv_head h = lf_kv_arena_head(after, pools[size_t(s2)], 0, g);
+      const int ws = lf_kv_write_slot(&h);
+      w[size_t(s2) * hkv + g] = ws;
+      const float *kr = &kn[(size_t(s2) * hkv + g) * D], *vr = &vn[(size_t(s2) * hkv + g) * D];
+      double l1 = 0;
+      for (int d = 0; d < D; d++) {
+        h.k[size_t(ws) * D + d] = kr[d];
+        h.v[size_t(ws) * D + d] = vr[d];
+        l1 += std::fabs(double(vr[d]));
+      }
+      h.vnorm[ws] = float(l1);
+      h.pos[ws] = 1000 + s2;
+      if (*h.n < B) (*h.n)++;
+    }
+  return w;
+}
+
 // The generic decode attention (steps 2-4) against lf_attn_decode_ref on identical bf16 inputs:
 // outputs within bf16 tolerance, next equal except at near-ties of the cpu scores.
 TEST(GpuKernels, DecodeAttnVsReference) {
@@ -104,29 +140,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
             for (auto &x : vn) x = bfr(nd(r));
             lf_kv_arena after;
             ASSERT_EQ(lf_kv_arena_init(&after, &ps), LF_OK);
-            const size_t slots = size_t(P) * hkv * B;
-            std::copy(a.k, a.k + slots * D, after.k);
-            std::copy(a.v, a.v + slots * D, after.v);
-            std::copy(a.vnorm, a.vnorm + slots, after.vnorm);
-            std::copy(a.pos, a.pos + slots, after.pos);
-            std::copy(a.n, a.n + size_t(P) * hkv, after.n);
-            std::copy(a.next, a.next + size_t(P) * hkv, after.next);
-            std::vector<int32_t> w(static_cast<size_t>(NS) * hkv);
-            for (int s2 = 0; s2 < NS; s2++)
-              for (int g = 0; g < hkv; g++) {
-                lf_kv_head h = lf_kv_arena_head(&after, pools[size_t(s2)], 0, g);
-                const int ws = lf_kv_write_slot(&h);
-                w[size_t(s2) * hkv + g] = ws;
-                double l1 = 0;
-                for (int d = 0; d < D; d++) {
-                  h.k[size_t(ws) * D + d] = kn[(static_cast<size_t>(s2) * hkv + g) * D + d];
-                  h.v[size_t(ws) * D + d] = vn[(static_cast<size_t>(s2) * hkv + g) * D + d];
-                  l1 += std::fabs(double(vn[(static_cast<size_t>(s2) * hkv + g) * D + d]));
-                }
-                h.vnorm[ws] = float(l1);
-                h.pos[ws] = 1000 + s2;
-                if (*h.n < B) (*h.n)++;
-              }
+            const std::vector<int32_t> w = write_new_tokens(a, &after, pools, kn, vn);
             DevPool dp;
             dp.init(after);
             dp.upload(after);
@@ -352,28 +366,7 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
           // the device gets the pools after step 1 (the new k/v in the shared slot)
           lf_kv_arena after;
           ASSERT_EQ(lf_kv_arena_init(&after, &ps), LF_OK);
-          const size_t slots = size_t(P) * hkv * B;
-          std::copy(a.k, a.k + slots * D, after.k);
-          std::copy(a.v, a.v + slots * D, after.v);
-          std::copy(a.vnorm, a.vnorm + slots, after.vnorm);
-          std::copy(a.pos, a.pos + slots, after.pos);
-          std::copy(a.n, a.n + size_t(P) * hkv, after.n);
-          std::copy(a.next, a.next + size_t(P) * hkv, after.next);
-          std::vector<int32_t> w(size_t(NS) * hkv);
-          for (int s2 = 0; s2 < NS; s2++)
-            for (int g = 0; g < hkv; g++) {
-              lf_kv_head h = lf_kv_arena_head(&after, pools[size_t(s2)], 0, g);
-              const int ws = lf_kv_write_slot(&h);
-              w[size_t(s2) * hkv + g] = ws;
-              double l1 = 0;
-              for (int d = 0; d < D; d++) {
-                h.k[size_t(ws) * D + d] = kn[(size_t(s2) * hkv + g) * D + d];
-                h.v[size_t(ws) * D + d] = vn[(size_t(s2) * hkv + g) * D + d];
-                l1 += std::fabs(double(vn[(size_t(s2) * hkv + g) * D + d]));
-              }
-              h.vnorm[ws] = float(l1);
-              h.pos[ws] = 1000 + s2;
-            }
+          const std::vector<int32_t> w = write_new_tokens(a, &after, pools, kn, vn);
           DevPool dp;
           dp.init(after);
           dp.upload(after);
