@@ -84,6 +84,8 @@ def parse_prompt(prompt):
             remind = int(ln[7:])
         elif ln.startswith("check "):
             steps = int(ln[6:])
+        elif ln == "show op":
+            pass
         else:
             name = None
             if ln.startswith("R"):
@@ -304,6 +306,56 @@ def test_knobs_recorded():
 
 # ---- 3. partial credit, hf records, the command line ---------------------------------------------
 
+def test_show_op():
+    """show_op: the prompt says `show op`; every executed line is `NAME xA<op>yB zC`, its
+    operator the rule's (read from the prompt here) and its result A <op> B mod 10; the operator
+    characters, and only they, have the role "op", with a look-back to an operator of the same
+    rule text; solve(prompt) == output. Off, no line has an operator between its operands."""
+    import re
+    line_re = re.compile(r"^(\S+) ([a-z])(\d)([+-])([a-z])(\d) ([a-z])(\d)( \|.*)?$")
+    for kw in [{"named_rules": True, "reread": 0.03, "remind": 2}, {"reread": 0.01},
+               {"named_rules": True}, {}]:
+        for i in range(4):
+            p = gen.make_problem(gen.problem_seed("show-op", 0, i), min_len=600, max_len=2500,
+                                 show_op=True, **kw)
+            tag = f"show_op {kw} #{i}"
+            check("\nshow op\nrun " in p["prompt"] and p["knobs"]["show_op"], f"{tag}: prompt")
+            check(gen.solve(p["prompt"]) == p["output"], f"{tag}: solve(prompt) != output")
+            _, rules, _, _, named, _ = parse_prompt(p["prompt"])
+            by = {r["name"] if named else r["text"]: r for r in rules}
+            ops_at, executed = set(), 0
+            at = 0
+            for line in p["output"].split("\n"):
+                m = line_re.match(line)
+                if m:
+                    r = by[m.group(1)]
+                    op = r["text"][3]
+                    a, b = int(m.group(3)), int(m.group(6))
+                    want = (a + b) % 10 if op == "+" else (a - b) % 10
+                    check((m.group(2), m.group(5), m.group(7)) == (r["x"], r["y"], r["dst"]) and
+                          m.group(4) == op and int(m.group(8)) == want, f"{tag}: line {line!r}")
+                    ops_at.add(at + len(m.group(1)) + 3)
+                    executed += 1
+                else:
+                    check(line == "" or line.startswith(("#", "recall", "ans ")) or
+                          line.endswith(" ."), f"{tag}: unexpected line {line!r}")
+                at += len(line) + 1
+            check(executed > 0, f"{tag}: no executed line")
+            seq = "\x00" + p["prompt"] + p["output"]
+            start = 1 + len(p["prompt"])
+            got = {j for j, (role, _) in enumerate(p["_roles"]) if role == "op"}
+            check(got == ops_at, f"{tag}: op roles at {sorted(got - ops_at)[:5]} / missing "
+                                 f"{sorted(ops_at - got)[:5]}")
+            for j in got:
+                back = p["_roles"][j][1]
+                check(back and seq[start + j - back] == p["output"][j] and
+                      seq[start + j - back - 2] == "=", f"{tag}: op look-back {back} at {j}")
+            q = gen.make_problem(gen.problem_seed("show-op", 0, i), min_len=600, max_len=2500,
+                                 **kw)
+            check(not any(line_re.match(x) for x in q["output"].split("\n")) and
+                  "show op" not in q["prompt"], f"{tag}: operators written with show_op off")
+
+
 def test_credit():
     want = "ans a5 b1 c8 d2"
     cases = [(want, 1.0), ("ans a5 b1 c8 d3", 0.75), ("ans a5 b1", 0.5), (None, 0.0),
@@ -393,7 +445,8 @@ def test_roles():
     lands on the same digit (the register's latest value, in the prompt or the output), and only
     value digits carry one besides headers, rules and skips; results and headers are digits."""
     settings = [{}, {"reread": 0.03}, {"named_rules": True, "remind": 2},
-                {"reread": 0.1, "named_rules": True, "remind": 1, "memo": (1, 2)}]
+                {"reread": 0.1, "named_rules": True, "remind": 1, "memo": (1, 2)},
+                {"named_rules": True, "reread": 0.03, "remind": 2, "show_op": True}]
     for kw in settings:
         for i in range(6):
             p = gen.make_problem(gen.problem_seed("roles", 0, i), min_len=600, max_len=1500, **kw)
@@ -413,7 +466,8 @@ def test_roles():
                     check(c.isdigit(), f"roles: {role} char {c!r} at {j} {kw}")
                 elif role in ("newline", "space"):
                     check(c in "\n ", f"roles: {role} char {c!r} at {j} {kw}")
-                if back is not None and role.split(":")[0] not in ("value", "header", "rule", "skip"):
+                if back is not None and role.split(":")[0] not in ("value", "header", "rule", "skip",
+                                                                   "op"):
                     check(False, f"roles: {role} has a look-back at {j} {kw}")
             want = {"header", "newline", "space", "rule", "name", "value", "result", "ans"}
             check(want <= seen, f"roles: missing {want - seen} {kw}")
@@ -425,7 +479,8 @@ def test_live_set():
     """live_tokens against a brute-force count (every step, every source token), and _deps
     against the roles: every value digit's source (its look-back) lies inside a dependency that
     the digit's register name reads."""
-    for kw in [{}, {"named_rules": True, "reread": 0.03, "remind": 2}]:
+    for kw in [{}, {"named_rules": True, "reread": 0.03, "remind": 2},
+               {"named_rules": True, "reread": 0.03, "remind": 2, "show_op": True}]:
         for i in range(4):
             p = gen.make_problem(gen.problem_seed("live", 0, i), min_len=500, max_len=1200, **kw)
             deps, start = p["_deps"], 1 + len(p["prompt"])
@@ -450,7 +505,7 @@ def test_live_set():
 
 def main():
     for t in (test_defaults, test_reread, test_named_rules, test_remind, test_knobs_recorded,
-              test_credit, test_hf_format, test_cli, test_roles, test_live_set):
+              test_show_op, test_credit, test_hf_format, test_cli, test_roles, test_live_set):
         t()
     if failures:
         print(f"task_gen: {len(failures)} FAILED")

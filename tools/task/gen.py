@@ -168,7 +168,7 @@ DEFAULT_PERIODS = (2, 5, 10, 20, 25, 50)
 HOT_LINE = 15   # "a=a+b a3 b7 a0\n"
 HEADER = 4      # "#24\n"
 # Redundancy knobs (docs/TASK.md §9). Their defaults give exactly the original problems.
-DEFAULT_KNOBS = {"reread": None, "named_rules": False, "remind": None}
+DEFAULT_KNOBS = {"reread": None, "named_rules": False, "remind": None, "show_op": False}
 MIN_ROUNDS = 4          # the original problems; with a redundancy knob set, rounds can be
 MIN_ROUNDS_KNOBS = 2    # few and long (1% re-read leaves room for a handful in 8k tokens)
 MAX_ROUNDS = 99
@@ -234,7 +234,7 @@ def _steps_for(needed, base_len, lines, reread):
 
 def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), consts=(2, 4),
                  memo=(0, 0), periods=DEFAULT_PERIODS, ops="+-", pid=None,
-                 reread=None, named_rules=False, remind=None):
+                 reread=None, named_rules=False, remind=None, show_op=False):
     """One problem, a pure function of its arguments. Output length lands within about one
     round of a target drawn uniformly from [min_len, max_len]. `memo` constants are read by no
     rule, only by the answer line: their value is the whole output back.
@@ -248,6 +248,10 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
       remind       None (never), or K: every round whose number is a multiple of K restates the
                    value of every cold register and constant (`recall ...`, after the header), so
                    such a value is never more than K rounds back (memo constants are not restated)
+      show_op      an executed line writes the rule's operator between its two operands
+                   (`R1 a9+z4 a3` instead of `R1 a9 z4 a3`; the prompt says `show op`): the
+                   operator is then a copy, and the result depends only on the three characters
+                   before it
     """
     if reread is not None and not 0 < reread < 1:
         raise ValueError(f"reread must be in (0, 1): {reread}")
@@ -327,6 +331,8 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
             lines.append(f"recall@{remind}")
         if steps:
             lines.append(f"check {steps}")
+        if show_op:
+            lines.append("show op")
         lines.append(f"run {n_rounds:02d}")
         prompt = "\n".join(lines) + "\n"
 
@@ -411,7 +417,10 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
                 emit(text, "rule", rule_back)
                 emit(" ", "space")
                 read(x, "const" if x in constants else kind, label)
-                emit(" ", "space")
+                if show_op:  # a copy of the rule's operator (its latest copy, or the prompt)
+                    emit(op, "op", pos - (rule_src[v] + 3))
+                else:
+                    emit(" ", "space")
                 read(y, "const" if y in constants else kind, label)
                 a = values[x]
                 values[v] = (values[x] + values[y]) % 10 if op == "+" else \
@@ -446,7 +455,7 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
     round_len = HEADER + HOT_LINE * n_hot + n_cold * 11.5
     n_rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, round((target - ans_len) / round_len)))
     steps = 0
-    knobbed = reread is not None or named_rules or remind
+    knobbed = reread is not None or named_rules or remind or show_op
     if knobbed:
         # The knobs change the round length: measure it (unpadded text, plus the check walks the
         # reread target asks for) and re-aim; keep the round count whose output is nearest the
@@ -496,7 +505,9 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
                   "cold": list(_range(cold)), "consts": list(_range(consts)),
                   "memo": list(_range(memo)), "periods": list(periods), "ops": ops,
                   "reread": reread, "named_rules": bool(named_rules),
-                  "remind": int(remind) if remind else None},
+                  "remind": int(remind) if remind else None,
+                  # recorded only when on, so records made before the knob stay as they were
+                  **({"show_op": True} if show_op else {})},
         # measured on this problem, in task (character) tokens
         "redundancy": {
             "reread": round(len(need) / output_tokens, 6),
@@ -516,7 +527,8 @@ def make_problem(seed, min_len=1000, max_len=8000, hot=(3, 5), cold=(2, 4), cons
         # the previous one), newline, space, text, recall, rule (a rule's name or copied text,
         # look-back to its source), skip (" ." of a rule that does not run this round), name:K and
         # value:K for a register read of kind K (hot, cold, const, recall, ans, memo; the value
-        # digit's look-back is to that register's latest value), result_name, result, check
+        # digit's look-back is to that register's latest value), op (show_op: the operator,
+        # look-back to the rule text it copies), result_name, result, check
         # (scratch walk), ans
         "_roles": roles,
         # (lo, hi, reader) in sequence positions (<bos> 0, prompt character i at i + 1, output
@@ -583,6 +595,8 @@ def knobs_label(knobs):
         parts.append("named rules")
     if knobs.get("remind"):
         parts.append(f"K={knobs['remind']}")
+    if knobs.get("show_op"):
+        parts.append("op shown")
     return ", ".join(parts)
 
 
@@ -608,6 +622,9 @@ def add_task_args(ap, min_len=1000, max_len=8000):
     g.add_argument("--remind", type=_remind_arg, default=None, metavar="K",
                    help="restate every cold register and constant in rounds that are multiples "
                         "of K, bounding their look-back to K rounds (default inf: never)")
+    g.add_argument("--show-op", action="store_true",
+                   help="write the rule's operator between the operands of an executed line "
+                        "(a9+z4, not a9 z4): a copy, instead of a look-up the result depends on")
 
 
 def solve(prompt):
@@ -617,8 +634,11 @@ def solve(prompt):
     assert lines[0].startswith("init ") and lines[-1].startswith("run ")
     val = {t[0]: int(t[1:]) for t in lines[0][5:].split(" ")}
     order = list(val)
-    rules, remind, steps = [], 0, 0
+    rules, remind, steps, show_op = [], 0, 0, False
     for ln in lines[1:-1]:
+        if ln == "show op":
+            show_op = True
+            continue
         if ln.startswith("recall@"):
             remind = int(ln[7:])
             continue
@@ -651,7 +671,7 @@ def solve(prompt):
                 for k in range(steps, 0, -1):
                     u, w = w, (u + w) % 10
                     walk += f" {k}:{w}"
-            out.append(f"{text} {x}{a} {y}{b} {dst}{val[dst]}{walk}")
+            out.append(f"{text} {x}{a}{op if show_op else ' '}{y}{b} {dst}{val[dst]}{walk}")
     out.append("ans " + " ".join(f"{v}{val[v]}" for v in order))
     return "\n".join(out) + "\n"
 
@@ -856,7 +876,8 @@ def self_test():
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
     texts = ["init a3 b7\na=a+b a3 b7 a0\n#24\n", "".join(CHARS), "  x  \n\n ~!@#$%^&*()_+{}|:\"<>?"]
     knob_sets = [{}, {"named_rules": True}, {"remind": 2}, {"reread": 0.03},
-                 {"reread": 0.01, "named_rules": True, "remind": 1}]
+                 {"reread": 0.01, "named_rules": True, "remind": 1},
+                 {"reread": 0.03, "named_rules": True, "remind": 2, "show_op": True}]
     for i in range(20):
         p = make_problem(problem_seed("selftest", 0, i), min_len=300, max_len=2000,
                          **knob_sets[i % len(knob_sets)])

@@ -14,7 +14,7 @@ bucket of the value digits.
 Records in gen.py's hf format (`--format hf`, SmolLM2's chat prompt) are tokenized with
 --tokenizer (a tokenizer.json with the model's added tokens: `gen.py --hf-tokenizer smollm2
 --save-hf-tokenizer FILE`); the task's own format is one token per character. A token covering
-several characters takes the role that matters most among them (value > result > header > rule >
+several characters takes the role that matters most among them (value > result > op > header > rule >
 name > result_name > skip > check > recall > ans > text > space > newline) and that character's
 look-back.
 Look-backs are in task characters (the generator's unit): the same for every tokenizer.
@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gen  # noqa: E402
 
-PRIORITY = ["value", "result", "header", "rule", "name", "result_name", "skip", "check", "recall",
+PRIORITY = ["value", "result", "op", "header", "rule", "name", "result_name", "skip", "check", "recall",
             "ans", "text",
             "space", "newline"]
 BUCKETS = [(0, 64), (64, 256), (256, 1024), (1024, 4096), (4096, 1 << 40)]
@@ -49,7 +49,8 @@ def regenerate(rec):
     p = gen.make_problem(rec["seed"], min_len=k["min_len"], max_len=k["max_len"],
                          hot=tuple(k["hot"]), cold=tuple(k["cold"]), consts=tuple(k["consts"]),
                          memo=tuple(k["memo"]), periods=tuple(k["periods"]), ops=k["ops"],
-                         reread=k["reread"], named_rules=k["named_rules"], remind=k["remind"])
+                         reread=k["reread"], named_rules=k["named_rules"], remind=k["remind"],
+                         show_op=k.get("show_op", False))
     if p["output"] != rec["output"]:
         raise SystemExit(f"tf_roles: problem {rec['id']} does not regenerate from its seed and knobs")
     return p["_roles"]
