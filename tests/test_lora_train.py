@@ -18,6 +18,9 @@ For each of hf_tiny/llama (untied embeddings) and hf_tiny/qwen2 (tied embeddings
      must give torch's log-probabilities over the prompt;
   5. with peft installed, PeftModel.from_pretrained on the same directory must give the same
      logits (skipped without peft).
+Then, on hf_tiny/llama: --role-weights gives the weight exactly to the tokens of those roles
+(checked against the generator's roles), and --init-adapter starts from the given adapter (one
+step at a negligible learning rate leaves it as it was, while a fresh start is far from it).
 Exit 77 (skipped) without torch, transformers or safetensors.
 """
 import argparse
@@ -142,6 +145,43 @@ def check_model(name, lfgen, tmp):
     print(f"{name}: peft {peft.__version__} PeftModel.from_pretrained: logits within {d:.2g}")
 
 
+def check_init_and_weights(tmp):
+    # token weights on the task tokenizer: one token per character
+    train_lora.ROLE_W.update({"result": 8.0, "skip": 3.0})
+    p = gen.make_problem(gen.problem_seed("weights", 0, 0), min_len=300, max_len=600,
+                         named_rules=True, show_op=True)
+    w = train_lora.token_weights("task", p, p["output"] + "<|im_end|>")
+    train_lora.ROLE_W.clear()
+    want = [{"result": 8.0, "skip": 3.0}.get(p["_roles"][j][0], 1.0) if j < len(p["output"])
+            else 1.0 for j in range(len(p["output"]) + len("<|im_end|>"))]
+    if w != want or 8.0 not in w or 3.0 not in w:
+        fail("role weights do not follow the generator's roles")
+    base = os.path.join(ROOT, "tests", "data", "hf_tiny", "llama")
+    first = os.path.join(tmp, "llama")
+    common = [sys.executable, os.path.join(ROOT, "tools", "task", "train_lora.py"),
+              "--base", base, "--tokenizer", "task", "--max-steps", "1", "--max-len", "3000",
+              "--min-out", "100", "--max-out", "300", "--rows", "2", "--accum", "1",
+              "--workers", "1", "--eval-n", "1", "--eval-min-out", "100", "--eval-max-out",
+              "300", "--warmup", "1", "--r", "4", "--alpha", "8", "--threads", "2",
+              "--device", "cpu", "--no-pack-check", "--role-weights", "result=8,skip=8"]
+    from safetensors.torch import load_file
+    a = load_file(os.path.join(first, "adapter_model.safetensors"))
+    for init, tag in ((["--init-adapter", first], "init"), ([], "fresh")):
+        out = os.path.join(tmp, "llama-" + tag)
+        r = subprocess.run(common + init + ["--out", out, "--lr", "1e-9"], capture_output=True,
+                           text=True, timeout=120)
+        if r.returncode != 0:
+            fail(f"train_lora.py {tag} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+        b = load_file(os.path.join(out, "adapter_model.safetensors"))
+        d = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+        scale = max(float(a[k].float().abs().max()) for k in a)
+        if tag == "init" and not d <= 1e-2 * scale:
+            fail(f"--init-adapter: one step at lr 1e-9 moved the adapter by {d:.3g} ({scale:.3g})")
+        if tag == "fresh" and not d > 0.1 * scale:
+            fail(f"a fresh start is within {d:.3g} of the trained adapter: the check is void")
+        print(f"--role-weights run, {tag}: max |adapter - first run's| {d:.3g} (scale {scale:.3g})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lfgen", help="lfgen binary (without it the lfserve check is skipped)")
@@ -150,6 +190,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             check_model(name, args.lfgen, tmp)
+        check_init_and_weights(tmp)
     print("ok")
 
 

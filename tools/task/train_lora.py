@@ -56,11 +56,17 @@ PEFT_PREFIX = "base_model.model."
 
 # The knob settings the evaluation grid uses (README, "LoRA fine-tune"): every knob is stated in
 # the prompt, so one adapter serves them all. Problem i of the train split gets KNOB_MIX[h(i)].
+# Operators are always shown (docs/TASK.md §10: without them the model cannot pick + or -).
 KNOB_MIX = []
 for _reread in (None, 0.01, 0.03, 0.1):
     for _remind in (None, 1, 2, 5):
         for _named in (True, True, True, False):  # mostly named rules
-            KNOB_MIX.append({"reread": _reread, "remind": _remind, "named_rules": _named})
+            KNOB_MIX.append({"reread": _reread, "remind": _remind, "named_rules": _named,
+                             "show_op": True})
+
+# --role-weights: loss weight of a completion token by the most important role among its
+# characters (tf_roles.PRIORITY order); the others weigh 1
+ROLE_W = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,10 +95,28 @@ def record_ids(tok, rec):
     return p + c, len(p)
 
 
-def _init_worker(tok_spec):
-    global _TOK
+def _init_worker(tok_spec, role_w=None):
+    global _TOK, ROLE_W
     _TOK = load_tokenizer(tok_spec)
+    ROLE_W = dict(role_w or {})
     torch.set_num_threads(1)
+
+
+def token_weights(tok, p, completion):
+    """Per completion token: the largest --role-weights weight among the roles (gen's _roles)
+    of the characters it covers; 1 for tokens with none of them (and for <|im_end|>)."""
+    roles, out = p["_roles"], p["output"]
+    if tok == "task":
+        spans = [(i, i + 1) for i in range(len(completion))]
+    else:
+        spans = tok.encode(completion, add_special_tokens=False).offsets
+    w = []
+    for s, e in spans:
+        best = 1.0
+        for j in range(s, min(max(e, s + 1), len(out))):
+            best = max(best, ROLE_W.get(roles[j][0].split(":")[0], 1.0))
+        w.append(best)
+    return w
 
 
 def knobs_for(index, seed):
@@ -100,11 +124,19 @@ def knobs_for(index, seed):
 
 
 def make_doc(job):
-    """(split, seed, index, min_out, max_out, knobs or None) -> (ids, n_prompt)."""
+    """(split, seed, index, min_out, max_out, knobs or None) -> (ids, n_prompt, weights): the
+    weights (per completion token) only with --role-weights, else None."""
     split, seed, index, lo, hi, knobs = job
     kw = dict(min_len=lo, max_len=hi, **(knobs if knobs is not None else knobs_for(index, seed)))
     p = gen.make_problem(gen.problem_seed(split, seed, index), pid=f"{split}-{seed}-{index}", **kw)
-    return record_ids(_TOK, gen.hf_record(p))
+    rec = gen.hf_record(p)
+    ids, n_prompt = record_ids(_TOK, rec)
+    w = None
+    if ROLE_W:
+        w = token_weights(_TOK, p, rec["completion"])
+        if len(w) != len(ids) - n_prompt:
+            raise SystemExit(f"role weights: {len(w)} for {len(ids) - n_prompt} tokens")
+    return ids, n_prompt, w
 
 
 class Docs:
@@ -116,7 +148,7 @@ class Docs:
         if args.data:
             with open(args.data) as f:
                 recs = [json.loads(x) for x in f if x.strip()]
-            self.docs = [record_ids(_TOK, r) for r in recs]
+            self.docs = [record_ids(_TOK, r) + (None,) for r in recs]
             self.epoch, self.order, self.pos = 0, [], 0
             self.it = None
             for _ in range(start):
@@ -184,18 +216,20 @@ class Packer:
         inp = torch.full((self.rows, L), self.pad_id, dtype=torch.long)
         pos = torch.zeros((self.rows, L), dtype=torch.long)
         lab = torch.full((self.rows, L), IGNORE, dtype=torch.long)
+        wts = torch.zeros((self.rows, L), dtype=torch.float32)
         for r, docs in enumerate(rows):
             o = 0
-            for ids, n_prompt in docs:
+            for ids, n_prompt, w in docs:
                 n = len(ids)
                 t = torch.tensor(ids, dtype=torch.long)
                 inp[r, o:o + n] = t
                 pos[r, o:o + n] = torch.arange(n)
                 # the target of position j is token j+1: completion tokens only
                 lab[r, o + n_prompt - 1:o + n - 1] = t[n_prompt:]
+                wts[r, o + n_prompt - 1:o + n - 1] = 1.0 if w is None else torch.tensor(w)
                 o += n
             pos[r, o:] = torch.arange(L - o)  # padding: its own pseudo-document, no labels
-        return inp, pos, lab, sum(len(d) for d in rows)
+        return inp, pos, lab, wts, sum(len(d) for d in rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,27 +342,31 @@ def load_base(path, dtype, attn):
                                                              attn_implementation=attn)
 
 
-def chunked_loss(model, hidden, labels, chunk):
-    """Cross-entropy (sum) and argmax hits over the labeled positions, the LM head applied in
-    chunks of `chunk` positions under activation checkpointing (no full logits tensor)."""
+def chunked_loss(model, hidden, labels, chunk, weights=None):
+    """Cross-entropy (sum, each position times its weight when `weights` is given) and argmax
+    hits over the labeled positions, the LM head applied in chunks of `chunk` positions under
+    activation checkpointing (no full logits tensor)."""
     from torch.utils.checkpoint import checkpoint
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     keep = y != IGNORE
     h, y = h[keep], y[keep]
+    w = torch.ones(y.shape, device=y.device) if weights is None else weights.reshape(-1)[keep]
     head = model.get_output_embeddings()
 
-    def part(hc, yc):
+    def part(hc, yc, wc):
         lg = head(hc).float()
-        return F.cross_entropy(lg, yc, reduction="sum"), (lg.argmax(-1) == yc).sum()
+        ce = F.cross_entropy(lg, yc, reduction="none")
+        return (ce * wc).sum(), (lg.argmax(-1) == yc).sum()
 
     tot = h.new_zeros((), dtype=torch.float32)
     hits = 0
     for s in range(0, h.shape[0], chunk):
         if torch.is_grad_enabled():
-            ce, hit = checkpoint(part, h[s:s + chunk], y[s:s + chunk], use_reentrant=False)
+            ce, hit = checkpoint(part, h[s:s + chunk], y[s:s + chunk], w[s:s + chunk],
+                                 use_reentrant=False)
         else:
-            ce, hit = part(h[s:s + chunk], y[s:s + chunk])
+            ce, hit = part(h[s:s + chunk], y[s:s + chunk], w[s:s + chunk])
         tot = tot + ce
         hits += int(hit)
     return tot, int(y.numel()), hits
@@ -341,7 +379,7 @@ def evaluate(model, docs, device, amp):
     model.eval()
     exact = hits = n = 0
     loss = 0.0
-    for ids, n_prompt in docs:
+    for ids, n_prompt, _ in docs:
         inp = torch.tensor([ids], device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(input_ids=inp, use_cache=False).logits[0, n_prompt - 1:-1].float()
@@ -364,7 +402,7 @@ def check_packing(model, docs, seq_len, device, amp, pad_id=0):
     -> (relative error, flips, positions)."""
     model.eval()
     packer = Packer(iter(docs), 1, seq_len, pad_id)
-    inp, pos, _, n = packer.next_batch()
+    inp, pos, _, _, n = packer.next_batch()
     inp, pos = inp.to(device), pos.to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
         packed = model(input_ids=inp, position_ids=pos, use_cache=False).logits[0].float()
@@ -390,7 +428,7 @@ def check_packing(model, docs, seq_len, device, amp, pad_id=0):
 def packer_docs(docs, seq_len):
     """The documents Packer puts into a single row (first-fit, in order, until one misses)."""
     out, fill = [], 0
-    for ids, _ in docs:
+    for ids, _, _ in docs:
         if len(ids) > seq_len:
             continue
         if fill + len(ids) > seq_len:
@@ -514,6 +552,12 @@ def main():
                     "(default --minutes): e.g. --minutes 8 --plan-minutes 17, then --resume "
                     "--minutes 9")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    ap.add_argument("--init-adapter", metavar="DIR",
+                    help="start from this adapter's weights (same r, alpha and targets); the "
+                         "optimizer and the schedule start afresh")
+    ap.add_argument("--role-weights", default="",
+                    help="loss weights by token role, e.g. result=8,skip=8 (roles: gen.py's "
+                         "_roles; a token takes the largest among its characters; others 1)")
     ap.add_argument("--ckpt", action="store_true",
                     help="write OUT/ckpt.pt at the end (also with --save-every/--resume)")
     ap.add_argument("--stop-at", type=int, default=0, help="stop this call at step N")
@@ -537,8 +581,8 @@ def main():
     ap.add_argument("--eval-min-out", type=int, default=2900,
                     help="held-out output length, low (task characters; ~2k SmolLM2 tokens)")
     ap.add_argument("--eval-max-out", type=int, default=9500)
-    ap.add_argument("--eval-knobs", default="named,reread=0.03,remind=2",
-                    help="held-out knobs (on-the-fly): named, reread=F, remind=K")
+    ap.add_argument("--eval-knobs", default="named,reread=0.03,remind=2,show_op",
+                    help="held-out knobs (on-the-fly): named, reread=F, remind=K, show_op")
     ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--save-every", type=int, default=0, help="also save the adapter every N steps")
     ap.add_argument("--no-pack-check", action="store_true",
@@ -563,8 +607,16 @@ def main():
     device = torch.device(args.device)
     amp = device.type == "cuda"
     tok_spec = args.tokenizer or args.base
-    global _TOK
+    global _TOK, ROLE_W
     _TOK = load_tokenizer(tok_spec)
+    for part in [x for x in args.role_weights.split(",") if x]:
+        k, _, v = part.partition("=")
+        try:
+            ROLE_W[k.strip()] = float(v)
+        except ValueError:
+            ap.error(f"--role-weights: {part!r} is not ROLE=WEIGHT")
+    if ROLE_W and args.data:
+        ap.error("--role-weights needs problems made on the fly (their roles), not --data")
 
     import train  # the "varlen" attention: causal SDPA per packed problem
     train.register_varlen()
@@ -573,6 +625,22 @@ def main():
     targets = [t for t in args.targets.split(",") if t]
     mods = apply_lora(model, args.r, args.alpha, targets, args.seed)
     model.to(device)
+    if args.init_adapter:
+        from safetensors.torch import load_file
+        with open(os.path.join(args.init_adapter, "adapter_config.json")) as f:
+            icfg = json.load(f)
+        if icfg["r"] != args.r or float(icfg["lora_alpha"]) != args.alpha:
+            raise SystemExit(f"--init-adapter: r {icfg['r']} alpha {icfg['lora_alpha']}, this "
+                             f"run r {args.r} alpha {args.alpha:g}")
+        sd = load_file(os.path.join(args.init_adapter, "adapter_model.safetensors"))
+        with torch.no_grad():
+            for n, m in mods.items():
+                ka, kb = f"{PEFT_PREFIX}{n}.lora_A.weight", f"{PEFT_PREFIX}{n}.lora_B.weight"
+                if ka not in sd or kb not in sd:
+                    raise SystemExit(f"--init-adapter: no weights for {n}")
+                m.lora_A.weight.copy_(sd[ka].float())
+                m.lora_B.weight.copy_(sd[kb].float())
+        print(f"started from the adapter in {args.init_adapter} ({len(mods)} modules)", flush=True)
     params = [p for m in mods.values() for p in (m.lora_A.weight, m.lora_B.weight)]
     n_train = sum(p.numel() for p in params)
     print(f"base {args.base}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
@@ -587,9 +655,9 @@ def main():
     # held-out problems
     if args.eval_data:
         with open(args.eval_data) as f:
-            held = [record_ids(_TOK, json.loads(x)) for x in f if x.strip()]
+            held = [record_ids(_TOK, json.loads(x)) + (None,) for x in f if x.strip()]
     else:
-        ek = {"reread": None, "remind": None, "named_rules": False}
+        ek = {"reread": None, "remind": None, "named_rules": False, "show_op": False}
         for part in [p for p in args.eval_knobs.split(",") if p]:
             k, _, v = part.partition("=")
             if k == "named":
@@ -598,6 +666,8 @@ def main():
                 ek["reread"] = gen._reread_arg(v)
             elif k == "remind":
                 ek["remind"] = gen._remind_arg(v)
+            elif k == "show_op":
+                ek["show_op"] = True
             else:
                 ap.error(f"--eval-knobs: unknown {part}")
         held = [make_doc(("test", args.seed, i, args.eval_min_out, args.eval_max_out, ek))
@@ -611,7 +681,7 @@ def main():
     pool = None
     if not args.data and args.workers > 1:
         # spawn, not fork: the parent already used the (multithreaded) Rust tokenizer
-        pool = mp.get_context("spawn").Pool(args.workers, _init_worker, (tok_spec,))
+        pool = mp.get_context("spawn").Pool(args.workers, _init_worker, (tok_spec, ROLE_W))
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay)
     log = {"args": vars(args), "trainable": n_train, "history": [], "knob_mix": KNOB_MIX}
@@ -667,16 +737,18 @@ def main():
         opt.zero_grad(set_to_none=True)
         micro = [packer.next_batch() for _ in range(args.accum)]
         n_lab = sum(int((m[2] != IGNORE).sum()) for m in micro)
+        w_lab = sum(float(m[3].sum()) for m in micro)  # = n_lab without --role-weights
         ce_sum, hit_sum = 0.0, 0
         try:
-            for inp, pos, lab, _ in micro:
+            for inp, pos, lab, wts, _ in micro:
                 docs = train.doc_bounds(pos)  # on the CPU copy: no synchronization
                 inp, pos, lab = inp.to(device), pos.to(device), lab.to(device)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                     hidden = model.model(input_ids=inp, position_ids=pos, packed_docs=docs,
                                          use_cache=False).last_hidden_state
-                    ce, _, hits = chunked_loss(model, hidden, lab, args.loss_chunk)
-                (ce / max(1, n_lab)).backward()
+                    ce, _, hits = chunked_loss(model, hidden, lab, args.loss_chunk,
+                                               wts.to(device) if ROLE_W else None)
+                (ce / max(1.0, w_lab)).backward()
                 ce_sum += float(ce.detach())
                 hit_sum += hits
                 toks += inp.numel()
@@ -713,7 +785,7 @@ def main():
                       f"--max-steps {total} to repeat", flush=True)
         if step % args.log_every == 0 or step == 1:
             el = time.time() - t0
-            rec = {"step": step, "loss": round(ce_sum / max(1, n_lab), 5),
+            rec = {"step": step, "loss": round(ce_sum / max(1.0, w_lab), 5),
                    "tok_acc": round(hit_sum / max(1, n_lab), 5), "lr": lr,
                    "gnorm": round(float(gnorm), 4), "elapsed_s": round(el, 1), "tokens": toks,
                    "docs": packer.n_docs, "skipped": packer.skipped}
