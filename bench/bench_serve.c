@@ -17,7 +17,8 @@
  * Also per policy: the mean and largest decode batch (requests past their first token, before
  * each step), and with --decode-only-ref, measured on the same engine after the run: the
  * isolated prefill time of one prompt and the mean step time of a decode-only batch of the
- * run's mean decode batch (decode_reference below), the references for TTFT p50 and TPOT p99.
+ * run's mean decode batch (decode_reference below), the references for TTFT p50 and TPOT p99,
+ * and the prompt's passes run with that batch decoding in them (the mixed passes).
  *
  * Under mpirun -np T (tensor parallelism, docs/DESIGN.md §4) every rank builds the same engines, rank 0
  * drives and reports, the others follow (lf_engine_follow). --kv-gb is then per rank: a rank
@@ -258,7 +259,8 @@ static void serve_usage(FILE *f) {
           "  --seed S           prompts and arrivals (default 1)\n"
           "  --decode-only-ref  after each policy's run, on the same engine: the isolated\n"
           "                     prefill time of one P-token prompt (median of 3) and the mean\n"
-          "                     step time of a decode-only batch at the run's mean decode batch\n"
+          "                     step time of a decode-only batch at the run's mean decode batch,\n"
+          "                     then that prompt's passes with the batch decoding in them\n"
           "  --ref-batch N      that batch instead (default 0: the run's mean, rounded)\n"
           "  --ref-tokens K     output tokens of each reference request (default O)\n"
           "  --json FILE        write the rows as JSON\n"
@@ -399,6 +401,10 @@ typedef struct serve_row {
   /* --decode-only-ref (ref_batch 0: not measured) */
   int ref_batch, ref_steps;
   double ref_prefill_s, ref_step_mean_s, ref_step_median_s;
+  /* the prompt's passes alone (isolated prefill: steps, mean) and with ref_batch sequences
+   * decoding in the same passes (mixed: steps, mean; 0 steps: not measured) */
+  int ref_prefill_steps, ref_mixed_steps, ref_mixed_batch;
+  double ref_prefill_step_s, ref_mixed_step_s;
 } serve_row;
 
 #define FNV_OFFSET 1469598103934665603ull
@@ -460,6 +466,83 @@ static int ref_drive(lf_engine_t e, const uint64_t *ids, int n, double *first, d
   return 0;
 }
 
+/* Submits one P-token prompt (one output token) to e and steps until its first token, timing
+ * every step: *steps, *mean_s (host time around lf_engine_step, the run's clock), *ttft_s.
+ * Requests already in e keep decoding in the same steps. Returns 0, or 1 on failure. */
+static int probe_prompt(lf_engine_t e, const int32_t *prompt, int P, int *steps, double *mean_s,
+                        double *ttft_s) {
+  enum { PROBE_EV = 1024 };
+  static lf_event ev[PROBE_EV];
+  lf_request q = {.prompt = prompt, .n_prompt = P, .max_tokens = 1, .ignore_eos = 1};
+  uint64_t id = 0;
+  const double t0 = lf_now_s();
+  if (lf_engine_submit(e, &q, &id) != LF_OK) {
+    fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
+    return 1;
+  }
+  double sum = 0.0;
+  int n = 0, got = 0;
+  while (!got) {
+    int k = 0;
+    const double ts = lf_now_s();
+    const lf_status s = lf_engine_step(e, ev, PROBE_EV, &k);
+    const double te = lf_now_s();
+    if (s != LF_OK) {
+      fprintf(stderr, "lfbench serve: reference step: %s: %s\n", lf_status_str(s),
+              lf_last_error());
+      return 1;
+    }
+    sum += te - ts;
+    n++;
+    for (int j = 0; j < k; j++) {
+      if (ev[j].id != id) continue;
+      if (ev[j].type == LF_EVENT_TOKEN) {
+        got = 1;
+        *ttft_s = te - t0;
+      } else if (ev[j].type == LF_EVENT_FINISH && ev[j].reason == LF_FINISH_ERROR) {
+        fprintf(stderr, "lfbench serve: the reference prompt ended with an error: %s\n",
+                lf_status_str(ev[j].status));
+        return 1;
+      }
+    }
+  }
+  *steps = n;
+  *mean_s = sum / n;
+  return 0;
+}
+
+/* Steps e until every request ids[0..n) has its first token; then `extra` more steps. Returns
+ * 0; 2 when one of them finished meanwhile (too few output tokens); 1 on failure. */
+static int until_decoding(lf_engine_t e, const uint64_t *ids, int n, int extra) {
+  enum { UD_EV = 1024 };
+  static lf_event ev[UD_EV];
+  int n_first = 0;
+  uint8_t *seen = calloc((size_t)n, 1);
+  if (!seen) return 1;
+  int rc = 0;
+  while (rc == 0 && (n_first < n || extra-- > 0)) {
+    int k = 0;
+    const lf_status s = lf_engine_step(e, ev, UD_EV, &k);
+    if (s != LF_OK) {
+      fprintf(stderr, "lfbench serve: reference step: %s: %s\n", lf_status_str(s),
+              lf_last_error());
+      rc = 1;
+    }
+    for (int j = 0; j < k && rc == 0; j++)
+      for (int i = 0; i < n; i++) {
+        if (ids[i] != ev[j].id) continue;
+        if (ev[j].type == LF_EVENT_TOKEN && !seen[i]) {
+          seen[i] = 1;
+          n_first++;
+        } else if (ev[j].type == LF_EVENT_FINISH) {
+          rc = 2;
+        }
+      }
+  }
+  free(seen);
+  return rc;
+}
+
 /* --decode-only-ref, on the engine of the run that just ended (idle by now):
  *  1. isolated prefill: one P-token prompt alone, submit -> end of the step that sampled its
  *     first token; median of 3;
@@ -469,7 +552,12 @@ static int ref_drive(lf_engine_t e, const uint64_t *ids, int n, double *first, d
  *     the mean (and median) host time around lf_engine_step of those steps, the first two left
  *     out (a CUDA graph may be captured there): the same clock as the run's TPOT. The context
  *     grows from about P + ref_batch (with one prefill a step) to P + K: on average about the
- *     run's P + O / 2 when K = O. */
+ *     run's P + O / 2 when K = O.
+ *  3. mixed passes: ref_batch requests as in 2 again; once all of them decode (and two more
+ *     steps), one P-token prompt as in 1, each step until its first token timed: every such
+ *     step runs a chunk of the prompt and the ref_batch decode rows in one pass. Against the
+ *     prompt's steps in 1 (the same chunks alone) and the decode-only step of 2, the difference
+ *     is what a mixed pass costs beyond its two parts; then all are cancelled. */
 static int decode_reference(const serve_opts *o, const lf_model_config *mc, lf_engine_t e,
                             serve_row *r) {
   const int P = o->prompt, K = o->ref_tokens ? o->ref_tokens : o->output;
@@ -488,20 +576,17 @@ static int decode_reference(const serve_opts *o, const lf_model_config *mc, lf_e
   }
   for (size_t i = 0; i < (size_t)Bd * P; i++)
     pr[i] = (int32_t)(rng_u64() % (uint64_t)mc->vocab_size);
-  double tp[3];
+  double tp[3], ps[3];
   for (int it = 0; it < 3; it++) {
-    lf_request q = {.prompt = pr, .n_prompt = P, .max_tokens = 1, .ignore_eos = 1};
-    first[0] = fin[0] = 0.0;
-    const double t0 = lf_now_s();
-    if (lf_engine_submit(e, &q, &ids[0]) != LF_OK) {
-      fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
-      goto out;
-    }
-    if (ref_drive(e, ids, 1, first, fin, dt, cap, &nd, 0) || first[0] == 0.0) goto out;
-    tp[it] = first[0] - t0;
+    int steps = 0;
+    if (probe_prompt(e, pr, P, &steps, &ps[it], &tp[it])) goto out;
+    if (lf_engine_busy(e) && ref_drive(e, ids, 0, first, fin, dt, cap, &nd, 0)) goto out;
+    r->ref_prefill_steps = steps;
   }
   qsort(tp, 3, sizeof tp[0], cmp_double);
+  qsort(ps, 3, sizeof ps[0], cmp_double);
   r->ref_prefill_s = tp[1];
+  r->ref_prefill_step_s = ps[1];
   for (int i = 0; i < Bd; i++) {
     lf_request q = {.prompt = pr + (size_t)i * P, .n_prompt = P, .max_tokens = K,
                     .ignore_eos = 1};
@@ -521,6 +606,25 @@ static int decode_reference(const serve_opts *o, const lf_model_config *mc, lf_e
     r->ref_step_mean_s = sum / r->ref_steps;
     r->ref_step_median_s = pct(dt + skip, r->ref_steps, 50);
   }
+  /* 3. the mixed passes (a pool left for the prompt) */
+  const int Bm = Bd < r->pools ? Bd : r->pools - 1;
+  for (int i = 0; i < Bm; i++) {
+    lf_request q = {.prompt = pr + (size_t)i * P, .n_prompt = P, .max_tokens = K,
+                    .ignore_eos = 1};
+    if (lf_engine_submit(e, &q, &ids[i]) != LF_OK) {
+      fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
+      goto out;
+    }
+  }
+  const int ud = Bm > 0 ? until_decoding(e, ids, Bm, 2) : 2;
+  if (ud == 1) goto out;
+  if (ud == 0) {
+    double ttft = 0.0;
+    if (probe_prompt(e, pr, P, &r->ref_mixed_steps, &r->ref_mixed_step_s, &ttft)) goto out;
+    r->ref_mixed_batch = Bm;
+  }
+  for (int i = 0; i < Bm; i++) lf_engine_cancel(e, ids[i]);
+  if (ref_drive(e, ids, 0, first, fin, dt, cap, &nd, 0)) goto out;
   rc = 0;
 out:
   free(pr);
@@ -853,8 +957,8 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
     char gpu[32] = "null";
     if (r->gpu_busy >= 0) snprintf(gpu, sizeof gpu, "%.4f", r->gpu_busy);
     const double w = r->wall_s > 0 ? r->wall_s : 1.0;
-    char ref[7][32];
-    for (int k = 0; k < 7; k++) snprintf(ref[k], sizeof ref[k], "null");
+    char ref[12][32];
+    for (int k = 0; k < 12; k++) snprintf(ref[k], sizeof ref[k], "null");
     if (r->ref_batch) {
       snprintf(ref[0], sizeof ref[0], "%d", r->ref_batch);
       snprintf(ref[1], sizeof ref[1], "%d", r->ref_steps);
@@ -866,6 +970,13 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
       }
       if (r->ref_prefill_s > 0)
         snprintf(ref[6], sizeof ref[6], "%.4f", r->ttft_p50 / r->ref_prefill_s);
+      snprintf(ref[7], sizeof ref[7], "%d", r->ref_prefill_steps);
+      snprintf(ref[8], sizeof ref[8], "%.4f", 1e3 * r->ref_prefill_step_s);
+      if (r->ref_mixed_steps > 0) {
+        snprintf(ref[9], sizeof ref[9], "%d", r->ref_mixed_batch);
+        snprintf(ref[10], sizeof ref[10], "%d", r->ref_mixed_steps);
+        snprintf(ref[11], sizeof ref[11], "%.4f", 1e3 * r->ref_mixed_step_s);
+      }
     }
     fprintf(f,
             "  {\"policy\": \"%s\", \"budget\": %d, \"pools\": %d, \"pool_bytes\": %llu, "
@@ -881,7 +992,9 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             "\"decode_batch_max\": %d, \"prompt_steps\": %llu, \"prompt_step_ms\": %.4f, "
             "\"decode_steps\": %llu, \"decode_step_ms\": %.4f, \"ref_batch\": %s, \"ref_steps\": %s, "
             "\"ref_prefill_s\": %s, \"ref_decode_step_ms\": %s, \"ref_decode_step_ms_median\": %s, "
-            "\"tpot_p99_over_ref\": %s, \"ttft_p50_over_ref_prefill\": %s}%s\n",
+            "\"tpot_p99_over_ref\": %s, \"ttft_p50_over_ref_prefill\": %s, "
+            "\"ref_prefill_steps\": %s, \"ref_prefill_step_ms\": %s, \"ref_mixed_batch\": %s, "
+            "\"ref_mixed_steps\": %s, \"ref_mixed_step_ms\": %s}%s\n",
             r->policy, r->budget, r->pools, (unsigned long long)r->pool_bytes, r->n_req,
             r->finished_length, r->finished_other, r->not_finished,
             (unsigned long long)r->output_tokens, r->wall_s, r->init_s, r->tokens_per_s,
@@ -892,7 +1005,8 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             (unsigned long long)r->mem_end, (unsigned long long)r->evictions,
             (unsigned long long)r->tokens_hash, r->decode_batch_mean, r->decode_batch_max,
             (unsigned long long)r->prompt_steps, r->prompt_step_ms,
-            (unsigned long long)r->decode_steps, r->decode_step_ms, ref[0], ref[1], ref[2], ref[3], ref[4], ref[5], ref[6], i + 1 < n ? "," : "");
+            (unsigned long long)r->decode_steps, r->decode_step_ms, ref[0], ref[1], ref[2], ref[3], ref[4], ref[5], ref[6], ref[7], ref[8], ref[9], ref[10],
+            ref[11], i + 1 < n ? "," : "");
   }
   fprintf(f, "]}\n");
   fclose(f);
@@ -996,6 +1110,17 @@ int bench_serve(int argc, char **argv) {
       printf("# %s: decode-only step at batch %d: no decode-only step (--ref-tokens too small "
              "for the batch)\n",
              r->policy, r->ref_batch);
+    if (r->ref_mixed_steps > 0)
+      printf("# %s: the %d-token prompt's passes: alone %d, %.3f ms each; with %d sequences "
+             "decoding %d, %.3f ms each: %.3f ms more than alone%s\n",
+             r->policy, o.prompt, r->ref_prefill_steps, 1e3 * r->ref_prefill_step_s,
+             r->ref_mixed_batch, r->ref_mixed_steps, 1e3 * r->ref_mixed_step_s,
+             1e3 * (r->ref_mixed_step_s - r->ref_prefill_step_s),
+             r->ref_mixed_batch == r->ref_batch ? " (compare the decode-only step above)" : "");
+    else
+      printf("# %s: mixed passes: not measured (no pool left beside the batch, or --ref-tokens "
+             "too small)\n",
+             r->policy);
   }
   /* The headline ratio, when both are there. */
   const serve_row *full = NULL, *lf = NULL;

@@ -36,3 +36,21 @@ for pol, r in rows.items():
 assert rows["full"]["budget"] == P + O and rows["longflow"]["budget"] == B
 print("bench serve smoke: OK")
 PY
+# --decode-only-ref: the isolated prefill, decode-only steps, and the mixed passes (the prompt's
+# chunks with ref_batch sequences decoding in the same steps): one step per 16-token chunk.
+P=64 C=16
+"$LFBENCH" serve --model random:tiny-llama --backend cpu --threads 1 --prompt $P --output 40 \
+  --requests 6 --n-pools 4 --budget 80 --policies longflow --arrival poisson --rate 400 --seed 7 \
+  --max-batch-tokens $C --decode-only-ref --ref-batch 2 --quiet --json "$tmp/ref.json" \
+  | tee "$tmp/ref.txt"
+grep -q "prompt's passes: alone" "$tmp/ref.txt"
+python3 - "$tmp/ref.json" $P $C <<'PY'
+import json, sys
+path, P, C = sys.argv[1], *map(int, sys.argv[2:])
+r = json.load(open(path))["rows"][0]
+assert r["ref_batch"] == 2 and r["ref_steps"] > 0 and r["ref_decode_step_ms"] > 0, r
+assert r["ref_prefill_steps"] == P // C and r["ref_prefill_step_ms"] > 0, r
+assert r["ref_mixed_batch"] == 2 and r["ref_mixed_steps"] == P // C, r
+assert r["ref_mixed_step_ms"] > 0, r
+print("bench serve --decode-only-ref: OK")
+PY
