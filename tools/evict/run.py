@@ -16,7 +16,10 @@ Policies (per budget B, sink 4): longflow with scope head (lfserve's default) an
 rank-local layer scope (rank:T) where it differs from both (T ranks must split the model's KV
 heads into groups of more than one); streaming; h2o with its recent window B/2 and 32; random
 eviction (seeded; the floor); the oracle (evicts the slot whose next strong use is the furthest
-away; the ceiling), at the metric's tau and any --oracle-taus.
+away; the ceiling), at the metric's tau and any --oracle-taus. Not in the default list:
+random-layer and oracle-layer, the same with one decision per layer for all its KV heads (the
+oracle then keeps the slot some head needs soonest), to tell the cost of per-head eviction
+apart from the cost of its scores.
 
     python3 tools/evict/run.py [--texts A,B] [--tokens 1600] [--budgets 0.1,0.2]
         [--out bench/results/evict_sim_smollm2.json]
@@ -109,6 +112,12 @@ def make_specs(sim, a, budgets, n_kv):
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=32, name="h2o-recent-32/B%d" % B))
             elif p == "random":
                 specs.append(sim.Spec("random", B, sink=a.sink, seed=a.seed, name="random/B%d" % B))
+            elif p == "random-layer":  # one random slot per layer, the same for all its KV heads
+                specs.append(sim.Spec("random", B, sink=a.sink, seed=a.seed, scope="layer",
+                                      name="random-layer/B%d" % B))
+            elif p == "oracle-layer":  # Belady per layer: the slot whose earliest need is latest
+                specs.append(sim.Spec("oracle", B, sink=a.sink, tau=a.tau, scope="layer",
+                                      name="oracle-layer/B%d" % B))
             elif p == "oracle":
                 specs.append(sim.Spec("oracle", B, sink=a.sink, tau=a.tau, name="oracle/B%d" % B))
                 for tv in [float(x) for x in a.oracle_taus.split(",") if x]:
