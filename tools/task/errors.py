@@ -129,8 +129,8 @@ def main():
     model = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=dt).eval()
     kw = gen.gen_kwargs(args)
     if not gen.knobs_default(kw):
-        ap.error("the token roles are those of the original format: --reread, --named-rules "
-                 "and --remind are not supported here")
+        ap.error("the token roles are those of the original format: --reread, --named-rules, "
+                 "--remind and --show-op are not supported here")
     probs = list(gen.problems(args.n, args.split, args.seed, args.start, **kw))
     tot = collections.Counter()
     err = collections.Counter()
