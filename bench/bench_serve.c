@@ -418,6 +418,45 @@ static uint64_t fnv1a(uint64_t h, uint64_t v) {
   return h;
 }
 
+/* The reference runs' event buffer and step: one lf_engine_step, *k events in ref_ev, *dt its
+ * host time (the run's clock). Returns 0, or 1 on failure (reported). */
+enum { REF_EV = 1024 };
+static lf_event ref_ev[REF_EV];
+
+static int ref_step(lf_engine_t e, int *k, double *t_end, double *dt) {
+  const double ts = lf_now_s();
+  const lf_status s = lf_engine_step(e, ref_ev, REF_EV, k);
+  *t_end = lf_now_s();
+  *dt = *t_end - ts;
+  if (s == LF_OK) return 0;
+  fprintf(stderr, "lfbench serve: reference step: %s: %s\n", lf_status_str(s), lf_last_error());
+  return 1;
+}
+
+/* Steps e until it is idle. Returns 0, or 1 on failure. */
+static int ref_drain(lf_engine_t e) {
+  while (lf_engine_busy(e)) {
+    int k = 0;
+    double te, dt;
+    if (ref_step(e, &k, &te, &dt)) return 1;
+  }
+  return 0;
+}
+
+/* Submits n requests of P prompt tokens (prompts[i * P ..]) and K output tokens: ids[0..n).
+ * Returns 0, or 1 on failure. */
+static int ref_submit(lf_engine_t e, const int32_t *prompts, int P, int K, int n, uint64_t *ids) {
+  for (int i = 0; i < n; i++) {
+    lf_request q = {.prompt = prompts + (size_t)i * P, .n_prompt = P, .max_tokens = K,
+                    .ignore_eos = 1};
+    if (lf_engine_submit(e, &q, &ids[i]) != LF_OK) {
+      fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
+      return 1;
+    }
+  }
+  return 0;
+}
+
 /* Steps e until it is idle, following the requests ids[0..n): first[i] / fin[i] get the end
  * time of the step that sampled request i's first token / finished it (0 until then). The
  * duration of every step that began with all n requests past their first token and none
@@ -425,22 +464,15 @@ static uint64_t fnv1a(uint64_t h, uint64_t v) {
  * With cancel_rest, the others are cancelled once one finishes. Returns 0, or 1 on failure. */
 static int ref_drive(lf_engine_t e, const uint64_t *ids, int n, double *first, double *fin,
                      double *dec_t, int cap, int *n_dec, int cancel_rest) {
-  enum { REF_EV = 1024 };
-  static lf_event ev[REF_EV];
+  const lf_event *ev = ref_ev;
   int n_first = 0, n_fin = 0, cancelled = 0;
   *n_dec = 0;
   while (lf_engine_busy(e)) {
     const int decode_only = n_first == n && n_fin == 0;
     int k = 0;
-    const double ts = lf_now_s();
-    const lf_status s = lf_engine_step(e, ev, REF_EV, &k);
-    const double te = lf_now_s();
-    if (s != LF_OK) {
-      fprintf(stderr, "lfbench serve: reference step: %s: %s\n", lf_status_str(s),
-              lf_last_error());
-      return 1;
-    }
-    if (decode_only && *n_dec < cap) dec_t[(*n_dec)++] = te - ts;
+    double te, dt;
+    if (ref_step(e, &k, &te, &dt)) return 1;
+    if (decode_only && *n_dec < cap) dec_t[(*n_dec)++] = dt;
     for (int j = 0; j < k; j++)
       for (int i = 0; i < n; i++) {
         if (ids[i] != ev[j].id) continue;
@@ -471,28 +503,17 @@ static int ref_drive(lf_engine_t e, const uint64_t *ids, int n, double *first, d
  * Requests already in e keep decoding in the same steps. Returns 0, or 1 on failure. */
 static int probe_prompt(lf_engine_t e, const int32_t *prompt, int P, int *steps, double *mean_s,
                         double *ttft_s) {
-  enum { PROBE_EV = 1024 };
-  static lf_event ev[PROBE_EV];
-  lf_request q = {.prompt = prompt, .n_prompt = P, .max_tokens = 1, .ignore_eos = 1};
+  const lf_event *ev = ref_ev;
   uint64_t id = 0;
   const double t0 = lf_now_s();
-  if (lf_engine_submit(e, &q, &id) != LF_OK) {
-    fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
-    return 1;
-  }
+  if (ref_submit(e, prompt, P, 1, 1, &id)) return 1;
   double sum = 0.0;
   int n = 0, got = 0;
   while (!got) {
     int k = 0;
-    const double ts = lf_now_s();
-    const lf_status s = lf_engine_step(e, ev, PROBE_EV, &k);
-    const double te = lf_now_s();
-    if (s != LF_OK) {
-      fprintf(stderr, "lfbench serve: reference step: %s: %s\n", lf_status_str(s),
-              lf_last_error());
-      return 1;
-    }
-    sum += te - ts;
+    double te, dt;
+    if (ref_step(e, &k, &te, &dt)) return 1;
+    sum += dt;
     n++;
     for (int j = 0; j < k; j++) {
       if (ev[j].id != id) continue;
@@ -514,20 +535,15 @@ static int probe_prompt(lf_engine_t e, const int32_t *prompt, int P, int *steps,
 /* Steps e until every request ids[0..n) has its first token; then `extra` more steps. Returns
  * 0; 2 when one of them finished meanwhile (too few output tokens); 1 on failure. */
 static int until_decoding(lf_engine_t e, const uint64_t *ids, int n, int extra) {
-  enum { UD_EV = 1024 };
-  static lf_event ev[UD_EV];
+  const lf_event *ev = ref_ev;
   int n_first = 0;
   uint8_t *seen = calloc((size_t)n, 1);
   if (!seen) return 1;
   int rc = 0;
   while (rc == 0 && (n_first < n || extra-- > 0)) {
     int k = 0;
-    const lf_status s = lf_engine_step(e, ev, UD_EV, &k);
-    if (s != LF_OK) {
-      fprintf(stderr, "lfbench serve: reference step: %s: %s\n", lf_status_str(s),
-              lf_last_error());
-      rc = 1;
-    }
+    double te, dt;
+    rc = ref_step(e, &k, &te, &dt);
     for (int j = 0; j < k && rc == 0; j++)
       for (int i = 0; i < n; i++) {
         if (ids[i] != ev[j].id) continue;
@@ -579,24 +595,15 @@ static int decode_reference(const serve_opts *o, const lf_model_config *mc, lf_e
   double tp[3], ps[3];
   for (int it = 0; it < 3; it++) {
     int steps = 0;
-    if (probe_prompt(e, pr, P, &steps, &ps[it], &tp[it])) goto out;
-    if (lf_engine_busy(e) && ref_drive(e, ids, 0, first, fin, dt, cap, &nd, 0)) goto out;
+    if (probe_prompt(e, pr, P, &steps, &ps[it], &tp[it]) || ref_drain(e)) goto out;
     r->ref_prefill_steps = steps;
   }
   qsort(tp, 3, sizeof tp[0], cmp_double);
   qsort(ps, 3, sizeof ps[0], cmp_double);
   r->ref_prefill_s = tp[1];
   r->ref_prefill_step_s = ps[1];
-  for (int i = 0; i < Bd; i++) {
-    lf_request q = {.prompt = pr + (size_t)i * P, .n_prompt = P, .max_tokens = K,
-                    .ignore_eos = 1};
-    first[i] = fin[i] = 0.0;
-    if (lf_engine_submit(e, &q, &ids[i]) != LF_OK) {
-      fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
-      goto out;
-    }
-  }
-  if (ref_drive(e, ids, Bd, first, fin, dt, cap, &nd, 1)) goto out;
+  if (ref_submit(e, pr, P, K, Bd, ids) || ref_drive(e, ids, Bd, first, fin, dt, cap, &nd, 1))
+    goto out;
   r->ref_batch = Bd;
   const int skip = nd > 4 ? 2 : 0;
   r->ref_steps = nd - skip;
@@ -608,14 +615,7 @@ static int decode_reference(const serve_opts *o, const lf_model_config *mc, lf_e
   }
   /* 3. the mixed passes (a pool left for the prompt) */
   const int Bm = Bd < r->pools ? Bd : r->pools - 1;
-  for (int i = 0; i < Bm; i++) {
-    lf_request q = {.prompt = pr + (size_t)i * P, .n_prompt = P, .max_tokens = K,
-                    .ignore_eos = 1};
-    if (lf_engine_submit(e, &q, &ids[i]) != LF_OK) {
-      fprintf(stderr, "lfbench serve: reference submit: %s\n", lf_last_error());
-      goto out;
-    }
-  }
+  if (ref_submit(e, pr, P, K, Bm, ids)) goto out;
   const int ud = Bm > 0 ? until_decoding(e, ids, Bm, 2) : 2;
   if (ud == 1) goto out;
   if (ud == 0) {
@@ -624,7 +624,7 @@ static int decode_reference(const serve_opts *o, const lf_model_config *mc, lf_e
     r->ref_mixed_batch = Bm;
   }
   for (int i = 0; i < Bm; i++) lf_engine_cancel(e, ids[i]);
-  if (ref_drive(e, ids, 0, first, fin, dt, cap, &nd, 0)) goto out;
+  if (ref_drain(e)) goto out;
   rc = 0;
 out:
   free(pr);
