@@ -311,25 +311,39 @@ def save_adapter(out, modules, r, alpha, base_name, dtype, extra=None):
             f.write("\n")
 
 
-def load_adapter_into(model, adapter_dir):
-    """Applies a saved adapter (this script's or PEFT's, plain LoRA on Linear layers) to a plain
-    transformers model, as LoRALinear modules: for checks. -> {module name: LoRALinear}."""
+def read_adapter(adapter_dir):
+    """-> (adapter_config.json, the safetensors state dict) of a saved adapter."""
     from safetensors.torch import load_file
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         cfg = json.load(f)
+    return cfg, load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+
+
+def copy_adapter(mods, sd, where):
+    """Copies the A and B factors of state dict sd into the LoRALinear modules mods."""
+    with torch.no_grad():
+        for n, m in mods.items():
+            ka, kb = f"{PEFT_PREFIX}{n}.lora_A.weight", f"{PEFT_PREFIX}{n}.lora_B.weight"
+            if ka not in sd or kb not in sd:
+                raise SystemExit(f"{where}: no weights for {n}")
+            m.lora_A.weight.copy_(sd[ka].float())
+            m.lora_B.weight.copy_(sd[kb].float())
+
+
+def load_adapter_into(model, adapter_dir):
+    """Applies a saved adapter (this script's or PEFT's, plain LoRA on Linear layers) to a plain
+    transformers model, as LoRALinear modules: for checks. -> {module name: LoRALinear}."""
+    cfg, sd = read_adapter(adapter_dir)
     r, alpha = cfg["r"], cfg["lora_alpha"]
-    sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     names = sorted({k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in sd
                     if k.endswith(".lora_A.weight")})
     targets = sorted({n.rsplit(".", 1)[-1] for n in names})
     mods = apply_lora(model, r, alpha, targets, 0)
     assert sorted(mods) == names, (sorted(mods)[:4], names[:4])
-    with torch.no_grad():
-        for n, m in mods.items():
-            m.lora_A.weight.copy_(sd[f"{PEFT_PREFIX}{n}.lora_A.weight"].float())
-            m.lora_B.weight.copy_(sd[f"{PEFT_PREFIX}{n}.lora_B.weight"].float())
-            if cfg.get("use_rslora"):
-                m.scale = alpha / math.sqrt(r)
+    copy_adapter(mods, sd, adapter_dir)
+    if cfg.get("use_rslora"):
+        for m in mods.values():
+            m.scale = alpha / math.sqrt(r)
     return mods
 
 
@@ -626,20 +640,11 @@ def main():
     mods = apply_lora(model, args.r, args.alpha, targets, args.seed)
     model.to(device)
     if args.init_adapter:
-        from safetensors.torch import load_file
-        with open(os.path.join(args.init_adapter, "adapter_config.json")) as f:
-            icfg = json.load(f)
+        icfg, sd = read_adapter(args.init_adapter)
         if icfg["r"] != args.r or float(icfg["lora_alpha"]) != args.alpha:
             raise SystemExit(f"--init-adapter: r {icfg['r']} alpha {icfg['lora_alpha']}, this "
                              f"run r {args.r} alpha {args.alpha:g}")
-        sd = load_file(os.path.join(args.init_adapter, "adapter_model.safetensors"))
-        with torch.no_grad():
-            for n, m in mods.items():
-                ka, kb = f"{PEFT_PREFIX}{n}.lora_A.weight", f"{PEFT_PREFIX}{n}.lora_B.weight"
-                if ka not in sd or kb not in sd:
-                    raise SystemExit(f"--init-adapter: no weights for {n}")
-                m.lora_A.weight.copy_(sd[ka].float())
-                m.lora_B.weight.copy_(sd[kb].float())
+        copy_adapter(mods, sd, "--init-adapter")
         print(f"started from the adapter in {args.init_adapter} ({len(mods)} modules)", flush=True)
     params = [p for m in mods.values() for p in (m.lora_A.weight, m.lora_B.weight)]
     n_train = sum(p.numel() for p in params)
