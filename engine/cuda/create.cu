@@ -87,6 +87,9 @@ static void free_device_side(cuda_backend *c) {
   cb_gemm_free(c);
   if (c->lt) cublasLtDestroy(c->lt);
   if (c->blas) cublasDestroy(c->blas);
+  if (c->fork) cudaEventDestroy(c->fork);
+  if (c->join) cudaEventDestroy(c->join);
+  if (c->side) cudaStreamDestroy(c->side);
   if (c->stream) cudaStreamDestroy(c->stream);
 }
 
@@ -175,6 +178,11 @@ static lf_status create(cuda_backend *c) {
   LF_CUDA_CHECK(cudaGetDevice(&c->device));
 
   LF_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  int prio_low = 0, prio_high = 0;
+  LF_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&prio_low, &prio_high));
+  LF_CUDA_CHECK(cudaStreamCreateWithPriority(&c->side, cudaStreamNonBlocking, prio_high));
+  LF_CUDA_CHECK(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming));
+  LF_CUDA_CHECK(cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming));
   LF_CUBLAS_CHECK(cublasCreate(&c->blas));
   LF_CUBLAS_CHECK(cublasSetStream(c->blas, c->stream));
   /* Our own workspace (32 MiB, what cuBLAS takes by default on Hopper): cuBLAS then never

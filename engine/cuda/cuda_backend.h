@@ -128,6 +128,11 @@ typedef struct cuda_backend {
                     fused one does not take) */
 
   cudaStream_t stream;
+  /* A pass with prompt chunks and decode rows runs the decode rows' RoPE and attention on
+   * `side` (higher priority), beside the chunks' attention on `stream`: the one reads the KV
+   * pools at memory speed, the other works the tensor cores. fork/join order the two. */
+  cudaStream_t side;
+  cudaEvent_t fork, join;
   cublasHandle_t blas;
 
   /* weights */

@@ -88,8 +88,9 @@ static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows
 }
 
 /* RoPE of the decode rows (row offset Tp of the pass): their k/v go straight into the pool slot
- * the kernel picks (written to c->w for the attention). */
-static lf_status decode_rope(cuda_backend *c, const cuda_layer *L, int l, int Tp, int nd) {
+ * the kernel picks (written to c->w for the attention). On stream st. */
+static lf_status decode_rope(cuda_backend *c, const cuda_layer *L, int l, int Tp, int nd,
+                             cudaStream_t st) {
   lf_qkv_rope_args a = rope_args(c, L, nd);
   a.qkv = c->qkv + (size_t)Tp * c->qkv_dim;
   a.q_out = c->qb + (size_t)Tp * c->qd;
@@ -100,11 +101,12 @@ static lf_status decode_rope(cuda_backend *c, const cuda_layer *L, int l, int Tp
   a.sink = c->p.sink;
   a.policy = c->p.policy;
   a.w = c->w;
-  return lf_cuda_qkv_rope(&a, c->stream);
+  return lf_cuda_qkv_rope(&a, st);
 }
 
 /* The fused kernel (decode_attn.cu) on the decode rows. */
-static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, bf16 *out, int nd) {
+static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, bf16 *out, int nd,
+                                        cudaStream_t st) {
   lf_decode_attn_args d;
   memset(&d, 0, sizeof d);
   d.pool = c->pv;
@@ -123,24 +125,33 @@ static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, b
   d.workspace = c->attn_ws;
   d.workspace_bytes = c->attn_ws_bytes;
   d.scores = c->scores;
-  return lf_cuda_decode_attn(&d, c->stream);
+  return lf_cuda_decode_attn(&d, st);
 }
 
-/* LongFlow decode attention of the nd decode rows at row offset Tp. */
-static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd) {
+/* LongFlow decode attention of the nd decode rows at row offset Tp, on stream st. */
+static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd, cudaStream_t st) {
   const bf16 *q = c->qb + (size_t)Tp * c->qd;
   bf16 *out = c->att + (size_t)Tp * c->qd;
   if (!c->use_fused) {
     LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, nd, c->d_step.pool, c->w, c->cfg.n_heads, q,
                                       c->ap.scale, c->p.sink, c->p.policy, out,
-                                      c->simple_scratch, c->scores, c->stream));
+                                      c->simple_scratch, c->scores, st));
   } else {
-    LF_TRY(decode_attention_fused(c, l, q, out, nd));
+    LF_TRY(decode_attention_fused(c, l, q, out, nd, st));
   }
   /* layer scope: one slot per group of KV heads, from the scores the kernel left */
   if (!c->scores) return LF_OK;
   return lf_cuda_layer_argmin(&c->pv, l, nd, c->d_step.pool, c->w, c->p.sink, c->evict_per,
-                              c->scores, c->stream);
+                              c->scores, st);
+}
+
+/* The decode rows' part of a layer (RoPE, attention) on stream st. */
+static lf_status decode_rows(cuda_backend *c, const cuda_layer *L, int l, int Tp, int nd,
+                             cudaStream_t st) {
+  if (!CB_SKIP(c, SKIP_ROPE)) LF_TRY(decode_rope(c, L, l, Tp, nd, st));
+  /* (CB_SKIP: benchmark instrument only, att keeps whatever it held) */
+  if (!CB_SKIP(c, SKIP_ATTN)) LF_TRY(decode_attention(c, l, Tp, nd, st));
+  return LF_OK;
 }
 
 /* One prompt chunk's part of a layer: RoPE into bf16 q, k, v, causal attention over the pool's
@@ -186,11 +197,20 @@ static lf_status run_pass(cuda_backend *c, const int32_t *tokens, const pass_seg
     /* xb = RMSNorm(x) * rms_att: done by the step before (embedding or the last layer_tail) */
     if (!CB_SKIP(c, SKIP_QKV))
       LF_TRY(cb_gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, R, 0.0f));
-    for (int i = 0; i < n_seg; i++) LF_TRY(seg_attention(c, L, l, &seg[i]));
-    if (nd > 0) {
-      if (!CB_SKIP(c, SKIP_ROPE)) LF_TRY(decode_rope(c, L, l, Tp, nd));
-      /* (CB_SKIP: benchmark instrument only, att keeps whatever it held) */
-      if (!CB_SKIP(c, SKIP_ATTN)) LF_TRY(decode_attention(c, l, Tp, nd));
+    if (n_seg > 0 && nd > 0) {
+      /* decode rows on the side stream, launched first, beside the chunks' attention; they
+       * touch other rows of qb and att, other pools, and their own workspace */
+      LF_CUDA_CHECK(cudaEventRecord(c->fork, c->stream));
+      LF_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->fork, 0));
+      lf_status st = decode_rows(c, L, l, Tp, nd, c->side);
+      /* joined whatever happened, so that a wait on c->stream covers the side stream too */
+      LF_CUDA_CHECK(cudaEventRecord(c->join, c->side));
+      for (int i = 0; i < n_seg && st == LF_OK; i++) st = seg_attention(c, L, l, &seg[i]);
+      LF_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->join, 0));
+      LF_TRY(st);
+    } else {
+      for (int i = 0; i < n_seg; i++) LF_TRY(seg_attention(c, L, l, &seg[i]));
+      if (nd > 0) LF_TRY(decode_rows(c, L, l, Tp, nd, c->stream));
     }
     if (l + 1 < m->n_layers)
       LF_TRY(layer_tail(c, L, R, c->layers[l + 1].rms_att, c->xb, NULL));
