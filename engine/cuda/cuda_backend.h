@@ -20,9 +20,10 @@
  *     rows to bf16 q, k, v, decode rows' k/v straight into the slot w = (n < B) ? n++ : next
  *     (attention/kv_write.cuh) -> per prompt chunk: causal GQA attention over the pool's filled
  *     slots and the chunk on tensor cores (attention/prefill_attn.cuh), then the append to the
- *     pool (or SnapKV's selection and the compressed write); the decode rows: the fused LongFlow decode attention (attention/decode_attn.cuh;
- *     decode_attn_generic.cuh for shapes it does not take), choosing every (sequence, layer,
- *     KV head)'s next slot -> O GEMM (+= residual) -> RMSNorm -> gate|up GEMM -> SiLU * up ->
+ *     pool (or SnapKV's selection and the compressed write); the decode rows, on the side
+ *     stream beside the chunks' attention when the pass has both: the fused LongFlow decode
+ *     attention (attention/decode_attn.cuh; decode_attn_generic.cuh for shapes it does not
+ *     take), choosing every (sequence, layer, KV head)'s next slot -> O GEMM (+= residual) -> RMSNorm -> gate|up GEMM -> SiLU * up ->
  *     down GEMM (+= residual)] -> final RMSNorm of each item's last row into xf[item].
  *     A step of decode items only replays a captured CUDA graph of the same layers (graphs.cu);
  *   LM head GEMM over xf [items][dim] -> argmax / sampling on the device -> tokens to the host.
