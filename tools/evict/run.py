@@ -12,14 +12,16 @@ the rest one token at a time, all runs side by side. Metrics are taken at the po
 the run's pool is full (t >= B: each of these steps evicted a slot), positions t predicting
 token t + 1.
 
-Policies (per budget B, sink 4): longflow with scope head (lfserve's default) and layer, and
+Policies (per budget B, sink 4): longflow with scope head and layer (lfserve's default), and
 rank-local layer scope (rank:T) where it differs from both (T ranks must split the model's KV
 heads into groups of more than one); streaming; h2o with its recent window B/2 and 32; random
 eviction (seeded; the floor); the oracle (evicts the slot whose next strong use is the furthest
 away; the ceiling), at the metric's tau and any --oracle-taus. Not in the default list:
 random-layer and oracle-layer, the same with one decision per layer for all its KV heads (the
 oracle then keeps the slot some head needs soonest), to tell the cost of per-head eviction
-apart from the cost of its scores.
+apart from the cost of its scores; and LongFlow's score taken apart, in either scope
+(attn-head, attn-layer: the attention mass alone; vnorm-head, vnorm-layer: ||v||_1 alone;
+centered-head, centered-layer: alpha * ||v - o||_1). These diagnostics are not served.
 
     python3 tools/evict/run.py [--texts A,B] [--tokens 1600] [--budgets 0.1,0.2]
         [--out bench/results/evict_sim_smollm2.json]
