@@ -303,14 +303,15 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
     loops over the pool (K, V after the write) and the step's query."""
     name = os.path.basename(model_dir)
     B, sink = 16, 4
-    specs = [evs.Spec(p, B, sink=sink, scope=sc) for p in ("attn", "vnorm", "centered")
-             for sc in ("head", "layer")]
+    specs = [evs.Spec(p, B, sink=sink, scope=sc, gamma=0.5 if p == "ema" else 0.0)
+             for p in ("attn", "vnorm", "centered", "ema") for sc in ("head", "layer")]
     s = evs.Sim(m, specs)
     H, G, D = s.H, s.G, s.D
     steps = {"n": 0, "bad": 0}
     inner = s.decode_attn
 
     def checked(l, q, k, v, t, runs):
+        acc_before = s.acc[l].astype(np.float64)  # [R][H][C], before this step
         out = inner(l, q, k, v, t, runs)
         for a, r in enumerate(np.asarray(runs)):
             sp = specs[r]
@@ -335,6 +336,15 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
                             score[g, i] += al[i] * np.abs(vi - o).sum()
                     if sp.policy == "vnorm":
                         score[g, i] = np.float64(np.float32(np.abs(vi).sum()))
+                    elif sp.policy == "ema":
+                        mass = sum(  # the group's attention on slot i, recounted
+                            float(np.exp(a_ - a_.max())[i] / np.exp(a_ - a_.max()).sum())
+                            for a_ in [np.array([q[a, g * G + jj].astype(np.float64) @
+                                                 s.K[l, r, g, c].astype(np.float64)
+                                                 for c in range(n)]) / np.sqrt(D)
+                                       for jj in range(G)])
+                        old = 0.0 if i == w[g] else acc_before[r, g, i]
+                        score[g, i] = 0.5 * old + float(s.vnorm[l, r, g, i]) * mass
             groups = [[g] for g in range(H)] if sp.scope == "head" else [list(range(H))]
             for gr in groups:
                 tot = score[gr].sum(0)
@@ -353,7 +363,7 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
     if steps["n"] == 0 or steps["bad"]:
         fails.add("%s: diagnostic scores: %d of %d decisions differ from the recount" % (
             name, steps["bad"], steps["n"]))
-    print("  %s: diagnostic scores (attn, vnorm, centered; head and layer): %d decisions "
+    print("  %s: diagnostic scores (attn, vnorm, centered, ema; head and layer): %d decisions "
           "recounted" % (name, steps["n"]))
 
 

@@ -21,7 +21,8 @@ random-layer and oracle-layer, the same with one decision per layer for all its 
 oracle then keeps the slot some head needs soonest), to tell the cost of per-head eviction
 apart from the cost of its scores; and LongFlow's score taken apart, in either scope
 (attn-head, attn-layer: the attention mass alone; vnorm-head, vnorm-layer: ||v||_1 alone;
-centered-head, centered-layer: alpha * ||v - o||_1). These diagnostics are not served.
+centered-head, centered-layer: alpha * ||v - o||_1; emaG-head, emaG-layer: LongFlow's score
+decayed by G per step and accumulated). These diagnostics are not served.
 
     python3 tools/evict/run.py [--texts A,B] [--tokens 1600] [--budgets 0.1,0.2]
         [--out bench/results/evict_sim_smollm2.json]
@@ -112,6 +113,11 @@ def make_specs(sim, a, budgets, n_kv):
                 # or with ||v_i - o||_1 for ||v_i||_1 (centered)
                 pol, sc = p.split("-")
                 specs.append(sim.Spec(pol, B, sink=a.sink, scope=sc, name="%s/B%d" % (p, B)))
+            elif p.startswith("ema") and p.endswith(("-head", "-layer")):
+                # diagnostic: LongFlow's score with memory, emaG-head / emaG-layer (decay G)
+                g, sc = p[3:].split("-")
+                specs.append(sim.Spec("ema", B, sink=a.sink, scope=sc, gamma=float(g),
+                                      name="%s/B%d" % (p, B)))
             elif p == "streaming":
                 specs.append(sim.Spec("streaming", B, sink=a.sink, name="streaming/B%d" % B))
             elif p == "h2o-half":

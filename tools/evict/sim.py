@@ -15,7 +15,9 @@ decode step of one (layer, eviction scope):
      diagnostics that take LongFlow's score apart (not served by lfserve): attn, the attention
      mass alone (sum_{h in group} alpha_h,i), and vnorm, ||v_i||_1 alone; and centered,
      sum_{h in group} alpha_h,i ||v_i - o_h||_1, what removing slot i changes o_h (to first
-     order, the renormalisation included);
+     order, the renormalisation included); and ema, LongFlow's score remembered across steps:
+     acc = gamma * acc + ||v_i||_1 sum_h alpha_h,i (the written slot starts from its own; slots
+     written at prefill from 0), gamma 0 is LongFlow;
   4. choose: next = argmin over filled slots of the score summed over the scope's KV heads,
      excluding slots < sink, the slot w just written and (h2o) the h2o_recent most recent slots
      by (position, slot); lowest index on ties; -1 when nothing is left. Every head of the
@@ -51,7 +53,8 @@ import math
 
 import numpy as np
 
-POLICIES = ("full", "longflow", "streaming", "h2o", "random", "oracle", "attn", "vnorm", "centered")
+POLICIES = ("full", "longflow", "streaming", "h2o", "random", "oracle", "attn", "vnorm", "centered",
+            "ema")
 NEVER = np.int64(1) << 40  # "no further use"
 
 
@@ -64,7 +67,7 @@ class Spec:
     recent window equal to the window, as engine/backend_cpu.c sets it)."""
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
-                 tau=None, name=None):
+                 tau=None, name=None, gamma=0.0):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
@@ -75,6 +78,7 @@ class Spec:
         self.scope = scope
         self.seed = seed
         self.tau = tau  # oracle: which StrongUses table (None: the first)
+        self.gamma = float(gamma)  # ema: the decay per step
         self.name = name or "%s/%s/B%d" % (policy, scope, budget)
         if policy != "full" and self.budget < self.sink + 2:
             raise ValueError("%s: budget %d < sink %d + 2" % (self.name, self.budget, self.sink))
@@ -159,6 +163,7 @@ class Sim:
         self._centered = None
         self.sink = np.array([s.sink for s in self.specs], np.int64)
         self.recent = np.array([s.h2o_recent for s in self.specs], np.int64)
+        self.gamma = np.array([s.gamma for s in self.specs], np.float64)
         # strong-use tables: next-use pointers per table for every slot of every run
         self.uses = list(uses)
         self.ptr = [np.zeros((L, R, H, C), np.int64) for _ in self.uses]
@@ -297,6 +302,13 @@ class Sim:
                 continue
             if policy in ("longflow",):
                 s = self.vnorm[l, ra].astype(np.float64) * mass[li].astype(np.float64)
+            elif policy == "ema":
+                acc = self.acc[l, ra].astype(np.float64)
+                acc[np.arange(len(ra))[:, None], np.arange(H)[None, :], w[li]] = 0.0
+                acc = self.gamma[ra][:, None, None] * acc + \
+                    self.vnorm[l, ra].astype(np.float64) * mass[li].astype(np.float64)
+                self.acc[l, ra] = acc.astype(np.float32)
+                s = acc
             elif policy == "centered":
                 s = self._centered[li]
             elif policy == "attn":
