@@ -75,7 +75,7 @@ def check_model(name, lfgen, tmp):
            "--eval-max-out", "300", "--eval-every", "3", "--lr", "1e-2", "--warmup", "1",
            "--r", "4", "--alpha", "8", "--log-every", "3", "--threads", "2", "--device", "cpu"]
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     if p.returncode != 0:
         fail(f"{name}: train_lora.py exited {p.returncode}\n{p.stdout}\n{p.stderr}")
     log = [ln for ln in p.stdout.splitlines() if ln.startswith(("packing", "step 6", "final"))]
@@ -108,7 +108,7 @@ def check_model(name, lfgen, tmp):
     if lfgen:
         p = subprocess.run([lfgen, "--model", base, "--lora", out, "--policy", "full",
                             "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(N_GEN),
-                            "--print-ids"], capture_output=True, text=True, timeout=60)
+                            "--print-ids"], capture_output=True, text=True, timeout=200)
         if p.returncode != 0:
             fail(f"{name}: lfgen --lora exited {p.returncode}: {p.stderr.strip()}")
         got = [int(x) for x in p.stdout.split()]
@@ -169,7 +169,7 @@ def check_init_and_weights(tmp):
     for init, tag in ((["--init-adapter", first], "init"), ([], "fresh")):
         out = os.path.join(tmp, "llama-" + tag)
         r = subprocess.run(common + init + ["--out", out, "--lr", "1e-9"], capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=400)
         if r.returncode != 0:
             fail(f"train_lora.py {tag} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
         b = load_file(os.path.join(out, "adapter_model.safetensors"))
