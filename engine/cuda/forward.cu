@@ -197,21 +197,19 @@ static lf_status run_pass(cuda_backend *c, const int32_t *tokens, const pass_seg
     /* xb = RMSNorm(x) * rms_att: done by the step before (embedding or the last layer_tail) */
     if (!CB_SKIP(c, SKIP_QKV))
       LF_TRY(cb_gemm(c, L->wqkv, c->xb, c->qkv, CUDA_R_32F, c->qkv_dim, m->dim, R, 0.0f));
-    if (n_seg > 0 && nd > 0) {
-      /* decode rows on the side stream, launched first, beside the chunks' attention; they
-       * touch other rows of qb and att, other pools, and their own workspace */
+    /* With prompt chunks too, the decode rows go on the side stream, launched first, beside the
+     * chunks' attention; they touch other rows of qb and att, other pools, and their own
+     * workspace. The join happens whatever failed, so a wait on c->stream covers both. */
+    const int side = n_seg > 0 && nd > 0;
+    if (side) {
       LF_CUDA_CHECK(cudaEventRecord(c->fork, c->stream));
       LF_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->fork, 0));
-      lf_status st = decode_rows(c, L, l, Tp, nd, c->side);
-      /* joined whatever happened, so that a wait on c->stream covers the side stream too */
-      LF_CUDA_CHECK(cudaEventRecord(c->join, c->side));
-      for (int i = 0; i < n_seg && st == LF_OK; i++) st = seg_attention(c, L, l, &seg[i]);
-      LF_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->join, 0));
-      LF_TRY(st);
-    } else {
-      for (int i = 0; i < n_seg; i++) LF_TRY(seg_attention(c, L, l, &seg[i]));
-      if (nd > 0) LF_TRY(decode_rows(c, L, l, Tp, nd, c->stream));
     }
+    lf_status st = nd > 0 ? decode_rows(c, L, l, Tp, nd, side ? c->side : c->stream) : LF_OK;
+    if (side) LF_CUDA_CHECK(cudaEventRecord(c->join, c->side));
+    for (int i = 0; i < n_seg && st == LF_OK; i++) st = seg_attention(c, L, l, &seg[i]);
+    if (side) LF_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->join, 0));
+    LF_TRY(st);
     if (l + 1 < m->n_layers)
       LF_TRY(layer_tail(c, L, R, c->layers[l + 1].rms_att, c->xb, NULL));
     else if (n_seg == 0)
