@@ -321,30 +321,29 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
             w = [int(np.nonzero(s.pos[l, r, g, :n] == t)[0][0]) for g in range(H)]
             score = np.zeros((H, n))
             for g in range(H):
+                Kg = s.K[l, r, g, :n].astype(np.float64)
+                Vg = s.V[l, r, g, :n].astype(np.float64)
+                mass, cent = np.zeros(n), np.zeros(n)
+                for j in range(G):  # the group's query heads, slot by slot
+                    qh = q[a, g * G + j].astype(np.float64)
+                    lg = np.array([qh @ Kg[c] for c in range(n)]) / np.sqrt(D)
+                    al = np.exp(lg - lg.max())
+                    al /= al.sum()
+                    o = al @ Vg
+                    for i in range(n):
+                        mass[i] += al[i]
+                        cent[i] += al[i] * np.abs(Vg[i] - o).sum()
                 for i in range(n):
-                    vi = s.V[l, r, g, i].astype(np.float64)
-                    for j in range(G):
-                        qh = q[a, g * G + j].astype(np.float64)
-                        lg = np.array([qh @ s.K[l, r, g, c].astype(np.float64) for c in range(n)])
-                        lg *= 1.0 / np.sqrt(D)
-                        al = np.exp(lg - lg.max())
-                        al /= al.sum()
-                        o = al @ s.V[l, r, g, :n].astype(np.float64)
-                        if sp.policy == "attn":
-                            score[g, i] += al[i]
-                        elif sp.policy == "centered":
-                            score[g, i] += al[i] * np.abs(vi - o).sum()
-                    if sp.policy == "vnorm":
-                        score[g, i] = np.float64(np.float32(np.abs(vi).sum()))
+                    vn = float(s.vnorm[l, r, g, i])
+                    if sp.policy == "attn":
+                        score[g, i] = mass[i]
+                    elif sp.policy == "centered":
+                        score[g, i] = cent[i]
+                    elif sp.policy == "vnorm":
+                        score[g, i] = np.float64(np.float32(np.abs(Vg[i]).sum()))
                     elif sp.policy == "ema":
-                        mass = sum(  # the group's attention on slot i, recounted
-                            float(np.exp(a_ - a_.max())[i] / np.exp(a_ - a_.max()).sum())
-                            for a_ in [np.array([q[a, g * G + jj].astype(np.float64) @
-                                                 s.K[l, r, g, c].astype(np.float64)
-                                                 for c in range(n)]) / np.sqrt(D)
-                                       for jj in range(G)])
                         old = 0.0 if i == w[g] else acc_before[r, g, i]
-                        score[g, i] = 0.5 * old + float(s.vnorm[l, r, g, i]) * mass
+                        score[g, i] = sp.gamma * old + vn * mass[i]
             groups = [[g] for g in range(H)] if sp.scope == "head" else [list(range(H))]
             for gr in groups:
                 tot = score[gr].sum(0)

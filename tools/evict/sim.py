@@ -11,11 +11,11 @@ decode step of one (layer, eviction scope):
   3. score: longflow s_i = ||v_i||_1 * sum_{h in group} alpha_h,i; h2o: the float32 mass
      accumulated since the slot was written (acc[w] = 0, then acc += mass, in float32);
      streaming: the slot's position; random: a seeded uniform draw; oracle: minus the next step
-     at which the full-KV run attends to the slot's token strongly (see StrongUses); and two
-     diagnostics that take LongFlow's score apart (not served by lfserve): attn, the attention
-     mass alone (sum_{h in group} alpha_h,i), and vnorm, ||v_i||_1 alone; and centered,
+     at which the full-KV run attends to the slot's token strongly (see StrongUses). Four
+     diagnostics take LongFlow's score apart (not served by lfserve): attn, the attention mass
+     alone (sum_{h in group} alpha_h,i); vnorm, ||v_i||_1 alone; centered,
      sum_{h in group} alpha_h,i ||v_i - o_h||_1, what removing slot i changes o_h (to first
-     order, the renormalisation included); and ema, LongFlow's score remembered across steps:
+     order, the renormalisation included); ema, LongFlow's score remembered across steps:
      acc = gamma * acc + ||v_i||_1 sum_h alpha_h,i (the written slot starts from its own; slots
      written at prefill from 0), gamma 0 is LongFlow;
   4. choose: next = argmin over filled slots of the score summed over the scope's KV heads,
@@ -160,7 +160,6 @@ class Sim:
             groups.setdefault((s.policy, self.gsize[r]), []).append(r)
         self.decide_groups = [(p, gs, np.array(rs)) for (p, gs), rs in groups.items()]
         self.want_centered = any(s.policy == "centered" for s in self.specs)
-        self._centered = None
         self.sink = np.array([s.sink for s in self.specs], np.int64)
         self.recent = np.array([s.h2o_recent for s in self.specs], np.int64)
         self.gamma = np.array([s.gamma for s in self.specs], np.float64)
@@ -261,11 +260,11 @@ class Sim:
         alpha = e / e.sum(-1, keepdims=True)
         out = np.matmul(alpha, Vl).reshape(Rr, H * G, D)
         mass = alpha.sum(2)  # [R'][H][C]
-        self._centered = None
+        centered = None
         if self.want_centered:  # [R'][H][C]: sum_h alpha_h,i ||v_i - o_h||_1
             og = out.reshape(Rr, H, G, 1, D).astype(np.float64)
             dv = np.abs(Vl[:, :, None, :, :].astype(np.float64) - og).sum(-1)  # [R'][H][G][C]
-            self._centered = (alpha * dv).sum(2)
+            centered = (alpha * dv).sum(2)
 
         # strong-use pointers move past step t
         for ti, u in enumerate(self.uses):
@@ -278,10 +277,10 @@ class Sim:
                 self.ptr[ti][l, runs] = P + adv
 
         # 3-4. scores and the choice, per (policy, scope) group of runs
-        self._decide(l, runs, sel, all_runs, w, n, mass, t)
+        self._decide(l, runs, sel, all_runs, w, n, mass, t, centered)
         return out
 
-    def _decide(self, l, runs, sel, all_runs, w, n, mass, t):
+    def _decide(self, l, runs, sel, all_runs, w, n, mass, t, centered=None):
         H, C = self.H, self.C
         runs = np.asarray(runs)
         pos_of = {r: i for i, r in enumerate(runs)}
@@ -310,7 +309,7 @@ class Sim:
                 self.acc[l, ra] = acc.astype(np.float32)
                 s = acc
             elif policy == "centered":
-                s = self._centered[li]
+                s = centered[li]
             elif policy == "attn":
                 s = mass[li].astype(np.float64)
             elif policy == "vnorm":
