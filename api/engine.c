@@ -103,8 +103,9 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc,
   if (cfg->n_pools > 0) return LF_OK;
   if (cfg->kv_memory_bytes == 0) return LF_OK;
   lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim};
-  const uint64_t pool_bytes =
-      cfg->backend == LF_BACKEND_CUDA ? lf_pool_bytes_device(&ps) : lf_pool_bytes(&ps);
+  const uint64_t pool_bytes = cfg->backend == LF_BACKEND_CUDA
+                                  ? lf_pool_bytes_device(&ps, cfg->policy == LF_POLICY_H2O)
+                                  : lf_pool_bytes(&ps);
   cfg->n_pools = lf_pools_for_memory(cfg->kv_memory_bytes, util, pool_bytes);
   if (cfg->n_pools < 1)
     return lf_error(LF_ERR_OUT_OF_MEMORY,

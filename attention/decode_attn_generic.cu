@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <float.h>
+#include <limits.h>
 
 #include "attention/pool_row.cuh"
 #include "base/cuda_check.h"
@@ -37,13 +38,37 @@ static __device__ unsigned long long block_min_key(unsigned long long x, unsigne
   return x;
 }
 
+/* h2o's recent window of (pool, layer, head) hidx: slot i (< n) is one of the `recent` most
+ * recent slots by position iff pos[i] >= the value returned (INT_MAX: none, recent <= 0;
+ * INT_MIN: every slot, recent >= n). Positions in a pool are distinct, so the recent-th largest
+ * position found by bisection (block-wide counts) is the threshold: lf_attn_decode_ref's rank by
+ * (position, slot). Every thread of the block calls it and gets the value. */
+static __device__ int recent_from(const lf_cuda_pool_view &p, size_t hidx, int n, int recent,
+                                  float *red) {
+  if (recent <= 0) return INT_MAX;
+  if (recent >= n) return INT_MIN;
+  const int32_t *pos = p.pos + hidx * p.budget;
+  int lo = 0, hi = INT_MAX; /* count(pos >= lo) >= recent holds: every filled position >= 0 */
+  while (lo < hi) {
+    const int mid = lo + (int)(((unsigned)hi - (unsigned)lo + 1u) / 2u);
+    float c = 0.0f;
+    for (int i = threadIdx.x; i < n; i += DEC_NT) c += pos[i] >= mid ? 1.0f : 0.0f;
+    c = block_reduce(c, 0, red);
+    if (c >= (float)recent)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 /* One block per (KV head g, sequence s). Logits, then weights, of the group's heads live in the
  * scratch [s][head][budget]. */
 static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
                                             const int32_t *pool_ids, const int32_t *w, int n_heads,
                                             const __nv_bfloat16 *q, float scale, int sink,
-                                            int policy, __nv_bfloat16 *out, float *scratch,
-                                            float *scores) {
+                                            int policy, int recent, __nv_bfloat16 *out,
+                                            float *scratch, float *scores) {
   extern __shared__ float sm[]; /* q [G][D], then m [G], L [G] */
   __shared__ float red[DEC_NT / 32];
   __shared__ unsigned long long redk[DEC_NT / 32];
@@ -92,11 +117,28 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
     return;
   }
   const int ws = w[(size_t)s * hkv + g];
+  if (policy == LF_POLICY_H2O) {
+    /* the mass accumulates from the write on: the slot just written starts from this step's */
+    float *acc = p.acc + hidx * B;
+    for (int i = threadIdx.x; i < n; i += DEC_NT) {
+      float mass = 0.0f;
+      for (int h = 0; h < G; h++) mass += lg[(size_t)h * B + i] / lh[h];
+      acc[i] = (i == ws ? 0.0f : acc[i]) + mass;
+    }
+  }
+  const int rfrom = policy == LF_POLICY_H2O ? recent_from(p, hidx, n, recent, red) : INT_MAX;
   unsigned long long best = ~0ull;
   for (int i = threadIdx.x; i < n; i += DEC_NT) {
     if (i < sink || i == ws) continue;
     unsigned long long key;
-    if (policy == LF_POLICY_STREAMING) {
+    if (policy == LF_POLICY_H2O) {
+      /* scores for layer scope: every candidate's, the recent ones too (layer_argmin
+       * excludes them by the same rule) */
+      const float sc = p.acc[hidx * B + i];
+      if (scores) scores[((size_t)s * hkv + g) * B + i] = sc;
+      if (p.pos[hidx * B + i] >= rfrom) continue;
+      key = ((unsigned long long)__float_as_uint(sc) << 32) | (unsigned)i;
+    } else if (policy == LF_POLICY_STREAMING) {
       key = ((unsigned long long)(unsigned)p.pos[hidx * B + i] << 32) | (unsigned)i;
     } else {
       float mass = 0.0f;
@@ -118,13 +160,17 @@ extern "C" size_t lf_cuda_decode_attn_simple_scratch(int n_seq, int n_heads, int
 extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int layer, int n_seq,
                                                 const int32_t *pool_ids, const int32_t *w,
                                                 int n_heads, const void *q, float scale, int sink,
-                                                lf_policy policy, void *out, float *scratch,
-                                                float *scores, cudaStream_t stream) {
+                                                lf_policy policy, int recent, void *out,
+                                                float *scratch, float *scores,
+                                                cudaStream_t stream) {
   if (!pv || !pool_ids || !w || !q || !out || !scratch || n_heads % pv->n_kv_heads ||
       n_seq < 0 || n_seq > 65535)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: bad arguments");
-  if (policy != LF_POLICY_LONGFLOW && policy != LF_POLICY_FULL && policy != LF_POLICY_STREAMING)
+  if (policy != LF_POLICY_LONGFLOW && policy != LF_POLICY_FULL && policy != LF_POLICY_STREAMING &&
+      policy != LF_POLICY_H2O)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn_simple: policy %d", (int)policy);
+  if (policy == LF_POLICY_H2O && !pv->acc)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: h2o needs the pool's acc");
   if (n_seq == 0) return LF_OK;
   const int G = n_heads / pv->n_kv_heads;
   const size_t smem = ((size_t)G * pv->head_dim + 2 * (size_t)G) * sizeof(float);
@@ -133,7 +179,8 @@ extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int
                     pv->head_dim);
   decode_simple_kernel<<<dim3(pv->n_kv_heads, n_seq), DEC_NT, smem, stream>>>(
       *pv, layer, pool_ids, w, n_heads, (const __nv_bfloat16 *)q, scale, sink, (int)policy,
-      (__nv_bfloat16 *)out, scratch, policy == LF_POLICY_LONGFLOW ? scores : NULL);
+      recent, (__nv_bfloat16 *)out, scratch,
+      policy == LF_POLICY_LONGFLOW || policy == LF_POLICY_H2O ? scores : NULL);
   LF_CUDA_CHECK_LAUNCH("decode_simple_kernel");
   return LF_OK;
 }
@@ -143,16 +190,19 @@ extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int
  * on ties), written to next of every head of the group. All heads of a group hold the same n
  * and wrote the same slot: they have shared every decision since the pool was taken. */
 static __global__ void layer_argmin_kernel(lf_cuda_pool_view p, int layer, const int32_t *pool_ids,
-                                           const int32_t *w, int sink, int per,
+                                           const int32_t *w, int sink, int recent, int per,
                                            const float *scores) {
   __shared__ unsigned long long redk[DEC_NT / 32];
+  __shared__ float red[DEC_NT / 32];
   const int s = blockIdx.x, g0 = blockIdx.y * per, hkv = p.n_kv_heads, B = p.budget;
   const size_t hidx = ((size_t)pool_ids[s] * p.n_layers + layer) * hkv + g0;
   const int n = p.n[hidx], ws = w[(size_t)s * hkv + g0];
   const float *sc = scores + ((size_t)s * hkv + g0) * B;
+  /* h2o (recent > 0): the group's heads hold the same positions, so the first head's rank them */
+  const int rfrom = recent_from(p, hidx, n, recent, red);
   unsigned long long best = ~0ull;
   for (int i = sink + (int)threadIdx.x; i < n; i += DEC_NT) {
-    if (i == ws) continue;
+    if (i == ws || p.pos[hidx * B + i] >= rfrom) continue;
     float sum = 0.0f;
     for (int gg = 0; gg < per; gg++) sum += sc[(size_t)gg * B + i];
     const unsigned long long key = ((unsigned long long)__float_as_uint(sum) << 32) | (unsigned)i;
@@ -164,13 +214,14 @@ static __global__ void layer_argmin_kernel(lf_cuda_pool_view p, int layer, const
 
 extern "C" lf_status lf_cuda_layer_argmin(const lf_cuda_pool_view *pv, int layer, int n_seq,
                                           const int32_t *pool_ids, const int32_t *w, int sink,
-                                          int per, const float *scores, cudaStream_t stream) {
+                                          int recent, int per, const float *scores,
+                                          cudaStream_t stream) {
   if (!pv || !pool_ids || !w || !scores || per < 1 || per > DEC_NT || pv->n_kv_heads % per ||
       n_seq < 0 || n_seq > 65535 || sink < 0 || layer < 0 || layer >= pv->n_layers)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_layer_argmin: bad arguments");
   if (n_seq == 0) return LF_OK;
   layer_argmin_kernel<<<dim3(n_seq, pv->n_kv_heads / per), DEC_NT, 0, stream>>>(
-      *pv, layer, pool_ids, w, sink, per, scores);
+      *pv, layer, pool_ids, w, sink, recent, per, scores);
   LF_CUDA_CHECK_LAUNCH("layer_argmin_kernel");
   return LF_OK;
 }

@@ -488,3 +488,69 @@ extern "C" lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int
   LF_CUDA_CHECK_LAUNCH("kv_store_kernel");
   return LF_OK;
 }
+
+/* h2o: cs[g][j] = the softmax weight key j (pool slot j < n0, else chunk token j - n0) gets from
+ * the chunk's queries that see it, summed over them and the group's heads. One thread per (j, g),
+ * a fixed summation order; the weights from ml as the prefill kernel left them. */
+static __global__ void h2o_colsum_kernel(lf_cuda_pool_view p, int pool, int layer, int n0,
+                                         int n_heads, int n_tok, const __nv_bfloat16 *q,
+                                         const __nv_bfloat16 *k, const float *ml, float scale,
+                                         float *cs) {
+  const int g = blockIdx.y, hkv = p.n_kv_heads, G = n_heads / hkv, D = p.head_dim;
+  const int j = blockIdx.x * blockDim.x + threadIdx.x, nk = n0 + n_tok;
+  if (j >= nk) return;
+  const size_t hidx = ((size_t)pool * p.n_layers + layer) * hkv + g;
+  const __nv_bfloat16 *kr =
+      j < n0 ? pool_row(p, p.k, hidx, j) : k + ((size_t)(j - n0) * hkv + g) * D;
+  float s = 0.0f;
+  for (int t = j < n0 ? 0 : j - n0; t < n_tok; t++)
+    for (int hh = 0; hh < G; hh++) {
+      const int h = g * G + hh;
+      const __nv_bfloat16 *qr = q + ((size_t)t * n_heads + h) * D;
+      float dot = 0.0f;
+      for (int d = 0; d < D; d++) dot += __bfloat162float(qr[d]) * __bfloat162float(kr[d]);
+      const float *mls = ml + ((size_t)t * n_heads + h) * 2;
+      s += expf(dot * scale - mls[0]) / mls[1];
+    }
+  cs[(size_t)g * nk + j] = s;
+}
+
+/* acc from the column sums: appended (slot_of NULL) the pool's slots add theirs and the chunk's
+ * tokens start from theirs; compressed (n0 = 0) each kept token's slot starts from its own. */
+static __global__ void h2o_acc_store_kernel(lf_cuda_pool_view p, int pool, int layer, int n0,
+                                            int n_tok, const int32_t *slot_of, const float *cs) {
+  const int g = blockIdx.y, nk = n0 + n_tok;
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= nk) return;
+  const size_t hidx = ((size_t)pool * p.n_layers + layer) * p.n_kv_heads + g;
+  float *acc = p.acc + hidx * p.budget;
+  const float c = cs[(size_t)g * nk + j];
+  if (slot_of) {
+    const int slot = slot_of[(size_t)g * n_tok + j];
+    if (slot >= 0) acc[slot] = c;
+  } else if (j < n0) {
+    acc[j] += c;
+  } else {
+    acc[j] = c;
+  }
+}
+
+extern "C" lf_status lf_cuda_h2o_prefill_acc(const lf_cuda_pool_view *pv, int pool, int layer,
+                                             int n0, int n_heads, int n_tok, const void *q,
+                                             const void *k, const float *ml, float scale,
+                                             const int32_t *slot_of, float *cs,
+                                             cudaStream_t stream) {
+  if (!pv || !pv->acc || !q || !k || !ml || !cs || n0 < 0 || n_tok < 0 || pv->n_kv_heads < 1 ||
+      n_heads % pv->n_kv_heads || (slot_of && n0 != 0) || n0 > pv->budget)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_h2o_prefill_acc: bad arguments");
+  const int nk = n0 + n_tok;
+  if (nk == 0) return LF_OK;
+  const dim3 grid((unsigned)((nk + 127) / 128), (unsigned)pv->n_kv_heads);
+  h2o_colsum_kernel<<<grid, 128, 0, stream>>>(*pv, pool, layer, n0, n_heads, n_tok,
+                                              (const __nv_bfloat16 *)q,
+                                              (const __nv_bfloat16 *)k, ml, scale, cs);
+  LF_CUDA_CHECK_LAUNCH("h2o_colsum_kernel");
+  h2o_acc_store_kernel<<<grid, 128, 0, stream>>>(*pv, pool, layer, n0, n_tok, slot_of, cs);
+  LF_CUDA_CHECK_LAUNCH("h2o_acc_store_kernel");
+  return LF_OK;
+}

@@ -49,6 +49,17 @@ lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int layer, int
                            int32_t pos0, const void *k, const void *v, const int32_t *slot_of,
                            int n0, int n_final, struct CUstream_st *stream);
 
+/* h2o after a chunk's prefill attention (ml as lf_cuda_prefill_attn wrote it): every key's
+ * softmax weight from the chunk's queries that see it, summed over them and the group's heads
+ * (cs: fp32 scratch [n_kv_heads][n0 + n_tok]), goes into the pool's acc: appended (slot_of
+ * NULL) the n0 filled slots add theirs and chunk token t's slot n0 + t starts from its own;
+ * compressed (slot_of as lf_cuda_snapkv_select filled it, n0 = 0) each kept token's slot starts
+ * from its own. lf_attn_prefill_ref's accumulators, in fp32. */
+lf_status lf_cuda_h2o_prefill_acc(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
+                                  int n_heads, int n_tok, const void *q, const void *k,
+                                  const float *ml, float scale, const int32_t *slot_of, float *cs,
+                                  struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

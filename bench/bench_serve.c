@@ -2,7 +2,7 @@
  *
  * N requests of P random prompt tokens (seeded) each generate exactly O tokens (EOS ignored,
  * greedy), arriving all at once or as a Poisson process, for each policy asked for (full,
- * longflow, streaming; h2o on the cpu). Each policy gets its own engine, pool count and budget:
+ * longflow, streaming, h2o). Each policy gets its own engine, pool count and budget:
  * `full` pools hold P + O slots (nothing is evicted), the others hold B. With --kv-gb every policy
  * gets n_pools = floor(kv_gb * 1e9 * mem_util / pool_bytes) from the same byte figure, where
  * pool_bytes is the per-pool size of the backend that runs (see pool_bytes_for below), so the
@@ -201,14 +201,15 @@ static double gpu_util_close(gpu_util *g) {
 /* Bytes one pool takes on `cuda` or the cpu (memory/pool.h: the formulas the engine uses). The
  * per-item workspaces of the cuda backend (logits, sampling scratch: about 8 * vocab bytes per
  * pool) are not counted: they come out of the memory left beside --kv-gb. */
-static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, int budget, int tp) {
+static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, lf_policy pol, int budget,
+                               int tp) {
   /* KV heads a rank holds, from the engine's own sharding plan (an impossible tp keeps them
    * all here: the engine's start-up then reports it) */
   lf_shard sh;
   const int kv = lf_shard_plan(0, tp, m->n_heads, m->n_kv_heads, m->hidden_dim, m->vocab_size,
                                &sh) == LF_OK ? sh.n_kv : m->n_kv_heads;
   lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim};
-  return cuda ? lf_pool_bytes_device(&ps) : lf_pool_bytes(&ps);
+  return cuda ? lf_pool_bytes_device(&ps, pol == LF_POLICY_H2O) : lf_pool_bytes(&ps);
 }
 
 /* ---- options ------------------------------------------------------------------------------ */
@@ -643,7 +644,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   r->policy = lf_policy_str(pol);
   r->budget = pol == LF_POLICY_FULL ? (o->full_budget ? o->full_budget : o->prompt + o->output)
                                     : o->budget;
-  r->pool_bytes = pool_bytes_for(cuda, mc, r->budget, lf_comm_size(comm));
+  r->pool_bytes = pool_bytes_for(cuda, mc, pol, r->budget, lf_comm_size(comm));
   if (o->n_pools) {
     r->pools = o->n_pools;
   } else if (o->kv_gb > 0) {

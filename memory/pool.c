@@ -42,11 +42,13 @@ uint64_t lf_pool_bytes(const lf_pool_shape *s) {
 }
 
 /* The CUDA backend's device arena (engine/cuda/): bf16 K and V, fp32 ||v||_1 and int32
- * position per slot; int32 n and next per (pool, layer, head). 0 as lf_pool_bytes. */
-uint64_t lf_pool_bytes_device(const lf_pool_shape *s) {
+ * position per slot (and h2o's fp32 accumulator when h2o); int32 n and next per (pool, layer,
+ * head). 0 as lf_pool_bytes. */
+uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int h2o) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
   const uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
-  const uint64_t slot_bytes = 2u * (uint64_t)s->head_dim * 2u /* bf16 k, v */ + 4u + 4u;
+  const uint64_t slot_bytes =
+      2u * (uint64_t)s->head_dim * 2u /* bf16 k, v */ + 4u + 4u + (h2o ? 4u : 0u);
   const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t);
   if (head_bytes > UINT64_MAX / heads) return 0;
   return heads * head_bytes;

@@ -71,22 +71,25 @@ typedef struct lf_kv_arena {
 } lf_kv_arena;
 
 /* The CUDA backend's device arena as its kernels address it: the layout of lf_kv_arena
- * ([pool][layer][kv_head][slot]) with bf16 K/V and no h2o accumulator. Every pointer is device
- * memory; kernels take it by value. */
+ * ([pool][layer][kv_head][slot]) with bf16 K/V, and h2o's accumulator only under that policy.
+ * Every pointer is device memory; kernels take it by value. */
 typedef struct lf_cuda_pool_view {
   void *k, *v;       /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] (K post-RoPE) */
   float *vnorm;      /* [n_pools][n_layers][n_kv_heads][budget] ||v||_1 of the bf16 v */
   int32_t *pos;      /* [n_pools][n_layers][n_kv_heads][budget] */
   int32_t *n, *next; /* [n_pools][n_layers][n_kv_heads] */
+  float *acc;        /* h2o only (else NULL): [n_pools][n_layers][n_kv_heads][budget] attention
+                        mass accumulated since the slot was written */
   int n_layers, n_kv_heads, budget, head_dim;
 } lf_cuda_pool_view;
 
 /* Bytes one pool needs in this arena (K, V and per-slot metadata). */
 uint64_t lf_pool_bytes(const lf_pool_shape *s);
-/* Bytes one pool needs in the CUDA backend's device arena (bf16 K/V and its metadata). These two
- * are the only pool-size formulas: the engine (kv_memory_bytes), the CUDA backend (sizing from
- * free memory) and lfbench all call them. */
-uint64_t lf_pool_bytes_device(const lf_pool_shape *s);
+/* Bytes one pool needs in the CUDA backend's device arena (bf16 K/V and its metadata; h2o: 1
+ * when it holds h2o's per-slot accumulators, policy h2o). These two are the only pool-size
+ * formulas: the engine (kv_memory_bytes), the CUDA backend (sizing from free memory) and lfbench
+ * all call them. */
+uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int h2o);
 /* Pools of pool_bytes each that fit in floor(bytes * util) bytes, util in (0, 1] (0 otherwise,
  * and 0 for pool_bytes 0); at most INT_MAX. The one rule behind kv_memory_bytes and the CUDA
  * backend's sizing from free device memory (docs/DESIGN.md §5). */

@@ -37,6 +37,7 @@ struct DevPool {
     v.k = dev<uint16_t>(slots * s.head_dim);
     v.v = dev<uint16_t>(slots * s.head_dim);
     v.vnorm = dev<float>(slots);
+    v.acc = dev<float>(slots);
     v.pos = dev<int32_t>(slots);
     v.n = dev<int32_t>(heads);
     v.next = dev<int32_t>(heads);
@@ -51,12 +52,14 @@ struct DevPool {
     EXPECT_EQ(cudaMemcpy(v.k, k.data(), k.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(v.v, vv.data(), vv.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(v.vnorm, a.vnorm, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.acc, a.acc, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(v.pos, a.pos, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(v.n, a.n, heads * 4, cudaMemcpyHostToDevice), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(v.next, a.next, heads * 4, cudaMemcpyHostToDevice), cudaSuccess);
   }
   ~DevPool() {
-    for (void *p : {v.k, v.v, (void *)v.vnorm, (void *)v.pos, (void *)v.n, (void *)v.next})
+    for (void *p : {v.k, v.v, (void *)v.vnorm, (void *)v.acc, (void *)v.pos, (void *)v.n,
+                    (void *)v.next})
       cudaFree(p);
   }
 };
@@ -74,6 +77,7 @@ std::vector<int32_t> write_new_tokens(const lf_kv_arena &a, lf_kv_arena *after,
   std::copy(a.k, a.k + slots * D, after->k);
   std::copy(a.v, a.v + slots * D, after->v);
   std::copy(a.vnorm, a.vnorm + slots, after->vnorm);
+  std::copy(a.acc, a.acc + slots, after->acc);
   std::copy(a.pos, a.pos + slots, after->pos);
   std::copy(a.n, a.n + heads, after->n);
   std::copy(a.next, a.next + heads, after->next);
@@ -98,14 +102,18 @@ std::vector<int32_t> write_new_tokens(const lf_kv_arena &a, lf_kv_arena *after,
 }
 
 // The generic decode attention (steps 2-4) against lf_attn_decode_ref on identical bf16 inputs:
-// outputs within bf16 tolerance, next equal except at near-ties of the cpu scores.
+// outputs within bf16 tolerance, next equal except at near-ties of the cpu scores; h2o's
+// accumulators after the step within fp32 summation error (recent window 6 of positions that
+// are not contiguous: the new token's is 1000 + seq).
 TEST(GpuKernels, DecodeAttnVsReference) {
   NEED_GPU();
   const uint64_t seed = lf_test_seed();
   std::mt19937_64 r(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   int near_ties = 0, cases = 0;
-  for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_STREAMING, LF_POLICY_FULL})
+  std::uniform_real_distribution<float> ud(0.f, 3.f);
+  const int recent = 6;
+  for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_STREAMING, LF_POLICY_H2O, LF_POLICY_FULL})
     for (int D : {8, 32, 64})
       for (int G : {1, 4})
         for (int B : {16, 100})
@@ -128,6 +136,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
                     l1 += std::fabs(double(h.v[size_t(i) * D + d]));
                   }
                   h.vnorm[i] = float(l1);
+                  h.acc[i] = ud(r);
                   h.pos[i] = i;
                 }
                 *h.n = n_before;
@@ -156,14 +165,16 @@ TEST(GpuKernels, DecodeAttnVsReference) {
             CK(cudaMemset(dout, 0xff, q.size() * 2));
             const float scale = 1.0f / std::sqrt(float(D));
             ASSERT_EQ(lf_cuda_decode_attn_simple(&dp.v, 0, NS, dpools, dw, hq, dq, scale, 4, pol,
-                                                 dout, scr, nullptr, nullptr),
+                                                 recent, dout, scr, nullptr, nullptr),
                       LF_OK)
                 << lf_last_error();
             std::vector<uint16_t> out(q.size());
             std::vector<int32_t> next(dp.heads);
+            std::vector<float> acc(dp.slots);
             CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
-            lf_attn_params ap{pol, 4, 32, 32, G, D, scale, LF_EVICT_HEAD, 0};
+            CK(cudaMemcpy(acc.data(), dp.v.acc, dp.slots * 4, cudaMemcpyDeviceToHost));
+            lf_attn_params ap{pol, 4, 32, recent, G, D, scale, LF_EVICT_HEAD, 0};
             for (int s2 = 0; s2 < NS; s2++)
               for (int g = 0; g < hkv; g++) {
                 lf_kv_head h = lf_kv_arena_head(&a, pools[size_t(s2)], 0, g);
@@ -180,10 +191,18 @@ TEST(GpuKernels, DecodeAttnVsReference) {
                       << "D " << D << " G " << G << " B " << B << " seed " << seed;
                 }
                 const size_t hi = size_t(pools[size_t(s2)]) * hkv + g;
+                if (pol == LF_POLICY_H2O) {
+                  for (int i = 0; i < *h.n; i++) {
+                    ASSERT_NEAR(acc[hi * B + size_t(i)], h.acc[i], 1e-4f * h.acc[i] + 1e-5f)
+                        << "acc of slot " << i << " D " << D << " G " << G << " B " << B
+                        << " seed " << seed;
+                  }
+                }
                 const int got = next[hi], want = *h.next;
                 cases++;
                 if (got != want) {
-                  ASSERT_TRUE(pol == LF_POLICY_LONGFLOW && got >= 4 && got < *h.n &&
+                  ASSERT_TRUE((pol == LF_POLICY_LONGFLOW || pol == LF_POLICY_H2O) && got >= 4 &&
+                              got < *h.n &&
                               got != w[size_t(s2) * hkv + g])
                       << "next " << got << " vs " << want << " policy " << pol << " seed " << seed;
                   const float d = std::fabs(sc[size_t(got)] - sc[size_t(want)]);
@@ -224,7 +243,9 @@ TEST(GpuKernels, PrefillVsReference) {
                  Case{64, 8, 1200, 130, 1000, 8}, Case{128, 1, 300, 1500, 0, 8},
                  Case{64, 4, 500, 2100, 0, 1}, Case{128, 2, 60, 70, 0, 8},
                  Case{128, 4, 40, 37, 0, 8}, Case{64, 2, 200, 1, 150, 8}}) {
+   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O}) {
     const int hkv = 2, hq = hkv * c.G, D = c.D, B = c.B;
+    if (pol == LF_POLICY_H2O && c.T1 + c.T2 > 2200) continue; // the column sums run on CUDA cores
     lf_pool_shape ps{1, 1, hkv, B, D};
     lf_kv_arena a;
     ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
@@ -233,8 +254,10 @@ TEST(GpuKernels, PrefillVsReference) {
     DevPool dp;
     dp.init(a);
     dp.upload(a);
-    lf_attn_params ap{LF_POLICY_LONGFLOW, 4, 32, 32, c.G, D, 1.0f / std::sqrt(float(D)),
-                     LF_EVICT_HEAD, 0};
+    // h2o: recent window 8 (the smallest budget, 40, holds sink + 8 + 2)
+    lf_attn_params ap{pol, 4, 32, pol == LF_POLICY_H2O ? 8 : 32, c.G, D,
+                     1.0f / std::sqrt(float(D)), LF_EVICT_HEAD, 0};
+    const bool h2o = pol == LF_POLICY_H2O;
     int32_t pos0 = 0;
     for (int T : {c.T1, c.T2}) {
       if (T == 0) continue;
@@ -261,23 +284,36 @@ TEST(GpuKernels, PrefillVsReference) {
       uint16_t *dq = up(q), *dk = up(k), *dv = up(v), *dout = dev<uint16_t>(q.size());
       float *ml = dev<float>(static_cast<size_t>(T) * hq * 2), *snap = dev<float>(static_cast<size_t>(hkv) * 2 * T);
       int32_t *slot_of = dev<int32_t>(static_cast<size_t>(hkv) * T);
+      float *cs = dev<float>(static_cast<size_t>(hkv) * (n0 + T));
       CK(cudaMemset(dout, 0xff, q.size() * 2));
       const bool compress = n0 == 0 && T > B - 1;
       ASSERT_EQ(lf_cuda_prefill_attn(&dp.v, 0, 0, n0, hq, T, dq, dk, dv, ap.scale, dout,
-                                     compress ? ml : nullptr, nullptr),
+                                     compress || h2o ? ml : nullptr, nullptr),
                 LF_OK);
       if (compress) {
         const int w_eff = std::max(0, std::min(32, B - 1 - 4));
         ASSERT_EQ(lf_cuda_snapkv_select(hq, hkv, D, T, B, 4, w_eff, 1, dq, dk, ml, ap.scale, snap,
                                         slot_of, nullptr),
                   LF_OK);
+        if (h2o) {
+          ASSERT_EQ(lf_cuda_h2o_prefill_acc(&dp.v, 0, 0, 0, hq, T, dq, dk, ml, ap.scale, slot_of,
+                                            cs, nullptr),
+                    LF_OK);
+        }
         ASSERT_EQ(lf_cuda_kv_store(&dp.v, 0, 0, T, pos0, dk, dv, slot_of, 0, B - 1, nullptr), LF_OK);
       } else {
+        if (h2o) {
+          ASSERT_EQ(lf_cuda_h2o_prefill_acc(&dp.v, 0, 0, n0, hq, T, dq, dk, ml, ap.scale, nullptr,
+                                            cs, nullptr),
+                    LF_OK);
+        }
         ASSERT_EQ(lf_cuda_kv_store(&dp.v, 0, 0, T, pos0, dk, dv, nullptr, n0, n0 + T, nullptr),
                   LF_OK);
       }
       std::vector<uint16_t> out(q.size()), pk(dp.slots * D);
       std::vector<int32_t> ppos(dp.slots), pn(dp.heads), pnext(dp.heads);
+      std::vector<float> pacc(dp.slots);
+      CK(cudaMemcpy(pacc.data(), dp.v.acc, dp.slots * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(pk.data(), dp.v.k, pk.size() * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(ppos.data(), dp.v.pos, dp.slots * 4, cudaMemcpyDeviceToHost));
@@ -309,14 +345,22 @@ TEST(GpuKernels, PrefillVsReference) {
                                                        << seed;
           for (int d = 0; d < D; d++)
             ASSERT_EQ(bf(pk[(static_cast<size_t>(g) * B + i) * D + d]), h.k[size_t(i) * D + d]);
+          // h2o: the column sums (fp32 against fp64 over the same bf16 inputs; the prefill
+          // kernel's max and normaliser)
+          if (h2o) {
+            ASSERT_NEAR(pacc[size_t(g) * B + i], h.acc[i], 2e-3f * h.acc[i] + 1e-4f)
+                << "acc of slot " << i << " head " << g << " B " << B << " n0 " << n0 << " T "
+                << T << " qs " << c.qs << " seed " << seed;
+          }
         }
       }
       pos0 += T;
       for (void *p : {(void *)dq, (void *)dk, (void *)dv, (void *)dout, (void *)ml, (void *)snap,
-                      (void *)slot_of})
+                      (void *)slot_of, (void *)cs})
         cudaFree(p);
     }
     lf_kv_arena_free(&a);
+   }
   }
 }
 
@@ -331,11 +375,14 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
   std::mt19937_64 r(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   int near_ties = 0, cases = 0, moved = 0;
+  std::uniform_real_distribution<float> ud(0.f, 3.f);
+  for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O})
   for (int D : {32, 64, 128})
     for (int per : {4, 2})
       for (int G : {1, 4})
         for (int B : {40, 700}) {
-          const int hkv = 4, hq = hkv * G, P = 3, NS = 2, sink = 4;
+          if (pol == LF_POLICY_H2O && D != 32) continue; // h2o: the generic kernel only
+          const int hkv = 4, hq = hkv * G, P = 3, NS = 2, sink = 4, recent = 8;
           lf_pool_shape ps{P, 1, hkv, B, D};
           lf_kv_arena a;
           ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
@@ -353,6 +400,7 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
                     l1 += std::fabs(double(h.v[size_t(i) * D + d]));
                   }
                   h.vnorm[i] = float(l1);
+                  h.acc[i] = ud(r);
                   h.pos[i] = i;
                 }
                 *h.n = B;
@@ -384,7 +432,7 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
           if (D == 32) {
             float *scr = dev<float>(lf_cuda_decode_attn_simple_scratch(NS, hq, B));
             ASSERT_EQ(lf_cuda_decode_attn_simple(&dp.v, 0, NS, dpools, dw, hq, dq, scale, sink,
-                                                 LF_POLICY_LONGFLOW, dout, scr, dsc, nullptr),
+                                                 pol, recent, dout, scr, dsc, nullptr),
                       LF_OK)
                 << lf_last_error();
             ws_mem = scr;
@@ -408,11 +456,13 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
             d.scores = dsc;
             ASSERT_EQ(lf_cuda_decode_attn(&d, nullptr), LF_OK) << lf_last_error();
           }
-          ASSERT_EQ(lf_cuda_layer_argmin(&dp.v, 0, NS, dpools, dw, sink, per, dsc, nullptr), LF_OK)
+          ASSERT_EQ(lf_cuda_layer_argmin(&dp.v, 0, NS, dpools, dw, sink,
+                                         pol == LF_POLICY_H2O ? recent : 0, per, dsc, nullptr),
+                    LF_OK)
               << lf_last_error();
           std::vector<int32_t> next(dp.heads);
           CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
-          lf_attn_params ap{LF_POLICY_LONGFLOW, sink, 32, 32, G, D, scale, LF_EVICT_LAYER, 0};
+          lf_attn_params ap{pol, sink, 32, recent, G, D, scale, LF_EVICT_LAYER, 0};
           lf_attn_scratch aws{};
           for (int s2 = 0; s2 < NS; s2++)
             for (int g0 = 0; g0 < hkv; g0 += per) {

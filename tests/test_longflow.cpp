@@ -414,6 +414,15 @@ TEST(Pool, BytesMatchArenaFootprint) {
   EXPECT_EQ(lf_pool_bytes(&huge), 0u); /* overflows 64 bits */
 }
 
+// The device arena: bf16 K and V, ||v||_1 and position per slot, and h2o's accumulator only
+// when the shape asks for it; n and next per head.
+TEST(Pool, DeviceBytesCountH2oAccumulatorsOnlyForH2o) {
+  lf_pool_shape s{3, 2, 4, 16, 8};
+  const uint64_t slots = 2ull * 4 * 16, heads = 2ull * 4;
+  EXPECT_EQ(lf_pool_bytes_device(&s, 0), slots * (2 * 8 * 2 + 4 + 4) + heads * 2 * 4);
+  EXPECT_EQ(lf_pool_bytes_device(&s, 1), slots * (2 * 8 * 2 + 4 + 4 + 4) + heads * 2 * 4);
+}
+
 TEST(Pool, InitRejectsBadShapes) {
   lf_kv_arena a;
   lf_pool_shape s{2, 1, 1, 0, 8};

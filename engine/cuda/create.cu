@@ -70,6 +70,8 @@ static void free_device_side(cuda_backend *c) {
   cudaFree(c->pv.k);
   cudaFree(c->pv.v);
   cudaFree(c->pv.vnorm);
+  cudaFree(c->pv.acc);
+  cudaFree(c->h2o_cs);
   cudaFree(c->pv.pos);
   cudaFree(c->pv.n);
   cudaFree(c->pv.next);
@@ -124,7 +126,7 @@ static lf_status size_pools(cuda_backend *c) {
   const lf_model_config *m = &c->cfg;
   const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
   const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim};
-  const uint64_t arena = lf_pool_bytes_device(&ps);
+  const uint64_t arena = lf_pool_bytes_device(&ps, c->p.policy == LF_POLICY_H2O);
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
   /* logits [V], probs (the gather of max_vocab slices under TP), own slice and its padded copy,
@@ -134,8 +136,12 @@ static lf_status size_pools(cuda_backend *c) {
                           (c->comm ? 4 * ((uint64_t)c->nv + mv) + 8 * (Tr + 1) : 0);
   const uint64_t item = vbytes + (uint64_t)m->dim * 2 + (uint64_t)m->n_kv_heads * 4 + 64 +
                         sizeof(lf_sample_params) + row; /* row: charged even below max_chunk */
+  const uint64_t h2o_cs = c->p.policy == LF_POLICY_H2O
+                              ? (uint64_t)m->n_kv_heads * ((uint64_t)c->p.budget + T) * 4
+                              : 0; /* h2o's prefill column sums */
   const uint64_t fixed = T * row + 2 * T * (uint64_t)c->kd * 2 + T * m->n_heads * 8 +
                          (uint64_t)m->n_kv_heads * T * 12 + lf_cuda_sample_sort_bytes(m->vocab_size) +
+                         h2o_cs +
                          ((uint64_t)64 << 20) /* attention split workspace, graphs, slack */;
   size_t free_b = 0, total_b = 0;
   LF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -164,9 +170,6 @@ static lf_status create(cuda_backend *c) {
     cudaGetLastError();
     return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
   }
-  if (p->policy == LF_POLICY_H2O)
-    return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: the h2o policy is not implemented on cuda "
-                                        "(longflow, full, streaming are)");
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
   if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
@@ -234,6 +237,13 @@ static lf_status create(cuda_backend *c) {
   LF_CUDA_CHECK(cudaMemset(c->pv.next, 0xff, heads * 4));
   LF_CUDA_CHECK(cudaMemset(c->pv.pos, 0xff, slots * 4));
   LF_CUDA_CHECK(cudaMemset(c->pv.vnorm, 0, slots * 4));
+  if (p->policy == LF_POLICY_H2O) {
+    /* h2o: the accumulators, and the prefill column sums of one chunk over the pool's slots
+     * and the chunk ([n_kv_heads][budget + max_chunk]) */
+    CB_ALLOC(c->pv.acc, slots * 4);
+    LF_CUDA_CHECK(cudaMemset(c->pv.acc, 0, slots * 4));
+    CB_ALLOC(c->h2o_cs, (size_t)hkv * ((size_t)p->budget + (size_t)c->max_chunk) * 4);
+  }
 
   /* Workspaces. */
   /* a mixed pass carries a whole prefill chunk and every decode item (forward.cu) */
@@ -273,7 +283,8 @@ static lf_status create(cuda_backend *c) {
   /* xf rows of failed items are read by the LM head: keep them finite */
   LF_CUDA_CHECK(cudaMemset(c->xf, 0, (size_t)c->max_items * m->dim * 2));
 
-  c->use_fused = (D == 64 || D == 128) && c->group <= 8; /* else the generic kernel */
+  /* else the generic kernel, which also serves h2o (the fused one scores LongFlow only) */
+  c->use_fused = (D == 64 || D == 128) && c->group <= 8 && p->policy != LF_POLICY_H2O;
   if (c->use_fused) {
     /* Split counts fall as the batch grows and are at their minimum once a batch fills the
      * SMs: the sizes up to a few hundred, and the largest, cover every batch. */
@@ -292,7 +303,7 @@ static lf_status create(cuda_backend *c) {
   if (!c->evict_per)
     return lf_error(LF_ERR_INVALID_ARG, "cuda backend: %d KV heads do not split into %d "
                     "eviction groups", hkv, p->scope_groups);
-  if (c->evict_per > 1 && p->policy == LF_POLICY_LONGFLOW)
+  if (c->evict_per > 1 && (p->policy == LF_POLICY_LONGFLOW || p->policy == LF_POLICY_H2O))
     CB_ALLOC(c->scores, (size_t)c->max_items * hkv * p->budget * 4);
   c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
   CB_ALLOC(c->sort_ws, c->sort_ws_bytes);

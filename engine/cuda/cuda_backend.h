@@ -164,6 +164,7 @@ typedef struct cuda_backend {
   int32_t *w;    /* [max_items][n_kv_heads] slot written this step */
   float *ml;     /* [max_chunk][n_heads][2] prefill softmax (max, sum) */
   float *snap;   /* [n_kv_heads][2][max_chunk] */
+  float *h2o_cs; /* h2o only: [n_kv_heads][budget + max_chunk] a chunk's column sums */
   int32_t *slot_of; /* [n_kv_heads][max_chunk] */
   int32_t *ptok;    /* [rows] a pass's tokens: prompt chunks, then the decode items' */
   int32_t *h_ptok;  /* pinned host staging of ptok */
@@ -172,8 +173,8 @@ typedef struct cuda_backend {
   float *simple_scratch; /* generic decode attention logits */
   int evict_per;  /* KV heads per eviction decision: 1 (scope head), or a group of the layer's
                      (scope layer: all this rank's, or n_kv / scope_groups) */
-  float *scores;  /* [max_items][n_kv_heads][budget] layer scope, longflow: every candidate's
-                     score for lf_cuda_layer_argmin (NULL otherwise) */
+  float *scores;  /* [max_items][n_kv_heads][budget] layer scope, longflow or h2o: every
+                     candidate's score for lf_cuda_layer_argmin (NULL otherwise) */
   void *sort_ws;
   size_t sort_ws_bytes;
   int32_t *io;        /* device: step_io arrays, then sample params, then tokens */

@@ -134,14 +134,15 @@ static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd, cudaSt
   bf16 *out = c->att + (size_t)Tp * c->qd;
   if (!c->use_fused) {
     LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, nd, c->d_step.pool, c->w, c->cfg.n_heads, q,
-                                      c->ap.scale, c->p.sink, c->p.policy, out,
+                                      c->ap.scale, c->p.sink, c->p.policy, c->ap.h2o_recent, out,
                                       c->simple_scratch, c->scores, st));
   } else {
     LF_TRY(decode_attention_fused(c, l, q, out, nd, st));
   }
   /* layer scope: one slot per group of KV heads, from the scores the kernel left */
   if (!c->scores) return LF_OK;
-  return lf_cuda_layer_argmin(&c->pv, l, nd, c->d_step.pool, c->w, c->p.sink, c->evict_per,
+  return lf_cuda_layer_argmin(&c->pv, l, nd, c->d_step.pool, c->w, c->p.sink,
+                              c->p.policy == LF_POLICY_H2O ? c->ap.h2o_recent : 0, c->evict_per,
                               c->scores, st);
 }
 
@@ -167,16 +168,25 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
   a.v_out = c->vb + (size_t)s->row0 * c->kd;
   LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
   bf16 *q = (bf16 *)a.q_out, *k = (bf16 *)a.k_out, *v = (bf16 *)a.v_out;
+  const int h2o = c->p.policy == LF_POLICY_H2O;
   LF_TRY(lf_cuda_prefill_attn(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, v, c->ap.scale,
-                              c->att + (size_t)s->row0 * c->qd, s->compress ? c->ml : NULL,
-                              c->stream));
-  if (!s->compress)
+                              c->att + (size_t)s->row0 * c->qd,
+                              s->compress || h2o ? c->ml : NULL, c->stream));
+  if (!s->compress) {
+    /* h2o's column sums read the pool's n0 slots, which the append leaves alone */
+    if (h2o)
+      LF_TRY(lf_cuda_h2o_prefill_acc(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, c->ml,
+                                     c->ap.scale, NULL, c->h2o_cs, c->stream));
     return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, NULL, s->n0, s->n0 + s->T,
                             c->stream);
+  }
   LF_TRY(lf_cuda_snapkv_select(m->n_heads, m->n_kv_heads, m->head_dim, s->T, B, c->p.sink,
                                lf_snapkv_window(&c->ap, B), c->evict_per, q, k, c->ml,
                                c->ap.scale, c->snap,
                                c->slot_of, c->stream));
+  if (h2o)
+    LF_TRY(lf_cuda_h2o_prefill_acc(&c->pv, s->pool, l, 0, m->n_heads, s->T, q, k, c->ml,
+                                   c->ap.scale, c->slot_of, c->h2o_cs, c->stream));
   return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, c->slot_of, 0, B - 1,
                           c->stream);
 }
