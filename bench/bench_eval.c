@@ -162,7 +162,8 @@ static void run_group(ev_ctx *c, ev_group *g) {
   cfg.evict_groups = se->scope == LF_EVICT_LAYER ? o->evict_groups : 0;
   cfg.budget = g->budget;
   cfg.sink = o->sink;
-  cfg.window = o->window;
+  /* --window half: each group's own budget / 2 (h2o's recent window of B/2) */
+  cfg.window = o->window >= 0 ? o->window : g->budget / 2;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
   g->pools = g->n < o->max_concurrent ? g->n : o->max_concurrent;
@@ -292,14 +293,14 @@ static void *worker(void *arg) {
 }
 
 
-/* Series in eval.py's order: full, longflow (every scope), streaming, h2o. */
+/* Series in eval.py's order: full, longflow (every scope), streaming, h2o (every scope). */
 static void make_series(ev_ctx *c) {
   const lf_policy order[] = {LF_POLICY_FULL, LF_POLICY_LONGFLOW, LF_POLICY_STREAMING,
                              LF_POLICY_H2O};
   for (int i = 0; i < 4; i++) {
     if (!c->o->want_policy[order[i]]) continue;
     for (int sc = 0; sc < 2; sc++) {
-      const int scoped = order[i] == LF_POLICY_LONGFLOW;
+      const int scoped = order[i] == LF_POLICY_LONGFLOW || order[i] == LF_POLICY_H2O;
       if (scoped ? !c->o->want_scope[sc] : sc != LF_EVICT_HEAD) continue;
       ev_series *se = &c->series[c->n_series++];
       se->policy = order[i];

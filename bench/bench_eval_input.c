@@ -37,7 +37,7 @@ void ev_usage(FILE *f) {
           "                       (default 0.05,0.1,0.2,0.4): ceil(fraction x output_tokens)\n"
           "  --budget-of output|live  live: the fractions are multiples of each problem's\n"
           "                       oracle live set instead (gen.py's live_tokens)\n"
-          "  --scopes LIST        eviction scopes for longflow: head, layer (default head)\n"
+          "  --scopes LIST        eviction scopes for longflow and h2o: head, layer (default head)\n"
           "  --evict-groups G     layer scope: each layer's KV heads in G groups of one slot,\n"
           "                       what G tensor-parallel ranks evict (default 0: one group)\n"
           "  --budget-round Q     round budgets up to a multiple of Q: fewer, larger groups\n"
@@ -50,7 +50,8 @@ void ev_usage(FILE *f) {
           "  --backend B          auto | cpu | cuda (default auto)\n"
           "  --threads T          cpu backend threads per engine (default 0: all cores with\n"
           "                       --jobs 1, else 1)\n"
-          "  --sink S --window W  policy parameters as lfgen (default 4 32)\n"
+          "  --sink S --window W  policy parameters as lfgen (default 4 32); --window half: each\n"
+          "                       budget's own B/2 (h2o's recent window, SnapKV's observation)\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
           "  --tokenizer FILE     tokenizer.json (default MODEL/tokenizer.json)\n"
           "  --json FILE          write runs + summary (tools/task/eval.py's schema)\n"
@@ -234,6 +235,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, 4096, &o->threads);
     else if (!strcmp(a, "--sink"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->sink);
+    else if (!strcmp(a, "--window") && !strcmp(v, "half"))
+      o->window = -1;
     else if (!strcmp(a, "--window"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->window);
     else if (!strcmp(a, "--evict-groups"))

@@ -103,6 +103,10 @@ PY
 "$LFBENCH" eval --model "$tmp/noise" --problems "$tmp/noise.jsonl" --policies h2o,full,streaming,longflow \
   --scopes head,layer --fractions 0.05,0.2 --budget-round 16 --max-concurrent 3 --backend cpu \
   --threads 1 --ids --quiet --json "$tmp/noise.json" | tee "$tmp/noise.txt"
+# h2o's recent window at each budget's B/2, both scopes
+"$LFBENCH" eval --model "$tmp/noise" --problems "$tmp/noise.jsonl" --policies h2o --scopes head,layer \
+  --fractions 0.2,0.4 --budget-round 16 --window half --backend cpu --threads 1 --ids --quiet --json "$tmp/half.json" \
+  >"$tmp/half.txt"
 "$LFBENCH" eval --model "$tmp/chain" --problems "$tmp/chain.jsonl" --policies full,longflow \
   --fractions 1 --backend cpu --jobs 2 --ids --json "$tmp/chain.json" >"$tmp/chain.txt"
 
@@ -116,9 +120,10 @@ spec = importlib.util.spec_from_file_location("task_eval", os.path.join(root, "t
 task_eval = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(task_eval)
 
-def lfgen_run(model, prompt_ids, max_tokens, policy, scope, budget, text=None):
+def lfgen_run(model, prompt_ids, max_tokens, policy, scope, budget, window=32, text=None):
     cmd = [lfgen, "--model", model, "--max-tokens", str(max_tokens), "--temperature", "0",
            "--policy", policy, "--budget", str(budget), "--evict-scope", scope,
+           "--window", str(window),
            "--backend", "cpu", "--print-ids"]
     cmd += ["--prompt", text] if text is not None else ["--prompt-ids", ",".join(map(str, prompt_ids))]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -130,17 +135,20 @@ def lfgen_run(model, prompt_ids, max_tokens, policy, scope, budget, text=None):
     return r.returncode, ids, fin and fin.group(1), ev and int(ev.group(1)), r.stderr
 
 checked = 0
-for name in ("noise", "chain"):
+for name in ("noise", "half", "chain"):
     d = json.load(open(os.path.join(tmp, name + ".json")))
-    model = os.path.join(tmp, name)
+    data = "noise" if name == "half" else name
+    model = os.path.join(tmp, data)
     probs = {}
-    for line in open(os.path.join(tmp, name + ".jsonl")):
+    for line in open(os.path.join(tmp, data + ".jsonl")):
         if line.strip():
             p = json.loads(line)
             probs[p["id"]] = p
     assert [p["id"] for p in d["problems"]] == list(probs), d["problems"]
     assert d["runner"] == "lfbench" and d["backend"] == "cpu", d
-    n_series = {"noise": 2 * 4 + 1, "chain": 2}[name]
+    n_series = {"noise": 2 * 5 + 1, "half": 2 * 2, "chain": 2}[name]
+    window = d["engine"]["window"]
+    assert window == ("half" if name == "half" else 32), window
     assert len(d["runs"]) == len(probs) * n_series, len(d["runs"])
     for r in d["runs"]:
         p = probs[r["problem"]]
@@ -157,7 +165,8 @@ for name in ("noise", "chain"):
             assert r["budget"] == want, (r["budget"], want)
             budget = r["budget"]
         rc, ids, fin, ev, err = lfgen_run(model, r["prompt_ids"], r["max_tokens"], r["policy"],
-                                          r["scope"], budget)
+                                          r["scope"], budget,
+                                          budget // 2 if window == "half" else window)
         tag = f"{name} {r['problem']} {r['policy']}-{r['scope']}@{r['fraction']} budget {budget}"
         if rc != 0:  # e.g. h2o below sink + 32 + 2: lfgen fails at init, lfbench fails the run
             assert r["rc"] != 0 and r["ids"] == [] and r["evictions"] is None, (tag, err, r)
@@ -180,6 +189,11 @@ for name in ("noise", "chain"):
         assert any(r["evictions"] for r in d["runs"] if r["policy"] == "longflow" and r["scope"] == "layer")
         outs = {tuple(r["ids"]) for k, r in runs.items() if k[0] == d["problems"][0]["id"] and not r["rc"]}
         assert len(outs) > 2, "the policies should not all give the same tokens"
+        noise_runs = runs
+    elif name == "half":  # a window of B/2, not 32: some run at 20% must differ from noise's
+        assert all(r["rc"] == 0 for r in d["runs"]), [r for r in d["runs"] if r["rc"]]
+        assert any(r["ids"] != noise_runs[k]["ids"] for k, r in runs.items() if k[3] == 0.2), \
+            "--window half changed no run"
     else:
         full = {k[0]: r for k, r in runs.items() if k[1] == "full"}
         assert full["right"]["answer_ok"] and full["right"]["trace_ok"] and full["right"]["stopped"]

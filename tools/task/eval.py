@@ -39,7 +39,7 @@ import gen  # noqa: E402
 
 POLICIES = ("full", "longflow", "streaming", "h2o")
 SCOPES = ("head", "layer")
-SCOPED = ("longflow",)  # policies run with every --scopes value; the others with scope head
+SCOPED = ("longflow", "h2o")  # policies run with every --scopes value; the others with scope head
 
 
 def series_name(policy, scope):
