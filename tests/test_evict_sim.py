@@ -299,12 +299,15 @@ def check_sim_only(m, model_dir, tokens, fails):
 
 
 def check_diagnostic_scores(m, model_dir, tokens, fails):
-    """attn / vnorm / centered in head and layer scope: every decode decision is recomputed by
-    loops over the pool (K, V after the write) and the step's query."""
+    """attn / vnorm / centered / ema, and LongFlow with a protected recent window, in head and
+    layer scope: every decode decision is recomputed by loops over the pool (K, V after the
+    write) and the step's query."""
     name = os.path.basename(model_dir)
     B, sink = 16, 4
     specs = [evs.Spec(p, B, sink=sink, scope=sc, gamma=0.5 if p == "ema" else 0.0)
              for p in ("attn", "vnorm", "centered", "ema") for sc in ("head", "layer")]
+    # LongFlow with a protected recent window (run.py's longflow+rR): the R most recent slots
+    specs += [evs.Spec("longflow", B, sink=sink, scope=sc, recent=5) for sc in ("head", "layer")]
     s = evs.Sim(m, specs)
     H, G, D = s.H, s.G, s.D
     steps = {"n": 0, "bad": 0}
@@ -344,10 +347,14 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
                     elif sp.policy == "ema":
                         old = 0.0 if i == w[g] else acc_before[r, g, i]
                         score[g, i] = sp.gamma * old + vn * mass[i]
+                    elif sp.policy == "longflow":
+                        score[g, i] = vn * mass[i]
             groups = [[g] for g in range(H)] if sp.scope == "head" else [list(range(H))]
             for gr in groups:
                 tot = score[gr].sum(0)
-                cand = [i for i in range(sink, n) if i != w[gr[0]]]
+                pos = [int(s.pos[l, r, gr[0], i]) for i in range(n)]
+                newest = sorted(range(n), key=lambda i: (pos[i], i))[n - sp.recent:] if sp.recent else []
+                cand = [i for i in range(sink, n) if i != w[gr[0]] and i not in newest]
                 best = min(cand, key=lambda i: (tot[i], i))
                 steps["n"] += 1
                 got = int(s.next[l, r, gr[0]])
@@ -362,7 +369,7 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
     if steps["n"] == 0 or steps["bad"]:
         fails.add("%s: diagnostic scores: %d of %d decisions differ from the recount" % (
             name, steps["bad"], steps["n"]))
-    print("  %s: diagnostic scores (attn, vnorm, centered, ema; head and layer): %d decisions "
+    print("  %s: diagnostic scores (attn, vnorm, centered, ema, longflow+r5; head and layer): %d decisions "
           "recounted" % (name, steps["n"]))
 
 

@@ -22,7 +22,9 @@ oracle then keeps the slot some head needs soonest), to tell the cost of per-hea
 apart from the cost of its scores; and LongFlow's score taken apart, in either scope
 (attn-head, attn-layer: the attention mass alone; vnorm-head, vnorm-layer: ||v||_1 alone;
 centered-head, centered-layer: alpha * ||v - o||_1; emaG-head, emaG-layer: LongFlow's score
-decayed by G per step and accumulated). These diagnostics are not served.
+decayed by G per step and accumulated; longflow+rR-head, longflow+rR-layer: LongFlow's score
+with h2o's protected window of the R most recent slots, R a number or `half` for B/2). These
+diagnostics are not served.
 
     python3 tools/evict/run.py [--texts A,B] [--tokens 1600] [--budgets 0.1,0.2]
         [--out bench/results/evict_sim_smollm2.json]
@@ -117,6 +119,13 @@ def make_specs(sim, a, budgets, n_kv):
                 # diagnostic: LongFlow's score with memory, emaG-head / emaG-layer (decay G)
                 g, sc = p[3:].split("-")
                 specs.append(sim.Spec("ema", B, sink=a.sink, scope=sc, gamma=float(g),
+                                      name="%s/B%d" % (p, B)))
+            elif p.startswith("longflow+r") and p.endswith(("-head", "-layer")):
+                # diagnostic: LongFlow with h2o's protected recent window, longflow+rR-head /
+                # longflow+rhalf-layer (R slots, or B/2)
+                r, sc = p[len("longflow+r"):].split("-")
+                R = B // 2 if r == "half" else int(r)
+                specs.append(sim.Spec("longflow", B, sink=a.sink, scope=sc, recent=R,
                                       name="%s/B%d" % (p, B)))
             elif p == "streaming":
                 specs.append(sim.Spec("streaming", B, sink=a.sink, name="streaming/B%d" % B))
@@ -246,6 +255,7 @@ def main():
             runs[sp.name] = {
                 "policy": sp.policy, "scope": sp.scope, "budget": B, "sink": sp.sink,
                 "h2o_recent": sp.h2o_recent if sp.policy == "h2o" else None,
+                "recent": sp.recent,
                 "tau": sp.tau if sp.policy == "oracle" else None,
                 "kl": float(kl[r, sl].mean()), "kl_median": float(np.median(kl[r, sl])),
                 "top1": float(top1[r, sl].mean()), "nll": float(nll[r, sl_nll].mean()),

@@ -19,8 +19,8 @@ decode step of one (layer, eviction scope):
      acc = gamma * acc + ||v_i||_1 sum_h alpha_h,i (the written slot starts from its own; slots
      written at prefill from 0), gamma 0 is LongFlow;
   4. choose: next = argmin over filled slots of the score summed over the scope's KV heads,
-     excluding slots < sink, the slot w just written and (h2o) the h2o_recent most recent slots
-     by (position, slot); lowest index on ties; -1 when nothing is left. Every head of the
+     excluding slots < sink, the slot w just written and (h2o, or a spec's recent=R) the most
+     recent slots by (position, slot); lowest index on ties; -1 when nothing is left. Every head of the
      scope gets that next.
 
 Scopes: "head" (one decision per (layer, KV head): lfserve's default), "layer" (one per layer,
@@ -67,7 +67,7 @@ class Spec:
     recent window equal to the window, as engine/backend_cpu.c sets it)."""
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
-                 tau=None, name=None, gamma=0.0):
+                 tau=None, name=None, gamma=0.0, recent=None):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
@@ -79,6 +79,9 @@ class Spec:
         self.seed = seed
         self.tau = tau  # oracle: which StrongUses table (None: the first)
         self.gamma = float(gamma)  # ema: the decay per step
+        # the most recent slots (by position) never evicted: h2o's window; for the other scores
+        # a diagnostic (recent=R), 0 = none
+        self.recent = self.h2o_recent if policy == "h2o" else int(recent or 0)
         self.name = name or "%s/%s/B%d" % (policy, scope, budget)
         if policy != "full" and self.budget < self.sink + 2:
             raise ValueError("%s: budget %d < sink %d + 2" % (self.name, self.budget, self.sink))
@@ -161,7 +164,7 @@ class Sim:
         self.decide_groups = [(p, gs, np.array(rs)) for (p, gs), rs in groups.items()]
         self.want_centered = any(s.policy == "centered" for s in self.specs)
         self.sink = np.array([s.sink for s in self.specs], np.int64)
-        self.recent = np.array([s.h2o_recent for s in self.specs], np.int64)
+        self.recent = np.array([s.recent for s in self.specs], np.int64)
         self.gamma = np.array([s.gamma for s in self.specs], np.float64)
         # strong-use tables: next-use pointers per table for every slot of every run
         self.uses = list(uses)
@@ -339,7 +342,7 @@ class Sim:
             ex |= slot >= n[li][:, None, None]
             ex |= slot < self.sink[ra][:, None, None]
             ex |= slot == w[li][:, first][:, :, None]
-            if policy == "h2o":
+            if np.any(self.recent[ra] > 0):
                 p = self.pos[l, ra][:, first, :]  # [r][ng][C]
                 key = np.where(slot < n[li][:, None, None], p * (np.int64(1) << 32) + slot,
                                np.iinfo(np.int64).min)
