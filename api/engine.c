@@ -169,6 +169,7 @@ static lf_status engine_init_local(lf_engine_t e) {
                           .budget = e->cfg.budget,
                           .sink = e->cfg.sink,
                           .window = e->cfg.window,
+                          .h2o_recent = e->cfg.h2o_recent,
                           .n_pools = e->cfg.n_pools,
                           .mem_util = e->cfg.mem_util,
                           .n_threads = e->cfg.n_threads,
@@ -212,9 +213,10 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   *out = NULL;
   if (!cfg_in->model_path) return lf_error(LF_ERR_INVALID_ARG, "no model path given");
   if (cfg_in->budget < 0 || cfg_in->sink < 0 || cfg_in->window < 0 || cfg_in->n_pools < 0 ||
-      cfg_in->max_queue < 0 || cfg_in->max_batch_tokens < 0 || !(cfg_in->mem_util >= 0))
+      cfg_in->max_queue < 0 || cfg_in->max_batch_tokens < 0 || cfg_in->h2o_recent < 0 ||
+      !(cfg_in->mem_util >= 0))
     return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
-                                        "max_batch_tokens or mem_util");
+                                        "max_batch_tokens, h2o_recent or mem_util");
   if (comm && (comm->size < 1 || comm->rank < 0 || comm->rank >= comm->size))
     return lf_error(LF_ERR_INVALID_ARG, "communicator rank %d of %d", comm->rank, comm->size);
 

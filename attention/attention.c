@@ -55,6 +55,8 @@ lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out) {
                   s ? s : "(null)");
 }
 
+int lf_h2o_recent(int requested, int budget) { return requested > 0 ? requested : budget / 2; }
+
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
   if (!p) return lf_error(LF_ERR_INVALID_ARG, "attention params are NULL");
   if ((int)p->policy < (int)LF_POLICY_LONGFLOW || (int)p->policy > (int)LF_POLICY_H2O)

@@ -55,6 +55,10 @@ typedef struct lf_attn_scratch {
 
 void lf_attn_scratch_free(lf_attn_scratch *s);
 
+/* h2o's recent window for a requested value (lf_engine_config.h2o_recent): itself when > 0,
+ * else budget / 2. Every backend resolves it here. */
+int lf_h2o_recent(int requested, int budget);
+
 /* Checks a policy/budget/sink/window combination; names the problem on failure. */
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget);
 

@@ -162,8 +162,8 @@ static void run_group(ev_ctx *c, ev_group *g) {
   cfg.evict_groups = se->scope == LF_EVICT_LAYER ? o->evict_groups : 0;
   cfg.budget = g->budget;
   cfg.sink = o->sink;
-  /* --window half: each group's own budget / 2 (h2o's recent window of B/2) */
-  cfg.window = o->window >= 0 ? o->window : g->budget / 2;
+  cfg.window = o->window;
+  cfg.h2o_recent = o->h2o_recent;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
   g->pools = g->n < o->max_concurrent ? g->n : o->max_concurrent;

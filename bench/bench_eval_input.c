@@ -50,8 +50,8 @@ void ev_usage(FILE *f) {
           "  --backend B          auto | cpu | cuda (default auto)\n"
           "  --threads T          cpu backend threads per engine (default 0: all cores with\n"
           "                       --jobs 1, else 1)\n"
-          "  --sink S --window W  policy parameters as lfgen (default 4 32); --window half: each\n"
-          "                       budget's own B/2 (h2o's recent window, SnapKV's observation)\n"
+          "  --sink S --window W  policy parameters as lfgen (default 4 32)\n"
+          "  --h2o-recent R       h2o's recent window as lfgen (default 0: each budget's B/2)\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
           "  --tokenizer FILE     tokenizer.json (default MODEL/tokenizer.json)\n"
           "  --json FILE          write runs + summary (tools/task/eval.py's schema)\n"
@@ -172,7 +172,7 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--max-concurrent", "--jobs",      "--threads",
                                          "--sink",           "--window",    "--max-batch-tokens",
                                          "--budget-round",   "--evict-groups",
-                                         "--budget-of"};
+                                         "--budget-of",      "--h2o-recent"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -235,8 +235,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, 4096, &o->threads);
     else if (!strcmp(a, "--sink"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->sink);
-    else if (!strcmp(a, "--window") && !strcmp(v, "half"))
-      o->window = -1;
+    else if (!strcmp(a, "--h2o-recent"))
+      r = parse_int_opt(a, v, 0, INT_MAX, &o->h2o_recent);
     else if (!strcmp(a, "--window"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->window);
     else if (!strcmp(a, "--evict-groups"))

@@ -246,18 +246,16 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
   }
   char path[PATH_MAX];
   const char *model = realpath(o->model, path) ? path : o->model;
-  char window[24] = "\"half\"";
-  if (o->window >= 0) snprintf(window, sizeof window, "%d", o->window);
   fprintf(f, "{\"task\": \"trace\", \"runner\": \"lfbench\", \"model\": ");
   json_cstr(f, model);
   fprintf(f, ", \"problems_file\": ");
   json_cstr(f, o->problems);
   fprintf(f,
-          ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %s, "
+          ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, \"h2o_recent\": %d, "
           "\"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
           "\"full_budget\": \"%s\", \"evict_groups\": %d},\n \"teacher_forced\": %s, "
           "\"budget_of\": \"%s\", \"budget_round\": %d, \"fractions\": [",
-          backend, o->sink, window, o->max_batch_tokens, o->threads, o->jobs, o->max_concurrent,
+          backend, o->sink, o->window, o->h2o_recent, o->max_batch_tokens, o->threads, o->jobs, o->max_concurrent,
           o->full_ctx ? "ctx" : "fit", o->evict_groups, o->teacher_forced ? "true" : "false",
           o->budget_of_live ? "live" : "output", o->budget_round);
   for (int i = 0; i < o->n_fractions; i++) {

@@ -309,7 +309,7 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
                        .scope_groups = p->scope_groups,
                        .sink = p->sink,
                        .window = p->window,
-                       .h2o_recent = p->window,
+                       .h2o_recent = lf_h2o_recent(p->h2o_recent, p->budget),
                        .group = mc->n_heads / mc->n_kv_heads,
                        .head_dim = mc->head_dim,
                        .scale = 1.0f / sqrtf((float)mc->head_dim)};

@@ -128,6 +128,10 @@ typedef struct lf_engine_config {
                              only: DoRA, LoRA biases, other modules, mismatched shapes or a
                              malformed adapter fail lf_engine_init with a message naming the
                              file. HF directory or GGUF models only. NULL or "": none */
+  int h2o_recent;         /* LF_POLICY_H2O: the most recent slots (by position) never evicted;
+                             0 (default): budget / 2, the split of the H2O paper, which had
+                             about half the token error of a window of 32 on the task model
+                             (docs/TASK.md section 10). budget >= sink + h2o_recent + 2 */
 } lf_engine_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,

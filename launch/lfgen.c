@@ -44,6 +44,7 @@ static void usage(FILE *f) {
           "                      (G = T: what T tensor-parallel ranks evict; default 1)\n"
           "  --sink S            never-evicted first slots (default 4)\n"
           "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
+          "  --h2o-recent R      h2o: the R newest slots are never evicted (default 0: budget/2)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts that fit the pool are "
           "chunked (default 512; 0 = whole prompt)\n"
           "  --temperature T     0 = greedy (default 0)\n"
@@ -151,6 +152,7 @@ int main(int argc, char **argv) {
       {"--sink", 0, INT_MAX, &cfg.sink},
       {"--evict-groups", 0, 4096, &cfg.evict_groups},
       {"--window", 0, INT_MAX, &cfg.window},
+      {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
       {"--top-k", 0, INT_MAX, &rq.sampling.top_k},
   };
   for (int i = 1; i < argc; i++) {

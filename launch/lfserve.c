@@ -43,6 +43,7 @@ static void usage(FILE *f) {
           "  --budget B              KV slots per sequence (default: the model's context)\n"
           "  --policy P              longflow | full | streaming | h2o (default longflow)\n"
           "  --sink S  --window W    eviction sinks / prefill window (defaults 4, 32)\n"
+          "  --h2o-recent R          h2o: the R newest slots never evicted (default 0: budget/2)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "                          (default layer; rank-local under mpirun)\n"
           "  --pools N               concurrent sequences (default: from --kv-memory-gb, else 1)\n"
@@ -74,6 +75,7 @@ int main(int argc, char **argv) {
       {"--budget", 1, INT_MAX, &cfg.budget},
       {"--sink", 0, INT_MAX, &cfg.sink},
       {"--window", 0, INT_MAX, &cfg.window},
+      {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
       {"--pools", 1, INT_MAX, &cfg.n_pools},
       {"--max-queue", 0, INT_MAX, &cfg.max_queue},
       {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},

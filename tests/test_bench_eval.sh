@@ -101,11 +101,11 @@ PY
 
 # ---- lfbench eval ----------------------------------------------------------------------------
 "$LFBENCH" eval --model "$tmp/noise" --problems "$tmp/noise.jsonl" --policies h2o,full,streaming,longflow \
-  --scopes head,layer --fractions 0.05,0.2 --budget-round 16 --max-concurrent 3 --backend cpu \
+  --scopes head,layer --fractions 0.05,0.2 --budget-round 16 --max-concurrent 3 --h2o-recent 32 --backend cpu \
   --threads 1 --ids --quiet --json "$tmp/noise.json" | tee "$tmp/noise.txt"
-# h2o's recent window at each budget's B/2, both scopes
+# h2o's default recent window, each budget's B/2, in both scopes
 "$LFBENCH" eval --model "$tmp/noise" --problems "$tmp/noise.jsonl" --policies h2o --scopes head,layer \
-  --fractions 0.2,0.4 --budget-round 16 --window half --backend cpu --threads 1 --ids --quiet --json "$tmp/half.json" \
+  --fractions 0.2,0.4 --budget-round 16 --backend cpu --threads 1 --ids --quiet --json "$tmp/half.json" \
   >"$tmp/half.txt"
 "$LFBENCH" eval --model "$tmp/chain" --problems "$tmp/chain.jsonl" --policies full,longflow \
   --fractions 1 --backend cpu --jobs 2 --ids --json "$tmp/chain.json" >"$tmp/chain.txt"
@@ -120,10 +120,10 @@ spec = importlib.util.spec_from_file_location("task_eval", os.path.join(root, "t
 task_eval = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(task_eval)
 
-def lfgen_run(model, prompt_ids, max_tokens, policy, scope, budget, window=32, text=None):
+def lfgen_run(model, prompt_ids, max_tokens, policy, scope, budget, recent=0, text=None):
     cmd = [lfgen, "--model", model, "--max-tokens", str(max_tokens), "--temperature", "0",
            "--policy", policy, "--budget", str(budget), "--evict-scope", scope,
-           "--window", str(window),
+           "--h2o-recent", str(recent),
            "--backend", "cpu", "--print-ids"]
     cmd += ["--prompt", text] if text is not None else ["--prompt-ids", ",".join(map(str, prompt_ids))]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -147,8 +147,8 @@ for name in ("noise", "half", "chain"):
     assert [p["id"] for p in d["problems"]] == list(probs), d["problems"]
     assert d["runner"] == "lfbench" and d["backend"] == "cpu", d
     n_series = {"noise": 2 * 5 + 1, "half": 2 * 2, "chain": 2}[name]
-    window = d["engine"]["window"]
-    assert window == ("half" if name == "half" else 32), window
+    recent = d["engine"]["h2o_recent"]
+    assert d["engine"]["window"] == 32 and recent == (32 if name == "noise" else 0), d["engine"]
     assert len(d["runs"]) == len(probs) * n_series, len(d["runs"])
     for r in d["runs"]:
         p = probs[r["problem"]]
@@ -165,8 +165,7 @@ for name in ("noise", "half", "chain"):
             assert r["budget"] == want, (r["budget"], want)
             budget = r["budget"]
         rc, ids, fin, ev, err = lfgen_run(model, r["prompt_ids"], r["max_tokens"], r["policy"],
-                                          r["scope"], budget,
-                                          budget // 2 if window == "half" else window)
+                                          r["scope"], budget, recent)
         tag = f"{name} {r['problem']} {r['policy']}-{r['scope']}@{r['fraction']} budget {budget}"
         if rc != 0:  # e.g. h2o below sink + 32 + 2: lfgen fails at init, lfbench fails the run
             assert r["rc"] != 0 and r["ids"] == [] and r["evictions"] is None, (tag, err, r)
@@ -193,7 +192,7 @@ for name in ("noise", "half", "chain"):
     elif name == "half":  # a window of B/2, not 32: some run at 20% must differ from noise's
         assert all(r["rc"] == 0 for r in d["runs"]), [r for r in d["runs"] if r["rc"]]
         assert any(r["ids"] != noise_runs[k]["ids"] for k, r in runs.items() if k[3] == 0.2), \
-            "--window half changed no run"
+            "the B/2 window changed no run"
     else:
         full = {k[0]: r for k, r in runs.items() if k[1] == "full"}
         assert full["right"]["answer_ok"] and full["right"]["trace_ok"] and full["right"]["stopped"]

@@ -508,6 +508,38 @@ TEST(LayerScope, EngineEndToEnd) {
   EXPECT_EQ(bad.init, LF_ERR_INVALID_ARG);
 }
 
+/* lf_engine_config.h2o_recent reaches the backend: 0 is budget / 2, the same tokens as asking
+ * for B/2, other than a window of 4; a negative value or one that leaves no room is refused. */
+TEST(H2ORecent, EngineDefaultIsHalfTheBudget) {
+  const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
+  const std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
+  const int budget = 32;
+  for (lf_evict_scope scope : {LF_EVICT_HEAD, LF_EVICT_LAYER}) {
+    auto run = [&](int recent) {
+      lf_engine_config cfg;
+      lf_engine_config_default(&cfg);
+      cfg.model_path = dir.c_str();
+      cfg.backend = LF_BACKEND_CPU;
+      cfg.policy = LF_POLICY_H2O;
+      cfg.evict_scope = scope;
+      cfg.budget = budget;
+      cfg.h2o_recent = recent;
+      return lf_test_run_one(cfg, prompt, 150, true);
+    };
+    const GenRun def = run(0), half = run(budget / 2), small = run(4);
+    ASSERT_EQ(def.init, LF_OK) << lf_last_error();
+    ASSERT_EQ(half.init, LF_OK) << lf_last_error();
+    ASSERT_EQ(small.init, LF_OK) << lf_last_error();
+    EXPECT_EQ((int)def.tokens.size(), 150);
+    EXPECT_GT(def.stats.evictions, 0u);
+    EXPECT_EQ(def.tokens, half.tokens) << lf_evict_scope_str(scope);
+    EXPECT_NE(def.tokens, small.tokens) << lf_evict_scope_str(scope);
+    EXPECT_EQ(run(-1).init, LF_ERR_INVALID_ARG);
+    EXPECT_EQ(run(budget - 4 - 1).init, LF_ERR_INVALID_ARG); /* budget < sink + recent + 2 */
+    EXPECT_NE(std::string(lf_last_error()).find("h2o_recent"), std::string::npos) << lf_last_error();
+  }
+}
+
 TEST(LayerScope, Stories260KWithLayerScope) {
   const std::string bin = lf_test_data_dir() + "/models/stories260K/stories260K.bin";
   if (!lf_path_exists(bin)) GTEST_SKIP() << "stories260K not found at " << bin;

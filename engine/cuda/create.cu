@@ -367,7 +367,7 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->ap.policy = p->policy;
   c->ap.sink = p->sink;
   c->ap.window = p->window;
-  c->ap.h2o_recent = p->window;
+  c->ap.h2o_recent = lf_h2o_recent(p->h2o_recent, p->budget);
   c->ap.group = c->group;
   c->ap.head_dim = m->head_dim;
   c->ap.scale = 1.0f / sqrtf((float)m->head_dim);

@@ -64,7 +64,7 @@ class ContextFull(Exception):
 
 class Spec:
     """One run: policy, budget and parameters (lfserve's defaults: sink 4, window 32, and h2o's
-    recent window equal to the window, as engine/backend_cpu.c sets it)."""
+    recent window B/2, as lf_h2o_recent resolves lf_engine_config.h2o_recent = 0)."""
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
                  tau=None, name=None, gamma=0.0, recent=None):
@@ -74,7 +74,7 @@ class Spec:
         self.budget = int(budget)
         self.sink = int(sink)
         self.window = int(window)
-        self.h2o_recent = int(window if h2o_recent is None else h2o_recent)
+        self.h2o_recent = int(self.budget // 2 if h2o_recent is None else h2o_recent)
         self.scope = scope
         self.seed = seed
         self.tau = tau  # oracle: which StrongUses table (None: the first)
