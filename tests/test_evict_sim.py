@@ -308,6 +308,7 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
              for p in ("attn", "vnorm", "centered", "ema") for sc in ("head", "layer")]
     # LongFlow with a protected recent window (run.py's longflow+rR): the R most recent slots
     specs += [evs.Spec("longflow", B, sink=sink, scope=sc, recent=5) for sc in ("head", "layer")]
+    specs += [evs.Spec("ema", B, sink=sink, scope="head", gamma=1.0, recent=6)]
     s = evs.Sim(m, specs)
     H, G, D = s.H, s.G, s.D
     steps = {"n": 0, "bad": 0}
@@ -369,7 +370,7 @@ def check_diagnostic_scores(m, model_dir, tokens, fails):
     if steps["n"] == 0 or steps["bad"]:
         fails.add("%s: diagnostic scores: %d of %d decisions differ from the recount" % (
             name, steps["bad"], steps["n"]))
-    print("  %s: diagnostic scores (attn, vnorm, centered, ema, longflow+r5; head and layer): %d decisions "
+    print("  %s: diagnostic scores (attn, vnorm, centered, ema, longflow+r5, ema1+r6; head and layer): %d decisions "
           "recounted" % (name, steps["n"]))
 
 

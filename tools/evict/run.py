@@ -22,7 +22,8 @@ oracle then keeps the slot some head needs soonest), to tell the cost of per-hea
 apart from the cost of its scores; and LongFlow's score taken apart, in either scope
 (attn-head, attn-layer: the attention mass alone; vnorm-head, vnorm-layer: ||v||_1 alone;
 centered-head, centered-layer: alpha * ||v - o||_1; emaG-head, emaG-layer: LongFlow's score
-decayed by G per step and accumulated; longflow+rR-head, longflow+rR-layer: LongFlow's score
+decayed by G per step and accumulated, emaG+rR-head / -layer with a protected window;
+longflow+rR-head, longflow+rR-layer: LongFlow's score
 with h2o's protected window of the R most recent slots, R a number or `half` for B/2). These
 diagnostics are not served.
 
@@ -116,9 +117,12 @@ def make_specs(sim, a, budgets, n_kv):
                 pol, sc = p.split("-")
                 specs.append(sim.Spec(pol, B, sink=a.sink, scope=sc, name="%s/B%d" % (p, B)))
             elif p.startswith("ema") and p.endswith(("-head", "-layer")):
-                # diagnostic: LongFlow's score with memory, emaG-head / emaG-layer (decay G)
+                # diagnostic: LongFlow's score with memory, emaG-head / emaG-layer (decay G), with
+                # h2o's protected window as emaG+rR-head (R slots, or `half` for B/2)
                 g, sc = p[3:].split("-")
-                specs.append(sim.Spec("ema", B, sink=a.sink, scope=sc, gamma=float(g),
+                g, _, r = g.partition("+r")
+                R = (B // 2 if r == "half" else int(r)) if r else 0
+                specs.append(sim.Spec("ema", B, sink=a.sink, scope=sc, gamma=float(g), recent=R,
                                       name="%s/B%d" % (p, B)))
             elif p.startswith("longflow+r") and p.endswith(("-head", "-layer")):
                 # diagnostic: LongFlow with h2o's protected recent window, longflow+rR-head /
