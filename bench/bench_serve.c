@@ -223,6 +223,7 @@ typedef struct serve_opts {
   int n_policies;
   int n_req, prompt, output, budget, full_budget, n_pools, max_batch_tokens, threads;
   int sink, window;
+  int h2o_recent; /* lf_engine_config.h2o_recent (0: B/2) */
   lf_evict_scope scope;
   double kv_gb, mem_util, rate, duration;
   int poisson;
@@ -252,6 +253,7 @@ static void serve_usage(FILE *f) {
           "  --rate R           Poisson arrivals per second (default 1)\n"
           "  --max-batch-tokens T  prefill tokens per step (default: the engine's, 512)\n"
           "  --sink S --window W   policy parameters (default 4 32)\n"
+          "  --h2o-recent R     h2o's recent window (default 0: budget / 2)\n"
           "  --evict-scope S    layer | head: one eviction slot per layer or per KV head\n"
           "                     (default layer)\n"
           "  --threads T        cpu backend threads (default 0: all cores)\n"
@@ -339,6 +341,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       o->sink = atoi(v);
     } else if (OPT("--window")) {
       o->window = atoi(v);
+    } else if (OPT("--h2o-recent")) {
+      o->h2o_recent = atoi(v);
     } else if (OPT("--threads")) {
       o->threads = atoi(v);
     } else if (OPT("--duration")) {
@@ -355,7 +359,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
   }
   if (o->prompt < 1 || o->output < 1 || o->n_req < 0 || o->budget < 1 || o->full_budget < 0 ||
       o->n_pools < 0 || o->kv_gb < 0 || !(o->mem_util > 0 && o->mem_util <= 1) ||
-      !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->threads < 0 || o->duration < 0 ||
+      !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->h2o_recent < 0 || o->threads < 0 || o->duration < 0 ||
       o->ref_batch < 0 || o->ref_tokens < 0 || o->ref_tokens > o->output) {
     fprintf(stderr, "lfbench serve: an option is out of range\n");
     return -1;
@@ -669,6 +673,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   cfg.budget = r->budget;
   cfg.sink = o->sink;
   cfg.window = o->window;
+  cfg.h2o_recent = o->h2o_recent;
   cfg.evict_scope = o->scope;
   cfg.n_pools = r->pools;
   cfg.max_batch_tokens = o->max_batch_tokens;
@@ -942,13 +947,13 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
           "{\"bench\": \"serve\", \"model\": \"%s\", \"backend\": \"%s\", \"host\": \"%s\", "
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
           "\"output\": %d, \"arrival\": \"%s\", \"rate\": %g, \"kv_gb\": %g, \"mem_util\": %g, "
-          "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"evict_scope\": \"%s\", "
+          "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"h2o_recent\": %d, \"evict_scope\": \"%s\", "
           "\"duration\": %g, "
           "\"seed\": %llu, \"mem_kind\": \"%s\", \"tp\": %d, \"decode_only_ref\": %s, "
           "\"ref_tokens\": %d,\n \"rows\": [\n",
           o->model, backend, host, mc->n_layers, mc->n_kv_heads, mc->head_dim, o->prompt,
           o->output, o->poisson ? "poisson" : "all", o->poisson ? o->rate : 0.0, o->kv_gb,
-          o->mem_util, o->max_batch_tokens, o->sink, o->window, lf_evict_scope_str(o->scope),
+          o->mem_util, o->max_batch_tokens, o->sink, o->window, o->h2o_recent, lf_evict_scope_str(o->scope),
           o->duration,
           (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used", tp,
           o->decode_ref ? "true" : "false",
