@@ -359,8 +359,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
   }
   if (o->prompt < 1 || o->output < 1 || o->n_req < 0 || o->budget < 1 || o->full_budget < 0 ||
       o->n_pools < 0 || o->kv_gb < 0 || !(o->mem_util > 0 && o->mem_util <= 1) ||
-      !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->h2o_recent < 0 || o->threads < 0 || o->duration < 0 ||
-      o->ref_batch < 0 || o->ref_tokens < 0 || o->ref_tokens > o->output) {
+      !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->h2o_recent < 0 || o->threads < 0 ||
+      o->duration < 0 || o->ref_batch < 0 || o->ref_tokens < 0 || o->ref_tokens > o->output) {
     fprintf(stderr, "lfbench serve: an option is out of range\n");
     return -1;
   }
