@@ -337,14 +337,18 @@ namespace {
 
 using GenRun = LfRun;
 
+/* policy and h2o_recent: the engine's defaults (longflow) unless given */
 GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind backend, int budget,
-                const std::vector<int32_t> &prompt, int max_tokens) {
+                const std::vector<int32_t> &prompt, int max_tokens,
+                lf_policy policy = LF_POLICY_LONGFLOW, int h2o_recent = 0) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = model.c_str();
   cfg.backend = backend;
   cfg.budget = budget;
   cfg.evict_scope = scope;
+  cfg.policy = policy;
+  cfg.h2o_recent = h2o_recent;
   GenRun r = lf_test_run_one(cfg, prompt, max_tokens, true);
   if (r.init == LF_OK) {
     EXPECT_NE(r.reason, LF_FINISH_ERROR) << lf_status_str(r.finish_status);
@@ -516,15 +520,7 @@ TEST(H2ORecent, EngineDefaultIsHalfTheBudget) {
   const int budget = 32;
   for (lf_evict_scope scope : {LF_EVICT_HEAD, LF_EVICT_LAYER}) {
     auto run = [&](int recent) {
-      lf_engine_config cfg;
-      lf_engine_config_default(&cfg);
-      cfg.model_path = dir.c_str();
-      cfg.backend = LF_BACKEND_CPU;
-      cfg.policy = LF_POLICY_H2O;
-      cfg.evict_scope = scope;
-      cfg.budget = budget;
-      cfg.h2o_recent = recent;
-      return lf_test_run_one(cfg, prompt, 150, true);
+      return generate(dir, scope, LF_BACKEND_CPU, budget, prompt, 150, LF_POLICY_H2O, recent);
     };
     const GenRun def = run(0), half = run(budget / 2), small = run(4);
     ASSERT_EQ(def.init, LF_OK) << lf_last_error();

@@ -97,6 +97,11 @@ def tokenizer_for(path):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
+def recent_slots(r, B):
+    """A diagnostic's protected window from its name's +rR: R slots, `half` for B/2, none if ''."""
+    return 0 if not r else B // 2 if r == "half" else int(r)
+
+
 def make_specs(sim, a, budgets, n_kv):
     specs = []
     for B in budgets:
@@ -121,15 +126,14 @@ def make_specs(sim, a, budgets, n_kv):
                 # h2o's protected window as emaG+rR-head (R slots, or `half` for B/2)
                 g, sc = p[3:].split("-")
                 g, _, r = g.partition("+r")
-                R = (B // 2 if r == "half" else int(r)) if r else 0
-                specs.append(sim.Spec("ema", B, sink=a.sink, scope=sc, gamma=float(g), recent=R,
+                specs.append(sim.Spec("ema", B, sink=a.sink, scope=sc, gamma=float(g),
+                                      recent=recent_slots(r, B),
                                       name="%s/B%d" % (p, B)))
             elif p.startswith("longflow+r") and p.endswith(("-head", "-layer")):
                 # diagnostic: LongFlow with h2o's protected recent window, longflow+rR-head /
                 # longflow+rhalf-layer (R slots, or B/2)
                 r, sc = p[len("longflow+r"):].split("-")
-                R = B // 2 if r == "half" else int(r)
-                specs.append(sim.Spec("longflow", B, sink=a.sink, scope=sc, recent=R,
+                specs.append(sim.Spec("longflow", B, sink=a.sink, scope=sc, recent=recent_slots(r, B),
                                       name="%s/B%d" % (p, B)))
             elif p == "streaming":
                 specs.append(sim.Spec("streaming", B, sink=a.sink, name="streaming/B%d" % B))
