@@ -39,6 +39,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "attention/h2o_window.cuh"
 #include "base/cuda_check.h"
 #include "base/cuda_launch.cuh"
 #include "base/cuda_ptx.cuh"
@@ -81,6 +82,8 @@ typedef struct attn_params {
   float2 *ml;
   float *po, *lg;
   float *scores; /* NULL, or [n_seq][n_kv][budget]: every candidate's score (layer scope) */
+  float *acc;    /* h2o: the pool's accumulators, [pool][layer][kv head][budget] */
+  int recent;    /* h2o: the protected recent window */
 } attn_params;
 
 static __device__ __forceinline__ uint32_t u4_get(const uint4 &x, int i) {
@@ -116,16 +119,37 @@ static __device__ __forceinline__ void prefetch_tiles(const __nv_bfloat16 *base,
   }
 }
 
-/* Scores of slots [lo, hi) from logits lg [hi - lo][G] (shared memory, or global written by
- * other blocks of this launch: then read through L2); returns, in thread 0, the smallest key
- * (score bits << 32 | slot) over the evictable ones (~0 when there is none). */
+/* sum_h alpha_h,i of slot i from its logits li [G] (shared memory, or global written by other
+ * blocks of this launch: then read through L2) */
 template <bool GLOBAL_LG>
+static __device__ __forceinline__ float slot_mass(const float *li, int G, const float *fin_m,
+                                                  const float *fin_il) {
+  float l[DA_GMAX];
+#pragma unroll
+  for (int h = 0; h < DA_GMAX; h++)
+    if (h < G) l[h] = GLOBAL_LG ? __ldcg(li + h) : li[h];
+  float mass = 0.0f;
+#pragma unroll
+  for (int h = 0; h < DA_GMAX; h++)
+    if (h < G) mass += exp2f((l[h] - fin_m[h]) * DA_LOG2E) * fin_il[h];
+  return mass;
+}
+
+/* Scores of slots [lo, hi) from logits lg [hi - lo][G]; returns, in thread 0, the smallest key
+ * (score bits << 32 | slot) over the evictable ones (~0 when there is none). h2o adds this
+ * step's mass to the accumulators of every slot of the range (the slot written starts from 0)
+ * and scores by them; slots with pos >= rfrom are its protected window. */
+template <bool GLOBAL_LG, bool H2O>
 static __device__ unsigned long long score_key(const attn_params &p, size_t hidx, int lo, int hi,
                                                int wslot, const float *lg, const float *fin_m,
-                                               const float *fin_il, unsigned long long *red_key,
-                                               float *sc) {
+                                               const float *fin_il, int rfrom,
+                                               unsigned long long *red_key, float *sc) {
   const int G = p.group, B = p.budget;
   unsigned long long best = ~0ull;
+  if (H2O) /* the sinks' accumulators (never candidates) */
+    for (int i = lo + (int)threadIdx.x; i < min(p.sink, hi); i += DA_NT)
+      p.acc[hidx * B + i] = (i == wslot ? 0.0f : p.acc[hidx * B + i]) +
+                            slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
   if (p.policy != LF_POLICY_FULL) {
     const int i0 = max(p.sink, lo);
     /* unrolled with every load first: this loop runs after the block's streaming work, so its
@@ -133,24 +157,25 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
 #pragma unroll 4
     for (int i = i0 + (int)threadIdx.x; i < hi; i += DA_NT) {
       uint32_t key;
-      if (p.policy == LF_POLICY_STREAMING) {
+      bool cand = i != wslot;
+      if (H2O) {
+        const float mass = slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
+        float *a = p.acc + hidx * B + i;
+        const float s = (cand ? *a : 0.0f) + mass;
+        *a = s;
+        key = __float_as_uint(s);
+        if (sc && cand) sc[i] = s;
+        cand = cand && p.pos[hidx * B + i] < rfrom;
+      } else if (p.policy == LF_POLICY_STREAMING) {
         key = (uint32_t)p.pos[hidx * B + i];
       } else {
-        const float *li = lg + (size_t)(i - lo) * G;
-        float l[DA_GMAX];
-#pragma unroll
-        for (int h = 0; h < DA_GMAX; h++)
-          if (h < G) l[h] = GLOBAL_LG ? __ldcg(li + h) : li[h];
         const float vn = p.vnorm[hidx * B + i];
-        float mass = 0.0f;
-#pragma unroll
-        for (int h = 0; h < DA_GMAX; h++)
-          if (h < G) mass += exp2f((l[h] - fin_m[h]) * DA_LOG2E) * fin_il[h];
+        const float mass = slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
         key = __float_as_uint(vn * mass);
-        if (sc && i != wslot) sc[i] = vn * mass;
+        if (sc && cand) sc[i] = vn * mass;
       }
       const unsigned long long kk = ((unsigned long long)key << 32) | (unsigned)i;
-      if (i != wslot) best = kk < best ? kk : best;
+      if (cand) best = kk < best ? kk : best;
     }
   }
   best = warp_min_u64(best);
@@ -231,7 +256,8 @@ static __device__ __forceinline__ void store_acc(float *dst, const float (&oacc)
     }
 }
 
-template <int D, int MINB, bool CL>
+/* H2O: the h2o instantiation (accumulators and window); the others are compiled without it. */
+template <int D, int MINB, bool CL, bool H2O>
 static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const attn_params p) {
   constexpr int NJ = D / 32;  /* 16-byte K loads per slot per thread */
   constexpr int NC = D / 64;  /* 16-byte V loads per slot per thread */
@@ -240,6 +266,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   __shared__ float red_m[DA_NW][DA_GMAX], red_l[DA_NW][DA_GMAX];
   __shared__ float fin_m[DA_GMAX], fin_il[DA_GMAX];
   __shared__ unsigned long long red_key[DA_NW];
+  __shared__ int red_i[DA_NW];
   __shared__ int is_last;
 
   /* the next kernels' inputs that depend on nothing here (attn_params.l2_next; none now) */
@@ -256,6 +283,9 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   const int wslot = p.w[pair];
   __nv_bfloat16 *out = p.out + (pair * G) * D; /* [G][D] of this (seq, kv head) */
   float *scores_row = p.scores ? p.scores + pair * B : nullptr;
+  /* h2o's window, unless layer scope (scores), where lf_cuda_layer_argmin applies it */
+  const bool window = H2O && !p.scores;
+  const int32_t *posh = p.pos + hidx * B;
 
   if (n <= 0) { /* nothing to attend: zero output, no candidate */
     if (split == 0) {
@@ -451,8 +481,9 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       *(__nv_bfloat162 *)(out + h * D + d) =
           __floats2bfloat162_rn(o_s[h * D + d] * fin_il[h], o_s[h * D + d + 1] * fin_il[h]);
     }
+    const int rfrom = window ? h2o_window<DA_NT>(posh, n, wslot, p.recent, red_i) : INT_MAX;
     const unsigned long long best =
-        score_key<false>(p, hidx, 0, n, wslot, lg_s, fin_m, fin_il, red_key, scores_row);
+        score_key<false, H2O>(p, hidx, 0, n, wslot, lg_s, fin_m, fin_il, rfrom, red_key, scores_row);
     if (tid == 0) p.next[hidx] = key_slot(best);
     return;
   }
@@ -466,7 +497,14 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     namespace cg = cooperative_groups;
     __shared__ float2 cl_ml[DA_GMAX];                /* this split's (m, l) per head */
     __shared__ unsigned long long cl_key[DA_CL_MAX]; /* each split's best key (in split 0) */
+    __shared__ int cl_cnt[2]; /* h2o: this split's count of the window guess, then the total */
     cg::cluster_group cl = cg::this_cluster();
+    /* h2o: each split counts its own slots at the window's guess; the sum follows the barrier */
+    const int t0 = window ? h2o_window_guess(posh, n, wslot, p.recent) : 0;
+    if (window) {
+      const int c = h2o_count_ge<DA_NT>(posh, s0, s1, t0, red_i);
+      if (tid == 0) cl_cnt[0] = c;
+    }
     if (tid < G) {
       float l = 0.0f, m = -INFINITY;
       for (int i = 0; i < DA_NW; i++) {
@@ -487,6 +525,11 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
         combine_weights([&](int s) { return cl.map_shared_rank(cl_ml, s)[tid]; }, S, G, tid, cw,
                         fin_m, fin_il);
       }
+    }
+    if (window && tid == DA_NT - 1) {
+      int c = 0;
+      for (int s = 0; s < S; s++) c += cl.map_shared_rank(cl_cnt, s)[0];
+      cl_cnt[1] = c;
     }
     __syncthreads();
     /* this split's share of the output, from every split's o_s */
@@ -513,8 +556,11 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       }
       *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
     }
-    const unsigned long long best =
-        score_key<false>(p, hidx, s0, s1, wslot, lg_s, fin_m, fin_il, red_key, scores_row);
+    /* every split finds the same threshold (a bisection over all n slots when the guess is off) */
+    const int rfrom = window ? h2o_window_from<DA_NT>(posh, n, p.recent, t0, cl_cnt[1], red_i)
+                             : INT_MAX;
+    const unsigned long long best = score_key<false, H2O>(p, hidx, s0, s1, wslot, lg_s, fin_m, fin_il,
+                                                     rfrom, red_key, scores_row);
     if (tid == 0) cl.map_shared_rank(cl_key, 0)[split] = best;
     cl.sync(); /* keys are in split 0; nobody reads another split's memory after this */
     if (split == 0 && tid == 0) {
@@ -568,8 +614,9 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     }
     *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
   }
+  const int rfrom = window ? h2o_window<DA_NT>(posh, n, wslot, p.recent, red_i) : INT_MAX;
   const unsigned long long best =
-      score_key<true>(p, hidx, 0, n, wslot, p.lg + pair * B * G, fin_m, fin_il, red_key,
+      score_key<true, H2O>(p, hidx, 0, n, wslot, p.lg + pair * B * G, fin_m, fin_il, rfrom, red_key,
                       scores_row);
   if (tid == 0) p.next[hidx] = key_slot(best);
 }
@@ -678,7 +725,7 @@ extern "C" lf_status lf_cuda_decode_attn_workspace_init(void *workspace, size_t 
   return LF_OK;
 }
 
-template <int D, int MINB, bool CL>
+template <int D, int MINB, bool CL, bool H2O>
 static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   const int S = (int)grid.x;
   const size_t smem =
@@ -692,7 +739,7 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
    * flight per SM (forcing the largest shared carveout cuts the bandwidth). */
   static size_t smem_set = 0;
   if (smem > 48 * 1024 && smem > smem_set) {
-    LF_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D, MINB, CL>,
+    LF_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D, MINB, CL, H2O>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     smem_set = smem;
   }
@@ -711,9 +758,9 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
     at[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = lf_pdl_now() ? 2 : 1;
-    LF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_attn_kernel<D, MINB, CL>, p));
+    LF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_attn_kernel<D, MINB, CL, H2O>, p));
   } else {
-    lf_launch(decode_attn_kernel<D, MINB, CL>, grid, dim3(DA_NT), smem, stream, p);
+    lf_launch(decode_attn_kernel<D, MINB, CL, H2O>, grid, dim3(DA_NT), smem, stream, p);
   }
   LF_CUDA_CHECK_LAUNCH("decode_attn_kernel");
   return LF_OK;
@@ -721,7 +768,11 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
 
 template <int D, int MINB>
 static lf_status launch_any(const attn_params &p, dim3 grid, int cl, cudaStream_t stream) {
-  return cl ? launch<D, MINB, true>(p, grid, stream) : launch<D, MINB, false>(p, grid, stream);
+  if (p.policy == LF_POLICY_H2O)
+    return cl ? launch<D, MINB, true, true>(p, grid, stream)
+              : launch<D, MINB, false, true>(p, grid, stream);
+  return cl ? launch<D, MINB, true, false>(p, grid, stream)
+            : launch<D, MINB, false, false>(p, grid, stream);
 }
 
 extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStream_t stream) {
@@ -735,11 +786,15 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   if (a->group < 1 || a->group > DA_GMAX)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: group %d (1..%d)", a->group, DA_GMAX);
   if (a->policy != LF_POLICY_LONGFLOW && a->policy != LF_POLICY_FULL &&
-      a->policy != LF_POLICY_STREAMING)
+      a->policy != LF_POLICY_STREAMING && a->policy != LF_POLICY_H2O)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
                     (int)a->policy);
-  if (a->policy == LF_POLICY_STREAMING && !pv->pos)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: streaming needs pos");
+  if ((a->policy == LF_POLICY_STREAMING || a->policy == LF_POLICY_H2O) && !pv->pos)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: streaming and h2o need pos");
+  if (a->policy == LF_POLICY_H2O && (!pv->acc || a->recent < 0))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_decode_attn: h2o needs the pool's acc and a window >= 0 (got %d)",
+                    a->recent);
   if (a->n_seq < 0 || a->n_seq > 65535 || pv->n_kv_heads < 1 || pv->n_kv_heads > 65535 ||
       pv->budget < 1 || pv->n_layers < 1 || a->layer < 0 || a->layer >= pv->n_layers ||
       a->sink < 0 || !(a->scale > 0.0f))
@@ -795,7 +850,9 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.ml = S > 1 && !cl ? (float2 *)(ws + wl.ml) : NULL;
   p.po = S > 1 && !cl ? (float *)(ws + wl.po) : NULL;
   p.lg = S > 1 && !cl ? (float *)(ws + wl.lg) : NULL;
-  p.scores = a->policy == LF_POLICY_LONGFLOW ? a->scores : NULL;
+  p.scores = a->policy == LF_POLICY_LONGFLOW || a->policy == LF_POLICY_H2O ? a->scores : NULL;
+  p.acc = a->policy == LF_POLICY_H2O ? pv->acc : NULL;
+  p.recent = a->recent;
 
   const dim3 grid(S, pv->n_kv_heads, a->n_seq);
   /* Four blocks per SM (128 registers) while four blocks' shared memory still leaves L1 room

@@ -8,8 +8,10 @@
  * is lf_cuda_qkv_rope's slot write (attention/kv_write.cuh), launched before this on the same
  * stream.
  *
- * Same semantics as lf_attn_decode_ref (attention.h) for the policies longflow, full (next = -1)
- * and streaming (next = the evictable slot with the smallest position); h2o is not supported yet.
+ * Same semantics as lf_attn_decode_ref (attention.h) for the policies longflow, full (next = -1),
+ * streaming (next = the evictable slot with the smallest position) and h2o (acc[i] += sum_h
+ * alpha_h,i, acc[w] starting from 0; next = argmin acc outside the `recent` most recent slots by
+ * position; the window in attention/h2o_window.cuh).
  *
  * Includable from C: bf16 buffers are `void *` (__nv_bfloat16 on the device, raw bf16 bits on the
  * host), the stream is a cudaStream_t (struct CUstream_st *). Every pointer is device memory.
@@ -31,8 +33,8 @@ struct CUstream_st;
 
 typedef struct lf_decode_attn_args {
   /* The rank's pool arena (docs/DESIGN.md §3 layout; head_dim 64 or 128): K, V, vnorm and n
-   * read (n counts this step's token), pos read by streaming only, next written (the slot the
-   * next token takes). */
+   * read (n counts this step's token), pos read by streaming and h2o, acc read and written by
+   * h2o only, next written (the slot the next token takes). */
   lf_cuda_pool_view pool;
   int layer; /* the layer attended */
   /* The batch. */
@@ -45,7 +47,9 @@ typedef struct lf_decode_attn_args {
   void *out;               /* bf16 [n_seq][n_kv_heads * group][head_dim] attention output */
   int group;               /* query heads per KV head, 1..8; query head h uses KV head h/group */
   int sink;                /* slots 0..sink-1 are never evicted */
-  lf_policy policy;        /* longflow, full or streaming */
+  lf_policy policy;        /* longflow, full, streaming or h2o */
+  int recent;              /* h2o: its protected window, the `recent` most recent slots by
+                            * position (docs/DESIGN.md §3); >= 0, ignored by the others */
   float scale;             /* softmax scale, 1/sqrt(head_dim) */
   /* Split-K (flash decoding): each (sequence, KV head) is cut into n_splits blocks of slots.
    * 0: lf_cuda_decode_attn_splits() picks it. A request is raised to the fewest splits whose
@@ -56,9 +60,10 @@ typedef struct lf_decode_attn_args {
   void *workspace; /* >= lf_cuda_decode_attn_workspace_bytes(), prepared once with
                     * lf_cuda_decode_attn_workspace_init() and reused by every call */
   size_t workspace_bytes;
-  /* Layer-scope eviction: NULL, or fp32 [n_seq][n_kv_heads][budget] where longflow also writes
-   * every candidate's score (slots >= sink, except w) for lf_cuda_layer_argmin; next is still
-   * written per head (the layer argmin overwrites it). */
+  /* Layer-scope eviction: NULL, or fp32 [n_seq][n_kv_heads][budget] where longflow and h2o
+   * also write every candidate's score (slots >= sink, except w; h2o: its window too, which
+   * lf_cuda_layer_argmin then excludes) for lf_cuda_layer_argmin; next is still written per head
+   * (the layer argmin overwrites it). */
   float *scores;
 } lf_decode_attn_args;
 

@@ -7,6 +7,7 @@
 #include <float.h>
 #include <limits.h>
 
+#include "attention/h2o_window.cuh"
 #include "attention/pool_row.cuh"
 #include "base/cuda_check.h"
 
@@ -38,30 +39,6 @@ static __device__ unsigned long long block_min_key(unsigned long long x, unsigne
   return x;
 }
 
-/* h2o's recent window of (pool, layer, head) hidx: slot i (< n) is one of the `recent` most
- * recent slots by position iff pos[i] >= the value returned (INT_MAX: none, recent <= 0;
- * INT_MIN: every slot, recent >= n). Positions in a pool are distinct, so the recent-th largest
- * position found by bisection (block-wide counts) is the threshold: lf_attn_decode_ref's rank by
- * (position, slot). Every thread of the block calls it and gets the value. */
-static __device__ int recent_from(const lf_cuda_pool_view &p, size_t hidx, int n, int recent,
-                                  float *red) {
-  if (recent <= 0) return INT_MAX;
-  if (recent >= n) return INT_MIN;
-  const int32_t *pos = p.pos + hidx * p.budget;
-  int lo = 0, hi = INT_MAX; /* count(pos >= lo) >= recent holds: every filled position >= 0 */
-  while (lo < hi) {
-    const int mid = lo + (int)(((unsigned)hi - (unsigned)lo + 1u) / 2u);
-    float c = 0.0f;
-    for (int i = threadIdx.x; i < n; i += DEC_NT) c += pos[i] >= mid ? 1.0f : 0.0f;
-    c = block_reduce(c, 0, red);
-    if (c >= (float)recent)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 /* One block per (KV head g, sequence s). Logits, then weights, of the group's heads live in the
  * scratch [s][head][budget]. */
 static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
@@ -71,6 +48,7 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
                                             float *scratch, float *scores) {
   extern __shared__ float sm[]; /* q [G][D], then m [G], L [G] */
   __shared__ float red[DEC_NT / 32];
+  __shared__ int redi[DEC_NT / 32];
   __shared__ unsigned long long redk[DEC_NT / 32];
   const int g = blockIdx.x, s = blockIdx.y, D = p.head_dim, B = p.budget;
   const int hkv = p.n_kv_heads, G = n_heads / hkv;
@@ -126,7 +104,10 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
       acc[i] = (i == ws ? 0.0f : acc[i]) + mass;
     }
   }
-  const int rfrom = policy == LF_POLICY_H2O ? recent_from(p, hidx, n, recent, red) : INT_MAX;
+  /* layer scope (scores): lf_cuda_layer_argmin applies the window and overwrites next */
+  const int rfrom = policy == LF_POLICY_H2O && !scores
+                        ? h2o_window<DEC_NT>(p.pos + hidx * B, n, ws, recent, redi)
+                        : INT_MAX;
   unsigned long long best = ~0ull;
   for (int i = threadIdx.x; i < n; i += DEC_NT) {
     if (i < sink || i == ws) continue;
@@ -193,13 +174,13 @@ static __global__ void layer_argmin_kernel(lf_cuda_pool_view p, int layer, const
                                            const int32_t *w, int sink, int recent, int per,
                                            const float *scores) {
   __shared__ unsigned long long redk[DEC_NT / 32];
-  __shared__ float red[DEC_NT / 32];
+  __shared__ int redi[DEC_NT / 32];
   const int s = blockIdx.x, g0 = blockIdx.y * per, hkv = p.n_kv_heads, B = p.budget;
   const size_t hidx = ((size_t)pool_ids[s] * p.n_layers + layer) * hkv + g0;
   const int n = p.n[hidx], ws = w[(size_t)s * hkv + g0];
   const float *sc = scores + ((size_t)s * hkv + g0) * B;
   /* h2o (recent > 0): the group's heads hold the same positions, so the first head's rank them */
-  const int rfrom = recent_from(p, hidx, n, recent, red);
+  const int rfrom = h2o_window<DEC_NT>(p.pos + hidx * B, n, ws, recent, redi);
   unsigned long long best = ~0ull;
   for (int i = sink + (int)threadIdx.x; i < n; i += DEC_NT) {
     if (i == ws || p.pos[hidx * B + i] >= rfrom) continue;

@@ -27,7 +27,8 @@ struct CUstream_st;
  *   q, out: bf16 [n_seq][n_heads][head_dim]; w: [n_seq][n_kv_heads];
  *   scratch: fp32 >= lf_cuda_decode_attn_simple_scratch(n_seq, ...) floats; scores: NULL, or (layer
  *   scope, longflow or h2o) fp32 [n_seq][n_kv_heads][budget], every candidate's score
- *   (lf_cuda_layer_argmin). recent: h2o's recent window (ignored by the other policies). */
+ *   (lf_cuda_layer_argmin, which applies h2o's window: the kernel then skips it). recent: h2o's
+ *   recent window (ignored by the other policies). */
 size_t lf_cuda_decode_attn_simple_scratch(int n_seq, int n_heads, int budget);
 lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int layer, int n_seq,
                                      const int32_t *pool_ids, const int32_t *w, int n_heads,

@@ -88,6 +88,7 @@ struct Case {
   int sink;
   int n_splits; /* 0: auto */
   int steps;
+  int recent; /* h2o's window (0 for the other policies) */
 };
 
 std::string case_name(const Case &c) {
@@ -96,8 +97,11 @@ std::string case_name(const Case &c) {
                 c.group, c.budget, c.n_kv, c.n_seq, c.fill,
                 c.policy == LF_POLICY_LONGFLOW ? "longflow"
                 : c.policy == LF_POLICY_FULL   ? "full"
+                : c.policy == LF_POLICY_H2O    ? "h2o"
                                                : "streaming",
                 c.sink, c.n_splits, c.steps);
+  if (c.policy == LF_POLICY_H2O)
+    std::snprintf(b + std::strlen(b), sizeof b - std::strlen(b), "_recent%d", c.recent);
   return b;
 }
 
@@ -154,6 +158,7 @@ void run_case(const Case &c) {
             l1 += std::fabs((double)vx);
           }
           kh.vnorm[i] = (float)l1;
+          kh.acc[i] = 0.05f * (float)(rng() % 64); /* h2o: mass from earlier steps */
           kh.pos[i] = pos[i];
           if (l == layer) max_pos[s] = std::max(max_pos[s], pos[i]);
         }
@@ -169,7 +174,7 @@ void run_case(const Case &c) {
   }
 
   dev_buf<uint16_t> dk, dv, dq, dout;
-  dev_buf<float> dvnorm, dqkv, dinv;
+  dev_buf<float> dvnorm, dqkv, dinv, dacc;
   dev_buf<int32_t> dpos, dn, dnext, dpool, dw, dposnew;
   dev_buf<char> dws;
   CUDA_OK(dk.alloc(hk.size()));
@@ -181,6 +186,8 @@ void run_case(const Case &c) {
   CUDA_OK(dn.alloc(n_heads_all));
   CUDA_OK(dnext.alloc(n_heads_all));
   CUDA_OK(cudaMemcpy(dvnorm.p, cpu.vnorm, n_slots_all * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(dacc.alloc(n_slots_all));
+  CUDA_OK(cudaMemcpy(dacc.p, cpu.acc, n_slots_all * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dpos.p, cpu.pos, n_slots_all * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dn.p, cpu.n, n_heads_all * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dnext.p, cpu.next, n_heads_all * 4, cudaMemcpyHostToDevice));
@@ -203,7 +210,7 @@ void run_case(const Case &c) {
   prm.policy = c.policy;
   prm.sink = c.sink;
   prm.window = 32;
-  prm.h2o_recent = 0;
+  prm.h2o_recent = c.recent;
   prm.group = G;
   prm.head_dim = D;
   prm.scale = 1.0f / std::sqrt((float)D);
@@ -247,6 +254,7 @@ void run_case(const Case &c) {
     pv.n_kv_heads = H;
     pv.budget = B;
     pv.head_dim = D;
+    pv.acc = c.policy == LF_POLICY_H2O ? dacc.p : nullptr;
     lf_qkv_rope_args wa = {};
     wa.qkv = dqkv.p;
     wa.qkv_stride = qkv_dim;
@@ -283,6 +291,7 @@ void run_case(const Case &c) {
     aa.group = G;
     aa.sink = c.sink;
     aa.policy = c.policy;
+    aa.recent = c.recent;
     aa.scale = prm.scale;
     aa.n_splits = c.n_splits;
     aa.workspace = dws.p;
@@ -292,7 +301,9 @@ void run_case(const Case &c) {
 
     std::vector<uint16_t> gout;
     std::vector<int32_t> gn, gw;
+    std::vector<float> gacc;
     CUDA_OK(dout.get(gout));
+    CUDA_OK(dacc.get(gacc));
     CUDA_OK(dnext.get(gnext));
     CUDA_OK(dn.get(gn));
     CUDA_OK(dw.get(gw));
@@ -306,6 +317,7 @@ void run_case(const Case &c) {
         const int w_cpu = lf_kv_write_slot(&kh);
         int ev = 0;
         std::fill(scores.begin(), scores.end(), NAN);
+        const std::vector<float> acc_before(kh.acc, kh.acc + B);
         LF_OK_(lf_attn_decode_ref(&prm, &kh, &q[((size_t)s * HQ + h * G) * D],
                                   &kn[((size_t)s * H + h) * D], &vn[((size_t)s * H + h) * D],
                                   posnew[s], cout_.data(), &ev, scores.data()));
@@ -324,6 +336,17 @@ void run_case(const Case &c) {
         const double rel = std::sqrt(num / std::max(den, 1e-30));
         worst_rel = std::max(worst_rel, rel);
         EXPECT_LT(rel, 1.2e-2) << "output, seq " << s << " head " << h;
+        /* h2o: every filled slot's accumulator (fp32 sums of the kernel's weights, against the
+         * CPU's of exact weights), then the GPU's values carried over so errors do not pile up */
+        if (c.policy == LF_POLICY_H2O)
+          for (int i = 0; i < *kh.n; i++) {
+            /* the tolerance scales with this step's mass, so a lost or doubled one fails */
+            const float mass = kh.acc[i] - (i == w_cpu ? 0.0f : acc_before[i]);
+            ASSERT_NEAR(gacc[hidx * B + i], kh.acc[i], 1e-6f * kh.acc[i] + 2e-3f * mass + 1e-9f)
+                << "acc, seq " << s << " head " << h << " slot " << i << " (step mass " << mass
+                << ")";
+            kh.acc[i] = gacc[hidx * B + i];
+          }
         /* next */
         const int gnx = gnext[hidx], cnx = *kh.next;
         next_checked++;
@@ -333,6 +356,11 @@ void run_case(const Case &c) {
           ASSERT_TRUE(valid) << "next " << gnx << " is not evictable (cpu " << cnx << ", n "
                              << *kh.n << ", w " << w_cpu << "), seq " << s << " head " << h;
           ASSERT_GE(cnx, 0);
+          if (c.policy == LF_POLICY_H2O) { /* not in the window: recent slots hold later positions */
+            int later = 0;
+            for (int i = 0; i < *kh.n; i++) later += kh.pos[i] > kh.pos[gnx];
+            ASSERT_GE(later, c.recent) << "next " << gnx << " is in h2o's window, seq " << s;
+          }
           const double sg = scores[gnx], sc = scores[cnx];
           const bool near = sg - sc <= 1e-4 * std::fabs(sc) + 1e-30;
           ASSERT_TRUE(near) << "next " << gnx << " (score " << sg << ") vs cpu " << cnx
@@ -395,24 +423,37 @@ std::vector<Case> cases() {
       {128, 2, 77, 3, 5, 2},   {64, 3, 300, 2, 4, 1},    {128, 5, 50, 1, 7, 0},
   };
   for (const S &g : grid) {
-    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 1, 1});
-    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 0, 1});
-    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 7, 1});
+    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 1, 1, 0});
+    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 0, 1, 0});
+    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF, 4, 7, 1, 0});
+    v.push_back({g.D, g.G, g.B, g.kv, g.seq, g.fill, LF_POLICY_H2O, 4, 0, 1, 8});
   }
   /* the largest cluster combine (8 splits) and the ticket combine past it (16) */
-  v.push_back({128, 4, 4096, 8, 1, 1, LF, 4, 8, 1});
-  v.push_back({128, 4, 4096, 8, 1, 1, LF, 4, 16, 1});
-  v.push_back({64, 8, 2048, 2, 3, 2, LF_POLICY_STREAMING, 4, 8, 2});
+  v.push_back({128, 4, 4096, 8, 1, 1, LF, 4, 8, 1, 0});
+  v.push_back({128, 4, 4096, 8, 1, 1, LF, 4, 16, 1, 0});
+  v.push_back({64, 8, 2048, 2, 3, 2, LF_POLICY_STREAMING, 4, 8, 2, 0});
   /* sink 0, other policies */
-  v.push_back({128, 4, 512, 2, 3, 2, LF, 0, 5, 1});
-  v.push_back({128, 4, 512, 2, 3, 2, LF_POLICY_STREAMING, 4, 0, 3});
-  v.push_back({64, 8, 300, 2, 3, 0, LF_POLICY_FULL, 4, 3, 3});
+  v.push_back({128, 4, 512, 2, 3, 2, LF, 0, 5, 1, 0});
+  v.push_back({128, 4, 512, 2, 3, 2, LF_POLICY_STREAMING, 4, 0, 3, 0});
+  v.push_back({64, 8, 300, 2, 3, 0, LF_POLICY_FULL, 4, 3, 3, 0});
   /* multi-step: alternating write and attend, evicting, kept positions compared at the end */
-  v.push_back({128, 4, 16, 2, 4, 2, LF, 4, 1, 60});
-  v.push_back({128, 4, 64, 2, 4, 1, LF, 4, 3, 40});
-  v.push_back({64, 8, 100, 2, 3, 2, LF, 2, 0, 40});
-  v.push_back({128, 1, 200, 4, 2, 1, LF, 4, 9, 30});
-  v.push_back({128, 4, 40, 2, 2, 2, LF_POLICY_STREAMING, 4, 2, 40});
+  v.push_back({128, 4, 16, 2, 4, 2, LF, 4, 1, 60, 0});
+  v.push_back({128, 4, 64, 2, 4, 1, LF, 4, 3, 40, 0});
+  v.push_back({64, 8, 100, 2, 3, 2, LF, 2, 0, 40, 0});
+  v.push_back({128, 1, 200, 4, 2, 1, LF, 4, 9, 30, 0});
+  v.push_back({128, 4, 40, 2, 2, 2, LF_POLICY_STREAMING, 4, 2, 40, 0});
+  /* h2o, every combine path (one split, a cluster, the ticket past it), for more steps than its
+   * window: the drawn positions have gaps, so the window's threshold is bisected at first and
+   * guessed right once the window holds only new tokens. Windows of B/2 and past n too. */
+  const lf_policy H2 = LF_POLICY_H2O;
+  v.push_back({64, 3, 100, 3, 3, 2, H2, 4, 0, 40, 8}); /* SmolLM2's group and head_dim */
+  v.push_back({128, 4, 512, 2, 3, 2, H2, 4, 1, 20, 8});
+  v.push_back({128, 4, 64, 2, 4, 1, H2, 4, 3, 40, 6});
+  v.push_back({64, 8, 2048, 2, 3, 2, H2, 4, 8, 12, 5});
+  v.push_back({128, 4, 4096, 8, 1, 1, H2, 4, 16, 12, 4});
+  v.push_back({128, 4, 200, 2, 2, 1, H2, 4, 5, 30, 100});
+  v.push_back({64, 4, 1000, 4, 8, 2, H2, 0, 0, 3, 500});
+  v.push_back({128, 2, 77, 3, 5, 1, H2, 4, 2, 50, 1});
   return v;
 }
 
@@ -425,6 +466,23 @@ TEST(DecodeAttnArgs, RejectsBadArguments) {
   lf_decode_attn_args a = {};
   EXPECT_EQ(lf_cuda_decode_attn(&a, nullptr), LF_ERR_INVALID_ARG);
   EXPECT_EQ(lf_cuda_decode_attn(nullptr, nullptr), LF_ERR_INVALID_ARG);
+  /* h2o without the pool's accumulators, or with a negative window */
+  int dummy[64] = {};
+  a.pool.k = a.pool.v = a.out = dummy;
+  a.q = dummy;
+  a.pool.vnorm = reinterpret_cast<float *>(dummy);
+  a.pool.n = a.pool.next = a.pool.pos = dummy;
+  a.pool_ids = a.w = dummy;
+  a.pool.head_dim = 64;
+  a.pool.n_kv_heads = a.pool.budget = a.pool.n_layers = 1;
+  a.group = 1;
+  a.n_seq = 1;
+  a.scale = 0.125f;
+  a.policy = LF_POLICY_H2O;
+  EXPECT_EQ(lf_cuda_decode_attn(&a, nullptr), LF_ERR_INVALID_ARG);
+  a.pool.acc = reinterpret_cast<float *>(dummy);
+  a.recent = -1;
+  EXPECT_EQ(lf_cuda_decode_attn(&a, nullptr), LF_ERR_INVALID_ARG);
   EXPECT_NE(std::string(lf_last_error()), "");
 }
 

@@ -283,8 +283,8 @@ static lf_status create(cuda_backend *c) {
   /* xf rows of failed items are read by the LM head: keep them finite */
   LF_CUDA_CHECK(cudaMemset(c->xf, 0, (size_t)c->max_items * m->dim * 2));
 
-  /* else the generic kernel, which also serves h2o (the fused one scores LongFlow only) */
-  c->use_fused = (D == 64 || D == 128) && c->group <= 8 && p->policy != LF_POLICY_H2O;
+  /* else the generic kernel, for the shapes the fused one does not take */
+  c->use_fused = (D == 64 || D == 128) && c->group <= 8;
   if (c->use_fused) {
     /* Split counts fall as the batch grows and are at their minimum once a batch fills the
      * SMs: the sizes up to a few hundred, and the largest, cover every batch. */

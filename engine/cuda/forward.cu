@@ -120,6 +120,7 @@ static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, b
   d.group = c->group;
   d.sink = c->p.sink;
   d.policy = c->p.policy;
+  d.recent = c->ap.h2o_recent;
   d.scale = c->ap.scale;
   d.n_splits = 0; /* lf_cuda_decode_attn_splits */
   d.workspace = c->attn_ws;
