@@ -18,6 +18,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attention/attention.h"
@@ -313,6 +314,54 @@ TEST(GpuEngine, GraphReplayIsBitIdentical) {
     lf_checkpoint_close(&ck);
   }
   unsetenv("LF_CUDA_GEMM_TUNE");
+}
+
+// Another engine of the same process (lfbench eval --jobs, an embedding application) may be
+// capturing its decode step into a CUDA graph while this one is created or freed: neither may fail,
+// and neither may invalidate that capture (a device-wide synchronize does both).
+TEST(GpuEngine, CreateAndFreeWhileAnotherThreadCaptures) {
+  NEED_GPU();
+  lf_checkpoint ck{};
+  ASSERT_EQ(lf_checkpoint_open("random:tiny-llama:7", &ck), LF_OK) << lf_last_error();
+  cudaStream_t cs = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), cudaSuccess);
+  float *buf = nullptr;
+  ASSERT_EQ(cudaMalloc(&buf, 4096), cudaSuccess);
+  lf_backend *b = nullptr;
+  for (int phase = 0; phase < 2; phase++) { // 0: create, 1: free
+    SCOPED_TRACE(phase ? "free" : "create");
+    ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(buf, 0, 4096, cs), cudaSuccess);
+    lf_status st = LF_OK;
+    std::string err;
+    std::thread t([&] {
+      if (phase == 0) {
+        lf_backend_params p{};
+        p.policy = LF_POLICY_LONGFLOW;
+        p.budget = 64;
+        p.sink = 4;
+        p.window = 32;
+        p.n_pools = 2;
+        st = lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b);
+        if (st != LF_OK) err = lf_last_error();
+      } else {
+        b->free(b);
+        b = nullptr;
+      }
+    });
+    t.join();
+    cudaGraph_t g = nullptr;
+    const cudaError_t e = cudaStreamEndCapture(cs, &g);
+    EXPECT_EQ(st, LF_OK) << err;
+    EXPECT_EQ(e, cudaSuccess) << "the other thread's capture: " << cudaGetErrorString(e);
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    if (!b && phase == 0) break;
+  }
+  if (b) b->free(b);
+  cudaFree(buf);
+  cudaStreamDestroy(cs);
+  lf_checkpoint_close(&ck);
 }
 
 // n_pools == 0: the cuda backend sizes the pools from its free memory (a small mem_util here).

@@ -325,10 +325,14 @@ static lf_status create(cuda_backend *c) {
   c->d_step.rows = d + 3 * mi, c->h_step.rows = h + 3 * mi;
   c->d_tok_out = d + 4 * mi, c->h_tok_out = h + 4 * mi;
   c->d_sp = (lf_sample_params *)(d + 5 * mi), c->h_sp = (lf_sample_params *)(h + 5 * mi);
-  /* The whole device, not only c->stream: a cudaMemcpy from pageable host memory (the weight
+  /* The legacy stream as well as c->stream: a cudaMemcpy from pageable host memory (the weight
    * and table uploads above) returns once its data is staged, and the DMA still in flight on the
-   * legacy stream is not ordered before c->stream's kernels (a non-blocking stream). */
-  LF_CUDA_CHECK(cudaDeviceSynchronize());
+   * legacy stream is not ordered before c->stream's kernels (a non-blocking stream). Not the
+   * whole device: another engine of this process may be capturing a graph on its own stream,
+   * and a device-wide synchronize would fail here and invalidate that capture. */
+  LF_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->side));
   return LF_OK;
 }
 
