@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -23,6 +24,7 @@
 
 #include "attention/attention.h"
 #include "engine/backend.h"
+#include "engine/cuda/cuda_backend.h"
 #include "engine/forward.h"
 #include "engine/model.h"
 #include "kernels/random_weights.h"
@@ -317,9 +319,12 @@ TEST(GpuEngine, GraphReplayIsBitIdentical) {
 }
 
 // Another engine of the same process (lfbench eval --jobs, an embedding application) may be
-// capturing its decode step into a CUDA graph while this one is created or freed: neither may fail,
-// and neither may invalidate that capture (a device-wide synchronize does both).
-TEST(GpuEngine, CreateAndFreeWhileAnotherThreadCaptures) {
+// capturing its decode step into a CUDA graph while this one is created or freed. Creation works
+// beside any capture and leaves it valid. Freeing synchronizes the device (cudaFree), which would
+// invalidate the capture, so it waits for cb_capture_lock, which every engine's capture holds:
+// here the test holds it around its own capture, and the free on the other thread must not run
+// (nor break the capture) until it is released.
+TEST(GpuEngine, CreateAndFreeWhileAnotherEngineCaptures) {
   NEED_GPU();
   lf_checkpoint ck{};
   ASSERT_EQ(lf_checkpoint_open("random:tiny-llama:7", &ck), LF_OK) << lf_last_error();
@@ -330,10 +335,12 @@ TEST(GpuEngine, CreateAndFreeWhileAnotherThreadCaptures) {
   lf_backend *b = nullptr;
   for (int phase = 0; phase < 2; phase++) { // 0: create, 1: free
     SCOPED_TRACE(phase ? "free" : "create");
+    if (phase == 1) cb_capture_lock();
     ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(buf, 0, 4096, cs), cudaSuccess);
     lf_status st = LF_OK;
     std::string err;
+    std::atomic<int> freed{0};
     std::thread t([&] {
       if (phase == 0) {
         lf_backend_params p{};
@@ -346,14 +353,24 @@ TEST(GpuEngine, CreateAndFreeWhileAnotherThreadCaptures) {
         if (st != LF_OK) err = lf_last_error();
       } else {
         b->free(b);
-        b = nullptr;
+        freed = 1;
       }
     });
-    t.join();
+    if (phase == 0) {
+      t.join();
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100)); // the free reaches the lock
+      EXPECT_EQ(freed.load(), 0) << "the free did not wait for the capture";
+    }
     cudaGraph_t g = nullptr;
     const cudaError_t e = cudaStreamEndCapture(cs, &g);
+    if (phase == 1) {
+      cb_capture_unlock();
+      t.join();
+      b = nullptr;
+    }
     EXPECT_EQ(st, LF_OK) << err;
-    EXPECT_EQ(e, cudaSuccess) << "the other thread's capture: " << cudaGetErrorString(e);
+    EXPECT_EQ(e, cudaSuccess) << "the other engine's capture: " << cudaGetErrorString(e);
     if (g) cudaGraphDestroy(g);
     cudaGetLastError();
     if (!b && phase == 0) break;

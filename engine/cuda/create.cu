@@ -63,8 +63,17 @@ static lf_status apply_tuning(cuda_backend *c) {
   return LF_OK;
 }
 
-/* Everything cuda_free releases on the device side (memory, graphs, handles, the stream). */
+/* Everything cuda_free releases on the device side (memory, graphs, handles, the stream), under
+ * cb_capture_lock: these calls synchronize the device, which would invalidate a graph that
+ * another engine of this process is capturing. */
+static void free_device_side_locked(cuda_backend *c);
 static void free_device_side(cuda_backend *c) {
+  cb_capture_lock();
+  free_device_side_locked(c);
+  cb_capture_unlock();
+}
+
+static void free_device_side_locked(cuda_backend *c) {
   cb_weights_free(c);
   cudaFree(c->inv_freq);
   cudaFree(c->pv.k);

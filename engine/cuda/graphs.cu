@@ -1,10 +1,20 @@
 /* The decode step's CUDA-graph cache of the cuda backend (see cuda_backend.graph). */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "base/cuda_launch.cuh"
 #include "engine/cuda/cuda_backend.h"
 
 static lf_status decode_run_graph(cuda_backend *c, int rows);
+
+/* A device-wide synchronizing call (cudaFree, cudaFreeHost, destroying a stream or graph) made
+ * while another thread's stream is capturing invalidates that capture. The process's engines
+ * (lfbench eval --jobs, an application embedding several) therefore capture and free under one
+ * lock; creation needs none (gpu_engine's CreateAndFreeWhileAnotherThreadCaptures). */
+static pthread_mutex_t capture_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void cb_capture_lock(void) { pthread_mutex_lock(&capture_mu); }
+void cb_capture_unlock(void) { pthread_mutex_unlock(&capture_mu); }
 
 lf_status cb_graphs_init(cuda_backend *c) {
   c->graph = (cudaGraphExec_t *)calloc((size_t)c->max_items + 1, sizeof *c->graph);
@@ -31,6 +41,40 @@ lf_status cb_decode_run(cuda_backend *c, int rows) {
   return s;
 }
 
+/* Captures and instantiates the decode pass of `rows` rows into the cache (an LRU entry makes
+ * room); under cb_capture_lock. */
+static lf_status capture(cuda_backend *c, int rows, cudaGraphExec_t *out) {
+  if (c->n_graphs >= c->graph_cap) {
+    int lru = 0;
+    for (int r = 1; r <= c->max_items; r++)
+      if (c->graph[r] && (!lru || c->graph_used[r] < c->graph_used[lru])) lru = r;
+    if (lru) {
+      LF_CUDA_CHECK(cudaGraphExecDestroy(c->graph[lru]));
+      c->graph[lru] = NULL;
+      c->n_graphs--;
+    }
+  }
+  cudaGraph_t g = NULL;
+  LF_CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+  c->in_capture = 1;
+  const lf_status s = cb_decode_pass(c, rows);
+  c->in_capture = 0;
+  const cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+  if (s != LF_OK) {
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    return s;
+  }
+  LF_CUDA_CHECK(e);
+  cudaGraphExec_t ex = NULL;
+  const cudaError_t ei = cudaGraphInstantiate(&ex, g, 0);
+  cudaGraphDestroy(g);
+  LF_CUDA_CHECK(ei);
+  c->graph[rows] = *out = ex;
+  c->n_graphs++;
+  return LF_OK;
+}
+
 /* cb_decode_pass through the graph cache (see cuda_backend.graph). */
 static lf_status decode_run_graph(cuda_backend *c, int rows) {
   if (!c->use_graphs || rows < 1 || rows > c->max_items) return cb_decode_pass(c, rows);
@@ -40,35 +84,13 @@ static lf_status decode_run_graph(cuda_backend *c, int rows) {
       c->graph_seen[rows]++;
       return cb_decode_pass(c, rows);
     }
-    if (c->n_graphs >= c->graph_cap) {
-      int lru = 0;
-      for (int r = 1; r <= c->max_items; r++)
-        if (c->graph[r] && (!lru || c->graph_used[r] < c->graph_used[lru])) lru = r;
-      if (lru) {
-        LF_CUDA_CHECK(cudaGraphExecDestroy(c->graph[lru]));
-        c->graph[lru] = NULL;
-        c->n_graphs--;
-      }
-    }
-    cudaGraph_t g = NULL;
-    LF_CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
-    c->in_capture = 1;
-    const lf_status s = cb_decode_pass(c, rows);
-    c->in_capture = 0;
-    const cudaError_t e = cudaStreamEndCapture(c->stream, &g);
-    if (s != LF_OK) {
-      if (g) cudaGraphDestroy(g);
-      cudaGetLastError();
-      return s;
-    }
-    LF_CUDA_CHECK(e);
-    const cudaError_t ei = cudaGraphInstantiate(&ex, g, 0);
-    cudaGraphDestroy(g);
-    LF_CUDA_CHECK(ei);
-    c->graph[rows] = ex;
-    c->n_graphs++;
+    cb_capture_lock();
+    const lf_status s = capture(c, rows, &ex);
+    cb_capture_unlock();
+    LF_TRY(s);
   }
   c->graph_used[rows] = ++c->graph_clock;
   LF_CUDA_CHECK(cudaGraphLaunch(ex, c->stream));
   return LF_OK;
 }
+
