@@ -63,16 +63,8 @@ static lf_status apply_tuning(cuda_backend *c) {
   return LF_OK;
 }
 
-/* Everything cuda_free releases on the device side (memory, graphs, handles, the stream), under
- * cb_capture_lock: these calls synchronize the device, which would invalidate a graph that
- * another engine of this process is capturing. */
-static void free_device_side_locked(cuda_backend *c);
-static void free_device_side(cuda_backend *c) {
-  cb_capture_lock();
-  free_device_side_locked(c);
-  cb_capture_unlock();
-}
-
+/* Everything cuda_free releases on the device side (memory, graphs, handles, the stream); the
+ * caller holds cb_capture_lock (free_device_side). */
 static void free_device_side_locked(cuda_backend *c) {
   cb_weights_free(c);
   cudaFree(c->inv_freq);
@@ -102,6 +94,14 @@ static void free_device_side_locked(cuda_backend *c) {
   if (c->join) cudaEventDestroy(c->join);
   if (c->side) cudaStreamDestroy(c->side);
   if (c->stream) cudaStreamDestroy(c->stream);
+}
+
+/* free_device_side_locked under cb_capture_lock: these calls synchronize the device, which would
+ * invalidate a graph that another engine of this process is capturing. */
+static void free_device_side(cuda_backend *c) {
+  cb_capture_lock();
+  free_device_side_locked(c);
+  cb_capture_unlock();
 }
 
 static void cuda_free(lf_backend *b) {

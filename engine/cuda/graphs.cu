@@ -10,7 +10,7 @@ static lf_status decode_run_graph(cuda_backend *c, int rows);
 /* A device-wide synchronizing call (cudaFree, cudaFreeHost, destroying a stream or graph) made
  * while another thread's stream is capturing invalidates that capture. The process's engines
  * (lfbench eval --jobs, an application embedding several) therefore capture and free under one
- * lock; creation needs none (gpu_engine's CreateAndFreeWhileAnotherThreadCaptures). */
+ * lock; creation needs none (gpu_engine's CreateAndFreeWhileAnotherEngineCaptures). */
 static pthread_mutex_t capture_mu = PTHREAD_MUTEX_INITIALIZER;
 
 void cb_capture_lock(void) { pthread_mutex_lock(&capture_mu); }
@@ -93,4 +93,3 @@ static lf_status decode_run_graph(cuda_backend *c, int rows) {
   LF_CUDA_CHECK(cudaGraphLaunch(ex, c->stream));
   return LF_OK;
 }
-
