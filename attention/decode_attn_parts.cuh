@@ -1,0 +1,230 @@
+/* The fused decode kernel's shared pieces (attention/decode_attn.cu only): its constants, its
+ * parameter block, and the device helpers around the kernel: register transposes, the L2
+ * prefetch, the scoring tail (score_key: LongFlow's, streaming's and h2o's scores and the argmin
+ * key) and the exact split combine (combine_weights, store_acc). decode_attn.cu's opening comment
+ * describes the protocol they implement.
+ */
+#ifndef LF_DECODE_ATTN_PARTS_CUH
+#define LF_DECODE_ATTN_PARTS_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "attention/decode_attn.cuh"
+#include "base/cuda_ptx.cuh"
+
+#define DA_NW 4                    /* warps per block */
+#define DA_NT (DA_NW * 32)         /* threads per block */
+#define DA_TILE 16                 /* slots per mma tile */
+#define DA_UNR 2                   /* tiles in flight per warp */
+#define DA_GMAX 8                  /* heads per KV head: the N side of the mma */
+#define DA_SPLITS_MAX 64           /* combine weights live in static shared memory */
+#define DA_LG_SMEM_MAX (64 * 1024) /* logits of one block kept in shared memory */
+#define DA_LOG2E 1.4426950408889634f
+#define DA_CL_MAX 8                /* splits combined in one thread-block cluster (portable size) */
+
+/* Device pointers and shape, by value. Workspace arrays (n_splits > 1):
+ *   cnt [n_seq][n_kv]                 arrival tickets
+ *   ml  [n_seq][n_kv][n_splits][G]    (max, sum) of each split per head
+ *   po  [n_seq][n_kv][n_splits][G][D] un-normalised partial outputs
+ *   lg  [n_seq][n_kv][budget][G]      fp32 logits of every filled slot */
+typedef struct attn_params {
+  const __nv_bfloat16 *k, *v;
+  const float *vnorm;
+  const int32_t *pos, *n;
+  int32_t *next;
+  int n_layers, n_kv, budget, layer;
+  const int32_t *pool_ids, *w;
+  const __nv_bfloat16 *q;
+  size_t q_stride;
+  __nv_bfloat16 *out;
+  int group, sink, policy;
+  float scale;
+  int chunk_max; /* slots of the largest split, sizes the shared logits */
+  /* Fixed by the launcher (see kernel_switches below): */
+  int prefetch;      /* 0: no per-warp L2 prefetch of the next tiles */
+  int early_trigger; /* 1: the next kernel may launch once K and V are read */
+  int fast_tail;     /* 1: the cluster path's tail with two barriers, every remote read at once */
+  const void *l2_next; /* NULL: no L2 prefetch of the next kernel's weights */
+  size_t l2_next_bytes;
+  unsigned *cnt;
+  float2 *ml;
+  float *po, *lg;
+  float *scores; /* NULL, or [n_seq][n_kv][budget]: every candidate's score (layer scope) */
+  float *acc;    /* h2o: the pool's accumulators, [pool][layer][kv head][budget] */
+  int recent;    /* h2o: the protected recent window */
+} attn_params;
+
+static __device__ __forceinline__ uint32_t u4_get(const uint4 &x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+/* (x.lo, y.lo) for hi == 0, (x.hi, y.hi) otherwise: the register transpose of two bf16 pairs. */
+static __device__ __forceinline__ uint32_t bf16_interleave(uint32_t x, uint32_t y, int hi) {
+  return __byte_perm(x, y, hi ? 0x7632 : 0x5410);
+}
+
+static __device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long x) {
+  for (int o = 16; o > 0; o >>= 1) {
+    unsigned long long y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = y < x ? y : x;
+  }
+  return x;
+}
+
+/* Asks L2 for the DA_UNR tiles this warp reads next (first tile index ti, DA_NW apart) of a
+ * split's slots [s0, s1) of K or V: one 128-byte line per lane per tile, so the next
+ * iteration's loads find their lines on chip while this one computes. A hint only. */
+template <int D>
+static __device__ __forceinline__ void prefetch_tiles(const __nv_bfloat16 *base, int s0, int s1,
+                                                      int ti, int lane) {
+  constexpr int LINES = DA_TILE * D * 2 / 128; /* lines per tile: 32 (D 128) or 16 (D 64) */
+#pragma unroll
+  for (int u = 0; u < DA_UNR; u++) {
+    const int first = s0 + (ti + u * DA_NW) * DA_TILE;
+    /* lane's line holds slot first + lane * 128 / (2 D): only lines of the split's slots */
+    if (lane < LINES && first + lane * 64 / D < s1)
+      prefetch_l2((const char *)(base + (size_t)first * D) + 128 * lane);
+  }
+}
+
+/* sum_h alpha_h,i of slot i from its logits li [G] (shared memory, or global written by other
+ * blocks of this launch: then read through L2) */
+template <bool GLOBAL_LG>
+static __device__ __forceinline__ float slot_mass(const float *li, int G, const float *fin_m,
+                                                  const float *fin_il) {
+  float l[DA_GMAX];
+#pragma unroll
+  for (int h = 0; h < DA_GMAX; h++)
+    if (h < G) l[h] = GLOBAL_LG ? __ldcg(li + h) : li[h];
+  float mass = 0.0f;
+#pragma unroll
+  for (int h = 0; h < DA_GMAX; h++)
+    if (h < G) mass += exp2f((l[h] - fin_m[h]) * DA_LOG2E) * fin_il[h];
+  return mass;
+}
+
+/* Scores of slots [lo, hi) from logits lg [hi - lo][G]; returns, in thread 0, the smallest key
+ * (score bits << 32 | slot) over the evictable ones (~0 when there is none). h2o adds this
+ * step's mass to the accumulators of every slot of the range (the slot written starts from 0)
+ * and scores by them; slots with pos >= rfrom are its protected window. */
+template <bool GLOBAL_LG, bool H2O>
+static __device__ unsigned long long score_key(const attn_params &p, size_t hidx, int lo, int hi,
+                                               int wslot, const float *lg, const float *fin_m,
+                                               const float *fin_il, int rfrom,
+                                               unsigned long long *red_key, float *sc) {
+  const int G = p.group, B = p.budget;
+  unsigned long long best = ~0ull;
+  if (H2O) /* the sinks' accumulators (never candidates) */
+    for (int i = lo + (int)threadIdx.x; i < min(p.sink, hi); i += DA_NT)
+      p.acc[hidx * B + i] = (i == wslot ? 0.0f : p.acc[hidx * B + i]) +
+                            slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
+  if (p.policy != LF_POLICY_FULL) {
+    const int i0 = max(p.sink, lo);
+    /* unrolled with every load first: this loop runs after the block's streaming work, so its
+     * latency is the kernel's tail */
+#pragma unroll 4
+    for (int i = i0 + (int)threadIdx.x; i < hi; i += DA_NT) {
+      uint32_t key;
+      bool cand = i != wslot;
+      if (H2O) {
+        const float mass = slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
+        float *a = p.acc + hidx * B + i;
+        const float s = (cand ? *a : 0.0f) + mass;
+        *a = s;
+        key = __float_as_uint(s);
+        if (sc && cand) sc[i] = s;
+        cand = cand && p.pos[hidx * B + i] < rfrom;
+      } else if (p.policy == LF_POLICY_STREAMING) {
+        key = (uint32_t)p.pos[hidx * B + i];
+      } else {
+        const float vn = p.vnorm[hidx * B + i];
+        const float mass = slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
+        key = __float_as_uint(vn * mass);
+        if (sc && cand) sc[i] = vn * mass;
+      }
+      const unsigned long long kk = ((unsigned long long)key << 32) | (unsigned)i;
+      if (cand) best = kk < best ? kk : best;
+    }
+  }
+  best = warp_min_u64(best);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red_key[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 1; i < DA_NW; i++)
+      best = red_key[i] < best ? red_key[i] : best;
+  return best;
+}
+
+static __device__ __forceinline__ int32_t key_slot(unsigned long long best) {
+  return best == ~0ull ? -1 : (int32_t)(best & 0xffffffffu);
+}
+
+/* Head h's final max M and 1 / L from every split's (m, l) (ml(s) gives split s's), and the
+ * weights cw[s][h] = exp(m_s - M) / L of the splits' partial outputs: the exact combine. */
+template <class ML>
+static __device__ __forceinline__ void combine_weights(ML ml, int S, int G, int h, float *cw,
+                                                       float *fin_m, float *fin_il) {
+  float m = -INFINITY, l = 0.0f;
+  for (int s = 0; s < S; s++)
+    m = fmaxf(m, ml(s).x);
+  for (int s = 0; s < S; s++) {
+    const float2 x = ml(s);
+    const float c = x.y > 0.0f ? exp2f((x.x - m) * DA_LOG2E) : 0.0f;
+    cw[s * G + h] = c;
+    l += c * x.y;
+  }
+  fin_m[h] = m;
+  fin_il[h] = 1.0f / l;
+  for (int s = 0; s < S; s++)
+    cw[s * G + h] *= 1.0f / l;
+}
+
+/* combine_weights over splits' (m, l) already in registers (x[s], s < S <= SM): the same
+ * arithmetic in the same order, every loop unrolled so x stays in registers. */
+template <int SM>
+static __device__ __forceinline__ void combine_weights_reg(const float2 (&x)[SM], int S, int G,
+                                                           int h, float *cw, float *fin_m,
+                                                           float *fin_il) {
+  float m = -INFINITY, l = 0.0f, c[SM];
+#pragma unroll
+  for (int s = 0; s < SM; s++)
+    if (s < S) m = fmaxf(m, x[s].x);
+#pragma unroll
+  for (int s = 0; s < SM; s++)
+    if (s < S) {
+      c[s] = x[s].y > 0.0f ? exp2f((x[s].x - m) * DA_LOG2E) : 0.0f;
+      l += c[s] * x[s].y;
+    }
+  fin_m[h] = m;
+  fin_il[h] = 1.0f / l;
+#pragma unroll
+  for (int s = 0; s < SM; s++)
+    if (s < S) cw[s * G + h] = c[s] * (1.0f / l);
+}
+
+/* A warp's P.V accumulators into dst [G][D]: accumulator (mt, 0/1) is the dim of e0 = mt,
+ * heads 2t / 2t+1; (mt, 2/3) the dim of e1 = mt + NMT; dim d = 64 (e >> 3) + 8 g + (e & 7).
+ * ACC_FIRST stores 0 + x (the first add of a running sum), ACC_ADD adds x, ACC_SET stores x. */
+enum { ACC_FIRST, ACC_ADD, ACC_SET };
+template <int D>
+static __device__ __forceinline__ void store_acc(float *dst, const float (&oacc)[D / 16][4], int G,
+                                                 int g, int t, int mode) {
+  constexpr int NMT = D / 16;
+#pragma unroll
+  for (int mt = 0; mt < NMT; mt++)
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const int h = 2 * t + (r & 1), e = (r < 2) ? mt : mt + NMT;
+      const int d = 64 * (e >> 3) + 8 * g + (e & 7);
+      if (h < G) {
+        float *o = dst + h * D + d;
+        *o = mode == ACC_ADD ? *o + oacc[mt][r] : mode == ACC_FIRST ? 0.0f + oacc[mt][r] : oacc[mt][r];
+      }
+    }
+}
+
+#endif
