@@ -340,8 +340,7 @@ static lf_status create(cuda_backend *c) {
    * whole device: another engine of this process may be capturing a graph on its own stream,
    * and a device-wide synchronize would fail here and invalidate that capture. */
   LF_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
-  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-  LF_CUDA_CHECK(cudaStreamSynchronize(c->side));
+  LF_CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* creation puts nothing on c->side */
   return LF_OK;
 }
 
