@@ -126,13 +126,8 @@ inline std::vector<float> fid_run(lf_backend_kind kind, const lf_checkpoint &ck,
     ADD_FAILURE() << "vocab " << vocab << " vs golden " << g.vocab;
     return out;
   }
-  lf_backend_params p{};
-  p.policy = LF_POLICY_FULL;
-  p.budget = int(g.tokens.size()); /* the last token is never fed: one slot spare */
-  p.sink = 4;
-  p.window = 32;
-  p.n_pools = 1;
-  p.n_threads = 0;
+  /* the last token is never fed: one slot spare */
+  lf_backend_params p = lf_test_backend_params(LF_POLICY_FULL, int(g.tokens.size()), 1);
   p.comm = comm;
   lf_backend *b = nullptr;
   lf_status s = lf_backend_create(kind, &ck, &p, &b);

@@ -78,14 +78,8 @@ std::vector<Run> generate(lf_backend_kind kind, const lf_checkpoint &ck, lf_poli
                           int no_graphs = 0, lf_evict_scope scope = LF_EVICT_HEAD) {
   const int ns = int(prompts.size());
   const int vocab = ck.cfg.vocab_size;
-  lf_backend_params p{};
-  p.policy = policy;
+  lf_backend_params p = lf_test_backend_params(policy, budget, ns + 1);
   p.scope = scope;
-  p.budget = budget;
-  p.sink = 4;
-  p.window = 32;
-  p.n_pools = ns + 1;
-  p.n_threads = 0;
   p.no_graphs = no_graphs;
   lf_backend *b = nullptr;
   std::vector<Run> out(static_cast<size_t>(ns));
@@ -318,17 +312,6 @@ TEST(GpuEngine, GraphReplayIsBitIdentical) {
   unsetenv("LF_CUDA_GEMM_TUNE");
 }
 
-// LongFlow with the engine's sink (4) and window (32): budget slots in n_pools pools.
-static lf_backend_params longflow_params(int budget, int n_pools) {
-  lf_backend_params p{};
-  p.policy = LF_POLICY_LONGFLOW;
-  p.budget = budget;
-  p.sink = 4;
-  p.window = 32;
-  p.n_pools = n_pools;
-  return p;
-}
-
 // Another engine of the same process (lfbench eval --jobs, an embedding application) may be
 // capturing its decode step into a CUDA graph while this one is created or freed. Creation works
 // beside any capture and leaves it valid. Freeing synchronizes the device (cudaFree), which would
@@ -354,7 +337,7 @@ TEST(GpuEngine, CreateAndFreeWhileAnotherEngineCaptures) {
     std::atomic<int> freed{0};
     std::thread t([&] {
       if (phase == 0) {
-        const lf_backend_params p = longflow_params(64, 2);
+        const lf_backend_params p = lf_test_backend_params(LF_POLICY_LONGFLOW, 64, 2);
         st = lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b);
         if (st != LF_OK) err = lf_last_error();
       } else {
@@ -392,7 +375,7 @@ TEST(GpuEngine, PoolsFromDeviceMemory) {
   NEED_GPU();
   lf_checkpoint ck{};
   ASSERT_EQ(lf_checkpoint_open("random:tiny-llama:7", &ck), LF_OK);
-  lf_backend_params p = longflow_params(64, 0);
+  lf_backend_params p = lf_test_backend_params(LF_POLICY_LONGFLOW, 64, 0);
   p.mem_util = 0.002;
   size_t free_b = 0, total_b = 0;
   ASSERT_EQ(cudaMemGetInfo(&free_b, &total_b), cudaSuccess);
@@ -445,7 +428,7 @@ TEST(GpuBench, DecodeStepRandom8B) {
     lf_checkpoint ck{};
     ASSERT_EQ(lf_checkpoint_open(model, &ck), LF_OK);
     const int budget = 1024, npool = 64;
-    const lf_backend_params p = longflow_params(budget, npool);
+    const lf_backend_params p = lf_test_backend_params(LF_POLICY_LONGFLOW, budget, npool);
     lf_backend *b = nullptr;
     auto t0 = std::chrono::steady_clock::now();
     ASSERT_EQ(lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b), LF_OK) << lf_last_error();

@@ -144,12 +144,7 @@ TEST(FidelityGpuMixed, MixedPassesMatchSeparate) {
     for (int q = 0; q < kSeqs; q++)
       for (int i = 0; i < prompt_len[q] + kDecode; i++)
         toks[size_t(q)].push_back(int32_t(rng() % uint32_t(V)));
-    lf_backend_params p{};
-    p.policy = LF_POLICY_FULL;
-    p.budget = kBudget;
-    p.sink = 4;
-    p.window = 32;
-    p.n_pools = kSeqs;
+    const lf_backend_params p = lf_test_backend_params(LF_POLICY_FULL, kBudget, kSeqs);
     // logits[seq][k]: after the prompt (k = 0), after decode token k (k = 1 .. kDecode - 1)
     auto run = [&](bool mixed, std::vector<std::vector<std::vector<float>>> *logits) {
       logits->assign(kSeqs, std::vector<std::vector<float>>(kDecode));

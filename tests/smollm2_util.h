@@ -273,14 +273,8 @@ inline bool smollm2_teacher_forced_some(lf_backend_kind kind, const lf_checkpoin
   auto prompt = [&](int i) -> const SmolPrompt & { return g.prompts[size_t(which[size_t(i)])]; };
   int max_len = 0;
   for (int i = 0; i < ns; i++) max_len = std::max(max_len, int(prompt(i).prompt_ids.size()) + g.n_gen);
-  lf_backend_params bp{};
-  bp.policy = LF_POLICY_FULL;
-  bp.budget = max_len;
-  bp.sink = 4;
-  bp.window = 32;
-  bp.n_pools = ns;
+  lf_backend_params bp = lf_test_backend_params(LF_POLICY_FULL, max_len, ns);
   bp.n_threads = n_threads;
-  bp.no_graphs = 0;
   lf_backend *b = nullptr;
   lf_status s = lf_backend_create(kind, &ck, &bp, &b);
   EXPECT_EQ(s, LF_OK) << lf_last_error();

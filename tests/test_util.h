@@ -10,6 +10,20 @@
 #include <sys/stat.h>
 #include <vector>
 
+#include "engine/backend.h"
+
+/* Backend parameters for the tests: policy, budget slots in n_pools pools, the engine's sink (4)
+ * and window (32); everything else zero. */
+inline lf_backend_params lf_test_backend_params(lf_policy policy, int budget, int n_pools) {
+  lf_backend_params p{};
+  p.policy = policy;
+  p.budget = budget;
+  p.sink = 4;
+  p.window = 32;
+  p.n_pools = n_pools;
+  return p;
+}
+
 /* Where ../shared-style test data lives: $LF_TEST_DATA, else the build-time default. */
 inline std::string lf_test_data_dir() {
   const char *e = std::getenv("LF_TEST_DATA");
