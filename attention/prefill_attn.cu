@@ -18,22 +18,38 @@
 #define ATT_ND (ATT_DMAX / 32) /* dims per lane */
 
 /* ---- tensor-core prefill ---------------------------------------------------------------------
- * One block of FL_WARPS warps per (query head, FL_M queries of the chunk); warp w owns queries
- * 16w..16w+15 of the block. The block walks the keys it can see (the n0 pool slots, then the
- * chunk up to its last query) FL_N at a time: K and V tiles come into shared memory by cp.async,
- * double-buffered (the next tile loads while this one computes); S = Q K^T and O += P V are
- * m16n8k16 MMAs fed by ldmatrix, with P rounded to bf16 as the MMA's A operand while the softmax
- * sums stay fp32. Rows of D bf16 are stored with their 16-byte chunks XOR-swizzled by (row % 8),
- * so the 8 row addresses of every ldmatrix hit 8 different bank groups. Later query tiles see
- * more keys: they are launched first. */
-#define FL_M 64
+ * One block of FL_WARPS warps per (query head, 16 * MT * FL_WARPS queries of the chunk); warp w
+ * owns MT consecutive 16-row tiles of the block's queries. The block walks the keys it can see
+ * (the n0 pool slots, then the chunk up to its last query) FL_N at a time: K and V tiles come into
+ * shared memory by cp.async, double-buffered (the next tile loads while this one computes);
+ * S = Q K^T and O += P V are m16n8k16 MMAs fed by ldmatrix, with P rounded to bf16 as the MMA's A
+ * operand while the softmax sums stay fp32. Rows of D bf16 are stored with their 16-byte chunks
+ * XOR-swizzled by (row % 8), so the 8 row addresses of every ldmatrix hit 8 different bank
+ * groups. Later query tiles see more keys: they are launched first.
+ *
+ * MT is the number of 16-row tiles a warp owns. Each K or V fragment a warp reads from shared
+ * memory feeds MT MMAs, so MT = 2 halves the shared-memory reads per MMA and the K/V tiles a
+ * chunk loads from L2; the warp then keeps 2x the accumulators, so its Q fragments are re-read
+ * from a Q tile that stays in shared memory instead of being held in registers. MT = 1 (64-query
+ * blocks, Q in registers) makes twice the blocks, which short chunks need to fill the SMs.
+ * lf_cuda_prefill_attn picks by grid size (flash_tiles_auto). Both give the same bits: a row
+ * runs the same MMAs and softmax steps in the same order either way (a row of a 128-query block
+ * also walks a tile it cannot see, which adds exactly 0 and leaves its max alone). */
 #define FL_N 64
 #define FL_WARPS 4
-/* Three blocks an SM for head_dim 128: 64 KB of shared memory each (the Q tile lives in K's
- * second buffer) and at most 168 registers a thread; at 80 KB and 173 registers only two fit. */
-#define FL_MIN_BLOCKS 3
-static_assert(FL_M == FL_N, "the Q tile is stored in a K tile buffer");
 #define FL_LOG2E 1.4426950408889634f
+
+template <int MT> struct fl_tile {
+  static constexpr int M = 16 * MT * FL_WARPS; /* queries a block */
+  /* MT 1, head_dim 128: three blocks an SM, 64 KB of shared memory each (the Q tile lives in K's
+   * second buffer) and at most 168 registers a thread. MT 2: two blocks, 96 KB each (K, V and a
+   * resident Q tile) and up to 255 registers (128 fp32 O accumulators and 64 S a thread). */
+  static constexpr int MIN_BLOCKS = MT == 1 ? 3 : 2;
+  template <int D> static constexpr size_t shm_bytes() {
+    return (size_t)(4 * FL_N + (MT == 1 ? 0 : M)) * D * sizeof(__nv_bfloat16);
+  }
+};
+static_assert(fl_tile<1>::M == FL_N, "MT 1 stores its Q tile in a K tile buffer");
 
 static __device__ __forceinline__ uint32_t fl_smem(const void *p) {
   return (uint32_t)__cvta_generic_to_shared(p);
@@ -63,6 +79,14 @@ static __device__ __forceinline__ void fl_ldsm_t(uint32_t r[4], uint32_t addr) {
                : "r"(addr));
 }
 
+/* 2^x, one MUFU op (flushes subnormal results to 0: a weight below 2^-126 of the row max's
+ * is 0 either way once rounded to bf16 for the P V MMA) */
+static __device__ __forceinline__ float fl_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 /* Element offset of 16-byte chunk ch of row `row` in a swizzled [rows][D] tile. */
 template <int D> static __device__ __forceinline__ int fl_sw(int row, int ch) {
   return row * D + ((ch ^ (row & 7)) << 3);
@@ -84,19 +108,29 @@ static __device__ __forceinline__ void fl_load_kv(__nv_bfloat16 *tile, const __n
   }
 }
 
+/* The A fragment (16 rows x 16 dims) of Q rows row0.. and dims 16 ks.. from a swizzled Q tile. */
 template <int D>
-static __global__ void __launch_bounds__(FL_WARPS * 32, FL_MIN_BLOCKS)
+static __device__ __forceinline__ void fl_load_qa(uint32_t r[4], const __nv_bfloat16 *sq,
+                                                  int row0, int ks, int lane) {
+  fl_ldsm(r, fl_smem(sq + fl_sw<D>(row0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * ks + lane / 16)));
+}
+
+template <int D, int MT>
+static __global__ void __launch_bounds__(FL_WARPS * 32, fl_tile<MT>::MIN_BLOCKS)
     flash_kernel(lf_cuda_pool_view p, int pool, int layer, int n0, int n_heads, int n_tok,
                  const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                  float scale, __nv_bfloat16 *out, float *ml) {
+  constexpr int FL_M = fl_tile<MT>::M;
   extern __shared__ __align__(128) unsigned char fl_shm[];
   __nv_bfloat16 *sk = (__nv_bfloat16 *)fl_shm; /* [2][FL_N][D] */
   __nv_bfloat16 *sv = sk + 2 * FL_N * D;
-  __nv_bfloat16 *sq = sk + FL_N * D; /* the Q tile borrows K's second buffer until qf is read */
+  /* MT 1: the Q tile borrows K's second buffer until qf is read; MT 2: [FL_M][D] after V */
+  __nv_bfloat16 *sq = MT == 1 ? sk + FL_N * D : sv + 2 * FL_N * D;
   constexpr int CH = D / 8, KS = D / 16;
   const int h = blockIdx.y, hkv = p.n_kv_heads, g = h / (n_heads / hkv);
   const int q0 = (gridDim.x - 1 - blockIdx.x) * FL_M; /* heaviest tiles first */
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wrow = warp * 16 * MT; /* the warp's first query, within the block */
   const size_t hidx = ((size_t)pool * p.n_layers + layer) * hkv + g;
   const __nv_bfloat16 *pk = (const __nv_bfloat16 *)p.k + hidx * p.budget * D;
   const __nv_bfloat16 *pv = (const __nv_bfloat16 *)p.v + hidx * p.budget * D;
@@ -115,20 +149,25 @@ static __global__ void __launch_bounds__(FL_WARPS * 32, FL_MIN_BLOCKS)
   fl_commit();
   fl_wait<0>();
   __syncthreads();
-  uint32_t qf[KS][4];
+  uint32_t qf[MT == 1 ? KS : 1][4];
+  if constexpr (MT == 1) {
 #pragma unroll
-  for (int ks = 0; ks < KS; ks++)
-    fl_ldsm(qf[ks], fl_smem(sq + fl_sw<D>(warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
-                                           2 * ks + lane / 16)));
-  __syncthreads(); /* every warp holds its Q fragments before tile 1 overwrites the Q tile */
+    for (int ks = 0; ks < KS; ks++) fl_load_qa<D>(qf[ks], sq, wrow, ks, lane);
+    __syncthreads(); /* every warp holds its Q fragments before tile 1 overwrites the Q tile */
+  }
 
-  float o[D / 8][4];
+  float o[MT][D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+  /* row max and this thread's part of the row sum (the quad adds them at the end), for rows
+   * r0 + 16 mt (index 2 mt) and r0 + 16 mt + 8 (2 mt + 1) */
+  float m[2 * MT], l[2 * MT];
+#pragma unroll
+  for (int i = 0; i < 2 * MT; i++) m[i] = -INFINITY, l[i] = 0.0f;
   const float sl2 = scale * FL_LOG2E;
-  const int r0 = q0 + warp * 16 + lane / 4; /* this thread's rows r0 and r0 + 8 (chunk index) */
-  const int lim0 = n0 + r0, lim1 = lim0 + 8; /* last key each row sees */
+  const int r0 = q0 + wrow + lane / 4; /* this thread's first row (chunk index) */
 
   for (int j = 0; j < ntiles; j++) {
     const int b = j & 1, k0 = j * FL_N;
@@ -143,126 +182,160 @@ static __global__ void __launch_bounds__(FL_WARPS * 32, FL_MIN_BLOCKS)
     __syncthreads();
     const __nv_bfloat16 *tk = sk + b * FL_N * D, *tv = sv + b * FL_N * D;
 
-    /* S = Q K^T: 16 rows x FL_N keys per warp */
-    float s[FL_N / 8][4];
+    /* S = Q K^T: 16 MT rows x FL_N keys per warp */
+    float s[MT][FL_N / 8][4];
 #pragma unroll
-    for (int i = 0; i < FL_N / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-    for (int ks = 0; ks < KS; ks++)
+      for (int i = 0; i < FL_N / 8; i++)
+        s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+      uint32_t qa[MT][4];
+      if constexpr (MT == 1) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) qa[0][e] = qf[ks][e];
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) fl_load_qa<D>(qa[mt], sq, wrow + 16 * mt, ks, lane);
+      }
 #pragma unroll
       for (int n2 = 0; n2 < FL_N / 16; n2++) {
         uint32_t r[4];
         fl_ldsm(r, fl_smem(tk + fl_sw<D>(n2 * 16 + (lane % 8) + 8 * (lane / 16),
                                          2 * ks + (lane / 8) % 2)));
-        mma_bf16(s[2 * n2], qf[ks], r[0], r[1]);
-        mma_bf16(s[2 * n2 + 1], qf[ks], r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16(s[mt][2 * n2], qa[mt], r[0], r[1]);
+          mma_bf16(s[mt][2 * n2 + 1], qa[mt], r[2], r[3]);
+        }
       }
+    }
 
     /* scale into log2 units, mask what a row must not see, online softmax */
-    const bool masked = k0 + FL_N - 1 > n0 + q0 || k0 + FL_N > nk;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    const bool masked = k0 + FL_N - 1 > n0 + q0 + wrow || k0 + FL_N > nk;
 #pragma unroll
-    for (int i = 0; i < FL_N / 8; i++)
+    for (int mt = 0; mt < MT; mt++) {
+      const int lim0 = n0 + r0 + 16 * mt, lim1 = lim0 + 8; /* last key each row sees */
+      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int kk = k0 + i * 8 + 2 * (lane % 4) + e;
-        float x0 = s[i][e] * sl2, x1 = s[i][2 + e] * sl2;
-        if (masked) {
-          if (kk > lim0 || kk >= nk) x0 = -INFINITY;
-          if (kk > lim1 || kk >= nk) x1 = -INFINITY;
+      for (int i = 0; i < FL_N / 8; i++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int kk = k0 + i * 8 + 2 * (lane % 4) + e;
+          float x0 = s[mt][i][e] * sl2, x1 = s[mt][i][2 + e] * sl2;
+          if (masked) {
+            if (kk > lim0 || kk >= nk) x0 = -INFINITY;
+            if (kk > lim1 || kk >= nk) x1 = -INFINITY;
+          }
+          s[mt][i][e] = x0;
+          s[mt][i][2 + e] = x1;
+          mx0 = fmaxf(mx0, x0);
+          mx1 = fmaxf(mx1, x1);
         }
-        s[i][e] = x0;
-        s[i][2 + e] = x1;
-        mx0 = fmaxf(mx0, x0);
-        mx1 = fmaxf(mx1, x1);
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
       }
+      /* a row sees key 0 in tile 0, so mn is finite from there on; a row that sees none of
+       * this tile's keys keeps m (exp2(-inf - m) = 0 below) */
+      const float mn0 = fmaxf(m[2 * mt], mx0), mn1 = fmaxf(m[2 * mt + 1], mx1);
+      const float c0 = fl_ex2(m[2 * mt] - mn0), c1 = fl_ex2(m[2 * mt + 1] - mn1);
+      m[2 * mt] = mn0;
+      m[2 * mt + 1] = mn1;
+      float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    /* every row sees key 0 in tile 0, so mn is finite from there on */
-    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
-    float ps0 = 0.0f, ps1 = 0.0f;
+      for (int i = 0; i < FL_N / 8; i++) {
+        s[mt][i][0] = fl_ex2(s[mt][i][0] - mn0);
+        s[mt][i][1] = fl_ex2(s[mt][i][1] - mn0);
+        s[mt][i][2] = fl_ex2(s[mt][i][2] - mn1);
+        s[mt][i][3] = fl_ex2(s[mt][i][3] - mn1);
+        ps0 += s[mt][i][0] + s[mt][i][1];
+        ps1 += s[mt][i][2] + s[mt][i][3];
+      }
+      l[2 * mt] = l[2 * mt] * c0 + ps0;
+      l[2 * mt + 1] = l[2 * mt + 1] * c1 + ps1;
 #pragma unroll
-    for (int i = 0; i < FL_N / 8; i++) {
-      s[i][0] = exp2f(s[i][0] - mn0);
-      s[i][1] = exp2f(s[i][1] - mn0);
-      s[i][2] = exp2f(s[i][2] - mn1);
-      s[i][3] = exp2f(s[i][3] - mn1);
-      ps0 += s[i][0] + s[i][1];
-      ps1 += s[i][2] + s[i][3];
-    }
-    l0 = l0 * c0 + ps0; /* this thread's part of the row sums; the quad adds them at the end */
-    l1 = l1 * c1 + ps1;
-#pragma unroll
-    for (int i = 0; i < D / 8; i++) {
-      o[i][0] *= c0;
-      o[i][1] *= c0;
-      o[i][2] *= c1;
-      o[i][3] *= c1;
+      for (int i = 0; i < D / 8; i++) {
+        o[mt][i][0] *= c0;
+        o[mt][i][1] *= c0;
+        o[mt][i][2] *= c1;
+        o[mt][i][3] *= c1;
+      }
     }
 
     /* O += P V, P from the S accumulators as bf16 A fragments */
 #pragma unroll
     for (int kt = 0; kt < FL_N / 16; kt++) {
-      const uint32_t a[4] = {bf16_pack(s[2 * kt][0], s[2 * kt][1]),
-                             bf16_pack(s[2 * kt][2], s[2 * kt][3]),
-                             bf16_pack(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                             bf16_pack(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        a[mt][0] = bf16_pack(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+        a[mt][1] = bf16_pack(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+        a[mt][2] = bf16_pack(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+        a[mt][3] = bf16_pack(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+      }
 #pragma unroll
       for (int d2 = 0; d2 < D / 16; d2++) {
         uint32_t r[4];
         fl_ldsm_t(r, fl_smem(tv + fl_sw<D>(kt * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
                                            2 * d2 + lane / 16)));
-        mma_bf16(o[2 * d2], a, r[0], r[1]);
-        mma_bf16(o[2 * d2 + 1], a, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16(o[mt][2 * d2], a[mt], r[0], r[1]);
+          mma_bf16(o[mt][2 * d2 + 1], a[mt], r[2], r[3]);
+        }
       }
     }
     __syncthreads(); /* the next iteration's loads overwrite the other buffer's neighbour */
   }
 
 #pragma unroll
-  for (int off = 1; off < 4; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
-  const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+  for (int mt = 0; mt < MT; mt++) {
+    const int ra = r0 + 16 * mt, rb = ra + 8;
+    float la = l[2 * mt], lb = l[2 * mt + 1];
 #pragma unroll
-  for (int i = 0; i < D / 8; i++) {
-    const int d = i * 8 + 2 * (lane % 4);
-    if (r0 < n_tok)
-      *(uint32_t *)(out + ((size_t)r0 * n_heads + h) * D + d) = bf16_pack(o[i][0] * i0, o[i][1] * i0);
-    if (r0 + 8 < n_tok)
-      *(uint32_t *)(out + ((size_t)(r0 + 8) * n_heads + h) * D + d) =
-          bf16_pack(o[i][2] * i1, o[i][3] * i1);
-  }
-  if (ml && lane % 4 == 0) {
-    /* (max logit, sum of exp(logit - max)) in natural units, as the one-warp kernel writes them */
-    if (r0 < n_tok) {
-      ml[((size_t)r0 * n_heads + h) * 2] = m0 / FL_LOG2E;
-      ml[((size_t)r0 * n_heads + h) * 2 + 1] = l0;
+    for (int off = 1; off < 4; off <<= 1) {
+      la += __shfl_xor_sync(0xffffffffu, la, off);
+      lb += __shfl_xor_sync(0xffffffffu, lb, off);
     }
-    if (r0 + 8 < n_tok) {
-      ml[((size_t)(r0 + 8) * n_heads + h) * 2] = m1 / FL_LOG2E;
-      ml[((size_t)(r0 + 8) * n_heads + h) * 2 + 1] = l1;
+    const float ia = 1.0f / la, ib = 1.0f / lb;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+      const int d = i * 8 + 2 * (lane % 4);
+      if (ra < n_tok)
+        *(uint32_t *)(out + ((size_t)ra * n_heads + h) * D + d) =
+            bf16_pack(o[mt][i][0] * ia, o[mt][i][1] * ia);
+      if (rb < n_tok)
+        *(uint32_t *)(out + ((size_t)rb * n_heads + h) * D + d) =
+            bf16_pack(o[mt][i][2] * ib, o[mt][i][3] * ib);
+    }
+    if (ml && lane % 4 == 0) {
+      /* (max logit, sum of exp(logit - max)) in natural units, as the one-warp kernel writes
+       * them */
+      if (ra < n_tok) {
+        ml[((size_t)ra * n_heads + h) * 2] = m[2 * mt] / FL_LOG2E;
+        ml[((size_t)ra * n_heads + h) * 2 + 1] = la;
+      }
+      if (rb < n_tok) {
+        ml[((size_t)rb * n_heads + h) * 2] = m[2 * mt + 1] / FL_LOG2E;
+        ml[((size_t)rb * n_heads + h) * 2 + 1] = lb;
+      }
     }
   }
 }
 
-template <int D>
+template <int D, int MT>
 static lf_status flash_launch(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
                               int n_heads, int n_tok, const void *q, const void *k, const void *v,
                               float scale, void *out, float *ml, cudaStream_t stream) {
-  const size_t shm = (size_t)4 * FL_N * D * sizeof(__nv_bfloat16);
+  const size_t shm = fl_tile<MT>::template shm_bytes<D>();
   /* set on every call: the attribute belongs to the current device, and the call is cheap */
-  LF_CUDA_CHECK(cudaFuncSetAttribute(flash_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)shm));
-  const dim3 grid((unsigned)((n_tok + FL_M - 1) / FL_M), (unsigned)n_heads);
-  flash_kernel<D><<<grid, FL_WARPS * 32, shm, stream>>>(
+  LF_CUDA_CHECK(cudaFuncSetAttribute(flash_kernel<D, MT>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+  const dim3 grid((unsigned)((n_tok + fl_tile<MT>::M - 1) / fl_tile<MT>::M), (unsigned)n_heads);
+  flash_kernel<D, MT><<<grid, FL_WARPS * 32, shm, stream>>>(
       *pv, pool, layer, n0, n_heads, n_tok, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
       (const __nv_bfloat16 *)v, scale, (__nv_bfloat16 *)out, ml);
   LF_CUDA_CHECK_LAUNCH("prefill flash_kernel");
@@ -333,23 +406,54 @@ static __global__ void warp_kernel(lf_cuda_pool_view p, int pool, int layer, int
   }
 }
 
-extern "C" lf_status lf_cuda_prefill_attn(const lf_cuda_pool_view *pv, int pool, int layer,
-                                          int n0, int n_heads, int n_tok, const void *q,
-                                          const void *k, const void *v, float scale, void *out,
-                                          float *ml, cudaStream_t stream) {
+/* Which tiling a chunk gets (measured: bench/RESULTS.md, "Prefill attention kernel"). head_dim
+ * 128: MT 2 is level or ahead once its grid covers half the SMs; below that MT 1's twice as
+ * many blocks spread the chunk wider. head_dim 64, where MT 1 fits three blocks an SM against
+ * MT 2's two: MT 2 only from two full waves of its two blocks an SM. */
+static int flash_tiles_auto(int head_dim, int n_heads, int n_tok) {
+  int dev = 0, n_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    n_sm = 132;
+  const long blocks2 = (long)((n_tok + fl_tile<2>::M - 1) / fl_tile<2>::M) * n_heads;
+  if (head_dim == 128) return 2 * blocks2 >= n_sm ? 2 : 1;
+  return blocks2 >= 4L * n_sm ? 2 : 1;
+}
+
+extern "C" lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int pool, int layer,
+                                                int n0, int n_heads, int n_tok, const void *q,
+                                                const void *k, const void *v, float scale,
+                                                void *out, float *ml, int warp_tiles,
+                                                cudaStream_t stream) {
   if (!pv || !q || !k || !v || !out || pv->head_dim > ATT_DMAX || n_heads % pv->n_kv_heads ||
-      n_tok < 0 || n_tok > 65535 || n0 < 0 || n0 > pv->budget)
+      n_tok < 0 || n_tok > 65535 || n0 < 0 || n0 > pv->budget || warp_tiles < 0 || warp_tiles > 2)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_prefill_attn: bad arguments");
   if (n_tok == 0) return LF_OK;
-  if (pv->head_dim == 128)
-    return flash_launch<128>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale, out, ml, stream);
-  if (pv->head_dim == 64)
-    return flash_launch<64>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale, out, ml, stream);
+  if (pv->head_dim == 128 || pv->head_dim == 64) {
+    const int mt = warp_tiles ? warp_tiles : flash_tiles_auto(pv->head_dim, n_heads, n_tok);
+    if (pv->head_dim == 128)
+      return mt == 2 ? flash_launch<128, 2>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale,
+                                            out, ml, stream)
+                     : flash_launch<128, 1>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale,
+                                            out, ml, stream);
+    return mt == 2 ? flash_launch<64, 2>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale, out,
+                                         ml, stream)
+                   : flash_launch<64, 1>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale, out,
+                                         ml, stream);
+  }
   warp_kernel<<<dim3(n_heads, n_tok), 32, 0, stream>>>(
       *pv, pool, layer, n0, n_heads, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
       (const __nv_bfloat16 *)v, scale, (__nv_bfloat16 *)out, ml);
   LF_CUDA_CHECK_LAUNCH("prefill warp_kernel");
   return LF_OK;
+}
+
+extern "C" lf_status lf_cuda_prefill_attn(const lf_cuda_pool_view *pv, int pool, int layer,
+                                          int n0, int n_heads, int n_tok, const void *q,
+                                          const void *k, const void *v, float scale, void *out,
+                                          float *ml, cudaStream_t stream) {
+  return lf_cuda_prefill_attn_tiles(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale, out, ml,
+                                    0, stream);
 }
 
 /* snap[g][0][j], j < L = n_tok - w_eff: the softmax weight of key j summed over the last w_eff

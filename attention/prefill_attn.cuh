@@ -30,6 +30,14 @@ lf_status lf_cuda_prefill_attn(const lf_cuda_pool_view *pv, int pool, int layer,
                                int n_heads, int n_tok, const void *q, const void *k, const void *v,
                                float scale, void *out, float *ml, struct CUstream_st *stream);
 
+/* lf_cuda_prefill_attn with the tensor-core kernel's 16-row tiles a warp chosen (head_dim 64
+ * and 128; other head dims ignore it): 1 or 2, or 0 for the choice lf_cuda_prefill_attn makes
+ * (by grid size). Results agree within bf16 rounding of P; for tests and lfbench. */
+lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
+                                     int n_heads, int n_tok, const void *q, const void *k,
+                                     const void *v, float scale, void *out, float *ml,
+                                     int warp_tiles, struct CUstream_st *stream);
+
 /* SnapKV selection for an empty pool (n_tok > budget - 1): for every KV head the first `sink`
  * tokens, the last w_eff and the budget-1-sink-w_eff others of highest pooled score are kept.
  * Fills slot_of [n_kv_heads][n_tok] with the slot of each kept token (kept tokens fill slots

@@ -4,7 +4,7 @@
  *            batch sizes and budgets, against the device-to-device copy bandwidth measured in the
  *            same run and, with --peer, against torch SDPA (bench/sdpa_peer.py).
  *
- * The other subcommands (step, serve, prefill, comm, eval) live in bench/bench_<name>.c.
+ * The other subcommands (step, serve, prefill, attn, comm, eval) live in bench/bench_<name>.c.
  *
  * Output is one fixed-column row per shape (nccl-tests style), ending with whether the result
  * was checked right; --json writes the same rows for bench/results/.
@@ -32,6 +32,8 @@ static void usage(FILE *f) {
              "  serve    long-output workload through the engine (lfbench serve --help)\n"
              "  prefill  time to first token of B prompts of P tokens, TFLOP/s, and the\n"
              "           transformers peer (bench/prefill_peer.py) (lfbench prefill --help)\n"
+             "  attn     the prefill attention kernel alone: TFLOP/s per tiling, torch SDPA\n"
+             "           (bench/sdpa_prefill_peer.py) (lfbench attn --help)\n"
              "  comm     all-reduce latency / bus bandwidth under mpirun (lfbench comm --help)\n"
              "  eval     trace-task accuracy against KV budget per policy (lfbench eval --help)\n"
              "kernel options:\n"
@@ -563,6 +565,7 @@ int main(int argc, char **argv) {
   if (!strcmp(argv[1], "step")) { int bench_step(int, char **); return bench_step(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "serve")) { int bench_serve(int, char **); return bench_serve(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "prefill")) { int bench_prefill(int, char **); return bench_prefill(argc - 1, argv + 1); }
+  if (!strcmp(argv[1], "attn")) { int bench_attn(int, char **); return bench_attn(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "comm")) { int bench_comm(int, char **); return bench_comm(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "eval")) { int bench_eval(int, char **); return bench_eval(argc - 1, argv + 1); }
   fprintf(stderr, "lfbench: unknown subcommand '%s'\n", argv[1]);

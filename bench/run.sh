@@ -29,6 +29,10 @@
 #                                 P 512..32768, B 1 and 8; each program stops starting rows after
 #                                 PREFILL_TIME s (default 120); PREFILL_ARGS / PREFILL_PEER_ARGS
 #                                 add options (e.g. --prompts 2048 --batches 1,8 to both)
+#   bench/run.sh attn             the torch SDPA peer (bench/sdpa_prefill_peer.py), then `lfbench
+#                                 attn --peer`: the prefill attention kernel alone, per tiling,
+#                                 chunks of 512..16384 tokens over 0 and 1536 pool slots
+#                                 (ATTN_ARGS adds options to both, e.g. --tokens 2048)
 #   bench/run.sh serve-poisson    `lfbench serve --decode-only-ref` on random:qwen3-8b, 2048 -> 512,
 #                                 longflow, Poisson arrivals at each rate of SERVE_RATES (default
 #                                 "2 4.5 7"), about SERVE_SPAN s of arrivals each (default 40, cut
@@ -246,6 +250,20 @@ run_prefill() {
     tee "$OUT/lfbench_prefill.txt" | tee -a "$LOG" || rc=1
 }
 
+run_attn() {
+  build . "$B" lfbench || { rc=1; return; }
+  say "attn: torch SDPA peer (bench/sdpa_prefill_peer.py)"
+  # shellcheck disable=SC2086
+  python3 bench/sdpa_prefill_peer.py ${ATTN_ARGS:-} --json "$OUT/sdpa_prefill_peer.json" 2>&1 |
+    tee "$OUT/sdpa_prefill_peer.txt" | tee -a "$LOG" || { rc=1; say "attn peer FAILED"; }
+  local peer=()
+  [ -s "$OUT/sdpa_prefill_peer.json" ] && peer=(--peer "$OUT/sdpa_prefill_peer.json")
+  say "lfbench attn"
+  # shellcheck disable=SC2086
+  "$B/lfbench" attn ${ATTN_ARGS:-} "${peer[@]}" --json "$OUT/lfbench_attn.json" 2>&1 |
+    tee "$OUT/lfbench_attn.txt" | tee -a "$LOG" || rc=1
+}
+
 # TTFT and TPOT against the Poisson arrival rate, with the isolated-prefill and decode-only
 # references measured by each run on its own engine; one JSON per rate, then the plot.
 run_serve_poisson() {
@@ -312,6 +330,7 @@ while [ $# -gt 0 ]; do
   ab) shift; run_ab "$1" ;;
   prefill) run_prefill ;;
   serve-poisson) run_serve_poisson ;;
+  attn) run_attn ;;
   *) echo "bench/run.sh: unknown part '$1'"; exit 2 ;;
   esac
   shift

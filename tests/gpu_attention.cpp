@@ -290,6 +290,33 @@ TEST(GpuKernels, PrefillVsReference) {
       ASSERT_EQ(lf_cuda_prefill_attn(&dp.v, 0, 0, n0, hq, T, dq, dk, dv, ap.scale, dout,
                                      compress || h2o ? ml : nullptr, nullptr),
                 LF_OK);
+      if (D == 64 || D == 128) {
+        // the tensor-core kernel with one and with two 16-row tiles a warp: the same MMAs and
+        // softmax steps for every row in the same order (a row of a 128-query block only adds
+        // a tile it cannot see, exactly 0), so bit-identical outputs and (max, normaliser)
+        std::vector<uint16_t> ot[2];
+        std::vector<float> mt[2];
+        for (int w = 1; w <= 2; w++) {
+          CK(cudaMemset(dout, 0xff, q.size() * 2));
+          ASSERT_EQ(lf_cuda_prefill_attn_tiles(&dp.v, 0, 0, n0, hq, T, dq, dk, dv, ap.scale, dout,
+                                               ml, w, nullptr),
+                    LF_OK);
+          ot[w - 1].resize(q.size());
+          mt[w - 1].resize(static_cast<size_t>(T) * hq * 2);
+          CK(cudaMemcpy(ot[w - 1].data(), dout, q.size() * 2, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(mt[w - 1].data(), ml, mt[w - 1].size() * 4, cudaMemcpyDeviceToHost));
+        }
+        ASSERT_TRUE(ot[0] == ot[1]) << "warp tiles 1 vs 2 differ, D " << D << " G " << c.G
+                                    << " n0 " << n0 << " T " << T << " seed " << seed;
+        ASSERT_EQ(std::memcmp(mt[0].data(), mt[1].data(), mt[0].size() * 4), 0)
+            << "(max, normaliser) differ between warp tiles 1 and 2, D " << D << " n0 " << n0
+            << " T " << T;
+        // the checks below hold the auto choice's output (and ml, which SnapKV and h2o read) to
+        // the reference; the one the auto choice did not take is the same bits
+        ASSERT_EQ(lf_cuda_prefill_attn(&dp.v, 0, 0, n0, hq, T, dq, dk, dv, ap.scale, dout,
+                                       compress || h2o ? ml : nullptr, nullptr),
+                  LF_OK);
+      }
       if (compress) {
         const int w_eff = std::max(0, std::min(32, B - 1 - 4));
         ASSERT_EQ(lf_cuda_snapkv_select(hq, hkv, D, T, B, 4, w_eff, 1, dq, dk, ml, ap.scale, snap,
