@@ -346,9 +346,13 @@ int bench_attn(int argc, char **argv) {
 #else
 
 int bench_attn(int argc, char **argv) {
-  (void)argc;
-  (void)argv;
-  fprintf(stderr, "lfbench attn: this build has no CUDA backend (LF_CUDA=OFF)\n");
+  for (int i = 1; i < argc; i++)
+    if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+      attn_usage(stdout);
+      return 0;
+    }
+  fprintf(stderr, "lfbench attn: this build has no CUDA backend (LF_CUDA=OFF); the kernel "
+                  "benchmark needs CUDA\n");
   return 1;
 }
 
