@@ -410,14 +410,13 @@ static __global__ void warp_kernel(lf_cuda_pool_view p, int pool, int layer, int
  * 128: MT 2 is level or ahead once its grid covers half the SMs; below that MT 1's twice as
  * many blocks spread the chunk wider. head_dim 64, where MT 1 fits three blocks an SM against
  * MT 2's two: MT 2 only from two full waves of its two blocks an SM. */
-static int flash_tiles_auto(int head_dim, int n_heads, int n_tok) {
+static lf_status flash_tiles_auto(int head_dim, int n_heads, int n_tok, int *mt) {
   int dev = 0, n_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    n_sm = 132;
+  LF_CUDA_CHECK(cudaGetDevice(&dev));
+  LF_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
   const long blocks2 = (long)((n_tok + fl_tile<2>::M - 1) / fl_tile<2>::M) * n_heads;
-  if (head_dim == 128) return 2 * blocks2 >= n_sm ? 2 : 1;
-  return blocks2 >= 4L * n_sm ? 2 : 1;
+  *mt = (head_dim == 128 ? 2 * blocks2 >= n_sm : blocks2 >= 4L * n_sm) ? 2 : 1;
+  return LF_OK;
 }
 
 extern "C" lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int pool, int layer,
@@ -430,7 +429,8 @@ extern "C" lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_prefill_attn: bad arguments");
   if (n_tok == 0) return LF_OK;
   if (pv->head_dim == 128 || pv->head_dim == 64) {
-    const int mt = warp_tiles ? warp_tiles : flash_tiles_auto(pv->head_dim, n_heads, n_tok);
+    int mt = warp_tiles;
+    if (!mt) LF_TRY(flash_tiles_auto(pv->head_dim, n_heads, n_tok, &mt));
     if (pv->head_dim == 128)
       return mt == 2 ? flash_launch<128, 2>(pv, pool, layer, n0, n_heads, n_tok, q, k, v, scale,
                                             out, ml, stream)

@@ -70,52 +70,19 @@ typedef struct attn_row {
 } attn_row;
 
 static uint64_t ab_rng = 0x2545f4914f6cdd1dull;
-static uint16_t ab_bf16_normal(float sd) {
-  float s = 0.0f;
-  for (int i = 0; i < 4; i++) {
-    ab_rng ^= ab_rng << 13;
-    ab_rng ^= ab_rng >> 7;
-    ab_rng ^= ab_rng << 17;
-    s += (float)(ab_rng >> 40) * (1.0f / 16777216.0f);
-  }
-  const float f = sd * (s - 2.0f) * 1.7320508f;
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
 
-/* "n0": A, "T": B, "time_us": C on one line of the peer JSON */
+/* the peer's time for (n0, T), in microseconds; < 0: no such row */
 static double attn_peer_us(const char *text, int n0, int T) {
   for (const char *line = text; line && *line;) {
     const char *eol = strchr(line, '\n');
-    const char *a = strstr(line, "\"n0\":"), *b = strstr(line, "\"T\":"),
-               *c = strstr(line, "\"time_us\":");
-    if (a && b && c && (!eol || (a < eol && b < eol && c < eol)) && atoi(a + 5) == n0 &&
-        atoi(b + 4) == T)
-      return atof(c + 10);
+    const char *e = eol ? eol : line + strlen(line);
+    double a, b, t;
+    if (bench_json_num(line, e, "n0", &a) && bench_json_num(line, e, "T", &b) && (int)a == n0 &&
+        (int)b == T)
+      return bench_json_num(line, e, "time_us", &t) ? t : -1.0;
     line = eol ? eol + 1 : NULL;
   }
   return -1.0;
-}
-
-static char *attn_read_file(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  char *s = NULL;
-  if (fseek(f, 0, SEEK_END) == 0) {
-    const long n = ftell(f);
-    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (s = malloc((size_t)n + 1))) {
-      if (fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-      } else {
-        s[n] = '\0';
-      }
-    }
-  }
-  fclose(f);
-  return s;
 }
 
 /* One row: every tiling timed, then the bit comparison. Returns 0, or 1 on a CUDA/lfserve error. */
@@ -124,7 +91,8 @@ static int attn_one(int n0, int T, int H, int Hkv, int D, int iters, int warmup,
   const int budget = n0 > 0 ? n0 : 1;
   const size_t pn = (size_t)Hkv * budget * D;
   uint16_t *hbuf = NULL, *h1 = NULL, *h2 = NULL;
-  float *m1 = NULL, *m2 = NULL, *t = NULL;
+  float *m1 = NULL, *m2 = NULL;
+  double *t = NULL;
   void *dq = NULL, *dk = NULL, *dv = NULL, *dout = NULL, *pk = NULL, *pv = NULL;
   float *dml = NULL;
   cudaEvent_t ev[2] = {NULL, NULL};
@@ -132,7 +100,7 @@ static int attn_one(int n0, int T, int H, int Hkv, int D, int iters, int warmup,
   const size_t big = qn > pn ? qn : pn;
   if (!(hbuf = malloc(big * 2)) || !(h1 = malloc(qn * 2)) || !(h2 = malloc(qn * 2)) ||
       !(m1 = malloc((size_t)T * H * 8)) || !(m2 = malloc((size_t)T * H * 8)) ||
-      !(t = malloc(sizeof(float) * (size_t)iters))) {
+      !(t = malloc(sizeof(double) * (size_t)iters))) {
     fprintf(stderr, "lfbench attn: out of host memory\n");
     goto fail;
   }
@@ -147,7 +115,7 @@ static int attn_one(int n0, int T, int H, int Hkv, int D, int iters, int warmup,
   const size_t lens[5] = {qn, kn, kn, pn, pn};
   for (int b = 0; b < 5; b++) {
     for (size_t i = 0; i < lens[b]; i++)
-      hbuf[i] = ab_bf16_normal(b == 0 ? 2.0f : 1.0f);
+      hbuf[i] = bench_f2bf((b == 0 ? 2.0f : 1.0f) * bench_rng_normal(&ab_rng));
     AB_CUDA(cudaMemcpy(dsts[b], hbuf, lens[b] * 2, cudaMemcpyHostToDevice));
   }
   /* a pool view of one pool and one layer whose n0 slots hold the prefix (the prefill kernel
@@ -168,13 +136,11 @@ static int attn_one(int n0, int T, int H, int Hkv, int D, int iters, int warmup,
                                        NULL));
       AB_CUDA(cudaEventRecord(ev[1], 0));
       AB_CUDA(cudaEventSynchronize(ev[1]));
-      AB_CUDA(cudaEventElapsedTime(&t[i], ev[0], ev[1]));
+      float ms = 0.0f;
+      AB_CUDA(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+      t[i] = ms;
     }
-    double d[1024];
-    const int n = iters < 1024 ? iters : 1024;
-    for (int i = 0; i < n; i++)
-      d[i] = t[i];
-    r->us[v] = 1e3 * bench_median(d, n);
+    r->us[v] = 1e3 * bench_median(t, iters);
     if (v < 2) {
       AB_CUDA(cudaMemcpy(v == 0 ? h1 : h2, dout, qn * 2, cudaMemcpyDeviceToHost));
       AB_CUDA(cudaMemcpy(v == 0 ? m1 : m2, dml, (size_t)T * H * 8, cudaMemcpyDeviceToHost));
@@ -257,7 +223,7 @@ int bench_attn(int argc, char **argv) {
     i++;
   }
   if (n_tokens < 1 || n_prefix < 1 || Hkv < 1 || H < 1 || H % Hkv || (D != 64 && D != 128) ||
-      iters < 1 || iters > 1024 || warmup < 0 || !(peak > 0)) {
+      iters < 1 || warmup < 0 || !(peak > 0)) {
     attn_usage(stderr);
     return 2;
   }
@@ -267,7 +233,7 @@ int bench_attn(int argc, char **argv) {
       return 2;
     }
   char *peer_text = NULL;
-  if (peer && !(peer_text = attn_read_file(peer))) {
+  if (peer && !(peer_text = bench_read_file(peer))) {
     fprintf(stderr, "lfbench attn: cannot read peer file %s\n", peer);
     return 1;
   }

@@ -176,52 +176,18 @@ static double pf_flops(const lf_model_config *m, int P, int B) {
 /* ---- the peer's JSON: one row object per line ------------------------------------------- */
 
 /* The number after "key": within [s, e); 0 when absent or not a number (null). */
-static int pf_json_num(const char *s, const char *e, const char *key, double *out) {
-  char pat[64];
-  snprintf(pat, sizeof pat, "\"%s\":", key);
-  const size_t pl = strlen(pat);
-  const char *p = strstr(s, pat);
-  if (!p || p + pl > e) return 0;
-  const char *v = p + pl;
-  while (v < e && (*v == ' ' || *v == '\t')) v++;
-  char *end;
-  const double x = strtod(v, &end);
-  if (end == v || end > e) return 0;
-  *out = x;
-  return 1;
-}
-
 /* The peer's time (seconds) for (P, B), or -1. */
 static double pf_peer_time(const char *text, int P, int B) {
   for (const char *line = text; line && *line;) {
     const char *eol = strchr(line, '\n');
     const char *e = eol ? eol : line + strlen(line);
     double p, b, t;
-    if (pf_json_num(line, e, "prompt", &p) && pf_json_num(line, e, "batch", &b) &&
+    if (bench_json_num(line, e, "prompt", &p) && bench_json_num(line, e, "batch", &b) &&
         (int)p == P && (int)b == B)
-      return pf_json_num(line, e, "time_ms", &t) && t > 0 ? t * 1e-3 : -1.0;
+      return bench_json_num(line, e, "time_ms", &t) && t > 0 ? t * 1e-3 : -1.0;
     line = eol ? eol + 1 : NULL;
   }
   return -1.0;
-}
-
-static char *pf_read_file(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  char *s = NULL;
-  if (fseek(f, 0, SEEK_END) == 0) {
-    const long n = ftell(f);
-    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (s = malloc((size_t)n + 1))) {
-      if (fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-      } else {
-        s[n] = '\0';
-      }
-    }
-  }
-  fclose(f);
-  return s;
 }
 
 /* Warns when the peer's header (its first line) describes another shape. */
@@ -237,7 +203,7 @@ static void pf_peer_shape_check(const char *text, const lf_model_config *m) {
            {"vocab_size", m->vocab_size}};
   for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
     double v;
-    if (!pf_json_num(text, e, k[i].key, &v))
+    if (!bench_json_num(text, e, k[i].key, &v))
       printf("# WARNING: the peer's JSON does not state %s\n", k[i].key);
     else if ((int)v != k[i].want)
       printf("# WARNING: the peer's %s is %d, this model's %d: the ratios compare different "
@@ -559,7 +525,7 @@ int bench_prefill(int argc, char **argv) {
     if (*c == '"' || *c == '\\') *c = '_';
 
   char *peer_text = NULL;
-  if (o.peer && !(peer_text = pf_read_file(o.peer))) {
+  if (o.peer && !(peer_text = bench_read_file(o.peer))) {
     fprintf(stderr, "lfbench prefill: cannot read the peer's JSON %s\n", o.peer);
     return 1;
   }

@@ -2,11 +2,27 @@
 #ifndef LF_BENCH_UTIL_H
 #define LF_BENCH_UTIL_H
 
+#include <stdint.h>
+
 /* A comma list of positive integers (each at most 1 << 24) into out[cap]: the count, or -1 for
  * a malformed list or one of more than cap items. */
 int bench_int_list(const char *s, int *out, int cap);
 
 /* The median of v[n] (n >= 1), sorting v in place; the mean of the middle two for even n. */
 double bench_median(double *v, int n);
+
+/* The whole file as a NUL-terminated string (free() it), or NULL when it cannot be read. */
+char *bench_read_file(const char *path);
+
+/* The number after "key": in s[0, e) (one line of a peer's JSON) into *out: 1, or 0 when the
+ * key is absent there or not followed by a number. */
+int bench_json_num(const char *s, const char *e, const char *key, double *out);
+
+/* xorshift64 (state nonzero), and about N(0, 1) from it: four uniforms, centred and scaled. */
+uint64_t bench_rng_next(uint64_t *state);
+float bench_rng_normal(uint64_t *state);
+
+/* float -> bf16 bits, round to nearest even. */
+uint16_t bench_f2bf(float f);
 
 #endif

@@ -69,26 +69,8 @@ static void usage(FILE *f) {
   } while (0)
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static uint64_t rng_next(void) {
-  uint64_t x = rng_state;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return rng_state = x;
-}
-/* About N(0, 1): sum of four uniforms, centred and scaled. */
-static float rng_normal(void) {
-  float s = 0.0f;
-  for (int i = 0; i < 4; i++)
-    s += (float)(rng_next() >> 40) * (1.0f / 16777216.0f);
-  return (s - 2.0f) * 1.7320508f;
-}
-static uint16_t f2bf(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
+static uint64_t rng_next(void) { return bench_rng_next(&rng_state); }
+static float rng_normal(void) { return bench_rng_normal(&rng_state); }
 static float bf2f(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
   float f;
@@ -146,22 +128,6 @@ static double peer_time_us(const char *text, int batch, int budget) {
     line = eol ? eol + 1 : NULL;
   }
   return -1.0;
-}
-
-static char *read_file(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *s = malloc((size_t)n + 1);
-  if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
-    free(s);
-    s = NULL;
-  }
-  if (s) s[n] = '\0';
-  fclose(f);
-  return s;
 }
 
 typedef struct kernel_row {
@@ -325,7 +291,7 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
     hi[i] = w;
   BENCH_CUDA(cudaMemcpy(dw, hi, (size_t)batch * n_kv * 4, cudaMemcpyHostToDevice));
   for (size_t i = 0; i < (size_t)batch * n_heads * D; i++)
-    hq[i] = f2bf(1.5f * rng_normal());
+    hq[i] = bench_f2bf(1.5f * rng_normal());
   BENCH_CUDA(cudaMemcpy(dq, hq, (size_t)batch * n_heads * D * 2, cudaMemcpyHostToDevice));
 
   int S = splits_req;
@@ -455,7 +421,7 @@ static int bench_kernel(int argc, char **argv) {
     return 2;
   }
   char *peer_text = NULL;
-  if (peer && !(peer_text = read_file(peer))) {
+  if (peer && !(peer_text = bench_read_file(peer))) {
     fprintf(stderr, "lfbench: cannot read peer file %s\n", peer);
     return 1;
   }
@@ -476,7 +442,7 @@ static int bench_kernel(int argc, char **argv) {
   uint16_t *seed = malloc(seed_elems * 2);
   if (!seed) return 1;
   for (size_t i = 0; i < seed_elems; i++)
-    seed[i] = f2bf(rng_normal());
+    seed[i] = bench_f2bf(rng_normal());
 
   printf("# lfbench kernel: fused LongFlow decode attention, %d query heads, %d KV heads, "
          "head_dim %d, all pools full, sink 4\n",

@@ -17,6 +17,26 @@ import torch
 import torch.nn.functional as F
 
 
+def first_backend(call):
+    """The first of SDPA's fused backends (flash, efficient, cudnn, math) that runs call(), for
+    the record; "?" where torch cannot say."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return "?"
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("math", SDPBackend.MATH)):
+        try:
+            with sdpa_kernel([be]):
+                call()
+            return name
+        except RuntimeError:
+            continue
+    return "?"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32,128")
@@ -52,23 +72,8 @@ def main():
                 it[0] += 1
                 return F.scaled_dot_product_attention(q, ks[i], vs[i], enable_gqa=True)
 
-            # which fused backend runs (flash / efficient / math), for the record
-            backend = "?"
-            try:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-                for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
-                                 ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                                 ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                 ("math", SDPBackend.MATH)):
-                    try:
-                        with sdpa_kernel([be]):
-                            F.scaled_dot_product_attention(q, ks[0], vs[0], enable_gqa=True)
-                        backend = name
-                        break
-                    except RuntimeError:
-                        continue
-            except ImportError:
-                pass
+            backend = first_backend(
+                lambda: F.scaled_dot_product_attention(q, ks[0], vs[0], enable_gqa=True))
             ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
             us = ms * 1e3
             row = {"batch": b, "budget": budget, "kv_bytes": kv_bytes, "time_us": round(us, 3),

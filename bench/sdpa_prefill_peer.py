@@ -17,6 +17,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from sdpa_peer import first_backend  # bench/ is the script's directory, so on sys.path
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -58,23 +60,7 @@ def main():
             def fn():
                 return F.scaled_dot_product_attention(q, k, v, **kw)
 
-            # which fused backend runs (flash / efficient / cudnn / math), for the record
-            backend = "?"
-            try:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-                for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
-                                 ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                 ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                                 ("math", SDPBackend.MATH)):
-                    try:
-                        with sdpa_kernel([be]):
-                            fn()
-                        backend = name
-                        break
-                    except RuntimeError:
-                        continue
-            except ImportError:
-                pass
+            backend = first_backend(fn)
             ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
             us = ms * 1e3
             flops = 4.0 * H * D * (T * n0 + T * (T + 1) / 2.0)
