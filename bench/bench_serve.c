@@ -18,7 +18,10 @@
  * each step), and with --decode-only-ref, measured on the same engine after the run: the
  * isolated prefill time of one prompt and the mean step time of a decode-only batch of the
  * run's mean decode batch (decode_reference below), the references for TTFT p50 and TPOT p99,
- * and the prompt's passes run with that batch decoding in them (the mixed passes).
+ * and the prompt's passes run with that batch decoding in them (the mixed passes). With
+ * --warmup W (Poisson), TTFT and TPOT are over the requests arriving from W on and the decode
+ * batch over the steps from W to the last arrival: the steady state, without the ramp up from an
+ * empty engine or the drain after the arrivals stop.
  *
  * Under mpirun -np T (tensor parallelism, docs/DESIGN.md §4) every rank builds the same engines, rank 0
  * drives and reports, the others follow (lf_engine_follow). --kv-gb is then per rank: a rank
@@ -226,6 +229,7 @@ typedef struct serve_opts {
   int h2o_recent; /* lf_engine_config.h2o_recent (0: B/2) */
   lf_evict_scope scope;
   double kv_gb, mem_util, rate, duration;
+  double warmup; /* --warmup: the steady-state window starts here (Poisson only) */
   int poisson;
   uint64_t seed;
   int quiet;
@@ -259,6 +263,10 @@ static void serve_usage(FILE *f) {
           "  --threads T        cpu backend threads (default 0: all cores)\n"
           "  --duration S       stop after S seconds of wall time: cancel what is left and\n"
           "                     report the window (default 0: run every request to its end)\n"
+          "  --warmup W         Poisson only: measure the steady state. Requests that arrive\n"
+          "                     before W s still run but are left out of TTFT / TPOT, and the\n"
+          "                     decode batch is averaged over the steps between W and the\n"
+          "                     last arrival (default 0: every request and step)\n"
           "  --seed S           prompts and arrivals (default 1)\n"
           "  --decode-only-ref  after each policy's run, on the same engine: the isolated\n"
           "                     prefill time of one P-token prompt (median of 3) and the mean\n"
@@ -347,6 +355,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       o->threads = atoi(v);
     } else if (OPT("--duration")) {
       o->duration = atof(v);
+    } else if (OPT("--warmup")) {
+      o->warmup = atof(v);
     } else if (OPT("--seed")) {
       o->seed = strtoull(v, NULL, 10);
     } else if (OPT("--json")) {
@@ -360,8 +370,12 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
   if (o->prompt < 1 || o->output < 1 || o->n_req < 0 || o->budget < 1 || o->full_budget < 0 ||
       o->n_pools < 0 || o->kv_gb < 0 || !(o->mem_util > 0 && o->mem_util <= 1) ||
       !(o->rate > 0) || o->sink < 0 || o->window < 0 || o->h2o_recent < 0 || o->threads < 0 ||
-      o->duration < 0 || o->ref_batch < 0 || o->ref_tokens < 0 || o->ref_tokens > o->output) {
+      o->duration < 0 || o->warmup < 0 || o->ref_batch < 0 || o->ref_tokens < 0 || o->ref_tokens > o->output) {
     fprintf(stderr, "lfbench serve: an option is out of range\n");
+    return -1;
+  }
+  if (o->warmup > 0 && !o->poisson) {
+    fprintf(stderr, "lfbench serve: --warmup needs --arrival poisson\n");
     return -1;
   }
   if (o->max_batch_tokens < 0) o->max_batch_tokens = LF_MAX_BATCH_TOKENS_DEFAULT;
@@ -388,6 +402,8 @@ typedef struct serve_row {
   int budget, pools, n_req;
   uint64_t pool_bytes;
   int finished_length, finished_other, not_finished;
+  int measured; /* requests in TTFT / TPOT: those arriving at or after --warmup */
+  double window_end; /* the decode batch's window: [--warmup, this] seconds from the start */
   uint64_t output_tokens, evictions, steps;
   double wall_s, init_s, tokens_per_s;
   double ttft_p50, ttft_p99, tpot_p50, tpot_p99;
@@ -396,7 +412,8 @@ typedef struct serve_row {
   uint64_t mem_before, mem_init, mem_peak, mem_end;
   uint64_t tokens_hash; /* FNV-1a over the requests' token hashes, in request order */
   /* decode batch: requests past their first token and not finished, before each step of the
-   * window (steps with none are not counted) */
+   * window (steps with none are not counted; with --warmup, only steps that begin between the
+   * warm-up and the last arrival) */
   double decode_batch_mean;
   int decode_batch_max;
   /* steps of the window split by whether some submitted request was still without its first
@@ -719,6 +736,15 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
     for (int j = 0; j < P; j++)
       prompts[(size_t)i * P + j] = (int32_t)(rng_u64() % (uint64_t)mc->vocab_size);
   }
+  r->window_end = o->warmup > 0 ? at : 0.0;
+  if (o->warmup > 0 && !(at > o->warmup)) {
+    fprintf(stderr, "lfbench serve: --warmup %g s: the last of %d arrivals is at %.1f s, so no "
+            "steady-state window is left; ask for more requests\n", o->warmup, N, at);
+    free(rq);
+    free(prompts);
+    lf_engine_free(e);
+    return 1;
+  }
 
   gpu_util gu;
   gpu_util_open(&gu, cuda);
@@ -771,7 +797,8 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       }
       break; /* nothing left: every request ended */
     }
-    if (cutoff < 0 && decoding > 0) {
+    const int in_window = o->warmup <= 0 || (tn - t0 >= o->warmup && tn - t0 <= r->window_end);
+    if (cutoff < 0 && decoding > 0 && in_window) {
       dec_sum += decoding;
       dec_steps++;
       if (decoding > r->decode_batch_max) r->decode_batch_max = decoding;
@@ -868,11 +895,13 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       if (q->finished && q->reason == LF_FINISH_LENGTH) r->finished_length++;
       else if (q->finished && q->reason != LF_FINISH_CANCELLED) r->finished_other++;
       else r->not_finished++;
-      if (q->tokens >= 1) ttft[nt++] = q->first_t - q->submit_t;
-      if (q->tokens >= 2) tpot[np++] = (q->last_t - q->first_t) / (q->tokens - 1);
       if (q->finished && q->reason == LF_FINISH_ERROR && r->finished_other == 1)
         fprintf(stderr, "lfbench serve: %s: request %d ended with an error: %s\n", r->policy, i,
                 lf_status_str(q->status));
+      if (q->arrival < o->warmup) continue; /* warm-up: not in the figures */
+      r->measured++;
+      if (q->tokens >= 1) ttft[nt++] = q->first_t - q->submit_t;
+      if (q->tokens >= 2) tpot[np++] = (q->last_t - q->first_t) / (q->tokens - 1);
     }
     r->ttft_p50 = pct(ttft, nt, 50);
     r->ttft_p99 = pct(ttft, nt, 99);
@@ -948,13 +977,13 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
           "\"output\": %d, \"arrival\": \"%s\", \"rate\": %g, \"kv_gb\": %g, \"mem_util\": %g, "
           "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"h2o_recent\": %d, \"evict_scope\": \"%s\", "
-          "\"duration\": %g, "
+          "\"duration\": %g, \"warmup\": %g, "
           "\"seed\": %llu, \"mem_kind\": \"%s\", \"tp\": %d, \"decode_only_ref\": %s, "
           "\"ref_tokens\": %d,\n \"rows\": [\n",
           o->model, backend, host, mc->n_layers, mc->n_kv_heads, mc->head_dim, o->prompt,
           o->output, o->poisson ? "poisson" : "all", o->poisson ? o->rate : 0.0, o->kv_gb,
           o->mem_util, o->max_batch_tokens, o->sink, o->window, o->h2o_recent, lf_evict_scope_str(o->scope),
-          o->duration,
+          o->duration, o->warmup,
           (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used", tp,
           o->decode_ref ? "true" : "false",
           o->decode_ref ? (o->ref_tokens ? o->ref_tokens : o->output) : 0);
@@ -986,7 +1015,7 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
     }
     fprintf(f,
             "  {\"policy\": \"%s\", \"budget\": %d, \"pools\": %d, \"pool_bytes\": %llu, "
-            "\"requests\": %d, \"finished_length\": %d, \"finished_other\": %d, "
+            "\"requests\": %d, \"measured_requests\": %d, \"window_end_s\": %.3f, \"finished_length\": %d, \"finished_other\": %d, "
             "\"not_finished\": %d, \"output_tokens\": %llu, \"wall_s\": %.4f, \"init_s\": %.3f, "
             "\"tokens_per_s\": %.3f, \"ttft_p50_s\": %.6f, \"ttft_p99_s\": %.6f, "
             "\"tpot_p50_s\": %.7f, \"tpot_p99_s\": %.7f, \"engine_ttft_p50_s\": %.6f, "
@@ -1001,7 +1030,8 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
             "\"tpot_p99_over_ref\": %s, \"ttft_p50_over_ref_prefill\": %s, "
             "\"ref_prefill_steps\": %s, \"ref_prefill_step_ms\": %s, \"ref_mixed_batch\": %s, "
             "\"ref_mixed_steps\": %s, \"ref_mixed_step_ms\": %s}%s\n",
-            r->policy, r->budget, r->pools, (unsigned long long)r->pool_bytes, r->n_req,
+            r->policy, r->budget, r->pools, (unsigned long long)r->pool_bytes, r->n_req, r->measured,
+            r->window_end,
             r->finished_length, r->finished_other, r->not_finished,
             (unsigned long long)r->output_tokens, r->wall_s, r->init_s, r->tokens_per_s,
             r->ttft_p50, r->ttft_p99, r->tpot_p50, r->tpot_p99, r->eng_ttft_p50, r->eng_ttft_p99,
@@ -1094,6 +1124,10 @@ int bench_serve(int argc, char **argv) {
     printf("# %s: decode batch (sequences past their first token, before each step) mean %.1f, "
            "max %d\n",
            r->policy, r->decode_batch_mean, r->decode_batch_max);
+    if (o.warmup > 0)
+      printf("# %s: steady state: TTFT / TPOT over the %d requests arriving from %.1f s on, the "
+             "decode batch over the steps from %.1f s to the last arrival at %.1f s\n",
+             r->policy, r->measured, o.warmup, o.warmup, r->window_end);
     printf("# %s: steps with a request still before its first token (prompt work or a wait for "
            "a pool): %llu, mean %.3f ms; the others: %llu, mean %.3f ms\n",
            r->policy, (unsigned long long)r->prompt_steps, r->prompt_step_ms,

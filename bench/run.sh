@@ -33,11 +33,12 @@
 #                                 attn --peer`: the prefill attention kernel alone, per tiling,
 #                                 chunks of 512..16384 tokens over 0 and 1536 pool slots
 #                                 (ATTN_ARGS adds options to both, e.g. --tokens 2048)
-#   bench/run.sh serve-poisson    `lfbench serve --decode-only-ref` on random:qwen3-8b, 2048 -> 512,
-#                                 longflow, Poisson arrivals at each rate of SERVE_RATES (default
-#                                 "2 4.5 7"), about SERVE_SPAN s of arrivals each (default 40, cut
-#                                 at SERVE_DURATION, default 60), then bench/plot_serve.py
-#                                 (SERVE_POISSON_ARGS adds options)
+#   bench/run.sh serve-poisson    `lfbench serve --decode-only-ref` on random:qwen3-8b, 2048 ->
+#                                 SERVE_OUTPUT (default 512) tokens, longflow, Poisson arrivals at
+#                                 each rate of SERVE_RATES (default "2 4.5 7"), about SERVE_SPAN s
+#                                 of arrivals each (default 40, cut at SERVE_DURATION, default 60),
+#                                 the first SERVE_WARMUP s (default 0) left out as warm-up, then
+#                                 bench/plot_serve.py (SERVE_POISSON_ARGS adds options)
 # Several may be given: `bench/run.sh test step`. Exit status 1 when anything failed.
 #
 # GoogleTest: the system's, else a source tree carried in build-deps/googletest. PCRE2 (the
@@ -271,9 +272,10 @@ run_serve_poisson() {
   local rate n files=()
   for rate in ${SERVE_RATES:-2 4.5 7}; do
     n=$(awk -v r="$rate" -v s="${SERVE_SPAN:-40}" 'BEGIN { n = int(r * s + 0.5); print n < 1 ? 1 : n }')
-    say "lfbench serve: Poisson $rate/s, $n requests of 2048 -> 512 on random:qwen3-8b"
+    say "lfbench serve: Poisson $rate/s, $n requests of 2048 -> ${SERVE_OUTPUT:-512} on random:qwen3-8b"
     # shellcheck disable=SC2086
-    "$B/lfbench" serve --model random:qwen3-8b --backend cuda --prompt 2048 --output 512 \
+    "$B/lfbench" serve --model random:qwen3-8b --backend cuda --prompt 2048 \
+      --output "${SERVE_OUTPUT:-512}" --warmup "${SERVE_WARMUP:-0}" \
       --policies longflow --budget 3200 --n-pools 96 --requests "$n" --arrival poisson \
       --rate "$rate" --duration "${SERVE_DURATION:-60}" --decode-only-ref ${SERVE_POISSON_ARGS:-} \
       --json "$OUT/serve_poisson_r$rate.json" 2>&1 | tee -a "$LOG" || rc=1
