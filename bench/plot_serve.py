@@ -58,7 +58,7 @@ def main():
         ax[1].plot(x, [1e3 * r["tpot_p99_s"] for r in rows], "s--", color=c, label=f"{pol} p99")
         pre = [(rate, r["ref_prefill_s"]) for rate, r, _ in v if r.get("ref_prefill_s")]
         if pre:
-            ax[0].plot([a for a, _ in pre], [b for _, b in pre], ":", color=c,
+            ax[0].plot([a for a, _ in pre], [b for _, b in pre], "_:", color=c, ms=12,
                        label=f"{pol} isolated prefill")
             ax[0].plot([a for a, _ in pre], [2 * b for _, b in pre], "v", color=c, alpha=0.5,
                        label=f"{pol} 2x isolated prefill")
@@ -86,7 +86,7 @@ def main():
     ax[0].set_ylabel("TTFT s")
     ax[0].set_title("time to first token", fontsize=10)
     ax[1].set_ylabel("TPOT ms")
-    ax[1].set_ylim(bottom=0)
+    ax[1].set_ylim(0, 1.08 * max(l.get_ydata().max() for l in ax[1].get_lines()))
     ax[1].set_title("time per output token (per request: mean gap)", fontsize=10)
     ax[2].set_ylabel("mean decode batch")
     ax[2].set_ylim(0, 1.15 * ax[2].get_ylim()[1])
