@@ -102,7 +102,7 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc,
     return lf_error(LF_ERR_INVALID_ARG, "mem_util %g must be in (0, 1]", cfg->mem_util);
   if (cfg->n_pools > 0) return LF_OK;
   if (cfg->kv_memory_bytes == 0) return LF_OK;
-  lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim};
+  lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim, (int)cfg->kv_dtype};
   const uint64_t pool_bytes = cfg->backend == LF_BACKEND_CUDA
                                   ? lf_pool_bytes_device(&ps, cfg->policy == LF_POLICY_H2O)
                                   : lf_pool_bytes(&ps);
@@ -170,6 +170,7 @@ static lf_status engine_init_local(lf_engine_t e) {
                           .sink = e->cfg.sink,
                           .window = e->cfg.window,
                           .h2o_recent = e->cfg.h2o_recent,
+                          .kv_dtype = e->cfg.kv_dtype,
                           .n_pools = e->cfg.n_pools,
                           .mem_util = e->cfg.mem_util,
                           .n_threads = e->cfg.n_threads,
@@ -217,6 +218,9 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
       !(cfg_in->mem_util >= 0))
     return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
                                         "max_batch_tokens, h2o_recent or mem_util");
+  if ((int)cfg_in->kv_dtype < (int)LF_KV_BF16 || (int)cfg_in->kv_dtype > (int)LF_KV_INT8)
+    return lf_error(LF_ERR_INVALID_ARG, "unknown kv_dtype %d (bf16 %d, fp8 %d, int8 %d)",
+                    (int)cfg_in->kv_dtype, (int)LF_KV_BF16, (int)LF_KV_FP8, (int)LF_KV_INT8);
   if (comm && (comm->size < 1 || comm->rank < 0 || comm->rank >= comm->size))
     return lf_error(LF_ERR_INVALID_ARG, "communicator rank %d of %d", comm->rank, comm->size);
 

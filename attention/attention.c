@@ -23,12 +23,14 @@
  */
 #include "attention/attention.h"
 
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/error.h"
+#include "base/kvq.h"
 
 static int policy_evicts(lf_policy p) {
   return p != LF_POLICY_FULL;
@@ -53,6 +55,28 @@ lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out) {
     }
   return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope '%s' (head, layer)",
                   s ? s : "(null)");
+}
+
+const char *lf_kv_dtype_str(lf_kv_dtype d) {
+  switch (d) {
+  case LF_KV_BF16:
+    return "bf16";
+  case LF_KV_FP8:
+    return "fp8";
+  case LF_KV_INT8:
+    return "int8";
+  }
+  return "unknown";
+}
+
+lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out) {
+  static const lf_kv_dtype all[] = {LF_KV_BF16, LF_KV_FP8, LF_KV_INT8};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    if (s && strcmp(s, lf_kv_dtype_str(all[i])) == 0) {
+      *out = all[i];
+      return LF_OK;
+    }
+  return lf_error(LF_ERR_INVALID_ARG, "unknown KV dtype '%s' (bf16, fp8, int8)", s ? s : "(null)");
 }
 
 int lf_h2o_recent(int requested, int budget) { return requested > 0 ? requested : budget / 2; }
@@ -134,12 +158,36 @@ static void softmax_inplace(double *x, int n) {
     x[i] /= sum;
 }
 
-/* Stores one token in a slot; ||v||_1 is cached here so scoring never re-reads V (docs/DESIGN.md §3). */
+_Static_assert(LF_KVQ_FP8 == (int)LF_KV_FP8 && LF_KVQ_INT8 == (int)LF_KV_INT8,
+               "base/kvq.h's dtype numbers are lf_kv_dtype's");
+
+/* A row as the pool's dtype stores it: fp8 and int8 keep the values its codes read back
+ * (base/kvq.h). */
+static void store_row(float *dst, const float *x, int d, int kv_dtype) {
+  if (kv_dtype == LF_KV_BF16) {
+    memcpy(dst, x, (size_t)d * sizeof(float));
+    return;
+  }
+  float amax = 0.0f;
+  int nonfinite = 0;
+  for (int i = 0; i < d; i++) {
+    const float a = fabsf(x[i]);
+    if (!(a <= FLT_MAX)) nonfinite = 1;
+    else if (a > amax) amax = a;
+  }
+  const float scale = lf_kvq_row_scale(kv_dtype, amax, nonfinite);
+  for (int i = 0; i < d; i++)
+    dst[i] = lf_kvq_value(kv_dtype, lf_kvq_code(kv_dtype, x[i], scale), scale);
+}
+
+/* Stores one token in a slot; ||v||_1 (of the values stored) is cached here so scoring never
+ * re-reads V (docs/DESIGN.md §3). */
 static void write_slot(lf_kv_head *h, int slot, const float *k, const float *v, int32_t pos) {
   const int d = h->head_dim;
   double l1 = 0.0;
-  memcpy(h->k + (size_t)slot * d, k, (size_t)d * sizeof(float));
-  memcpy(h->v + (size_t)slot * d, v, (size_t)d * sizeof(float));
+  store_row(h->k + (size_t)slot * d, k, d, h->kv_dtype);
+  store_row(h->v + (size_t)slot * d, v, d, h->kv_dtype);
+  v = h->v + (size_t)slot * d;
   for (int i = 0; i < d; i++)
     l1 += fabs((double)v[i]);
   h->pos[slot] = pos;

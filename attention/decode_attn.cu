@@ -45,8 +45,13 @@
 #include "base/cuda_launch.cuh"
 #include "base/cuda_ptx.cuh"
 
-/* H2O: the h2o instantiation (accumulators and window); the others are compiled without it. */
-template <int D, int MINB, bool CL, bool H2O>
+/* H2O: the h2o instantiation (accumulators and window); the others are compiled without it.
+ * Q: the pools' storage (DA_BF16, DA_FP8, DA_INT8). 8-bit codes come in with 8-byte loads (the
+ * same dims per thread as the bf16 16-byte loads) and become bf16 pairs in registers (exact:
+ * fp8 as its 2^-120 image, int8 as itself), and the rows' scales enter where they are per slot:
+ * K's multiplies the slot's logit after the MMA, V's multiplies the slot's p before P goes to
+ * bf16 (the sum of p stays unscaled). */
+template <int D, int MINB, bool CL, bool H2O, int Q>
 static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const attn_params p) {
   constexpr int NJ = D / 32;  /* 16-byte K loads per slot per thread */
   constexpr int NC = D / 64;  /* 16-byte V loads per slot per thread */
@@ -88,8 +93,17 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   const int chunk = ((n + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
   const int s0 = min(split * chunk, n), s1 = min(s0 + chunk, n);
   const int ntiles = (s1 - s0 + DA_TILE - 1) / DA_TILE;
-  const __nv_bfloat16 *K = p.k + (hidx * B) * D;
-  const __nv_bfloat16 *V = p.v + (hidx * B) * D;
+  constexpr bool F8 = Q == DA_FP8;  /* the 2^-120 image: q and P raised, see DA_F8_* */
+  constexpr bool Q8 = Q != DA_BF16; /* 8-bit codes and row scales */
+  constexpr int EB = Q8 ? 1 : 2;    /* bytes per K/V element */
+  const __nv_bfloat16 *K = (const __nv_bfloat16 *)p.k + (hidx * B) * D;
+  const __nv_bfloat16 *V = (const __nv_bfloat16 *)p.v + (hidx * B) * D;
+  const uint8_t *K8 = (const uint8_t *)p.k + (hidx * B) * D;
+  const uint8_t *V8 = (const uint8_t *)p.v + (hidx * B) * D;
+  const float *ksc_row = Q8 ? p.k_scale + hidx * B : nullptr;
+  const float *vsc_row = Q8 ? p.v_scale + hidx * B : nullptr;
+  const float kmul = F8 ? DA_F8_KDOWN * p.scale : p.scale; /* times the row's K scale */
+  const float vmul = F8 ? DA_F8_PUP : 1.0f;                /* times the row's V scale */
   float *lg_s = (float *)da_smem;                   /* [chunk_max][G] */
   float *o_s = lg_s + ((p.chunk_max * G + 3) & ~3); /* [G][D] */
   float *cw = o_s + G * D;                          /* [S][G] combine weights (last block) */
@@ -99,8 +113,8 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   for (int i = tid; i < (s1 - s0 + 31) / 32; i += DA_NT)
     prefetch_l2(p.vnorm + hidx * B + s0 + 32 * i);
   {
-    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * D * 2 / 128; /* 128-byte lines */
-    const char *vb = (const char *)(V + (size_t)s0 * D);
+    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * D * EB / 128; /* 128-byte lines */
+    const char *vb = (const char *)p.v + ((hidx * B) + s0) * D * EB;
     for (int i = tid; i < nv; i += DA_NT)
       prefetch_l2(vb + 128 * i);
   }
@@ -110,25 +124,40 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   {
     const uint4 *qp = (const uint4 *)(p.q + seq * p.q_stride + (size_t)(kvh * G + g) * D) + t;
 #pragma unroll
-    for (int j = 0; j < NJ; j++)
+    for (int j = 0; j < NJ; j++) {
       qf[j] = g < G ? qp[4 * j] : make_uint4(0, 0, 0, 0);
+      if (F8)
+        qf[j] = make_uint4(bf16x2_scale(qf[j].x, DA_F8_QUP), bf16x2_scale(qf[j].y, DA_F8_QUP),
+                           bf16x2_scale(qf[j].z, DA_F8_QUP), bf16x2_scale(qf[j].w, DA_F8_QUP));
+    }
   }
 
   /* Pass 1: logits. Tile rows are slots sb + g and sb + g + 8; the accumulator holds heads 2t and
    * 2t + 1 of both. */
   float mx0 = -INFINITY, mx1 = -INFINITY;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
-    if (p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
+    if (!Q8 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 kr[DA_UNR][2][NJ];
+    uint2 kr8[DA_UNR][2][NJ];
+    float ksc[DA_UNR][2];
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++)
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + g + 8 * r;
-        const uint4 *src = (const uint4 *)(K + (size_t)slot * D) + t;
+        if (Q8) {
+          const uint2 *src = (const uint2 *)(K8 + (size_t)slot * D) + t;
 #pragma unroll
-        for (int j = 0; j < NJ; j++)
-          kr[u][r][j] = slot < s1 ? ld_stream(src + 4 * j) : make_uint4(0, 0, 0, 0);
+          for (int j = 0; j < NJ; j++)
+            kr8[u][r][j] = slot < s1 ? ld_stream(src + 4 * j) : make_uint2(0, 0);
+          ksc[u][r] = slot < s1 ? ksc_row[slot] * kmul : 0.0f;
+        } else {
+          const uint4 *src = (const uint4 *)(K + (size_t)slot * D) + t;
+#pragma unroll
+          for (int j = 0; j < NJ; j++)
+            kr[u][r][j] = slot < s1 ? ld_stream(src + 4 * j) : make_uint4(0, 0, 0, 0);
+          ksc[u][r] = p.scale;
+        }
       }
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++) {
@@ -136,17 +165,19 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       if (ti >= ntiles) break;
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int j = 0; j < NJ; j++)
+      for (int j = 0; j < NJ; j++) {
+        const uint4 k0 = Q8 ? q8x8_bf16x8<Q>(kr8[u][0][j]) : kr[u][0][j];
+        const uint4 k1 = Q8 ? q8x8_bf16x8<Q>(kr8[u][1][j]) : kr[u][1][j];
 #pragma unroll
         for (int hf = 0; hf < 2; hf++)
-          mma_bf16(c, u4_get(kr[u][0][j], 2 * hf), u4_get(kr[u][1][j], 2 * hf),
-                   u4_get(kr[u][0][j], 2 * hf + 1), u4_get(kr[u][1][j], 2 * hf + 1),
-                   u4_get(qf[j], 2 * hf), u4_get(qf[j], 2 * hf + 1));
+          mma_bf16(c, u4_get(k0, 2 * hf), u4_get(k1, 2 * hf), u4_get(k0, 2 * hf + 1),
+                   u4_get(k1, 2 * hf + 1), u4_get(qf[j], 2 * hf), u4_get(qf[j], 2 * hf + 1));
+      }
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int sl = ti * DA_TILE + g + 8 * r; /* local slot */
         if (s0 + sl >= s1) continue;
-        const float l0 = c[2 * r] * p.scale, l1 = c[2 * r + 1] * p.scale;
+        const float l0 = c[2 * r] * ksc[u][r], l1 = c[2 * r + 1] * ksc[u][r];
         if (2 * t < G) {
           lg_s[sl * G + 2 * t] = l0;
           mx0 = fmaxf(mx0, l0);
@@ -188,17 +219,27 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   float psum = 0.0f;
   const float mg2 = m_g * DA_LOG2E;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
-    if (p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
+    if (!Q8 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 vr[DA_UNR][4][NC];
+    uint2 vr8[DA_UNR][4][NC];
+    float vsc[DA_UNR][4];
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++)
 #pragma unroll
       for (int r = 0; r < 4; r++) {
         const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + 2 * t + (r & 1) + 8 * (r >> 1);
-        const uint4 *src = (const uint4 *)(V + (size_t)slot * D) + g;
+        if (Q8) {
+          const uint2 *src = (const uint2 *)(V8 + (size_t)slot * D) + g;
 #pragma unroll
-        for (int c = 0; c < NC; c++)
-          vr[u][r][c] = slot < s1 ? ld_stream(src + 8 * c) : make_uint4(0, 0, 0, 0);
+          for (int c = 0; c < NC; c++)
+            vr8[u][r][c] = slot < s1 ? ld_stream(src + 8 * c) : make_uint2(0, 0);
+          vsc[u][r] = slot < s1 ? vsc_row[slot] * vmul : 0.0f;
+        } else {
+          const uint4 *src = (const uint4 *)(V + (size_t)slot * D) + g;
+#pragma unroll
+          for (int c = 0; c < NC; c++)
+            vr[u][r][c] = slot < s1 ? ld_stream(src + 8 * c) : make_uint4(0, 0, 0, 0);
+        }
       }
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++) {
@@ -211,7 +252,15 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
         pv[r] = (g < G && s0 + sl < s1) ? exp2f(fmaf(lg_s[sl * G + g], DA_LOG2E, -mg2)) : 0.0f;
       }
       psum += (pv[0] + pv[1]) + (pv[2] + pv[3]);
-      const uint32_t b0 = bf16_pack(pv[0], pv[1]), b1 = bf16_pack(pv[2], pv[3]);
+      const uint32_t b0 = Q8 ? bf16_pack(pv[0] * vsc[u][0], pv[1] * vsc[u][1])
+                             : bf16_pack(pv[0], pv[1]);
+      const uint32_t b1 = Q8 ? bf16_pack(pv[2] * vsc[u][2], pv[3] * vsc[u][3])
+                             : bf16_pack(pv[2], pv[3]);
+      if (Q8)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+          for (int c = 0; c < NC; c++) vr[u][r][c] = q8x8_bf16x8<Q>(vr8[u][r][c]);
 #pragma unroll
       for (int mt = 0; mt < NMT; mt++) {
         const int e0 = mt, e1 = mt + NMT; /* this thread's dims of rows g and g + 8 */
@@ -228,6 +277,11 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
    * the next kernel (the O GEMV) may launch now and start its weights towards L2; it waits for
    * this grid's completion before reading the output (cuda_launch.cuh). */
   if (p.early_trigger) pdl_trigger();
+  if (F8)
+#pragma unroll
+    for (int i = 0; i < NMT; i++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) oacc[i][r] *= DA_F8_ODOWN;
   psum += __shfl_xor_sync(0xffffffffu, psum, 1);
   psum += __shfl_xor_sync(0xffffffffu, psum, 2);
   if (t == 0) red_l[warp][g] = psum;
@@ -514,7 +568,7 @@ extern "C" lf_status lf_cuda_decode_attn_workspace_init(void *workspace, size_t 
   return LF_OK;
 }
 
-template <int D, int MINB, bool CL, bool H2O>
+template <int D, int MINB, bool CL, bool H2O, int Q>
 static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
   const int S = (int)grid.x;
   const size_t smem =
@@ -528,7 +582,7 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
    * flight per SM (forcing the largest shared carveout cuts the bandwidth). */
   static size_t smem_set = 0;
   if (smem > 48 * 1024 && smem > smem_set) {
-    LF_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D, MINB, CL, H2O>,
+    LF_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D, MINB, CL, H2O, Q>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     smem_set = smem;
   }
@@ -547,21 +601,29 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
     at[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = lf_pdl_now() ? 2 : 1;
-    LF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_attn_kernel<D, MINB, CL, H2O>, p));
+    LF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_attn_kernel<D, MINB, CL, H2O, Q>, p));
   } else {
-    lf_launch(decode_attn_kernel<D, MINB, CL, H2O>, grid, dim3(DA_NT), smem, stream, p);
+    lf_launch(decode_attn_kernel<D, MINB, CL, H2O, Q>, grid, dim3(DA_NT), smem, stream, p);
   }
   LF_CUDA_CHECK_LAUNCH("decode_attn_kernel");
   return LF_OK;
 }
 
-template <int D, int MINB>
-static lf_status launch_any(const attn_params &p, dim3 grid, int cl, cudaStream_t stream) {
+template <int D, int MINB, int Q>
+static lf_status launch_dtype(const attn_params &p, dim3 grid, int cl, cudaStream_t stream) {
   if (p.policy == LF_POLICY_H2O)
-    return cl ? launch<D, MINB, true, true>(p, grid, stream)
-              : launch<D, MINB, false, true>(p, grid, stream);
-  return cl ? launch<D, MINB, true, false>(p, grid, stream)
-            : launch<D, MINB, false, false>(p, grid, stream);
+    return cl ? launch<D, MINB, true, true, Q>(p, grid, stream)
+              : launch<D, MINB, false, true, Q>(p, grid, stream);
+  return cl ? launch<D, MINB, true, false, Q>(p, grid, stream)
+            : launch<D, MINB, false, false, Q>(p, grid, stream);
+}
+
+template <int D, int MINB>
+static lf_status launch_any(const attn_params &p, int q, dim3 grid, int cl,
+                            cudaStream_t stream) {
+  return q == DA_FP8    ? launch_dtype<D, MINB, DA_FP8>(p, grid, cl, stream)
+         : q == DA_INT8 ? launch_dtype<D, MINB, DA_INT8>(p, grid, cl, stream)
+                        : launch_dtype<D, MINB, DA_BF16>(p, grid, cl, stream);
 }
 
 extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStream_t stream) {
@@ -578,6 +640,10 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
       a->policy != LF_POLICY_STREAMING && a->policy != LF_POLICY_H2O)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
                     (int)a->policy);
+  if (pv->kv_dtype != LF_KV_BF16 && pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8)
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: kv dtype %d", pv->kv_dtype);
+  if (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: 8-bit pools need their scales");
   if ((a->policy == LF_POLICY_STREAMING || a->policy == LF_POLICY_H2O) && !pv->pos)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: streaming and h2o need pos");
   if (a->policy == LF_POLICY_H2O && (!pv->acc || a->recent < 0))
@@ -613,8 +679,10 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
                     a->workspace_bytes, wl.total, S);
 
   attn_params p;
-  p.k = (const __nv_bfloat16 *)pv->k;
-  p.v = (const __nv_bfloat16 *)pv->v;
+  p.k = pv->k;
+  p.v = pv->v;
+  p.k_scale = pv->k_scale;
+  p.v_scale = pv->v_scale;
   p.vnorm = pv->vnorm;
   p.pos = pv->pos;
   p.n = pv->n;
@@ -644,12 +712,15 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.recent = a->recent;
 
   const dim3 grid(S, pv->n_kv_heads, a->n_seq);
+  const int qd = pv->kv_dtype == LF_KV_FP8    ? DA_FP8
+                 : pv->kv_dtype == LF_KV_INT8 ? DA_INT8
+                                              : DA_BF16;
   /* Four blocks per SM (128 registers) while four blocks' shared memory still leaves L1 room
    * for loads in flight; past that, three blocks with the registers the compiler wants. */
   const size_t smem_est = (size_t)p.chunk_max * p.group * 4 + (size_t)p.group * pv->head_dim * 4;
   if (smem_est > 44 * 1024)
-    return pv->head_dim == 64 ? launch_any<64, 1>(p, grid, cl, stream)
-                              : launch_any<128, 1>(p, grid, cl, stream);
-  return pv->head_dim == 64 ? launch_any<64, 4>(p, grid, cl, stream)
-                            : launch_any<128, 4>(p, grid, cl, stream);
+    return pv->head_dim == 64 ? launch_any<64, 1>(p, qd, grid, cl, stream)
+                              : launch_any<128, 1>(p, qd, grid, cl, stream);
+  return pv->head_dim == 64 ? launch_any<64, 4>(p, qd, grid, cl, stream)
+                            : launch_any<128, 4>(p, qd, grid, cl, stream);
 }

@@ -60,10 +60,9 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
     qs[i] = __bfloat162float(q[((size_t)s * n_heads + (size_t)g * G) * D + i]);
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += DEC_NT) {
-    const __nv_bfloat16 *kr = pool_row(p, p.k, hidx, i);
     for (int h = 0; h < G; h++) {
       float dot = 0.0f;
-      for (int d = 0; d < D; d++) dot += qs[h * D + d] * __bfloat162float(kr[d]);
+      for (int d = 0; d < D; d++) dot += qs[h * D + d] * pool_val(p, p.k, p.k_scale, hidx, i, d);
       lg[(size_t)h * B + i] = dot * scale;
     }
   }
@@ -87,7 +86,7 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
   for (int idx = threadIdx.x; idx < G * D; idx += DEC_NT) {
     const int h = idx / D, d = idx % D;
     float o = 0.0f;
-    for (int i = 0; i < n; i++) o += lg[(size_t)h * B + i] * __bfloat162float(pool_row(p, p.v, hidx, i)[d]);
+    for (int i = 0; i < n; i++) o += lg[(size_t)h * B + i] * pool_val(p, p.v, p.v_scale, hidx, i, d);
     out[((size_t)s * n_heads + (size_t)g * G + h) * D + d] = __float2bfloat16(o / lh[h]);
   }
   if (policy == LF_POLICY_FULL) {
@@ -152,6 +151,10 @@ extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn_simple: policy %d", (int)policy);
   if (policy == LF_POLICY_H2O && !pv->acc)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: h2o needs the pool's acc");
+  if (pv->kv_dtype != LF_KV_BF16 &&
+      ((pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8) || !pv->k_scale || !pv->v_scale))
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn_simple: kv dtype %d (scales %s)",
+                    pv->kv_dtype, pv->k_scale ? "set" : "missing");
   if (n_seq == 0) return LF_OK;
   const int G = n_heads / pv->n_kv_heads;
   const size_t smem = ((size_t)G * pv->head_dim + 2 * (size_t)G) * sizeof(float);

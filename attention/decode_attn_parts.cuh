@@ -31,7 +31,8 @@
  *   po  [n_seq][n_kv][n_splits][G][D] un-normalised partial outputs
  *   lg  [n_seq][n_kv][budget][G]      fp32 logits of every filled slot */
 typedef struct attn_params {
-  const __nv_bfloat16 *k, *v;
+  const void *k, *v;            /* bf16, or e4m3 codes (the F8 instantiation) */
+  const float *k_scale, *v_scale; /* F8: each row's scale */
   const float *vnorm;
   const int32_t *pos, *n;
   int32_t *next;
@@ -56,6 +57,61 @@ typedef struct attn_params {
   float *acc;    /* h2o: the pool's accumulators, [pool][layer][kv head][budget] */
   int recent;    /* h2o: the protected recent window */
 } attn_params;
+
+/* fp8 pools (the F8 kernel). Two e4m3 codes (bytes of w picked by sel: 0x1404 bytes 0 and 1,
+ * 0x3424 bytes 2 and 3) as a bf16 pair, lower byte in the low half: the code's sign, exponent and
+ * mantissa bits moved into bf16's fields. That is the code's exact value times 2^-120
+ * (subnormal codes included, bf16 sharing e4m3's zero exponent), with no arithmetic at all; the
+ * kernel folds 2^120 back in with the row's scale. */
+static __device__ __forceinline__ uint32_t fp8x2_bf16x2(uint32_t w, uint32_t sel) {
+  const uint32_t x = __byte_perm(w, 0, sel);
+  return ((x >> 4) & 0x07f007f0u) | (x & 0x80008000u);
+}
+
+/* Eight codes (one 8-byte load, in memory order) as the bf16 octet a 16-byte bf16 load gives. */
+static __device__ __forceinline__ uint4 fp8x8_bf16x8(uint2 w) {
+  return make_uint4(fp8x2_bf16x2(w.x, 0x1404), fp8x2_bf16x2(w.x, 0x3424),
+                    fp8x2_bf16x2(w.y, 0x1404), fp8x2_bf16x2(w.y, 0x3424));
+}
+
+/* Eight int8 codes (one 8-byte load) as bf16 (exact: every integer up to 256 is a bf16): each
+ * byte, sign bit flipped (v + 128), becomes the low byte of the fp32 2^23 + v + 128, from which
+ * 2^23 + 128 is taken; pairs are then packed. */
+static __device__ __forceinline__ uint32_t i8x2_bf16x2(uint32_t t, uint32_t sel0, uint32_t sel1) {
+  const float a = __uint_as_float(__byte_perm(t, 0x4b000000u, sel0)) - 8388736.0f;
+  const float b = __uint_as_float(__byte_perm(t, 0x4b000000u, sel1)) - 8388736.0f;
+  return bf16_pack(a, b);
+}
+
+static __device__ __forceinline__ uint4 i8x8_bf16x8(uint2 w) {
+  const uint32_t x = w.x ^ 0x80808080u, y = w.y ^ 0x80808080u;
+  return make_uint4(i8x2_bf16x2(x, 0x7540, 0x7541), i8x2_bf16x2(x, 0x7542, 0x7543),
+                    i8x2_bf16x2(y, 0x7540, 0x7541), i8x2_bf16x2(y, 0x7542, 0x7543));
+}
+
+/* The kernel's K/V storage: bf16, or 8-bit codes with a scale per row (base/kvq.h). */
+enum { DA_BF16 = 0, DA_FP8 = 1, DA_INT8 = 2 };
+
+/* Eight codes of storage Q as the bf16 octet a 16-byte bf16 load gives: fp8 scaled by 2^-120,
+ * int8 exact. */
+template <int Q>
+static __device__ __forceinline__ uint4 q8x8_bf16x8(uint2 w) {
+  return Q == DA_FP8 ? fp8x8_bf16x8(w) : i8x8_bf16x8(w);
+}
+
+/* A bf16 pair times a power of two (exact unless it overflows). */
+static __device__ __forceinline__ uint32_t bf16x2_scale(uint32_t x, float s) {
+  return bf16_pack(__uint_as_float(x << 16) * s, __uint_as_float(x & 0xffff0000u) * s);
+}
+
+/* The F8 kernel's fixed powers of two: q is raised by 2^64 so that q times a code's 2^-120 image
+ * stays far from fp32's subnormals (products q.k 2^-56); the logit takes 2^56 back with the row's
+ * scale. P is raised by 2^112 with the row's V scale (P' = p * scale_v * 2^112 <= 2^128 for any
+ * scale_v below 2^16), and the accumulated output takes the remaining 2^8. */
+#define DA_F8_QUP 18446744073709551616.0f      /* 2^64 */
+#define DA_F8_KDOWN 72057594037927936.0f       /* 2^56 */
+#define DA_F8_PUP 5192296858534827628530496329220096.0f /* 2^112 */
+#define DA_F8_ODOWN 256.0f                     /* 2^8 */
 
 static __device__ __forceinline__ uint32_t u4_get(const uint4 &x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;

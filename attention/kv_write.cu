@@ -87,16 +87,18 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
   if (!a.pool.k) return;
   const int B = a.pool.budget;
   if (w >= 0) {
-    __nv_bfloat16 *kd_ = (__nv_bfloat16 *)a.pool.k + (hidx * B + w) * D;
-    __nv_bfloat16 *vd_ = (__nv_bfloat16 *)a.pool.v + (hidx * B + w) * D;
-    float l1 = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-      const __nv_bfloat16 vv = __float2bfloat16(vsrc[d] + (vb ? vb[d] : 0.0f));
-      kd_[d] = __float2bfloat16(buf[d]);
-      vd_[d] = vv;
-      l1 += fabsf(__bfloat162float(vv));
+    /* the row the pool stores is the bf16 rounding of k and v (what k_out/v_out hold), then,
+     * under fp8, quantized from those values as a prompt chunk's rows are */
+    float kx[ROPE_DMAX / 32], vx[ROPE_DMAX / 32];
+#pragma unroll
+    for (int i = 0; i < ROPE_DMAX / 32; i++) {
+      const int d = lane + 32 * i;
+      kx[i] = d < D ? __bfloat162float(__float2bfloat16(buf[d])) : 0.0f;
+      vx[i] = d < D ? __bfloat162float(__float2bfloat16(vsrc[d] + (vb ? vb[d] : 0.0f))) : 0.0f;
     }
-    for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    const size_t row = hidx * B + w;
+    lf_kvq_store_row(a.pool, a.pool.k, a.pool.k_scale, row, kx, D, lane);
+    const float l1 = lf_kvq_store_row(a.pool, a.pool.v, a.pool.v_scale, row, vx, D, lane);
     if (lane == 0) {
       a.pool.vnorm[hidx * B + w] = l1;
       a.pool.pos[hidx * B + w] = pos;
@@ -116,8 +118,12 @@ extern "C" lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, cudaStream_t st
   const lf_cuda_pool_view *pv = &a->pool;
   if (pv->k && (!pv->v || !pv->vnorm || !pv->pos || !pv->n || !pv->next || !a->pool_ids || !a->w ||
                 a->layer < 0 || a->layer >= pv->n_layers || pv->budget < 1 ||
-                pv->n_kv_heads != a->n_kv_heads || pv->head_dim != a->head_dim))
+                pv->n_kv_heads != a->n_kv_heads || pv->head_dim != a->head_dim ||
+                (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale))))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: incomplete pool write");
+  if (pv->k && pv->kv_dtype != LF_KV_BF16 && pv->kv_dtype != LF_KV_FP8 &&
+      pv->kv_dtype != LF_KV_INT8)
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_qkv_rope: kv dtype %d", pv->kv_dtype);
   if (a->n_tok == 0) return LF_OK;
   lf_launch(qkv_rope_kernel, dim3((a->n_heads + a->n_kv_heads + ROPE_WARPS - 1) / ROPE_WARPS, a->n_tok),
             dim3(32, ROPE_WARPS), 0, stream, *a);

@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/kvq.h"
 #include "lfserve.h"
 #include "memory/pool.h"
 
@@ -52,7 +53,13 @@ typedef struct lf_qkv_rope_args {
 
 lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, struct CUstream_st *stream);
 
+#ifdef __cplusplus
+}
+#endif
+
 #ifdef __CUDACC__
+#include <cuda_bf16.h>
+
 /* The slot a new token goes to (docs/DESIGN.md §3 step 1): a free slot while n < B, else `next`;
  * -1 when nothing may be written (full policy with a full pool, or no valid eviction target). */
 static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int budget, int sink,
@@ -61,9 +68,52 @@ static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int 
   if (policy == LF_POLICY_FULL) return -1;
   return next >= sink && next < budget ? next : -1;
 }
-#endif
 
-#ifdef __cplusplus
+/* One warp stores one (slot, KV head) row of K or V in the pool's dtype: lane l holds the values
+ * of dims l, l + 32, ... in x[] (dims >= D ignored). base: p.k or p.v; scales: p.k_scale or
+ * p.v_scale (fp8, int8); row: hidx * budget + slot. bf16 rounds each value; fp8 and int8 take the
+ * row's amax across the warp and store codes and the scale as base/kvq.h defines them. Returns, in every
+ * lane, ||stored row||_1 (lane sums in dim order, then the xor reduction: the same bits the bf16
+ * write always produced). */
+template <int NE>
+static __device__ __forceinline__ float lf_kvq_store_row(const lf_cuda_pool_view &p, void *base,
+                                                         float *scales, size_t row,
+                                                         const float (&x)[NE], int D, int lane) {
+  float l1 = 0.0f;
+  if (p.kv_dtype != LF_KV_BF16) {
+    float amax = 0.0f;
+    int nonfinite = 0;
+#pragma unroll
+    for (int i = 0; i < NE; i++)
+      if (lane + 32 * i < D) {
+        const float a = fabsf(x[i]);
+        if (!(a <= 3.40282347e38f)) nonfinite = 1;
+        else amax = fmaxf(amax, a);
+      }
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    nonfinite = __any_sync(0xffffffffu, nonfinite);
+    const float sc = lf_kvq_row_scale(p.kv_dtype, amax, nonfinite);
+    uint8_t *dst = (uint8_t *)base + row * (size_t)D;
+#pragma unroll
+    for (int i = 0; i < NE; i++)
+      if (lane + 32 * i < D) {
+        const uint8_t c = lf_kvq_code(p.kv_dtype, x[i], sc);
+        dst[lane + 32 * i] = c;
+        l1 += fabsf(lf_kvq_value(p.kv_dtype, c, sc));
+      }
+    if (lane == 0) scales[row] = sc;
+  } else {
+    __nv_bfloat16 *dst = (__nv_bfloat16 *)base + row * (size_t)D;
+#pragma unroll
+    for (int i = 0; i < NE; i++)
+      if (lane + 32 * i < D) {
+        const __nv_bfloat16 b = __float2bfloat16(x[i]);
+        dst[lane + 32 * i] = b;
+        l1 += fabsf(__bfloat162float(b));
+      }
+  }
+  for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  return l1;
 }
 #endif
 #endif

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 
+#include "base/kvq.h"
 #include "memory/pool.h"
 
 /* The [head_dim] row of `slot` in (pool, layer, KV head) hidx of K or V (base: p.k or p.v). */
@@ -11,6 +12,17 @@ static __device__ __forceinline__ const __nv_bfloat16 *pool_row(const lf_cuda_po
                                                                const void *base, size_t hidx,
                                                                int slot) {
   return (const __nv_bfloat16 *)base + (hidx * p.budget + slot) * p.head_dim;
+}
+
+/* Element d of that row as attention computes on it: the bf16 value, or under fp8 / int8 the
+ * code read back under the row's scale (scales: p.k_scale or p.v_scale). */
+static __device__ __forceinline__ float pool_val(const lf_cuda_pool_view &p, const void *base,
+                                                 const float *scales, size_t hidx, int slot,
+                                                 int d) {
+  const size_t row = hidx * p.budget + slot;
+  if (p.kv_dtype != LF_KV_BF16)
+    return lf_kvq_value(p.kv_dtype, ((const uint8_t *)base)[row * p.head_dim + d], scales[row]);
+  return __bfloat162float(((const __nv_bfloat16 *)base)[row * p.head_dim + d]);
 }
 
 #endif

@@ -10,6 +10,7 @@
 #include <float.h>
 #include <stdint.h>
 
+#include "attention/kv_write.cuh"
 #include "attention/pool_row.cuh"
 #include "base/cuda_check.h"
 #include "base/cuda_ptx.cuh"
@@ -419,6 +420,56 @@ static lf_status flash_tiles_auto(int head_dim, int n_heads, int n_tok, int *mt)
   return LF_OK;
 }
 
+/* ---- quantized pools: the chunk's attention reads the pool's n0 slots through a bf16 copy ---- */
+
+/* One warp per (slot, KV head) of (pool, layer): the dequantized row (base/kvq.h), rounded to
+ * bf16, into the scratch [g][slot][D]. */
+static __global__ void pool_dequant_kernel(lf_cuda_pool_view p, int pool, int layer, int n0) {
+  const int slot = blockIdx.x * 4 + threadIdx.y, g = blockIdx.y, lane = threadIdx.x;
+  if (slot >= n0) return;
+  const int D = p.head_dim;
+  const size_t row = (((size_t)pool * p.n_layers + layer) * p.n_kv_heads + g) * p.budget + slot;
+  const size_t drow = ((size_t)g * p.budget + slot) * D;
+  const float ks = p.k_scale[row], vs = p.v_scale[row];
+  const uint8_t *kc = (const uint8_t *)p.k + row * D, *vc = (const uint8_t *)p.v + row * D;
+  __nv_bfloat16 *kd = (__nv_bfloat16 *)p.deq_k + drow, *vd = (__nv_bfloat16 *)p.deq_v + drow;
+  for (int d = lane; d < D; d += 32) {
+    kd[d] = __float2bfloat16(lf_kvq_value(p.kv_dtype, kc[d], ks));
+    vd[d] = __float2bfloat16(lf_kvq_value(p.kv_dtype, vc[d], vs));
+  }
+}
+
+extern "C" lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
+                                          cudaStream_t stream) {
+  if (!pv || (pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8) || !pv->deq_k ||
+      !pv->deq_v || !pv->k_scale ||
+      !pv->v_scale || n0 < 0 || n0 > pv->budget || layer < 0 || layer >= pv->n_layers)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_pool_dequant: bad arguments");
+  if (n0 == 0) return LF_OK;
+  pool_dequant_kernel<<<dim3((unsigned)((n0 + 3) / 4), (unsigned)pv->n_kv_heads), dim3(32, 4), 0,
+                        stream>>>(*pv, pool, layer, n0);
+  LF_CUDA_CHECK_LAUNCH("pool_dequant_kernel");
+  return LF_OK;
+}
+
+/* The view a chunk's attention reads the pool's first n0 slots through: the pool itself (bf16),
+ * or, under fp8 / int8, its dequantized copy (filled here), addressed as pool 0 of one layer. */
+static lf_status read_view(const lf_cuda_pool_view *pv, int *pool, int *layer, int n0,
+                           cudaStream_t stream, lf_cuda_pool_view *rv) {
+  *rv = *pv;
+  if (pv->kv_dtype == LF_KV_BF16) return LF_OK;
+  if (pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8)
+    return lf_error(LF_ERR_UNSUPPORTED, "prefill attention: kv dtype %d", pv->kv_dtype);
+  LF_TRY(lf_cuda_pool_dequant(pv, *pool, *layer, n0, stream));
+  rv->k = pv->deq_k;
+  rv->v = pv->deq_v;
+  rv->n_layers = 1;
+  rv->kv_dtype = LF_KV_BF16;
+  *pool = 0;
+  *layer = 0;
+  return LF_OK;
+}
+
 extern "C" lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int pool, int layer,
                                                 int n0, int n_heads, int n_tok, const void *q,
                                                 const void *k, const void *v, float scale,
@@ -428,6 +479,9 @@ extern "C" lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int
       n_tok < 0 || n_tok > 65535 || n0 < 0 || n0 > pv->budget || warp_tiles < 0 || warp_tiles > 2)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_prefill_attn: bad arguments");
   if (n_tok == 0) return LF_OK;
+  lf_cuda_pool_view rv;
+  LF_TRY(read_view(pv, &pool, &layer, n0, stream, &rv));
+  pv = &rv;
   if (pv->head_dim == 128 || pv->head_dim == 64) {
     int mt = warp_tiles;
     if (!mt) LF_TRY(flash_tiles_auto(pv->head_dim, n_heads, n_tok, &mt));
@@ -558,15 +612,16 @@ static __global__ void kv_store_kernel(lf_cuda_pool_view p, int pool, int layer,
   if (slot >= 0) {
     const __nv_bfloat16 *ks = k + ((size_t)t * p.n_kv_heads + g) * D;
     const __nv_bfloat16 *vs = v + ((size_t)t * p.n_kv_heads + g) * D;
-    __nv_bfloat16 *kd = (__nv_bfloat16 *)p.k + (hidx * p.budget + slot) * D;
-    __nv_bfloat16 *vd = (__nv_bfloat16 *)p.v + (hidx * p.budget + slot) * D;
-    float l1 = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-      kd[d] = ks[d];
-      vd[d] = vs[d];
-      l1 += fabsf(__bfloat162float(vs[d]));
+    float kx[ATT_DMAX / 32], vx[ATT_DMAX / 32];
+#pragma unroll
+    for (int i = 0; i < ATT_DMAX / 32; i++) {
+      const int d = lane + 32 * i;
+      kx[i] = d < D ? __bfloat162float(ks[d]) : 0.0f;
+      vx[i] = d < D ? __bfloat162float(vs[d]) : 0.0f;
     }
-    for (int o = 16; o > 0; o >>= 1) l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+    const size_t row = hidx * p.budget + slot;
+    lf_kvq_store_row(p, p.k, p.k_scale, row, kx, D, lane);
+    const float l1 = lf_kvq_store_row(p, p.v, p.v_scale, row, vx, D, lane);
     if (lane == 0) {
       p.vnorm[hidx * p.budget + slot] = l1;
       p.pos[hidx * p.budget + slot] = pos0 + t;
@@ -585,6 +640,11 @@ extern "C" lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int
   if (!pv || !k || !v || n_tok < 0 || n_final < 0 || n_final > pv->budget ||
       (!slot_of && n0 + n_tok > pv->budget))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_kv_store: bad arguments");
+  if (pv->head_dim > ATT_DMAX ||
+      (pv->kv_dtype != LF_KV_BF16 &&
+       ((pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8) || !pv->k_scale || !pv->v_scale)))
+    return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_kv_store: head_dim %d, kv dtype %d",
+                    pv->head_dim, pv->kv_dtype);
   if (n_tok == 0) return LF_OK;
   kv_store_kernel<<<dim3(n_tok, pv->n_kv_heads), 32, 0, stream>>>(
       *pv, pool, layer, n_tok, pos0, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, slot_of,
@@ -650,7 +710,10 @@ extern "C" lf_status lf_cuda_h2o_prefill_acc(const lf_cuda_pool_view *pv, int po
   const int nk = n0 + n_tok;
   if (nk == 0) return LF_OK;
   const dim3 grid((unsigned)((nk + 127) / 128), (unsigned)pv->n_kv_heads);
-  h2o_colsum_kernel<<<grid, 128, 0, stream>>>(*pv, pool, layer, n0, n_heads, n_tok,
+  int rpool = pool, rlayer = layer;
+  lf_cuda_pool_view rv;
+  LF_TRY(read_view(pv, &rpool, &rlayer, n0, stream, &rv));
+  h2o_colsum_kernel<<<grid, 128, 0, stream>>>(rv, rpool, rlayer, n0, n_heads, n_tok,
                                               (const __nv_bfloat16 *)q,
                                               (const __nv_bfloat16 *)k, ml, scale, cs);
   LF_CUDA_CHECK_LAUNCH("h2o_colsum_kernel");

@@ -39,6 +39,13 @@ static __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
   return r;
 }
 
+/* The same for 8 bytes. */
+static __device__ __forceinline__ uint2 ld_stream(const uint2 *p) {
+  uint2 r;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
 /* Programmatic dependent launch (Hopper; base/cuda_launch.cuh launches with it unless it is
  * turned off). A kernel so launched may start while its predecessor on the stream still runs, so
  * every such kernel calls pdl_wait() before touching memory the predecessor writes or reads (it

@@ -205,13 +205,13 @@ static double gpu_util_close(gpu_util *g) {
  * per-item workspaces of the cuda backend (logits, sampling scratch: about 8 * vocab bytes per
  * pool) are not counted: they come out of the memory left beside --kv-gb. */
 static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, lf_policy pol, int budget,
-                               int tp) {
+                               int tp, lf_kv_dtype kv_dtype) {
   /* KV heads a rank holds, from the engine's own sharding plan (an impossible tp keeps them
    * all here: the engine's start-up then reports it) */
   lf_shard sh;
   const int kv = lf_shard_plan(0, tp, m->n_heads, m->n_kv_heads, m->hidden_dim, m->vocab_size,
                                &sh) == LF_OK ? sh.n_kv : m->n_kv_heads;
-  lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim};
+  lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim, (int)kv_dtype};
   return cuda ? lf_pool_bytes_device(&ps, pol == LF_POLICY_H2O) : lf_pool_bytes(&ps);
 }
 
@@ -228,6 +228,7 @@ typedef struct serve_opts {
   int sink, window;
   int h2o_recent; /* lf_engine_config.h2o_recent (0: B/2) */
   lf_evict_scope scope;
+  lf_kv_dtype kv_dtype;
   double kv_gb, mem_util, rate, duration;
   double warmup; /* --warmup: the steady-state window starts here (Poisson only) */
   int poisson;
@@ -260,6 +261,7 @@ static void serve_usage(FILE *f) {
           "  --h2o-recent R     h2o's recent window (default 0: budget / 2)\n"
           "  --evict-scope S    layer | head: one eviction slot per layer or per KV head\n"
           "                     (default layer)\n"
+          "  --kv-dtype T       bf16 | fp8 | int8: K/V storage of the pools (default bf16)\n"
           "  --threads T        cpu backend threads (default 0: all cores)\n"
           "  --duration S       stop after S seconds of wall time: cancel what is left and\n"
           "                     report the window (default 0: run every request to its end)\n"
@@ -345,6 +347,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       o->max_batch_tokens = atoi(v);
     } else if (OPT("--evict-scope")) {
       if (lf_evict_scope_parse(v, &o->scope) != LF_OK) return -1;
+    } else if (OPT("--kv-dtype")) {
+      if (lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK) return -1;
     } else if (OPT("--sink")) {
       o->sink = atoi(v);
     } else if (OPT("--window")) {
@@ -665,7 +669,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   r->policy = lf_policy_str(pol);
   r->budget = pol == LF_POLICY_FULL ? (o->full_budget ? o->full_budget : o->prompt + o->output)
                                     : o->budget;
-  r->pool_bytes = pool_bytes_for(cuda, mc, pol, r->budget, lf_comm_size(comm));
+  r->pool_bytes = pool_bytes_for(cuda, mc, pol, r->budget, lf_comm_size(comm), o->kv_dtype);
   if (o->n_pools) {
     r->pools = o->n_pools;
   } else if (o->kv_gb > 0) {
@@ -692,6 +696,7 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   cfg.window = o->window;
   cfg.h2o_recent = o->h2o_recent;
   cfg.evict_scope = o->scope;
+  cfg.kv_dtype = o->kv_dtype;
   cfg.n_pools = r->pools;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
@@ -976,14 +981,14 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
           "{\"bench\": \"serve\", \"model\": \"%s\", \"backend\": \"%s\", \"host\": \"%s\", "
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
           "\"output\": %d, \"arrival\": \"%s\", \"rate\": %g, \"kv_gb\": %g, \"mem_util\": %g, "
-          "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"h2o_recent\": %d, \"evict_scope\": \"%s\", "
+          "\"max_batch_tokens\": %d, \"sink\": %d, \"window\": %d, \"h2o_recent\": %d, \"evict_scope\": \"%s\", \"kv_dtype\": \"%s\", "
           "\"duration\": %g, \"warmup\": %g, "
           "\"seed\": %llu, \"mem_kind\": \"%s\", \"tp\": %d, \"decode_only_ref\": %s, "
           "\"ref_tokens\": %d,\n \"rows\": [\n",
           o->model, backend, host, mc->n_layers, mc->n_kv_heads, mc->head_dim, o->prompt,
           o->output, o->poisson ? "poisson" : "all", o->poisson ? o->rate : 0.0, o->kv_gb,
           o->mem_util, o->max_batch_tokens, o->sink, o->window, o->h2o_recent, lf_evict_scope_str(o->scope),
-          o->duration, o->warmup,
+          lf_kv_dtype_str(o->kv_dtype), o->duration, o->warmup,
           (unsigned long long)o->seed, strcmp(backend, "cuda") ? "rss" : "device_used", tp,
           o->decode_ref ? "true" : "false",
           o->decode_ref ? (o->ref_tokens ? o->ref_tokens : o->output) : 0);

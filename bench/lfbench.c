@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "attention/decode_attn.cuh"
+#include "base/kvq.h"
 #endif
 
 static void usage(FILE *f) {
@@ -42,6 +43,7 @@ static void usage(FILE *f) {
              "  --heads N --kv-heads N --head-dim N   (default 32 8 128)\n"
              "  --iters N --warmup N                  timed and warm-up calls (default 300 30)\n"
              "  --splits N        force the split count (default 0: automatic)\n"
+             "  --kv-dtype T      bf16 | fp8 | int8: the pools' K/V storage (default bf16)\n"
              "  --no-flush        do not clear L2 before each timed call\n"
              "  --peer FILE       sdpa_peer.py JSON: fills sdpa_ratio\n"
              "  --json FILE       write the rows as JSON\n");
@@ -137,16 +139,16 @@ typedef struct kernel_row {
 } kernel_row;
 
 /* CPU check of sequence 0 (KV heads of pool 0): output and next against a double computation.
- * hk, hv: [n_kv][B][D] bf16 of the pool; hq: [n_heads][D]; hout: [n_heads][D] from the GPU;
- * w: slot excluded; next_gpu: [n_kv]. Returns 1 when right. */
-static int check_seq0(int n_kv, int group, int B, int D, int sink, const uint16_t *hk,
-                      const uint16_t *hv, const uint16_t *hq, const uint16_t *hout, int w,
+ * hk, hv: [n_kv][B][D] the pool's values (bf16, or what fp8 codes read back); hq: [n_heads][D];
+ * hout: [n_heads][D] from the GPU; w: slot excluded; next_gpu: [n_kv]. Returns 1 when right. */
+static int check_seq0(int n_kv, int group, int B, int D, int sink, const float *hk,
+                      const float *hv, const uint16_t *hq, const uint16_t *hout, int w,
                       const int32_t *next_gpu, double *max_rel, int *ng, int *nc) {
   double *alpha = malloc(sizeof(double) * (size_t)B), *mass = malloc(sizeof(double) * (size_t)B);
   int ok = 1;
   *max_rel = 0.0;
   for (int g = 0; g < n_kv; g++) {
-    const uint16_t *K = hk + (size_t)g * B * D, *V = hv + (size_t)g * B * D;
+    const float *K = hk + (size_t)g * B * D, *V = hv + (size_t)g * B * D;
     for (int i = 0; i < B; i++)
       mass[i] = 0.0;
     for (int j = 0; j < group; j++) {
@@ -155,7 +157,7 @@ static int check_seq0(int n_kv, int group, int B, int D, int sink, const uint16_
       for (int i = 0; i < B; i++) {
         double s = 0.0;
         for (int d = 0; d < D; d++)
-          s += (double)bf2f(hq[(size_t)h * D + d]) * bf2f(K[(size_t)i * D + d]);
+          s += (double)bf2f(hq[(size_t)h * D + d]) * K[(size_t)i * D + d];
         alpha[i] = s / sqrt((double)D);
         if (alpha[i] > m) m = alpha[i];
       }
@@ -166,7 +168,7 @@ static int check_seq0(int n_kv, int group, int B, int D, int sink, const uint16_
       for (int d = 0; d < D; d++) {
         double o = 0.0;
         for (int i = 0; i < B; i++)
-          o += alpha[i] * bf2f(V[(size_t)i * D + d]);
+          o += alpha[i] * V[(size_t)i * D + d];
         const double e = bf2f(hout[(size_t)h * D + d]) - o;
         if (!isfinite(e)) ok = 0;
         num += e * e;
@@ -181,7 +183,7 @@ static int check_seq0(int n_kv, int group, int B, int D, int sink, const uint16_
       if (i == w) continue;
       double l1 = 0.0;
       for (int d = 0; d < D; d++)
-        l1 += fabs((double)bf2f(V[(size_t)i * D + d]));
+        l1 += fabs((double)V[(size_t)i * D + d]);
       const double s = (double)(float)l1 * mass[i];
       if (best < 0 || s < bs) best = i, bs = s;
     }
@@ -194,7 +196,7 @@ static int check_seq0(int n_kv, int group, int B, int D, int sink, const uint16_
       } else {
         double l1 = 0.0;
         for (int d = 0; d < D; d++)
-          l1 += fabs((double)bf2f(V[(size_t)j * D + d]));
+          l1 += fabs((double)V[(size_t)j * D + d]);
         if ((double)(float)l1 * mass[j] - bs > 1e-4 * bs) ok = 0;
       }
     }
@@ -206,12 +208,17 @@ static int check_seq0(int n_kv, int group, int B, int D, int sink, const uint16_
 }
 
 /* One (batch, budget) row. */
+/* fp8 / int8 (seed8 non-NULL, kv_dtype): seed8 [seed_elems] holds the seed's rows of D quantized
+ * (base/kvq.h) and seed_sc their scales; the arena copies whole rows of codes and scales. */
 static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int iters, int warmup,
-                      int splits_req, const uint16_t *seed, size_t seed_elems, size_t l2_bytes,
-                      void *flush, size_t flush_bytes, kernel_row *row) {
-  const int group = n_heads / n_kv, sink = 4, B = budget;
-  const size_t head_elems = (size_t)B * D;                        /* one (pool, kv head) of K */
-  const size_t pool_kv_bytes = 2 * (size_t)n_kv * head_elems * 2; /* K + V of one pool */
+                      int splits_req, const uint16_t *seed, const uint8_t *seed8,
+                      const float *seed_sc, lf_kv_dtype kv_dtype, size_t seed_elems,
+                      size_t l2_bytes, void *flush, size_t flush_bytes, kernel_row *row) {
+  const int group = n_heads / n_kv, sink = 4, B = budget, f8 = seed8 != NULL;
+  const size_t head_elems = (size_t)B * D; /* one (pool, kv head) of K */
+  const size_t eb = f8 ? 1 : 2;            /* bytes per value */
+  /* K + V of one pool, codes and scales */
+  const size_t pool_kv_bytes = 2 * (size_t)n_kv * (head_elems * eb + (f8 ? (size_t)B * 4 : 0));
   const double kv_bytes = (double)batch * (double)pool_kv_bytes;
   /* rotate among sets of pools so the working set is >= 4x L2 */
   int n_sets = (int)ceil(4.0 * (double)l2_bytes / kv_bytes);
@@ -219,11 +226,35 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   const int n_pools = batch * n_sets;
   const size_t arena_elems = (size_t)n_pools * n_kv * head_elems;
   void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *dws = NULL;
-  float *dvnorm = NULL;
+  float *dvnorm = NULL, *dks = NULL, *dvs = NULL;
   int32_t *dn = NULL, *dnext = NULL, *dpool = NULL, *dw = NULL, *dpos = NULL;
-  BENCH_CUDA(cudaMalloc(&dk, arena_elems * 2));
-  BENCH_CUDA(cudaMalloc(&dv, arena_elems * 2));
-  {
+  BENCH_CUDA(cudaMalloc(&dk, arena_elems * eb));
+  BENCH_CUDA(cudaMalloc(&dv, arena_elems * eb));
+  if (f8) {
+    BENCH_CUDA(cudaMalloc((void **)&dks, arena_elems / D * 4));
+    BENCH_CUDA(cudaMalloc((void **)&dvs, arena_elems / D * 4));
+    void *d8 = NULL, *dsc = NULL;
+    BENCH_CUDA(cudaMalloc(&d8, seed_elems));
+    BENCH_CUDA(cudaMalloc(&dsc, seed_elems / D * 4));
+    BENCH_CUDA(cudaMemcpy(d8, seed8, seed_elems, cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMemcpy(dsc, seed_sc, seed_elems / D * 4, cudaMemcpyHostToDevice));
+    size_t i = 0;
+    for (size_t off = 0; off < arena_elems; i++) { /* whole rows: offsets are multiples of D */
+      size_t n = seed_elems / 2;
+      if (n > arena_elems - off) n = arena_elems - off;
+      const size_t sk = ((i * 7919u) % (seed_elems / 2)) / (size_t)D * (size_t)D;
+      const size_t sv = ((i * 104729u + 12345u) % (seed_elems / 2)) / (size_t)D * (size_t)D;
+      BENCH_CUDA(cudaMemcpy((uint8_t *)dk + off, (uint8_t *)d8 + sk, n, cudaMemcpyDeviceToDevice));
+      BENCH_CUDA(cudaMemcpy((uint8_t *)dv + off, (uint8_t *)d8 + sv, n, cudaMemcpyDeviceToDevice));
+      BENCH_CUDA(cudaMemcpy(dks + off / D, (float *)dsc + sk / D, n / D * 4,
+                            cudaMemcpyDeviceToDevice));
+      BENCH_CUDA(cudaMemcpy(dvs + off / D, (float *)dsc + sv / D, n / D * 4,
+                            cudaMemcpyDeviceToDevice));
+      off += n;
+    }
+    cudaFree(d8);
+    cudaFree(dsc);
+  } else {
     /* device copies of the seed, shifted, make K and V (not zeros, not all equal) */
     void *dseed = NULL;
     BENCH_CUDA(cudaMalloc(&dseed, seed_elems * 2));
@@ -253,7 +284,7 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   BENCH_CUDA(cudaMalloc(&dout, (size_t)batch * n_heads * D * 2));
 
   /* host: pool 0's K/V (the checked sequence), q, metadata */
-  uint16_t *hk = malloc((size_t)n_kv * head_elems * 2), *hv = malloc((size_t)n_kv * head_elems * 2);
+  float *hk = malloc((size_t)n_kv * head_elems * 4), *hv = malloc((size_t)n_kv * head_elems * 4);
   uint16_t *hq = malloc((size_t)batch * n_heads * D * 2), *hout = malloc((size_t)n_heads * D * 2);
   float *hvn = malloc(n_slots * 4);
   int32_t *hi = malloc((n_slots > (size_t)n_pools * n_kv ? n_slots : (size_t)n_pools * n_kv) * 4);
@@ -261,8 +292,29 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
     fprintf(stderr, "lfbench: out of host memory\n");
     return 1;
   }
-  BENCH_CUDA(cudaMemcpy(hk, dk, (size_t)n_kv * head_elems * 2, cudaMemcpyDeviceToHost));
-  BENCH_CUDA(cudaMemcpy(hv, dv, (size_t)n_kv * head_elems * 2, cudaMemcpyDeviceToHost));
+  {
+    /* pool 0's values as the kernel reads them */
+    const size_t ne = (size_t)n_kv * head_elems, nr = ne / (size_t)D;
+    void *bk = malloc(ne * eb), *bv = malloc(ne * eb);
+    float *sk = malloc(nr * 4), *sv = malloc(nr * 4);
+    if (!bk || !bv || !sk || !sv) return 1;
+    BENCH_CUDA(cudaMemcpy(bk, dk, ne * eb, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(bv, dv, ne * eb, cudaMemcpyDeviceToHost));
+    if (f8) {
+      BENCH_CUDA(cudaMemcpy(sk, dks, nr * 4, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(sv, dvs, nr * 4, cudaMemcpyDeviceToHost));
+    }
+    for (size_t i = 0; i < ne; i++) {
+      hk[i] = f8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bk)[i], sk[i / D])
+                 : bf2f(((uint16_t *)bk)[i]);
+      hv[i] = f8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bv)[i], sv[i / D])
+                 : bf2f(((uint16_t *)bv)[i]);
+    }
+    free(bk);
+    free(bv);
+    free(sk);
+    free(sv);
+  }
   /* vnorm: exact for pool 0; elsewhere a deterministic positive value (only argmin reads it) */
   for (size_t i = 0; i < n_slots; i++)
     hvn[i] = 50.0f + (float)(rng_next() >> 44) * 1e-4f;
@@ -270,7 +322,7 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
     for (int i = 0; i < B; i++) {
       double l1 = 0.0;
       for (int d = 0; d < D; d++)
-        l1 += fabs((double)bf2f(hv[((size_t)g * B + i) * D + d]));
+        l1 += fabs((double)hv[((size_t)g * B + i) * D + d]);
       hvn[(size_t)g * B + i] = (float)l1;
     }
   BENCH_CUDA(cudaMemcpy(dvnorm, hvn, n_slots * 4, cudaMemcpyHostToDevice));
@@ -307,7 +359,8 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
 
   const lf_cuda_pool_view pool = {.k = dk, .v = dv, .vnorm = dvnorm, .pos = dpos, .n = dn,
                                   .next = dnext, .n_layers = 1, .n_kv_heads = n_kv, .budget = B,
-                                  .head_dim = D};
+                                  .head_dim = D, .kv_dtype = kv_dtype,
+                                  .k_scale = dks, .v_scale = dvs};
   lf_decode_attn_args a = {.pool = pool, .layer = 0, .n_seq = batch, .w = dw, .q = dq,
                            .out = dout, .group = group, .sink = sink,
                            .policy = LF_POLICY_LONGFLOW, .scale = 1.0f / sqrtf((float)D),
@@ -371,6 +424,8 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   cudaFree(dpool);
   cudaFree(dw);
   cudaFree(dpos);
+  cudaFree(dks);
+  cudaFree(dvs);
   return 0;
 }
 
@@ -380,6 +435,7 @@ static int bench_kernel(int argc, char **argv) {
   int n_heads = 32, n_kv = 8, D = 128, iters = 300, warmup = 30, splits = 0;
   const char *peer = NULL, *json = NULL;
   int no_flush = 0;
+  lf_kv_dtype kv_dtype = LF_KV_BF16;
   for (int i = 1; i < argc; i++) {
     const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(o, "--no-flush")) {
@@ -410,7 +466,12 @@ static int bench_kernel(int argc, char **argv) {
       peer = v;
     else if (!strcmp(o, "--json"))
       json = v;
-    else {
+    else if (!strcmp(o, "--kv-dtype")) {
+      if (lf_kv_dtype_parse(v, &kv_dtype) != LF_OK) {
+        fprintf(stderr, "lfbench kernel: %s\n", lf_last_error());
+        return 2;
+      }
+    } else {
       usage(stderr);
       return 2;
     }
@@ -443,10 +504,23 @@ static int bench_kernel(int argc, char **argv) {
   if (!seed) return 1;
   for (size_t i = 0; i < seed_elems; i++)
     seed[i] = bench_f2bf(rng_normal());
+  uint8_t *seed8 = NULL;
+  float *seed_sc = NULL;
+  if (kv_dtype != LF_KV_BF16) { /* the seed's rows of D, quantized as the pools store them */
+    seed8 = malloc(seed_elems);
+    seed_sc = malloc(seed_elems / (size_t)D * 4);
+    float *row = malloc((size_t)D * 4);
+    if (!seed8 || !seed_sc || !row) return 1;
+    for (size_t r = 0; r < seed_elems / (size_t)D; r++) {
+      for (int d = 0; d < D; d++) row[d] = bf2f(seed[r * (size_t)D + (size_t)d]);
+      seed_sc[r] = lf_kvq_quantize_row(kv_dtype, row, D, seed8 + r * (size_t)D);
+    }
+    free(row);
+  }
 
   printf("# lfbench kernel: fused LongFlow decode attention, %d query heads, %d KV heads, "
-         "head_dim %d, all pools full, sink 4\n",
-         n_heads, n_kv, D);
+         "head_dim %d, %s pools, all full, sink 4\n",
+         n_heads, n_kv, D, lf_kv_dtype_str(kv_dtype));
   printf("# device %s (%d SMs, L2 %d MB); copy bandwidth (read+write) %.1f GB/s\n", prop.name,
          prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_gbs);
   printf("# time: median of %d calls after %d warm-up, CUDA events, %s, pools rotated past 4x L2\n",
@@ -460,7 +534,8 @@ static int bench_kernel(int argc, char **argv) {
       kernel_row *r = &rows[n_rows];
       memset(r, 0, sizeof *r);
       if (kernel_one(batches[ba], budgets[bi], n_heads, n_kv, D, iters, warmup, splits, seed,
-                     seed_elems, (size_t)prop.l2CacheSize, flush, flush_bytes, r))
+                     seed8, seed_sc, kv_dtype, seed_elems, (size_t)prop.l2CacheSize, flush,
+                     flush_bytes, r))
         return 1;
       r->bw_fraction = r->gbs / copy_gbs;
       const double pt = peer_text ? peer_time_us(peer_text, r->batch, r->budget) : -1.0;
@@ -487,8 +562,10 @@ static int bench_kernel(int argc, char **argv) {
     }
     fprintf(f,
             "{\"bench\": \"kernel\", \"device\": \"%s\", \"n_sm\": %d, \"copy_bw_GBs\": %.1f, "
-            "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"iters\": %d,\n \"rows\": [\n",
-            prop.name, prop.multiProcessorCount, copy_gbs, n_heads, n_kv, D, iters);
+            "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"kv_dtype\": \"%s\", "
+            "\"iters\": %d,\n \"rows\": [\n",
+            prop.name, prop.multiProcessorCount, copy_gbs, n_heads, n_kv, D,
+            lf_kv_dtype_str(kv_dtype), iters);
     for (int i = 0; i < n_rows; i++) {
       const kernel_row *r = &rows[i];
       char ratio_s[32] = "null";
@@ -505,6 +582,8 @@ static int bench_kernel(int argc, char **argv) {
     fclose(f);
   }
   free(seed);
+  free(seed8);
+  free(seed_sc);
   free(peer_text);
   cudaFree(flush);
   return all_ok ? 0 : 3;

@@ -3,12 +3,19 @@
 # GPUs; nothing assumes a machine kind or a time limit). Logs and JSON go to $OUT (default ./out).
 #
 #   bench/run.sh test             build, then ctest -L gpu (kernels vs their CPU twins, the engine,
-#                                 the fidelity suite; SmolLM2's when $LF_SMOLLM2_GGUF names its file)
+#                                 the fidelity suite; SmolLM2's when $LF_SMOLLM2_GGUF names its file;
+#                                 GPU_TESTS: a ctest -R regex to run only some)
 #                                 SANITIZE=1: also compute-sanitizer memcheck + racecheck on a
 #                                 subset of gpu_decode_attn
 #   bench/run.sh kernel           the torch SDPA peer and `lfbench kernel` (decode attention)
 #                                 PROFILE_ATTN=1: also ncu --set full on the batch-1 decode
 #                                 attention kernel (budget PROFILE_ATTN_BUDGET, default 1024)
+#   bench/run.sh kvq              the quantized pools: `lfbench kernel` per KV dtype (bf16, fp8, int8;
+#                                 KVQ_KERNEL_ARGS adds options, e.g. --batches 128 --budgets 3200)
+#                                 beside the torch SDPA peer, each 8-bit row's time over bf16's;
+#                                 then `lfbench serve` on random:llama3-8b, 512 -> 16384, budget
+#                                 3200, --kv-gb 20, per dtype (KVQ_SERVE_ARGS replaces --duration 60;
+#                                 KVQ_PARTS: "kernel", "serve" or both, the default)
 #   bench/run.sh step             `lfbench step`: random 8B decode steps at batch 1 and 64 against
 #                                 their weight + KV floor (STEP_ARGS adds options)
 #                                 PROFILE=1: also ncu per kernel over one decode step of
@@ -116,7 +123,7 @@ build() { # SRC BUILD_DIR [TARGET...]
 run_test() {
   build . "$B" || { rc=1; return; } # always: a warm machine keeps an older build in $B
   say "ctest -L gpu"
-  (cd "$B" && ctest -L gpu -V --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
+  (cd "$B" && ctest -L gpu ${GPU_TESTS:+-R "$GPU_TESTS"} -V --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
   grep -E "llama|qwen|smollm|decisive|tests passed|FAILED|Failure|Skipped" "$OUT/ctest_gpu.txt" |
     tail -80 | tee -a "$LOG"
   [ -n "${SANITIZE:-}" ] || return
@@ -233,6 +240,41 @@ run_serve() {
     tee -a "$LOG" || rc=1
 }
 
+run_kvq() {
+  [ -x "$B/lfbench" ] || build . "$B" || { rc=1; return; }
+  local parts=${KVQ_PARTS:-kernel serve}
+  if [[ $parts == *kernel* ]]; then
+  [ -s "$OUT/sdpa_peer.json" ] ||
+    python3 bench/sdpa_peer.py --json "$OUT/sdpa_peer.json" >"$OUT/sdpa_peer.txt" 2>&1 || rc=1
+  local peer=() dt
+  [ -s "$OUT/sdpa_peer.json" ] && peer=(--peer "$OUT/sdpa_peer.json")
+  for dt in bf16 fp8 int8; do
+    say "lfbench kernel --kv-dtype $dt"
+    # shellcheck disable=SC2086
+    "$B/lfbench" kernel --kv-dtype $dt ${KVQ_KERNEL_ARGS:-} "${peer[@]}" \
+      --json "$OUT/lfbench_kernel_$dt.json" | grep -v "^# device" | tee -a "$LOG" || rc=1
+  done
+  python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import json, sys
+rows = {dt: {(r["batch"], r["budget"]): r for r in json.load(open(f"{sys.argv[1]}/lfbench_kernel_{dt}.json"))["rows"]}
+        for dt in ("bf16", "fp8", "int8")}
+print("# kernel time of the 8-bit pools over bf16's (same rows, same run)")
+for key, b in rows["bf16"].items():
+    print(f"  batch {key[0]:4d} budget {key[1]:5d}: bf16 {b['time_us']:8.1f} us, "
+          + ", ".join(f"{dt} {rows[dt][key]['time_us']:8.1f} us ({rows[dt][key]['time_us'] / b['time_us']:.3f}x, "
+                      f"{rows[dt][key]['bw_fraction']:.2f} of copy bw)" for dt in ("fp8", "int8")))
+PY
+  fi
+  [[ $parts == *serve* ]] || return 0
+  for dt in bf16 fp8 int8; do
+    say "lfbench serve --kv-dtype $dt"
+    # shellcheck disable=SC2086
+    "$B/lfbench" serve --model random:llama3-8b --backend cuda --prompt 512 --output 16384 \
+      --budget 3200 --kv-gb 20 --policies longflow --kv-dtype $dt ${KVQ_SERVE_ARGS:---duration 60} \
+      --json "$OUT/lfbench_serve_$dt.json" 2>&1 | tee -a "$LOG" || rc=1
+  done
+}
+
 # Prefill against transformers: the peer first (alone on the GPU), then lfbench with its JSON.
 run_prefill() {
   build . "$B" lfbench || { rc=1; return; }
@@ -326,6 +368,7 @@ while [ $# -gt 0 ]; do
   case $1 in
   test) run_test ;;
   kernel) run_kernel ;;
+  kvq) run_kvq ;;
   step) run_step ;;
   tp) run_tp ;;
   serve) run_serve ;;

@@ -319,7 +319,7 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
                               mc->n_kv_heads, mc->hidden_dim, mc->vocab_size, &sh);
   /* n_pools == 0 (nothing sized them): one pool, the cpu backend's default */
   lf_pool_shape ps = {p->n_pools > 0 ? p->n_pools : 1, mc->n_layers, sh.n_kv, p->budget,
-                      mc->head_dim};
+                      mc->head_dim, (int)p->kv_dtype};
   if (s == LF_OK) s = lf_attn_params_check(&ap, p->budget);
   if (s == LF_OK)
     s = check_memory(mc, &sh, &ps,

@@ -81,6 +81,22 @@ const char *lf_evict_scope_str(lf_evict_scope s);
 /* Parses "head", "layer". */
 lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out);
 
+/* How the KV pools store K and V. docs/DESIGN.md §3, "Quantized pools". */
+typedef enum lf_kv_dtype {
+  LF_KV_BF16 = 0, /* unquantized: bf16 on cuda; the cpu reference keeps fp32 */
+  LF_KV_FP8,      /* OCP fp8 e4m3, one fp32 scale per (slot, KV head) for K and one for V:
+                     about half of bf16's bytes per slot, so twice the slots in the same memory.
+                     Every policy, both backends (the cpu stores the dequantized values, so it
+                     computes on exactly what the cuda kernels read), fp8 hardware not needed. */
+  LF_KV_INT8,     /* int8 with the same per-row scales and bytes as fp8; its uniform step keeps
+                     keys' large channels more exact than e4m3's 3-bit mantissa, which is most
+                     of fp8's error (docs/DESIGN.md §3, "Quantized pools") */
+} lf_kv_dtype;
+
+const char *lf_kv_dtype_str(lf_kv_dtype d);
+/* Parses "bf16", "fp8", "int8"; LF_ERR_INVALID_ARG naming the choices otherwise. */
+lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out);
+
 /* lf_engine_config.max_batch_tokens's default: at Poisson arrivals of 2048-token prompts on one
  * H200 it kept the decodes' TPOT p99 within 1.5x of a decode-only step while TTFT stayed within
  * 1.3x of an isolated prefill (bench/RESULTS.md, "Serving under arrivals"). */
@@ -132,6 +148,8 @@ typedef struct lf_engine_config {
                              0 (default): budget / 2, the split of the H2O paper, which had
                              about half the token error of a window of 32 on the task model
                              (docs/TASK.md section 10). budget >= sink + h2o_recent + 2 */
+  lf_kv_dtype kv_dtype;   /* how the pools store K and V; default LF_KV_BF16. Pool sizing from
+                             memory counts this dtype's bytes */
 } lf_engine_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,

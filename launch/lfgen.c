@@ -3,6 +3,7 @@
  *   lfgen --model PATH [--lora DIR] --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P]
  *         [--sink S] [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
  *         [--backend auto|cpu|cuda] [--evict-scope head|layer] [--evict-groups G] [--ignore-eos]
+ *         [--kv-dtype bf16|fp8|int8]
  *         [--print-ids]
  *
  * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.
@@ -39,6 +40,7 @@ static void usage(FILE *f) {
           "  --budget B          KV slots per sequence (default: the model's context)\n"
           "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
           "  --evict-scope S     layer | head: one eviction slot per layer or per KV head\n"
+          "  --kv-dtype T        bf16 | fp8 | int8: K/V storage of the pools (default bf16)\n"
           "                      (default layer; rank-local under --tp)\n"
           "  --evict-groups G    layer scope: each layer's KV heads in G groups of one slot\n"
           "                      (G = T: what T tensor-parallel ranks evict; default 1)\n"
@@ -207,6 +209,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "lfgen: %s\n", lf_last_error());
         return 2;
       }
+    } else if (!strcmp(a, "--kv-dtype")) {
+      NEED_VALUE;
+      if (lf_kv_dtype_parse(v, &cfg.kv_dtype) != LF_OK) {
+        fprintf(stderr, "lfgen: %s\n", lf_last_error());
+        return 2;
+      }
     } else if (!strcmp(a, "--temperature")) {
       NEED_VALUE;
       if (parse_float(v, &d) || d < 0) goto bad;
@@ -355,11 +363,11 @@ int main(int argc, char **argv) {
   lf_model_info mi;
   lf_engine_model_info(e, &mi);
   fprintf(stderr, "lfgen: %s model%s%s, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
-                  "budget %d, loaded in %.2f s\n",
+                  "kv %s, budget %d, loaded in %.2f s\n",
           mi.model_type, cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
           cfg.lora_path ? cfg.lora_path : "", mi.n_layers, mi.n_heads, mi.n_kv_heads,
           mi.vocab_size, lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
-          cfg.budget ? cfg.budget : mi.max_seq_len, lf_now_s() - t_load);
+          lf_kv_dtype_str(cfg.kv_dtype), cfg.budget ? cfg.budget : mi.max_seq_len, lf_now_s() - t_load);
 
   /* The same limits as the server's: the prompt must fit the context, and --max-tokens what it
    * leaves (the last token is sampled, never stored); the default is cut to that room. */

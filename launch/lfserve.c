@@ -1,7 +1,7 @@
 /* lfserve: an OpenAI-compatible HTTP server over the lfserve engine.
  *
  *   lfserve --model DIR [--lora DIR] [--budget B] [--port 8000] [--host 0.0.0.0] [--policy P]
- *           [--evict-scope layer|head]
+ *           [--evict-scope layer|head] [--kv-dtype bf16|fp8|int8]
  *           [--pools N] [--max-queue N] [--backend auto|cpu|cuda] [--served-model-name NAME] ...
  *
  * This file holds main: the options, start-up (the engine, the model's tokenizer and chat
@@ -45,6 +45,7 @@ static void usage(FILE *f) {
           "  --sink S  --window W    eviction sinks / prefill window (defaults 4, 32)\n"
           "  --h2o-recent R          h2o: the R newest slots never evicted (default 0: budget/2)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
+          "  --kv-dtype T            bf16 | fp8 | int8: K/V storage of the pools (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
           "  --pools N               concurrent sequences (default: from --kv-memory-gb, else 1)\n"
           "  --kv-memory-gb G        memory for KV pools when --pools is not given\n"
@@ -130,6 +131,11 @@ int main(int argc, char **argv) {
       if (lf_policy_parse(v, &cfg.policy) != LF_OK) goto bad;
     } else if (!strcmp(a, "--evict-scope")) {
       if (lf_evict_scope_parse(v, &cfg.evict_scope) != LF_OK) goto bad;
+    } else if (!strcmp(a, "--kv-dtype")) {
+      if (lf_kv_dtype_parse(v, &cfg.kv_dtype) != LF_OK) {
+        fprintf(stderr, "lfserve: %s\n", lf_last_error());
+        return 2;
+      }
     } else if (!strcmp(a, "--backend")) {
       if (lf_backend_parse(v, &cfg.backend) != LF_OK) goto bad;
     } else {
@@ -288,13 +294,13 @@ int main(int argc, char **argv) {
   }
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
   fprintf(stderr,
-          "lfserve: serving '%s' (%s%s%s, %d layers, vocab %d, context %d; policy %s, budget %d; "
+          "lfserve: serving '%s' (%s%s%s, %d layers, vocab %d, context %d; policy %s, budget %d, kv %s; "
           "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n"
           "lfserve: chat: %s\n",
           S.model_name, S.mi.model_type,
           cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
           cfg.lora_path ? cfg.lora_path : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
-          lf_policy_str(cfg.policy), S.budget, S.tok ? "yes" : "no", host,
+          lf_policy_str(cfg.policy), S.budget, lf_kv_dtype_str(cfg.kv_dtype), S.tok ? "yes" : "no", host,
           di ? (unsigned)di->port : (unsigned)port, lf_now_s() - t0, (long)getpid(),
           lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state);
   fflush(stderr);

@@ -41,14 +41,27 @@ uint64_t lf_pool_bytes(const lf_pool_shape *s) {
          sizeof(uint8_t) /* in_use */;
 }
 
-/* The CUDA backend's device arena (engine/cuda/): bf16 K and V, fp32 ||v||_1 and int32
- * position per slot (and h2o's fp32 accumulator when h2o); int32 n and next per (pool, layer,
- * head). 0 as lf_pool_bytes. */
+/* The CUDA backend's device arena (engine/cuda/): K and V (bf16, or e4m3 bytes and an fp32 scale
+ * per row under fp8 and int8), fp32 ||v||_1 and int32 position per slot (and h2o's fp32 accumulator when
+ * h2o); int32 n and next per (pool, layer, head). 0 as lf_pool_bytes, and for an unknown dtype.
+ * The fp8 / int8 scratch a chunk's attention reads (one layer's slots of one pool) is a workspace, not
+ * pool memory. */
 uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int h2o) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
   const uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
-  const uint64_t slot_bytes =
-      2u * (uint64_t)s->head_dim * 2u /* bf16 k, v */ + 4u + 4u + (h2o ? 4u : 0u);
+  uint64_t kv_bytes;
+  switch (s->kv_dtype) {
+  case LF_KV_BF16:
+    kv_bytes = 2u * (uint64_t)s->head_dim * 2u;
+    break;
+  case LF_KV_FP8:
+  case LF_KV_INT8:
+    kv_bytes = 2u * ((uint64_t)s->head_dim + 4u); /* codes and the scale, K and V */
+    break;
+  default:
+    return 0;
+  }
+  const uint64_t slot_bytes = kv_bytes + 4u + 4u + (h2o ? 4u : 0u);
   const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t);
   if (head_bytes > UINT64_MAX / heads) return 0;
   return heads * head_bytes;
@@ -229,5 +242,6 @@ lf_kv_head lf_kv_arena_head(const lf_kv_arena *a, int pool, int layer, int kv_he
   h.next = a->next + idx;
   h.budget = s->budget;
   h.head_dim = s->head_dim;
+  h.kv_dtype = s->kv_dtype;
   return h;
 }

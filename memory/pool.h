@@ -22,6 +22,8 @@ typedef struct lf_pool_shape {
   int n_kv_heads; /* heads this rank owns */
   int budget;     /* slots per (pool, layer, head) */
   int head_dim;
+  int kv_dtype;   /* lf_kv_dtype: the CUDA arena's K/V storage (lf_pool_bytes_device); the CPU
+                     arena stores fp32 in any case, holding a quantized dtype's dequantized values */
 } lf_pool_shape;
 
 /* A view of one (pool, layer, kv head): everything the attention step reads and writes. */
@@ -34,6 +36,8 @@ typedef struct lf_kv_head {
   int32_t *next; /* slot the next token overwrites once n == budget (-1: none yet) */
   int budget;
   int head_dim;
+  int kv_dtype;  /* lf_kv_dtype: a quantized dtype stores each written row as the values its
+                    format reads back (base/kvq.h), in fp32 */
 } lf_kv_head;
 
 /* The free list of a rank's pools, shared by every backend's arena: a LIFO stack of free ids
@@ -74,18 +78,25 @@ typedef struct lf_kv_arena {
  * ([pool][layer][kv_head][slot]) with bf16 K/V, and h2o's accumulator only under that policy.
  * Every pointer is device memory; kernels take it by value. */
 typedef struct lf_cuda_pool_view {
-  void *k, *v;       /* bf16 [n_pools][n_layers][n_kv_heads][budget][head_dim] (K post-RoPE) */
+  void *k, *v;       /* [n_pools][n_layers][n_kv_heads][budget][head_dim] (K post-RoPE): bf16, or
+                        e4m3 / int8 bytes under LF_KV_FP8 / LF_KV_INT8 */
   float *vnorm;      /* [n_pools][n_layers][n_kv_heads][budget] ||v||_1 of the bf16 v */
   int32_t *pos;      /* [n_pools][n_layers][n_kv_heads][budget] */
   int32_t *n, *next; /* [n_pools][n_layers][n_kv_heads] */
   float *acc;        /* h2o only (else NULL): [n_pools][n_layers][n_kv_heads][budget] attention
                         mass accumulated since the slot was written */
   int n_layers, n_kv_heads, budget, head_dim;
+  int kv_dtype;      /* lf_kv_dtype */
+  float *k_scale, *v_scale; /* fp8 and int8 (else NULL): [n_pools][n_layers][n_kv_heads][budget],
+                               each row's scale (base/kvq.h) */
+  void *deq_k, *deq_v;      /* fp8 and int8 (else NULL): bf16 [n_kv_heads][budget][head_dim] scratch
+                               where a prompt chunk's attention reads the pool's slots dequantized
+                               (lf_cuda_pool_dequant) */
 } lf_cuda_pool_view;
 
 /* Bytes one pool needs in this arena (K, V and per-slot metadata). */
 uint64_t lf_pool_bytes(const lf_pool_shape *s);
-/* Bytes one pool needs in the CUDA backend's device arena (bf16 K/V and its metadata; h2o: 1
+/* Bytes one pool needs in the CUDA backend's device arena (K/V in s->kv_dtype and its metadata; h2o: 1
  * when it holds h2o's per-slot accumulators, policy h2o). These two are the only pool-size
  * formulas: the engine (kv_memory_bytes), the CUDA backend (sizing from free memory) and lfbench
  * all call them. */

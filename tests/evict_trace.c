@@ -89,7 +89,7 @@ int main(int argc, char **argv) {
                              .group = mc->n_heads / mc->n_kv_heads,
                              .head_dim = mc->head_dim,
                              .scale = 1.0f / sqrtf((float)mc->head_dim)};
-  const lf_pool_shape ps = {1, L, H, B, mc->head_dim};
+  const lf_pool_shape ps = {1, L, H, B, mc->head_dim, 0};
   int pool = -1, rc = 1;
   float *logits = malloc(sizeof(float) * (size_t)V);
   FILE *out = fopen(argv[8], "wb");

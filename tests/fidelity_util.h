@@ -115,11 +115,13 @@ struct FidFault {
  * whole sequence) and returns the logits at exactly g.pos, [n_checked][vocab]. A failure (of
  * create, a forward, an item, or positions that do not line up) is an ADD_FAILURE and an empty
  * result. comm: a tensor-parallel communicator (every rank calls this alike) or NULL. tokens:
- * when given, receives the backend's greedy token at each position of g.pos. */
+ * when given, receives the backend's greedy token at each position of g.pos. kv_dtype: how the
+ * pool stores K and V. */
 inline std::vector<float> fid_run(lf_backend_kind kind, const lf_checkpoint &ck,
                                   const FidGolden &g, FidFault fault = FidFault{},
                                   lf_comm_t comm = nullptr,
-                                  std::vector<int32_t> *tokens = nullptr) {
+                                  std::vector<int32_t> *tokens = nullptr,
+                                  lf_kv_dtype kv_dtype = LF_KV_BF16) {
   const int vocab = ck.cfg.vocab_size;
   std::vector<float> out;
   if (vocab != g.vocab) {
@@ -129,6 +131,7 @@ inline std::vector<float> fid_run(lf_backend_kind kind, const lf_checkpoint &ck,
   /* the last token is never fed: one slot spare */
   lf_backend_params p = lf_test_backend_params(LF_POLICY_FULL, int(g.tokens.size()), 1);
   p.comm = comm;
+  p.kv_dtype = kv_dtype;
   lf_backend *b = nullptr;
   lf_status s = lf_backend_create(kind, &ck, &p, &b);
   if (s != LF_OK) {

@@ -16,6 +16,7 @@
 #include "attention/decode_attn.cuh"
 #include "attention/decode_attn_generic.cuh"
 #include "attention/prefill_attn.cuh"
+#include "base/kvq.h"
 #include "lfserve.h"
 #include "memory/pool.h"
 #include "tests/gpu_util.h"
@@ -34,8 +35,15 @@ struct DevPool {
     v.n_kv_heads = s.n_kv_heads;
     v.budget = s.budget;
     v.head_dim = s.head_dim;
+    v.kv_dtype = s.kv_dtype;
     v.k = dev<uint16_t>(slots * s.head_dim);
     v.v = dev<uint16_t>(slots * s.head_dim);
+    if (s.kv_dtype != LF_KV_BF16) { // codes in the bf16-sized buffers; scales; the chunk scratch
+      v.k_scale = dev<float>(slots);
+      v.v_scale = dev<float>(slots);
+      v.deq_k = dev<uint16_t>(size_t(s.n_kv_heads) * s.budget * s.head_dim);
+      v.deq_v = dev<uint16_t>(size_t(s.n_kv_heads) * s.budget * s.head_dim);
+    }
     v.vnorm = dev<float>(slots);
     v.acc = dev<float>(slots);
     v.pos = dev<int32_t>(slots);
@@ -44,13 +52,27 @@ struct DevPool {
   }
   void upload(const lf_kv_arena &a) {
     const size_t D = size_t(a.shape.head_dim);
+    if (a.shape.kv_dtype != LF_KV_BF16) { // each row's codes and scale
+      std::vector<uint8_t> k(slots * D), vv(slots * D);
+      std::vector<float> ks(slots), vs(slots);
+      for (size_t i = 0; i < slots; i++) {
+        ks[i] = lf_kvq_quantize_row(a.shape.kv_dtype, a.k + i * D, int(D), &k[i * D]);
+        vs[i] = lf_kvq_quantize_row(a.shape.kv_dtype, a.v + i * D, int(D), &vv[i * D]);
+      }
+      EXPECT_EQ(cudaMemcpy(v.k, k.data(), k.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.v, vv.data(), vv.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.k_scale, ks.data(), slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.v_scale, vs.data(), slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    }
     std::vector<uint16_t> k(slots * D), vv(slots * D);
     for (size_t i = 0; i < slots * D; i++) {
       k[i] = lf_f32_to_bf16(a.k[i]);
       vv[i] = lf_f32_to_bf16(a.v[i]);
     }
-    EXPECT_EQ(cudaMemcpy(v.k, k.data(), k.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(v.v, vv.data(), vv.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    if (a.shape.kv_dtype == LF_KV_BF16) {
+      EXPECT_EQ(cudaMemcpy(v.k, k.data(), k.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.v, vv.data(), vv.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    }
     EXPECT_EQ(cudaMemcpy(v.vnorm, a.vnorm, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(v.acc, a.acc, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(v.pos, a.pos, slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
@@ -59,7 +81,7 @@ struct DevPool {
   }
   ~DevPool() {
     for (void *p : {v.k, v.v, (void *)v.vnorm, (void *)v.acc, (void *)v.pos, (void *)v.n,
-                    (void *)v.next})
+                    (void *)v.next, (void *)v.k_scale, (void *)v.v_scale, v.deq_k, v.deq_v})
       cudaFree(p);
   }
 };
@@ -120,7 +142,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
           for (int fill : {0, 1}) { // partly filled, full
             const int hkv = 2, hq = hkv * G, P = 3, NS = 2;
             if (pol == LF_POLICY_FULL && fill) continue;
-            lf_pool_shape ps{P, 1, hkv, B, D};
+            lf_pool_shape ps{P, 1, hkv, B, D, 0};
             lf_kv_arena a;
             ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
             std::vector<int32_t> pools = {2, 0};
@@ -243,10 +265,13 @@ TEST(GpuKernels, PrefillVsReference) {
                  Case{64, 8, 1200, 130, 1000, 8}, Case{128, 1, 300, 1500, 0, 8},
                  Case{64, 4, 500, 2100, 0, 1}, Case{128, 2, 60, 70, 0, 8},
                  Case{128, 4, 40, 37, 0, 8}, Case{64, 2, 200, 1, 150, 8}}) {
-   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O}) {
+   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O})
+   for (int kvd : {int(LF_KV_BF16), int(LF_KV_FP8), int(LF_KV_INT8)}) {
+    // 8-bit pools: chunks attend to the pool's dequantized slots (bf16 copies of what the CPU
+    // pool holds exactly), and every slot written must read back bit-identically
     const int hkv = 2, hq = hkv * c.G, D = c.D, B = c.B;
     if (pol == LF_POLICY_H2O && c.T1 + c.T2 > 2200) continue; // the column sums run on CUDA cores
-    lf_pool_shape ps{1, 1, hkv, B, D};
+    lf_pool_shape ps{1, 1, hkv, B, D, kvd};
     lf_kv_arena a;
     ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
     int pool = -1;
@@ -342,7 +367,14 @@ TEST(GpuKernels, PrefillVsReference) {
       std::vector<float> pacc(dp.slots);
       CK(cudaMemcpy(pacc.data(), dp.v.acc, dp.slots * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
-      CK(cudaMemcpy(pk.data(), dp.v.k, pk.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<uint8_t> pk8(kvd != LF_KV_BF16 ? dp.slots * D : 0);
+      std::vector<float> pks(kvd != LF_KV_BF16 ? dp.slots : 0);
+      if (kvd != LF_KV_BF16) {
+        CK(cudaMemcpy(pk8.data(), dp.v.k, pk8.size(), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(pks.data(), dp.v.k_scale, pks.size() * 4, cudaMemcpyDeviceToHost));
+      } else {
+        CK(cudaMemcpy(pk.data(), dp.v.k, pk.size() * 2, cudaMemcpyDeviceToHost));
+      }
       CK(cudaMemcpy(ppos.data(), dp.v.pos, dp.slots * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(pn.data(), dp.v.n, dp.heads * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(pnext.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
@@ -355,13 +387,14 @@ TEST(GpuKernels, PrefillVsReference) {
       for (size_t i = 0; i < q.size(); i++) {
         ASSERT_NEAR(bf(out[i]), ref[i], 1e-2f * std::fabs(ref[i]) + 6e-3f)
             << "case D " << D << " G " << c.G << " B " << B << " n0 " << n0 << " T " << T
-            << " qs " << c.qs << " i " << i << " seed " << seed;
+            << " qs " << c.qs << " kv " << lf_kv_dtype_str(lf_kv_dtype(kvd)) << " i " << i
+            << " seed " << seed;
         err_sum += std::fabs(double(bf(out[i])) - ref[i]);
       }
       EXPECT_LT(err_sum / double(q.size()), 2e-3)
           << "mean error, case D " << D << " G " << c.G << " n0 " << n0 << " T " << T;
-      printf("prefill D %d G %d B %d n0 %d T %d qs %.0f: mean |err| %.2e\n", D, c.G, B, n0, T,
-             double(c.qs), err_sum / double(q.size()));
+      printf("prefill D %d G %d B %d n0 %d T %d qs %.0f %s: mean |err| %.2e\n", D, c.G, B, n0, T,
+             double(c.qs), lf_kv_dtype_str(lf_kv_dtype(kvd)), err_sum / double(q.size()));
       for (int g = 0; g < hkv; g++) {
         lf_kv_head h = lf_kv_arena_head(&a, 0, 0, g);
         ASSERT_EQ(pn[size_t(g)], *h.n);
@@ -370,8 +403,12 @@ TEST(GpuKernels, PrefillVsReference) {
           ASSERT_EQ(ppos[size_t(g) * B + i], h.pos[i]) << "slot " << i << " head " << g
                                                        << " B " << B << " T " << T << " seed "
                                                        << seed;
-          for (int d = 0; d < D; d++)
-            ASSERT_EQ(bf(pk[(static_cast<size_t>(g) * B + i) * D + d]), h.k[size_t(i) * D + d]);
+          for (int d = 0; d < D; d++) {
+            const size_t row = static_cast<size_t>(g) * B + i;
+            const float got = kvd != LF_KV_BF16 ? lf_kvq_value(kvd, pk8[row * D + d], pks[row])
+                                                : bf(pk[row * D + d]);
+            ASSERT_EQ(got, h.k[size_t(i) * D + d]) << "k slot " << i << " head " << g;
+          }
           // h2o: the column sums (fp32 against fp64 over the same bf16 inputs; the prefill
           // kernel's max and normaliser)
           if (h2o) {
@@ -409,7 +446,7 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
       for (int G : {1, 4})
         for (int B : {40, 700}) {
           const int hkv = 4, hq = hkv * G, P = 3, NS = 2, sink = 4, recent = 8;
-          lf_pool_shape ps{P, 1, hkv, B, D};
+          lf_pool_shape ps{P, 1, hkv, B, D, 0};
           lf_kv_arena a;
           ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
           const std::vector<int32_t> pools = {2, 0};
@@ -554,7 +591,7 @@ TEST(GpuKernels, LayerScopeSnapKV) {
       for (auto &x : q) x = bfr(4.0f * nd(r));
       for (auto &x : k) x = bfr(nd(r));
       for (auto &x : v) x = bfr(nd(r));
-      lf_pool_shape ps{1, 1, hkv, B, D};
+      lf_pool_shape ps{1, 1, hkv, B, D, 0};
       lf_kv_arena a;
       ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
       int pool = -1;

@@ -9,6 +9,11 @@
  * CPU's own scores; the count of near-ties is printed. Unfilled slots hold NaN on the GPU, and the
  * output and next are poisoned before every launch, so a read past n or an unwritten element
  * fails. LF_TEST_SEED replays a run.
+ *
+ * 8-bit pools (DecodeAttnFp8, DecodeAttnInt8): the CPU arena holds what each row's codes read
+ * back (base/kvq.h),
+ * the GPU arena the codes and scales of the same rows; the new token's row is quantized by both
+ * sides on its own, and every kept row must read back bit-identically at the end.
  */
 #include <gtest/gtest.h>
 
@@ -28,6 +33,7 @@
 #include "attention/decode_attn.cuh"
 #include "attention/kv_write.cuh"
 #include "base/error.h"
+#include "base/kvq.h"
 #include "memory/pool.h"
 #include "tests/test_util.h"
 
@@ -106,16 +112,18 @@ std::string case_name(const Case &c) {
 }
 
 /* Runs one case: set up identical CPU and GPU pools, then `steps` decode steps on both. */
-void run_case(const Case &c) {
+void run_case(const Case &c, int kv_dtype) {
   const uint64_t seed = lf_test_seed();
-  SCOPED_TRACE(case_name(c) + " seed " + std::to_string(seed));
+  const bool f8 = kv_dtype != LF_KV_BF16; /* 8-bit codes and row scales */
+  SCOPED_TRACE(case_name(c) + " " + lf_kv_dtype_str(lf_kv_dtype(kv_dtype)) + " seed " +
+               std::to_string(seed));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int D = c.head_dim, G = c.group, B = c.budget, H = c.n_kv, NS = c.n_seq;
   const int HQ = H * G, L = 2, layer = 1, NP = NS + 3;
   const size_t n_heads_all = (size_t)NP * L * H, n_slots_all = n_heads_all * B;
 
-  lf_pool_shape shape = {NP, L, H, B, D};
+  lf_pool_shape shape = {NP, L, H, B, D, kv_dtype};
   lf_kv_arena cpu;
   LF_OK_(lf_kv_arena_init(&cpu, &shape));
   struct arena_guard {
@@ -133,6 +141,10 @@ void run_case(const Case &c) {
 
   /* GPU arena: everything NaN except filled slots, metadata mirrors the CPU's. */
   std::vector<uint16_t> hk(n_slots_all * D, BF_NAN), hv(n_slots_all * D, BF_NAN);
+  /* fp8: NaN codes and NaN scales outside the filled slots */
+  std::vector<uint8_t> hk8(f8 ? n_slots_all * D : 0, LF_FP8_NAN),
+      hv8(f8 ? n_slots_all * D : 0, LF_FP8_NAN);
+  std::vector<float> hks(f8 ? n_slots_all : 0, NAN), hvs(f8 ? n_slots_all : 0, NAN);
   std::vector<int32_t> max_pos(NS, 0);
   for (int s = 0; s < NS; s++) {
     const int pool = pool_ids[s];
@@ -149,14 +161,24 @@ void run_case(const Case &c) {
         for (int i = 0; i < n0; i++)
           pos[i] = i < c.sink ? i : c.sink + (int32_t)(rng() % 4) + 4 * i;
         if (n0 > c.sink) std::shuffle(pos.begin() + c.sink, pos.end(), rng);
+        const size_t slot0 = (((size_t)pool * L + l) * H + h) * B;
         for (int i = 0; i < n0; i++) {
           double l1 = 0.0;
+          float *kr = kh.k + (size_t)i * D, *vr = kh.v + (size_t)i * D;
           for (int d = 0; d < D; d++) {
-            const float kx = round_bf(nd(rng)), vx = round_bf(nd(rng));
-            kh.k[(size_t)i * D + d] = kx;
-            kh.v[(size_t)i * D + d] = vx;
-            l1 += std::fabs((double)vx);
+            kr[d] = round_bf(nd(rng));
+            vr[d] = round_bf(nd(rng));
           }
+          if (f8) { /* the GPU gets the codes, the CPU what they read back */
+            uint8_t *kc = &hk8[(slot0 + i) * D], *vc = &hv8[(slot0 + i) * D];
+            hks[slot0 + i] = lf_kvq_quantize_row(kv_dtype, kr, D, kc);
+            hvs[slot0 + i] = lf_kvq_quantize_row(kv_dtype, vr, D, vc);
+            for (int d = 0; d < D; d++) {
+              kr[d] = lf_kvq_value(kv_dtype, kc[d], hks[slot0 + i]);
+              vr[d] = lf_kvq_value(kv_dtype, vc[d], hvs[slot0 + i]);
+            }
+          }
+          for (int d = 0; d < D; d++) l1 += std::fabs((double)vr[d]);
           kh.vnorm[i] = (float)l1;
           kh.acc[i] = 0.05f * (float)(rng() % 64); /* h2o: mass from earlier steps */
           kh.pos[i] = pos[i];
@@ -164,8 +186,7 @@ void run_case(const Case &c) {
         }
         *kh.n = n0;
         *kh.next = fill ? c.sink + (int)(rng() % (uint64_t)(B - c.sink)) : -1;
-        const size_t slot0 = (((size_t)pool * L + l) * H + h) * B;
-        for (int i = 0; i < n0; i++)
+        for (int i = 0; i < n0 && !f8; i++)
           for (int d = 0; d < D; d++) {
             hk[(slot0 + i) * D + d] = f2bf(kh.k[(size_t)i * D + d]);
             hv[(slot0 + i) * D + d] = f2bf(kh.v[(size_t)i * D + d]);
@@ -174,13 +195,24 @@ void run_case(const Case &c) {
   }
 
   dev_buf<uint16_t> dk, dv, dq, dout;
-  dev_buf<float> dvnorm, dqkv, dinv, dacc;
+  dev_buf<uint8_t> dk8, dv8;
+  dev_buf<float> dvnorm, dqkv, dinv, dacc, dks, dvs;
   dev_buf<int32_t> dpos, dn, dnext, dpool, dw, dposnew;
   dev_buf<char> dws;
   CUDA_OK(dk.alloc(hk.size()));
   CUDA_OK(dv.alloc(hv.size()));
   CUDA_OK(dk.put(hk));
   CUDA_OK(dv.put(hv));
+  if (f8) {
+    CUDA_OK(dk8.alloc(hk8.size()));
+    CUDA_OK(dv8.alloc(hv8.size()));
+    CUDA_OK(dk8.put(hk8));
+    CUDA_OK(dv8.put(hv8));
+    CUDA_OK(dks.alloc(hks.size()));
+    CUDA_OK(dvs.alloc(hvs.size()));
+    CUDA_OK(dks.put(hks));
+    CUDA_OK(dvs.put(hvs));
+  }
   CUDA_OK(dvnorm.alloc(n_slots_all));
   CUDA_OK(dpos.alloc(n_slots_all));
   CUDA_OK(dn.alloc(n_heads_all));
@@ -244,8 +276,11 @@ void run_case(const Case &c) {
 
     /* GPU: write (with q's rounding to bf16), poison next and out, attend */
     lf_cuda_pool_view pv = {};
-    pv.k = dk.p;
-    pv.v = dv.p;
+    pv.k = f8 ? (void *)dk8.p : (void *)dk.p;
+    pv.v = f8 ? (void *)dv8.p : (void *)dv.p;
+    pv.kv_dtype = kv_dtype;
+    pv.k_scale = f8 ? dks.p : nullptr;
+    pv.v_scale = f8 ? dvs.p : nullptr;
     pv.vnorm = dvnorm.p;
     pv.pos = dpos.p;
     pv.n = dn.p;
@@ -378,8 +413,17 @@ void run_case(const Case &c) {
   CUDA_OK(dn.get(gn));
   CUDA_OK(dvnorm.get(gvn));
   std::vector<uint16_t> gk, gv;
-  CUDA_OK(dk.get(gk));
-  CUDA_OK(dv.get(gv));
+  std::vector<uint8_t> gk8, gv8;
+  std::vector<float> gks, gvs;
+  if (f8) {
+    CUDA_OK(dk8.get(gk8));
+    CUDA_OK(dv8.get(gv8));
+    CUDA_OK(dks.get(gks));
+    CUDA_OK(dvs.get(gvs));
+  } else {
+    CUDA_OK(dk.get(gk));
+    CUDA_OK(dv.get(gv));
+  }
   for (int s = 0; s < NS; s++)
     for (int h = 0; h < H; h++) {
       lf_kv_head kh = lf_kv_arena_head(&cpu, pool_ids[s], layer, h);
@@ -389,14 +433,19 @@ void run_case(const Case &c) {
         ASSERT_EQ(gpos[hidx * B + i], kh.pos[i])
             << "kept position, seq " << s << " head " << h << " slot " << i;
         EXPECT_NEAR(gvn[hidx * B + i], kh.vnorm[i], 1e-5f * kh.vnorm[i]);
+        const size_t row = hidx * B + i;
         for (int d = 0; d < D; d++) {
-          ASSERT_EQ(bf2f(gk[(hidx * B + i) * D + d]), kh.k[(size_t)i * D + d]);
-          ASSERT_EQ(bf2f(gv[(hidx * B + i) * D + d]), kh.v[(size_t)i * D + d]);
+          const float gkx = f8 ? lf_kvq_value(kv_dtype, gk8[row * D + d], gks[row])
+                               : bf2f(gk[row * D + d]);
+          const float gvx = f8 ? lf_kvq_value(kv_dtype, gv8[row * D + d], gvs[row])
+                               : bf2f(gv[row * D + d]);
+          ASSERT_EQ(gkx, kh.k[(size_t)i * D + d]) << "k, slot " << i << " dim " << d;
+          ASSERT_EQ(gvx, kh.v[(size_t)i * D + d]) << "v, slot " << i << " dim " << d;
         }
       }
     }
-  std::printf("[ %s ] worst output rel err %.2e, next: %d checked, %d near-ties\n",
-              case_name(c).c_str(), worst_rel, next_checked, near_ties);
+  std::printf("[ %s %s ] worst output rel err %.2e, next: %d checked, %d near-ties\n",
+              case_name(c).c_str(), lf_kv_dtype_str(lf_kv_dtype(kv_dtype)), worst_rel, next_checked, near_ties);
 }
 
 class DecodeAttn : public ::testing::TestWithParam<Case> {};
@@ -404,7 +453,24 @@ class DecodeAttn : public ::testing::TestWithParam<Case> {};
 TEST_P(DecodeAttn, MatchesCpuReference) {
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
-  run_case(GetParam());
+  run_case(GetParam(), LF_KV_BF16);
+}
+
+/* The same cases over fp8 pools: the F8 kernel, and the fp8 write in lf_cuda_qkv_rope. */
+class DecodeAttnFp8 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeAttnFp8, MatchesCpuReference) {
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(GetParam(), LF_KV_FP8);
+}
+
+class DecodeAttnInt8 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeAttnInt8, MatchesCpuReference) {
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(GetParam(), LF_KV_INT8);
 }
 
 /* Single steps over the shape grid, each with one split and with several (exercising the
@@ -458,6 +524,14 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttn, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case> &i) {
+                           return case_name(i.param);
+                         });
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnFp8, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case> &i) {
+                           return case_name(i.param);
+                         });
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnInt8, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case> &i) {
                            return case_name(i.param);
                          });

@@ -261,12 +261,14 @@ struct SmolObs {
 };
 
 /* Runs the golden sequences `which` teacher-forced through one backend of `kind` (policy full,
- * budget the longest sequence, one pool per sequence, all of them in each forward call);
+ * budget the longest sequence, one pool per sequence, all of them in each forward call, K/V
+ * stored as kv_dtype);
  * (*out)[which[i]][j] is that prompt's observation at positions[j]. False (with a gtest failure)
  * on a backend error. */
 inline bool smollm2_teacher_forced_some(lf_backend_kind kind, const lf_checkpoint &ck,
                                         const SmolGolden &g, const std::vector<int> &which,
-                                        int n_threads, std::vector<std::vector<SmolObs>> *out) {
+                                        int n_threads, std::vector<std::vector<SmolObs>> *out,
+                                        lf_kv_dtype kv_dtype = LF_KV_BF16) {
   const int ns = int(which.size());
   if (ns == 0) return true;
   const int vocab = ck.cfg.vocab_size;
@@ -275,6 +277,7 @@ inline bool smollm2_teacher_forced_some(lf_backend_kind kind, const lf_checkpoin
   for (int i = 0; i < ns; i++) max_len = std::max(max_len, int(prompt(i).prompt_ids.size()) + g.n_gen);
   lf_backend_params bp = lf_test_backend_params(LF_POLICY_FULL, max_len, ns);
   bp.n_threads = n_threads;
+  bp.kv_dtype = kv_dtype;
   lf_backend *b = nullptr;
   lf_status s = lf_backend_create(kind, &ck, &bp, &b);
   EXPECT_EQ(s, LF_OK) << lf_last_error();
@@ -360,7 +363,8 @@ inline bool smollm2_teacher_forced_some(lf_backend_kind kind, const lf_checkpoin
  * cost: decode steps (more for long contexts) plus prefill tokens. */
 inline bool smollm2_teacher_forced(lf_backend_kind kind, const lf_checkpoint &ck,
                                    const SmolGolden &g, int workers, int n_threads,
-                                   std::vector<std::vector<SmolObs>> *out) {
+                                   std::vector<std::vector<SmolObs>> *out,
+                                   lf_kv_dtype kv_dtype = LF_KV_BF16) {
   const int ns = int(g.prompts.size());
   workers = std::max(1, std::min(workers, ns));
   out->assign(size_t(ns), {});
@@ -379,12 +383,14 @@ inline bool smollm2_teacher_forced(lf_backend_kind kind, const lf_checkpoint &ck
     groups[w].push_back(i);
     load[w] += cost[size_t(i)];
   }
-  if (workers == 1) return smollm2_teacher_forced_some(kind, ck, g, groups[0], n_threads, out);
+  if (workers == 1)
+    return smollm2_teacher_forced_some(kind, ck, g, groups[0], n_threads, out, kv_dtype);
   std::vector<char> ok(static_cast<size_t>(workers), 0);
   std::vector<std::thread> th;
   for (int w = 0; w < workers; w++)
     th.emplace_back([&, w] {
-      ok[size_t(w)] = smollm2_teacher_forced_some(kind, ck, g, groups[size_t(w)], n_threads, out);
+      ok[size_t(w)] =
+          smollm2_teacher_forced_some(kind, ck, g, groups[size_t(w)], n_threads, out, kv_dtype);
     });
   for (auto &t : th) t.join();
   return std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });

@@ -191,4 +191,60 @@ TEST(SmolLM2, CpuGreedyAndLogitsMatchReference) {
   }
 }
 
+// 8-bit pools on the cpu backend, full KV, teacher-forced: the greedy token at each decode
+// position against the fp64 reference's top-1 (the unquantized cpu pools match it to fp32
+// rounding, CpuGreedyAndLogitsMatchReference). int8 must agree at >= 99% of all decode positions
+// (the quantized-pool issue's target); fp8 (e4m3) reaches 97.9% (1755/1792): its 3-bit mantissa
+// moves keys' large channels by up to 6%, which is most of its error (int8 keys with fp8 values
+// measured 99.5%, fp8 keys alone 97.8%), so its floor is 97.5%. Both must agree at every position
+// whose fp64 top-2 gap exceeds 0.5 std (a misread code or scale moves logits by whole stds).
+struct QuantCase {
+  lf_kv_dtype dtype;
+  double min_agree;
+};
+
+class SmolLM2Quant : public ::testing::TestWithParam<QuantCase> {};
+
+TEST_P(SmolLM2Quant, CpuPoolsAgreeWithReference) {
+  SMOL_SETUP(s);
+  const QuantCase qc = GetParam();
+  lf_checkpoint ck{};
+  ASSERT_EQ(lf_checkpoint_open(s.path.c_str(), &ck), LF_OK) << lf_last_error();
+  std::vector<std::vector<SmolObs>> obs;
+  const int workers = std::thread::hardware_concurrency() >= 2 ? 2 : 1;
+  const bool ran = smollm2_teacher_forced(LF_BACKEND_CPU, ck, s.g, workers, 1, &obs, qc.dtype);
+  lf_checkpoint_close(&ck);
+  ASSERT_TRUE(ran);
+  int n = 0, same = 0, n_sig = 0, sig_same = 0;
+  double max_dl = 0;
+  for (size_t i = 0; i < s.g.prompts.size(); i++) {
+    const SmolPrompt &p = s.g.prompts[i];
+    ASSERT_EQ(obs[i].size(), p.positions.size());
+    for (size_t j = p.first_decode(); j < obs[i].size(); j++) {
+      n++;
+      same += obs[i][j].token == p.top1[j];
+      if (p.gap[j] / p.stdev[j] > 0.5) {
+        n_sig++;
+        sig_same += obs[i][j].token == p.top1[j];
+        EXPECT_EQ(obs[i][j].token, p.top1[j]) << p.name << " position " << p.positions[j];
+      }
+    }
+    for (size_t j = 0; j < obs[i].size(); j++)
+      for (int k = 0; k < kSmolTopK; k++)
+        max_dl = std::max(max_dl, std::fabs(double(obs[i][j].at8[size_t(k)]) -
+                                            p.top8_logits[j][size_t(k)]) /
+                                      p.stdev[j]);
+  }
+  std::printf("[ smollm2  ] cpu %s pools: top-1 as fp64 at %d/%d decode positions (%.2f%%; "
+              "decisive, gap > 0.5 std: %d/%d); max |dlogit| %.3f std\n",
+              lf_kv_dtype_str(qc.dtype), same, n, 100.0 * same / n, sig_same, n_sig, max_dl);
+  EXPECT_GE(same, qc.min_agree * n);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, SmolLM2Quant,
+                         ::testing::Values(QuantCase{LF_KV_INT8, 0.99}, QuantCase{LF_KV_FP8, 0.975}),
+                         [](const ::testing::TestParamInfo<QuantCase> &i) {
+                           return std::string(lf_kv_dtype_str(i.param.dtype));
+                         });
+
 } // namespace

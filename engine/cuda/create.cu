@@ -70,6 +70,10 @@ static void free_device_side_locked(cuda_backend *c) {
   cudaFree(c->inv_freq);
   cudaFree(c->pv.k);
   cudaFree(c->pv.v);
+  cudaFree(c->pv.k_scale);
+  cudaFree(c->pv.v_scale);
+  cudaFree(c->pv.deq_k);
+  cudaFree(c->pv.deq_v);
   cudaFree(c->pv.vnorm);
   cudaFree(c->pv.acc);
   cudaFree(c->h2o_cs);
@@ -134,7 +138,8 @@ static void cuda_free(lf_backend *b) {
 static lf_status size_pools(cuda_backend *c) {
   const lf_model_config *m = &c->cfg;
   const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
-  const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim};
+  const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim,
+                            (int)c->p.kv_dtype};
   const uint64_t arena = lf_pool_bytes_device(&ps, c->p.policy == LF_POLICY_H2O);
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
@@ -151,6 +156,9 @@ static lf_status size_pools(cuda_backend *c) {
   const uint64_t fixed = T * row + 2 * T * (uint64_t)c->kd * 2 + T * m->n_heads * 8 +
                          (uint64_t)m->n_kv_heads * T * 12 + lf_cuda_sample_sort_bytes(m->vocab_size) +
                          h2o_cs +
+                         (c->p.kv_dtype != LF_KV_BF16 /* a chunk's dequantized slots */
+                              ? 2 * (uint64_t)m->n_kv_heads * c->p.budget * m->head_dim * 2
+                              : 0) +
                          ((uint64_t)64 << 20) /* attention split workspace, graphs, slack */;
   size_t free_b = 0, total_b = 0;
   LF_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
@@ -180,6 +188,9 @@ static lf_status create(cuda_backend *c) {
     return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
   }
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
+  if (p->kv_dtype != LF_KV_BF16 && p->kv_dtype != LF_KV_FP8 && p->kv_dtype != LF_KV_INT8)
+    return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: kv dtype %d (bf16, fp8 or int8)",
+                    (int)p->kv_dtype);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
   if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
   if (c->comm && !c->comm->device)
@@ -236,8 +247,16 @@ static lf_status create(cuda_backend *c) {
   c->pv.n_kv_heads = hkv;
   c->pv.budget = p->budget;
   c->pv.head_dim = D;
-  CB_ALLOC(c->pv.k, slots * D * 2);
-  CB_ALLOC(c->pv.v, slots * D * 2);
+  c->pv.kv_dtype = (int)p->kv_dtype;
+  const size_t eb = p->kv_dtype == LF_KV_BF16 ? 2 : 1; /* bytes per K/V value */
+  CB_ALLOC(c->pv.k, slots * D * eb);
+  CB_ALLOC(c->pv.v, slots * D * eb);
+  if (p->kv_dtype != LF_KV_BF16) {
+    CB_ALLOC(c->pv.k_scale, slots * 4);
+    CB_ALLOC(c->pv.v_scale, slots * 4);
+    CB_ALLOC(c->pv.deq_k, (size_t)hkv * p->budget * D * 2);
+    CB_ALLOC(c->pv.deq_v, (size_t)hkv * p->budget * D * 2);
+  }
   CB_ALLOC(c->pv.vnorm, slots * 4);
   CB_ALLOC(c->pv.pos, slots * 4);
   CB_ALLOC(c->pv.n, heads * 4);

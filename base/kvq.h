@@ -1,0 +1,157 @@
+/* The quantized KV slot formats (docs/DESIGN.md §3, "Quantized pools"): the one definition of
+ * their rounding, saturation, zeros and non-finite values, compiled into the CPU reference and
+ * into the CUDA kernels that write slots, so the bytes a GPU stores are the bytes the CPU twin
+ * computes (tests hold them to that, bit for bit). Both formats store every (slot, KV head) row
+ * of head_dim values of K (and, separately, of V) as head_dim bytes and one fp32 scale.
+ *
+ * int8: symmetric integers with a uniform step:
+ *   scale = amax / 127, code = round-to-nearest-even(x_d / scale) in [-127, 127] (two's
+ *   complement byte), value = code * scale (fp32 multiply)
+ *
+ * fp8:
+ *   amax  = max |x_d| over the row
+ *   scale = amax / 448 (448: e4m3's largest finite value); the row's largest value maps to 448
+ *   code  = e4m3(x_d / scale), round to nearest even, magnitudes above 448 saturate to 448
+ *   value = e4m3_to_float(code) * scale (fp32 multiply): what attention computes on
+ * A row of zeros has scale 0 and codes +-0. A row with a NaN or an infinity stores scale NaN and
+ * NaN codes (0x7f), so every value of it reads back as NaN, as the same row would poison an
+ * unquantized pool's attention. fp32 division and multiplication are IEEE-rounded on the host
+ * and on the device (lfserve never builds with fast math), so both sides agree.
+ *
+ * Plain C (and CUDA): LF_HD marks the functions for both sides.
+ */
+#ifndef LF_KVQ_H
+#define LF_KVQ_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define LF_HD __host__ __device__ __forceinline__
+#else
+#define LF_HD static inline
+#endif
+
+#define LF_FP8_MAX 448.0f
+#define LF_FP8_NAN ((uint8_t)0x7f)
+
+LF_HD uint32_t lf_kvq_f32_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+LF_HD float lf_kvq_bits_f32(uint32_t u) {
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+/* e4m3 (OCP FP8: bias 7, no infinities, 0x7f/0xff NaN, largest finite 448) from fp32: round to
+ * nearest even, saturating finite (|x| > 448 and +-inf give +-448), NaN gives 0x7f. */
+LF_HD uint8_t lf_fp8_from_f32(float x) {
+  const uint32_t u = lf_kvq_f32_bits(x);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return LF_FP8_NAN;
+  if (a >= 0x43e00000u) return (uint8_t)(sign | 0x7e); /* >= 448 (inf included) */
+  if (a < 0x3c800000u) {                              /* below 2^-6: subnormal codes m * 2^-9 */
+    /* |x| * 512 is exact (a power of two) and below 8; the add of 2^23 rounds it to an integer
+     * with the current (nearest-even) rounding, in fp32 on both sides. */
+    const float r = (lf_kvq_bits_f32(a) * 512.0f + 8388608.0f) - 8388608.0f;
+    return (uint8_t)(sign | (uint8_t)r); /* r == 8 is code 0x08, the smallest normal */
+  }
+  const uint32_t mant = a & 0x7fffffu, rem = mant & 0xfffffu;
+  uint32_t r = ((((a >> 23) - 127u + 7u) & 0xfu) << 3) | (mant >> 20);
+  if (rem > 0x80000u || (rem == 0x80000u && (r & 1u))) r++; /* a carry moves to the exponent */
+  return (uint8_t)(sign | r);
+}
+
+/* The exact value of an e4m3 code (NaN for 0x7f and 0xff). */
+LF_HD float lf_fp8_to_f32(uint8_t c) {
+  const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
+  float v;
+  if (e == 15 && m == 7) return lf_kvq_bits_f32(0x7fc00000u);
+  if (e == 0)
+    v = (float)m * (1.0f / 512.0f);
+  else
+    v = lf_kvq_bits_f32(((e - 7u + 127u) << 23) | (m << 20));
+  return (c & 0x80) ? -v : v;
+}
+
+/* The row's scale: amax / 448, 0 for a row of zeros, NaN when a value is not finite
+ * (nonfinite != 0). */
+LF_HD float lf_fp8_row_scale(float amax, int nonfinite) {
+  if (nonfinite) return lf_kvq_bits_f32(0x7fc00000u);
+  return amax / LF_FP8_MAX;
+}
+
+/* One value's code under its row's scale (lf_fp8_row_scale). */
+LF_HD uint8_t lf_fp8_code(float x, float scale) {
+  if (scale != scale) return LF_FP8_NAN;
+  if (scale == 0.0f) return (uint8_t)((lf_kvq_f32_bits(x) >> 24) & 0x80); /* +-0 */
+  return lf_fp8_from_f32(x / scale);
+}
+
+/* A code read back under its row's scale. */
+LF_HD float lf_fp8_value(uint8_t code, float scale) {
+  return lf_fp8_to_f32(code) * scale;
+}
+
+/* int8: the row's scale (amax / 127; 0 for zeros; NaN when a value is not finite). */
+LF_HD float lf_i8_row_scale(float amax, int nonfinite) {
+  if (nonfinite) return lf_kvq_bits_f32(0x7fc00000u);
+  return amax / 127.0f;
+}
+
+/* int8: one value's code (as its byte) under the row's scale; 0 under a NaN or zero scale. The
+ * add and subtract of 1.5 * 2^23 round |x / scale| <= 127 (plus rounding) to an integer, nearest
+ * even, in fp32 on both sides. */
+LF_HD uint8_t lf_i8_code(float x, float scale) {
+  if (scale != scale || scale == 0.0f) return 0;
+  float r = (x / scale + 12582912.0f) - 12582912.0f;
+  r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+  return (uint8_t)(int8_t)r;
+}
+
+LF_HD float lf_i8_value(uint8_t code, float scale) {
+  return (float)(int8_t)code * scale;
+}
+
+/* The dtype-generic forms the pools use (kv_dtype: lf_kv_dtype's LF_KV_FP8 = 1, LF_KV_INT8 = 2). */
+#define LF_KVQ_FP8 1
+#define LF_KVQ_INT8 2
+
+LF_HD float lf_kvq_row_scale(int kv_dtype, float amax, int nonfinite) {
+  return kv_dtype == LF_KVQ_INT8 ? lf_i8_row_scale(amax, nonfinite)
+                                 : lf_fp8_row_scale(amax, nonfinite);
+}
+
+LF_HD uint8_t lf_kvq_code(int kv_dtype, float x, float scale) {
+  return kv_dtype == LF_KVQ_INT8 ? lf_i8_code(x, scale) : lf_fp8_code(x, scale);
+}
+
+LF_HD float lf_kvq_value(int kv_dtype, uint8_t code, float scale) {
+  return kv_dtype == LF_KVQ_INT8 ? lf_i8_value(code, scale) : lf_fp8_value(code, scale);
+}
+
+/* A whole row on the host: codes[d] and the scale; returns the scale. */
+LF_HD float lf_kvq_quantize_row(int kv_dtype, const float *x, int n, uint8_t *codes) {
+  float amax = 0.0f;
+  int nonfinite = 0;
+  for (int i = 0; i < n; i++) {
+    const float a = fabsf(x[i]);
+    if (!(a <= 3.40282347e38f)) nonfinite = 1; /* NaN or inf */
+    else if (a > amax) amax = a;
+  }
+  const float scale = lf_kvq_row_scale(kv_dtype, amax, nonfinite);
+  for (int i = 0; i < n; i++) codes[i] = lf_kvq_code(kv_dtype, x[i], scale);
+  return scale;
+}
+
+LF_HD float lf_fp8_quantize_row(const float *x, int n, uint8_t *codes) {
+  return lf_kvq_quantize_row(LF_KVQ_FP8, x, n, codes);
+}
+
+#endif
