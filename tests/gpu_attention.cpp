@@ -382,10 +382,15 @@ TEST(GpuKernels, PrefillVsReference) {
       // rounds the weights to bf16 (2^-9 relative) as flash attention does, which moves an output
       // by up to ~2^-8 when two keys share the weight. Bound each element by that, and the mean
       // error (measured on an H200: 1-3e-4 diffuse, 8.5-9e-4 sharp) below 2e-3, so a systematic
-      // error (a wrong mask, scale or slot, ~1e-1) cannot hide.
+      // error (a wrong mask, scale or slot, ~1e-1) cannot hide. 8-bit pools: the chunk reads
+      // the pool's slots as bf16 copies of what the CPU pool holds in fp32, one more rounding
+      // (2^-9) of every pool key and value, which sharp queries (qs 8) amplify: measured up to
+      // 8.0e-3 at 0.187 (fp8, n0 1000); the element bound doubles, the mean bound stays.
+      const float el_rel = kvd == LF_KV_BF16 ? 1e-2f : 2e-2f;
+      const float el_abs = kvd == LF_KV_BF16 ? 6e-3f : 1.2e-2f;
       double err_sum = 0.0;
       for (size_t i = 0; i < q.size(); i++) {
-        ASSERT_NEAR(bf(out[i]), ref[i], 1e-2f * std::fabs(ref[i]) + 6e-3f)
+        ASSERT_NEAR(bf(out[i]), ref[i], el_rel * std::fabs(ref[i]) + el_abs)
             << "case D " << D << " G " << c.G << " B " << B << " n0 " << n0 << " T " << T
             << " qs " << c.qs << " kv " << lf_kv_dtype_str(lf_kv_dtype(kvd)) << " i " << i
             << " seed " << seed;
