@@ -164,6 +164,7 @@ static void run_group(ev_ctx *c, ev_group *g) {
   cfg.sink = o->sink;
   cfg.window = o->window;
   cfg.h2o_recent = o->h2o_recent;
+  cfg.kv_dtype = o->kv_dtype;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
   g->pools = g->n < o->max_concurrent ? g->n : o->max_concurrent;

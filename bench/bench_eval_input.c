@@ -52,6 +52,8 @@ void ev_usage(FILE *f) {
           "                       --jobs 1, else 1)\n"
           "  --sink S --window W  policy parameters as lfgen (default 4 32)\n"
           "  --h2o-recent R       h2o's recent window as lfgen (default 0: each budget's B/2)\n"
+          "  --kv-dtype T         bf16 | fp8 | int8: the pools' K/V storage (default bf16);\n"
+          "                       the fractions stay in slots, not bytes\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
           "  --tokenizer FILE     tokenizer.json (default MODEL/tokenizer.json)\n"
           "  --json FILE          write runs + summary (tools/task/eval.py's schema)\n"
@@ -172,7 +174,7 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--max-concurrent", "--jobs",      "--threads",
                                          "--sink",           "--window",    "--max-batch-tokens",
                                          "--budget-round",   "--evict-groups",
-                                         "--budget-of",      "--h2o-recent"};
+                                         "--budget-of",      "--h2o-recent", "--kv-dtype"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -237,6 +239,12 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, INT_MAX, &o->sink);
     else if (!strcmp(a, "--h2o-recent"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->h2o_recent);
+    else if (!strcmp(a, "--kv-dtype")) {
+      if (lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK) {
+        fprintf(stderr, EV_NAME ": %s\n", lf_last_error());
+        r = -1;
+      }
+    }
     else if (!strcmp(a, "--window"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->window);
     else if (!strcmp(a, "--evict-groups"))

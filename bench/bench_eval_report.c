@@ -253,10 +253,12 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
   fprintf(f,
           ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, \"h2o_recent\": %d, "
           "\"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
-          "\"full_budget\": \"%s\", \"evict_groups\": %d},\n \"teacher_forced\": %s, "
+          "\"full_budget\": \"%s\", \"evict_groups\": %d, \"kv_dtype\": \"%s\"},\n "
+          "\"teacher_forced\": %s, "
           "\"budget_of\": \"%s\", \"budget_round\": %d, \"fractions\": [",
           backend, o->sink, o->window, o->h2o_recent, o->max_batch_tokens, o->threads, o->jobs,
-          o->max_concurrent, o->full_ctx ? "ctx" : "fit", o->evict_groups, o->teacher_forced ? "true" : "false",
+          o->max_concurrent, o->full_ctx ? "ctx" : "fit", o->evict_groups,
+          lf_kv_dtype_str(o->kv_dtype), o->teacher_forced ? "true" : "false",
           o->budget_of_live ? "live" : "output", o->budget_round);
   for (int i = 0; i < o->n_fractions; i++) {
     if (i) fputs(", ", f);

@@ -102,7 +102,8 @@ static double weight_bytes(const lf_model_config *m) {
 
 /* One model: create, fill the pools, time each batch size; rows appended to json. */
 static int run_model(const char *model, const int *batches, int nb, int budget, int steps,
-                     int warmup, double copy_gbs, FILE *json, int *first_row, lf_comm_t comm) {
+                     int warmup, double copy_gbs, FILE *json, int *first_row, lf_comm_t comm,
+                     lf_kv_dtype kv_dtype) {
   int rc = 0, max_b = 0;
   for (int i = 0; i < nb; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
   lf_checkpoint ck;
@@ -119,7 +120,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   }
   const lf_model_config *m = &ck.cfg;
   lf_backend_params p = {.policy = LF_POLICY_LONGFLOW, .budget = budget, .sink = 4, .window = 32,
-                         .n_pools = max_b, .comm = comm};
+                         .n_pools = max_b, .comm = comm, .kv_dtype = kv_dtype};
   const int tp = comm ? comm->size : 1;
   double t0 = lf_now_s();
   if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);
@@ -192,7 +193,9 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
     }
     const double med = bench_median(t, steps);
     /* every pool holds `budget` slots once its first decode token is in */
-    const double kv = (double)bs * m->n_layers * m->n_kv_heads * budget * m->head_dim * 2.0 * 2.0;
+    const double slot_kv = kv_dtype == LF_KV_BF16 ? m->head_dim * 2.0 * 2.0   /* K, V bf16 */
+                                                  : (m->head_dim + 4.0) * 2.0; /* codes, scale */
+    const double kv = (double)bs * m->n_layers * m->n_kv_heads * budget * slot_kv;
     const double floor_s = (wb + kv) / tp / (copy_gbs * 1e9); /* per GPU */
     printf("%-18s %6d %7d %10.3f %10.3f %10.3f %8.2f %8.2f %9.3f %8.1f%%\n", model, bs, budget,
            med * 1e3, best * 1e3, floor_s * 1e3, wb / 1e9, kv / 1e9, med / floor_s,
@@ -202,9 +205,11 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
               "%s\n    {\"model\": \"%s\", \"batch\": %d, \"budget\": %d, \"steps\": %d, "
               "\"step_ms_median\": %.4f, \"step_ms_min\": %.4f, \"floor_ms\": %.4f, "
               "\"weight_bytes\": %.0f, \"kv_bytes\": %.0f, \"ratio\": %.4f, "
-              "\"roofline_fraction\": %.4f, \"create_s\": %.2f, \"fill_s\": %.2f, \"tp\": %d}",
+              "\"roofline_fraction\": %.4f, \"create_s\": %.2f, \"fill_s\": %.2f, \"tp\": %d, "
+              "\"kv_dtype\": \"%s\"}",
               *first_row ? "" : ",", model, bs, budget, steps, med * 1e3, best * 1e3,
-              floor_s * 1e3, wb, kv, med / floor_s, floor_s / med, t_create, t_fill, tp);
+              floor_s * 1e3, wb, kv, med / floor_s, floor_s / med, t_create, t_fill, tp,
+              lf_kv_dtype_str(kv_dtype));
       *first_row = 0;
     }
   }
@@ -225,6 +230,7 @@ int bench_step(int argc, char **argv) {
   char models_buf[512] = "random:llama3-8b,random:qwen3-8b";
   const char *json_path = NULL;
   int batches[STEP_MAX_LIST] = {1, 64}, nb = 2, budget = 1024, steps = 50, warmup = 5, tp = 0;
+  lf_kv_dtype kv_dtype = LF_KV_BF16;
   for (int i = 1; i < argc; i++) {
     const char *o = argv[i];
     if (!strcmp(o, "--tp")) {
@@ -233,10 +239,11 @@ int bench_step(int argc, char **argv) {
     }
     if (!strcmp(o, "-h") || !strcmp(o, "--help")) {
       printf("usage: lfbench step [--models LIST] [--batches LIST] [--budget N] [--steps N] "
-             "[--warmup N] [--json FILE] [--tp]\n"
+             "[--warmup N] [--kv-dtype T] [--json FILE] [--tp]\n"
              "  one decode step of the cuda backend (pools filled to the budget) against the\n"
              "  weights + KV bytes / copy-bandwidth floor; defaults: random:llama3-8b,\n"
              "  random:qwen3-8b; batches 1,64; budget 1024; 50 timed steps after 5\n"
+             "  --kv-dtype bf16 | fp8 | int8: the pools' K/V storage (default bf16)\n"
              "  --tp: tensor parallel over the ranks of mpirun -np T (NCCL, one GPU each)\n");
       return 0;
     }
@@ -257,6 +264,11 @@ int bench_step(int argc, char **argv) {
       warmup = atoi(v);
     } else if (!strcmp(o, "--json")) {
       json_path = v;
+    } else if (!strcmp(o, "--kv-dtype")) {
+      if (lf_kv_dtype_parse(v, &kv_dtype) != LF_OK) {
+        fprintf(stderr, "lfbench step: %s\n", lf_last_error());
+        return 2;
+      }
     } else {
       fprintf(stderr, "lfbench step: unknown option %s\n", o);
       return 2;
@@ -321,7 +333,8 @@ int bench_step(int argc, char **argv) {
   int rc = 0, first = 1;
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))
-    rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first, comm);
+    rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first, comm,
+                    kv_dtype);
   if (json) {
     fprintf(json, "\n  ]\n}\n");
     fclose(json);

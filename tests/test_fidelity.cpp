@@ -149,6 +149,7 @@ TEST_P(FidelityCpuQuant, AgreesWithUnquantizedPool) {
   int n[2] = {0, 0}, same[2] = {0, 0}, decisive[2] = {0, 0}, same_decisive[2] = {0, 0};
   float worst[2] = {0.0f, 0.0f};
   for (int P : {40, 600, 1500}) {
+    if (FID_ASAN && P > 40) continue; /* three runs a prompt: the Release run covers these */
     FidGolden g;
     std::string err;
     ASSERT_TRUE(fid_read_golden(model, P, &g, &err)) << err;
@@ -196,7 +197,9 @@ TEST_P(FidelityCpuQuant, AgreesWithUnquantizedPool) {
            lf_kv_dtype_str(dts[q]), model.c_str(), same[q], n[q], same_decisive[q], decisive[q],
            (double)kQDecisive, (double)worst[q]);
     EXPECT_GE(same_decisive[q], kQDecisiveAgree * decisive[q]) << lf_kv_dtype_str(dts[q]);
-    EXPECT_GE(same[q], kQAgree[q] * n[q]) << lf_kv_dtype_str(dts[q]);
+    if (!FID_ASAN) {
+      EXPECT_GE(same[q], kQAgree[q] * n[q]) << lf_kv_dtype_str(dts[q]);
+    }
   }
 }
 
