@@ -96,9 +96,6 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   constexpr bool F8 = Q == DA_FP8;  /* the 2^-120 image: q and P raised, see DA_F8_* */
   constexpr bool Q8 = Q != DA_BF16; /* 8-bit codes and row scales */
   constexpr int EB = Q8 ? 1 : 2;    /* bytes per K/V element */
-  /* tiles in flight per warp: 8-bit tiles are half the bytes, so twice as many keep as many
-   * bytes in flight (the same registers for the raw loads) */
-  constexpr int UNR = Q8 ? 2 * DA_UNR : DA_UNR;
   const __nv_bfloat16 *K = (const __nv_bfloat16 *)p.k + (hidx * B) * D;
   const __nv_bfloat16 *V = (const __nv_bfloat16 *)p.v + (hidx * B) * D;
   const uint8_t *K8 = (const uint8_t *)p.k + (hidx * B) * D;
@@ -116,7 +113,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   for (int i = tid; i < (s1 - s0 + 31) / 32; i += DA_NT)
     prefetch_l2(p.vnorm + hidx * B + s0 + 32 * i);
   {
-    const int nv = min(s1 - s0, DA_NW * UNR * DA_TILE) * D * EB / 128; /* 128-byte lines */
+    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * D * EB / 128; /* 128-byte lines */
     const char *vb = (const char *)p.v + ((hidx * B) + s0) * D * EB;
     for (int i = tid; i < nv; i += DA_NT)
       prefetch_l2(vb + 128 * i);
@@ -138,13 +135,13 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   /* Pass 1: logits. Tile rows are slots sb + g and sb + g + 8; the accumulator holds heads 2t and
    * 2t + 1 of both. */
   float mx0 = -INFINITY, mx1 = -INFINITY;
-  for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * UNR) {
+  for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
     if (!Q8 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
-    uint4 kr[UNR][2][NJ];
-    uint2 kr8[UNR][2][NJ];
-    float ksc[UNR][2];
+    uint4 kr[DA_UNR][2][NJ];
+    uint2 kr8[DA_UNR][2][NJ];
+    float ksc[DA_UNR][2];
 #pragma unroll
-    for (int u = 0; u < UNR; u++)
+    for (int u = 0; u < DA_UNR; u++)
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + g + 8 * r;
@@ -163,7 +160,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
         }
       }
 #pragma unroll
-    for (int u = 0; u < UNR; u++) {
+    for (int u = 0; u < DA_UNR; u++) {
       const int ti = ti0 + u * DA_NW;
       if (ti >= ntiles) break;
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -221,13 +218,13 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.0f;
   float psum = 0.0f;
   const float mg2 = m_g * DA_LOG2E;
-  for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * UNR) {
+  for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
     if (!Q8 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
-    uint4 vr[UNR][4][NC];
-    uint2 vr8[UNR][4][NC];
-    float vsc[UNR][4];
+    uint4 vr[DA_UNR][4][NC];
+    uint2 vr8[DA_UNR][4][NC];
+    float vsc[DA_UNR][4];
 #pragma unroll
-    for (int u = 0; u < UNR; u++)
+    for (int u = 0; u < DA_UNR; u++)
 #pragma unroll
       for (int r = 0; r < 4; r++) {
         const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + 2 * t + (r & 1) + 8 * (r >> 1);
@@ -245,7 +242,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
         }
       }
 #pragma unroll
-    for (int u = 0; u < UNR; u++) {
+    for (int u = 0; u < DA_UNR; u++) {
       const int ti = ti0 + u * DA_NW;
       if (ti >= ntiles) break;
       float pv[4];

@@ -4,7 +4,8 @@
 #
 #   bench/run.sh test             build, then ctest -L gpu (kernels vs their CPU twins, the engine,
 #                                 the fidelity suite; SmolLM2's when $LF_SMOLLM2_GGUF names its file;
-#                                 GPU_TESTS: a ctest -R regex to run only some)
+#                                 GPU_TESTS: a ctest -R regex to run only some, BUILD_TARGETS
+#                                 the targets to build, default all)
 #                                 SANITIZE=1: also compute-sanitizer memcheck + racecheck on a
 #                                 subset of gpu_decode_attn
 #   bench/run.sh kernel           the torch SDPA peer and `lfbench kernel` (decode attention)
@@ -121,7 +122,8 @@ build() { # SRC BUILD_DIR [TARGET...]
 }
 
 run_test() {
-  build . "$B" || { rc=1; return; } # always: a warm machine keeps an older build in $B
+  # shellcheck disable=SC2086 # BUILD_TARGETS: a list
+  build . "$B" ${BUILD_TARGETS:-} || { rc=1; return; } # always: a warm machine keeps an older build in $B
   say "ctest -L gpu"
   (cd "$B" && ctest -L gpu ${GPU_TESTS:+-R "$GPU_TESTS"} -V --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1 || rc=1
   grep -E "llama|qwen|smollm|decisive|tests passed|FAILED|Failure|Skipped" "$OUT/ctest_gpu.txt" |
