@@ -123,6 +123,30 @@ TEST(MpiTp, GreedyTokensMatchSingleRank) {
   }
 }
 
+// 8-bit pools under tensor parallelism: every rank quantizes the rows of the KV heads it holds,
+// so T ranks must give a single rank's tokens (head scope, evicting from the first decode step),
+// and not the bf16 pools' tokens (so the dtype reached the ranks and changed the pools).
+TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
+  for (const Model &m : models()) {
+    if (!all_agree(m.fits)) continue;
+    const std::vector<TpGen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
+                                     {prompt_of(23, 256, 1), 30, 0.0f, 0}};
+    lf_engine_config cfg =
+        small_cpu_config(m.path.c_str(), LF_POLICY_LONGFLOW, LF_EVICT_HEAD, 16, 2);
+    std::vector<std::vector<int32_t>> bf16;
+    if (g_comm->rank == 0) bf16 = lf_tp_test_run_single(cfg, gens);
+    for (lf_kv_dtype dt : {LF_KV_FP8, LF_KV_INT8}) {
+      cfg.kv_dtype = dt;
+      const auto [tp, ref] = lf_tp_test_run_both(cfg, g_comm, gens);
+      if (g_comm->rank != 0) continue;
+      ASSERT_EQ(ref.size(), gens.size());
+      for (size_t k = 0; k < gens.size(); k++)
+        EXPECT_EQ(tp[k], ref[k]) << m.path << " " << lf_kv_dtype_str(dt) << " request " << k;
+      EXPECT_NE(ref, bf16) << m.path << " " << lf_kv_dtype_str(dt) << ": as bf16's pools";
+    }
+  }
+}
+
 // Layer-scope eviction under tensor parallelism is rank-local: one slot per layer among the KV
 // heads a rank holds. On random:tiny-llama-kv4 (4 KV heads) the sharded engine must give the
 // tokens of a single-rank engine whose layers' KV heads are split into the same groups
