@@ -246,17 +246,17 @@ run_kvq() {
   [ -x "$B/lfbench" ] || build . "$B" || { rc=1; return; }
   local parts=${KVQ_PARTS:-kernel serve}
   if [[ $parts == *kernel* ]]; then
-  [ -s "$OUT/sdpa_peer.json" ] ||
-    python3 bench/sdpa_peer.py --json "$OUT/sdpa_peer.json" >"$OUT/sdpa_peer.txt" 2>&1 || rc=1
-  local peer=() dt
-  [ -s "$OUT/sdpa_peer.json" ] && peer=(--peer "$OUT/sdpa_peer.json")
-  for dt in bf16 fp8 int8; do
-    say "lfbench kernel --kv-dtype $dt"
-    # shellcheck disable=SC2086
-    "$B/lfbench" kernel --kv-dtype $dt ${KVQ_KERNEL_ARGS:-} "${peer[@]}" \
-      --json "$OUT/lfbench_kernel_$dt.json" | grep -v "^# device" | tee -a "$LOG" || rc=1
-  done
-  python3 - "$OUT" <<'PY' | tee -a "$LOG"
+    [ -s "$OUT/sdpa_peer.json" ] ||
+      python3 bench/sdpa_peer.py --json "$OUT/sdpa_peer.json" >"$OUT/sdpa_peer.txt" 2>&1 || rc=1
+    local peer=() dt
+    [ -s "$OUT/sdpa_peer.json" ] && peer=(--peer "$OUT/sdpa_peer.json")
+    for dt in bf16 fp8 int8; do
+      say "lfbench kernel --kv-dtype $dt"
+      # shellcheck disable=SC2086
+      "$B/lfbench" kernel --kv-dtype $dt ${KVQ_KERNEL_ARGS:-} "${peer[@]}" \
+        --json "$OUT/lfbench_kernel_$dt.json" | grep -v "^# device" | tee -a "$LOG" || rc=1
+    done
+    python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import json, sys
 rows = {dt: {(r["batch"], r["budget"]): r for r in json.load(open(f"{sys.argv[1]}/lfbench_kernel_{dt}.json"))["rows"]}
         for dt in ("bf16", "fp8", "int8")}
