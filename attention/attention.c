@@ -23,7 +23,6 @@
  */
 #include "attention/attention.h"
 
-#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -168,14 +167,7 @@ static void store_row(float *dst, const float *x, int d, int kv_dtype) {
     memcpy(dst, x, (size_t)d * sizeof(float));
     return;
   }
-  float amax = 0.0f;
-  int nonfinite = 0;
-  for (int i = 0; i < d; i++) {
-    const float a = fabsf(x[i]);
-    if (!(a <= FLT_MAX)) nonfinite = 1;
-    else if (a > amax) amax = a;
-  }
-  const float scale = lf_kvq_row_scale(kv_dtype, amax, nonfinite);
+  const float scale = lf_kvq_scale_of_row(kv_dtype, x, d);
   for (int i = 0; i < d; i++)
     dst[i] = lf_kvq_value(kv_dtype, lf_kvq_code(kv_dtype, x[i], scale), scale);
 }

@@ -40,6 +40,7 @@
 #include <stdint.h>
 
 #include "attention/decode_attn_parts.cuh"
+#include "base/kvq.h"
 #include "attention/h2o_window.cuh"
 #include "base/cuda_check.h"
 #include "base/cuda_launch.cuh"
@@ -640,7 +641,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
       a->policy != LF_POLICY_STREAMING && a->policy != LF_POLICY_H2O)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
                     (int)a->policy);
-  if (pv->kv_dtype != LF_KV_BF16 && pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8)
+  if (!lf_kvq_known(pv->kv_dtype))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: kv dtype %d", pv->kv_dtype);
   if (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: 8-bit pools need their scales");

@@ -441,7 +441,7 @@ static __global__ void pool_dequant_kernel(lf_cuda_pool_view p, int pool, int la
 
 extern "C" lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
                                           cudaStream_t stream) {
-  if (!pv || (pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8) || !pv->deq_k ||
+  if (!pv || pv->kv_dtype == LF_KV_BF16 || !lf_kvq_known(pv->kv_dtype) || !pv->deq_k ||
       !pv->deq_v || !pv->k_scale ||
       !pv->v_scale || n0 < 0 || n0 > pv->budget || layer < 0 || layer >= pv->n_layers)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_pool_dequant: bad arguments");
@@ -453,14 +453,15 @@ extern "C" lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool,
 }
 
 /* The view a chunk's attention reads the pool's first n0 slots through: the pool itself (bf16),
- * or, under fp8 / int8, its dequantized copy (filled here), addressed as pool 0 of one layer. */
-static lf_status read_view(const lf_cuda_pool_view *pv, int *pool, int *layer, int n0,
+ * or, under fp8 / int8, its dequantized copy (filled here when fill, else the copy the chunk's
+ * lf_cuda_prefill_attn left), addressed as pool 0 of one layer. */
+static lf_status read_view(const lf_cuda_pool_view *pv, int *pool, int *layer, int n0, int fill,
                            cudaStream_t stream, lf_cuda_pool_view *rv) {
   *rv = *pv;
   if (pv->kv_dtype == LF_KV_BF16) return LF_OK;
-  if (pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8)
+  if (!lf_kvq_known(pv->kv_dtype))
     return lf_error(LF_ERR_UNSUPPORTED, "prefill attention: kv dtype %d", pv->kv_dtype);
-  LF_TRY(lf_cuda_pool_dequant(pv, *pool, *layer, n0, stream));
+  if (fill) LF_TRY(lf_cuda_pool_dequant(pv, *pool, *layer, n0, stream));
   rv->k = pv->deq_k;
   rv->v = pv->deq_v;
   rv->n_layers = 1;
@@ -480,7 +481,7 @@ extern "C" lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_prefill_attn: bad arguments");
   if (n_tok == 0) return LF_OK;
   lf_cuda_pool_view rv;
-  LF_TRY(read_view(pv, &pool, &layer, n0, stream, &rv));
+  LF_TRY(read_view(pv, &pool, &layer, n0, 1, stream, &rv));
   pv = &rv;
   if (pv->head_dim == 128 || pv->head_dim == 64) {
     int mt = warp_tiles;
@@ -641,8 +642,8 @@ extern "C" lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int
       (!slot_of && n0 + n_tok > pv->budget))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_kv_store: bad arguments");
   if (pv->head_dim > ATT_DMAX ||
-      (pv->kv_dtype != LF_KV_BF16 &&
-       ((pv->kv_dtype != LF_KV_FP8 && pv->kv_dtype != LF_KV_INT8) || !pv->k_scale || !pv->v_scale)))
+      !lf_kvq_known(pv->kv_dtype) ||
+      (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale)))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_kv_store: head_dim %d, kv dtype %d",
                     pv->head_dim, pv->kv_dtype);
   if (n_tok == 0) return LF_OK;
@@ -712,7 +713,7 @@ extern "C" lf_status lf_cuda_h2o_prefill_acc(const lf_cuda_pool_view *pv, int po
   const dim3 grid((unsigned)((nk + 127) / 128), (unsigned)pv->n_kv_heads);
   int rpool = pool, rlayer = layer;
   lf_cuda_pool_view rv;
-  LF_TRY(read_view(pv, &rpool, &rlayer, n0, stream, &rv));
+  LF_TRY(read_view(pv, &rpool, &rlayer, n0, 0, stream, &rv));
   h2o_colsum_kernel<<<grid, 128, 0, stream>>>(rv, rpool, rlayer, n0, n_heads, n_tok,
                                               (const __nv_bfloat16 *)q,
                                               (const __nv_bfloat16 *)k, ml, scale, cs);

@@ -59,17 +59,18 @@ lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int layer, int
 
 /* Quantized pools (fp8, int8): the n0 first slots of every KV head of (pool, layer), dequantized
  * (base/kvq.h) and rounded to bf16, into pv->deq_k / deq_v ([n_kv_heads][budget][head_dim]).
- * lf_cuda_prefill_attn and lf_cuda_h2o_prefill_acc call it themselves: a chunk attends to the
- * pool's stored slots as the decode kernel reads them, and to its own tokens in bf16. */
+ * lf_cuda_prefill_attn calls it itself: a chunk attends to the pool's stored slots as the decode
+ * kernel reads them, and to its own tokens in bf16; lf_cuda_h2o_prefill_acc reads that copy. */
 lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
                                struct CUstream_st *stream);
 
-/* h2o after a chunk's prefill attention (ml as lf_cuda_prefill_attn wrote it): every key's
- * softmax weight from the chunk's queries that see it, summed over them and the group's heads
- * (cs: fp32 scratch [n_kv_heads][n0 + n_tok]), goes into the pool's acc: appended (slot_of
- * NULL) the n0 filled slots add theirs and chunk token t's slot n0 + t starts from its own;
- * compressed (slot_of as lf_cuda_snapkv_select filled it, n0 = 0) each kept token's slot starts
- * from its own. lf_attn_prefill_ref's accumulators, in fp32. */
+/* h2o after a chunk's prefill attention (ml as lf_cuda_prefill_attn wrote it; under fp8 / int8
+ * it reads the pool's slots from the bf16 copy that call made): every key's softmax weight
+ * from the chunk's queries that see it, summed over them and the group's heads (cs: fp32
+ * scratch [n_kv_heads][n0 + n_tok]), goes into the pool's acc: appended (slot_of NULL) the n0
+ * filled slots add theirs and chunk token t's slot n0 + t starts from its own; compressed
+ * (slot_of as lf_cuda_snapkv_select filled it, n0 = 0) each kept token's slot starts from its
+ * own. lf_attn_prefill_ref's accumulators, in fp32. */
 lf_status lf_cuda_h2o_prefill_acc(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
                                   int n_heads, int n_tok, const void *q, const void *k,
                                   const float *ml, float scale, const int32_t *slot_of, float *cs,

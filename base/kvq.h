@@ -119,9 +119,15 @@ LF_HD float lf_i8_value(uint8_t code, float scale) {
   return (float)(int8_t)code * scale;
 }
 
-/* The dtype-generic forms the pools use (kv_dtype: lf_kv_dtype's LF_KV_FP8 = 1, LF_KV_INT8 = 2). */
+/* The dtype-generic forms the pools use (kv_dtype: lf_kv_dtype's LF_KV_BF16 = 0,
+ * LF_KV_FP8 = 1, LF_KV_INT8 = 2). */
 #define LF_KVQ_FP8 1
 #define LF_KVQ_INT8 2
+
+/* 1 for a dtype the pools know (bf16 or one of the 8-bit formats). */
+LF_HD int lf_kvq_known(int kv_dtype) {
+  return kv_dtype == 0 || kv_dtype == LF_KVQ_FP8 || kv_dtype == LF_KVQ_INT8;
+}
 
 LF_HD float lf_kvq_row_scale(int kv_dtype, float amax, int nonfinite) {
   return kv_dtype == LF_KVQ_INT8 ? lf_i8_row_scale(amax, nonfinite)
@@ -136,8 +142,8 @@ LF_HD float lf_kvq_value(int kv_dtype, uint8_t code, float scale) {
   return kv_dtype == LF_KVQ_INT8 ? lf_i8_value(code, scale) : lf_fp8_value(code, scale);
 }
 
-/* A whole row on the host: codes[d] and the scale; returns the scale. */
-LF_HD float lf_kvq_quantize_row(int kv_dtype, const float *x, int n, uint8_t *codes) {
+/* A whole row's scale, on the host (the CUDA writes take the amax across a warp). */
+LF_HD float lf_kvq_scale_of_row(int kv_dtype, const float *x, int n) {
   float amax = 0.0f;
   int nonfinite = 0;
   for (int i = 0; i < n; i++) {
@@ -145,13 +151,14 @@ LF_HD float lf_kvq_quantize_row(int kv_dtype, const float *x, int n, uint8_t *co
     if (!(a <= 3.40282347e38f)) nonfinite = 1; /* NaN or inf */
     else if (a > amax) amax = a;
   }
-  const float scale = lf_kvq_row_scale(kv_dtype, amax, nonfinite);
-  for (int i = 0; i < n; i++) codes[i] = lf_kvq_code(kv_dtype, x[i], scale);
-  return scale;
+  return lf_kvq_row_scale(kv_dtype, amax, nonfinite);
 }
 
-LF_HD float lf_fp8_quantize_row(const float *x, int n, uint8_t *codes) {
-  return lf_kvq_quantize_row(LF_KVQ_FP8, x, n, codes);
+/* A whole row on the host: codes[d] and the scale; returns the scale. */
+LF_HD float lf_kvq_quantize_row(int kv_dtype, const float *x, int n, uint8_t *codes) {
+  const float scale = lf_kvq_scale_of_row(kv_dtype, x, n);
+  for (int i = 0; i < n; i++) codes[i] = lf_kvq_code(kv_dtype, x[i], scale);
+  return scale;
 }
 
 #endif

@@ -85,11 +85,7 @@ TEST(SmolLM2Gpu, CudaTeacherForcedTop1MatchesReference) {
                           << gap << " std";
       }
     }
-    for (size_t j = 0; j < o.size(); j++)
-      for (int k = 0; k < kSmolTopK; k++)
-        max_dl = std::max(max_dl, std::fabs(double(o[j].at8[size_t(k)]) -
-                                            p.top8_logits[j][size_t(k)]) /
-                                      p.stdev[j]);
+    max_dl = smollm2_max_dlogit_std(p, o);
     EXPECT_GE(agree, tf_agree) << p.name << ": fewer decisive top-1 agreements than "
                                   "transformers in bfloat16";
     EXPECT_LE(max_dl, kLogitStd) << p.name << ": logits far from the fp64 reference";
@@ -146,16 +142,13 @@ TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
         EXPECT_EQ(of[i][j].token, p.top1[j]) << p.name << " position " << p.positions[j];
       }
     }
-    for (size_t j = 0; j < of[i].size(); j++)
-      for (int k = 0; k < kSmolTopK; k++)
-        max_dl = std::max(max_dl, std::fabs(double(of[i][j].at8[size_t(k)]) -
-                                            p.top8_logits[j][size_t(k)]) /
-                                      p.stdev[j]);
+    max_dl = std::max(max_dl, smollm2_max_dlogit_std(p, of[i]));
   }
   std::printf("[ smollm2  ] cuda %s pools: top-1 as bf16 pools at %d/%d decode positions "
               "(%.2f%%), as fp64 at %d/%d (decisive, gap > %.1f std: %d/%d); max |dlogit| %.3f "
               "std\n",
-              lf_kv_dtype_str(dt), same, n, 100.0 * same / n, fp64_all, n, kFp8SigStd, sig_agree, n_sig, max_dl);
+              lf_kv_dtype_str(dt), same, n, 100.0 * same / n, fp64_all, n, kFp8SigStd, sig_agree,
+              n_sig, max_dl);
   EXPECT_GE(same, kFp8Agree * n);
   EXPECT_LE(max_dl, kLogitStd);
 }

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -259,6 +260,17 @@ struct SmolObs {
   int32_t token = -1;                  /* the backend's greedy token */
   std::array<float, kSmolTopK> at8{};  /* its logits at the fp64 top-8 ids */
 };
+
+/* The largest |backend logit - fp64 logit| at the fp64 top-8 ids over a prompt's observations,
+ * in units of the fp64 logits' std at each position. */
+inline double smollm2_max_dlogit_std(const SmolPrompt &p, const std::vector<SmolObs> &o) {
+  double m = 0;
+  for (size_t j = 0; j < o.size(); j++)
+    for (int k = 0; k < kSmolTopK; k++)
+      m = std::max(m, std::fabs(double(o[j].at8[size_t(k)]) - p.top8_logits[j][size_t(k)]) /
+                          p.stdev[j]);
+  return m;
+}
 
 /* Runs the golden sequences `which` teacher-forced through one backend of `kind` (policy full,
  * budget the longest sequence, one pool per sequence, all of them in each forward call, K/V

@@ -100,7 +100,7 @@ TEST(Fp8Format, RoundsToNearestEvenAsBruteForce) {
 /* Per row: the largest magnitude maps to 448, the rest within half a step of their code. */
 void expect_row_close(const std::vector<float> &x) {
   std::vector<uint8_t> c(x.size());
-  const float sc = lf_fp8_quantize_row(x.data(), (int)x.size(), c.data());
+  const float sc = lf_kvq_quantize_row(LF_KVQ_FP8, x.data(), (int)x.size(), c.data());
   float amax = 0.0f;
   for (float v : x) amax = std::max(amax, std::fabs(v));
   ASSERT_EQ(sc, amax / 448.0f);
@@ -120,7 +120,7 @@ void expect_row_close(const std::vector<float> &x) {
 TEST(Fp8Row, ZerosConstantsOutliersAndTinyRows) {
   std::vector<uint8_t> c(8);
   const std::vector<float> z = {0.0f, -0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  EXPECT_EQ(lf_fp8_quantize_row(z.data(), 8, c.data()), 0.0f);
+  EXPECT_EQ(lf_kvq_quantize_row(LF_KVQ_FP8, z.data(), 8, c.data()), 0.0f);
   EXPECT_EQ(c[0], 0x00);
   EXPECT_EQ(c[1], 0x80);
   EXPECT_EQ(lf_fp8_value(c[1], 0.0f), 0.0f);
@@ -144,7 +144,7 @@ TEST(Fp8Row, NonFiniteRowsReadBackAsNaN) {
     std::vector<float> x(16, 1.0f);
     x[5] = bad;
     std::vector<uint8_t> c(16);
-    const float sc = lf_fp8_quantize_row(x.data(), 16, c.data());
+    const float sc = lf_kvq_quantize_row(LF_KVQ_FP8, x.data(), 16, c.data());
     EXPECT_TRUE(std::isnan(sc));
     for (int i = 0; i < 16; i++) {
       EXPECT_EQ(c[i], LF_FP8_NAN);

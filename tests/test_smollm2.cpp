@@ -229,11 +229,7 @@ TEST_P(SmolLM2Quant, CpuPoolsAgreeWithReference) {
         EXPECT_EQ(obs[i][j].token, p.top1[j]) << p.name << " position " << p.positions[j];
       }
     }
-    for (size_t j = 0; j < obs[i].size(); j++)
-      for (int k = 0; k < kSmolTopK; k++)
-        max_dl = std::max(max_dl, std::fabs(double(obs[i][j].at8[size_t(k)]) -
-                                            p.top8_logits[j][size_t(k)]) /
-                                      p.stdev[j]);
+    max_dl = std::max(max_dl, smollm2_max_dlogit_std(p, obs[i]));
   }
   std::printf("[ smollm2  ] cpu %s pools: top-1 as fp64 at %d/%d decode positions (%.2f%%; "
               "decisive, gap > 0.5 std: %d/%d); max |dlogit| %.3f std\n",

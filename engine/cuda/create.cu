@@ -9,6 +9,7 @@
 #include "attention/decode_attn.cuh"
 #include "attention/decode_attn_generic.cuh"
 #include "base/cuda_launch.cuh"
+#include "base/kvq.h"
 #include "base/tuning.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/forward.h"
@@ -188,7 +189,7 @@ static lf_status create(cuda_backend *c) {
     return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
   }
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
-  if (p->kv_dtype != LF_KV_BF16 && p->kv_dtype != LF_KV_FP8 && p->kv_dtype != LF_KV_INT8)
+  if (!lf_kvq_known((int)p->kv_dtype))
     return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: kv dtype %d (bf16, fp8 or int8)",
                     (int)p->kv_dtype);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));

@@ -174,7 +174,8 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
                               c->att + (size_t)s->row0 * c->qd,
                               s->compress || h2o ? c->ml : NULL, c->stream));
   if (!s->compress) {
-    /* h2o's column sums read the pool's n0 slots, which the append leaves alone */
+    /* h2o's column sums read the pool's n0 slots (8-bit: the copy the attention made), which
+     * the append leaves alone */
     if (h2o)
       LF_TRY(lf_cuda_h2o_prefill_acc(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, c->ml,
                                      c->ap.scale, NULL, c->h2o_cs, c->stream));
