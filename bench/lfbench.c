@@ -214,11 +214,11 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
                       int splits_req, const uint16_t *seed, const uint8_t *seed8,
                       const float *seed_sc, lf_kv_dtype kv_dtype, size_t seed_elems,
                       size_t l2_bytes, void *flush, size_t flush_bytes, kernel_row *row) {
-  const int group = n_heads / n_kv, sink = 4, B = budget, f8 = seed8 != NULL;
+  const int group = n_heads / n_kv, sink = 4, B = budget, q8 = seed8 != NULL; /* 8-bit codes */
   const size_t head_elems = (size_t)B * D; /* one (pool, kv head) of K */
-  const size_t eb = f8 ? 1 : 2;            /* bytes per value */
+  const size_t eb = q8 ? 1 : 2;            /* bytes per value */
   /* K + V of one pool, codes and scales */
-  const size_t pool_kv_bytes = 2 * (size_t)n_kv * (head_elems * eb + (f8 ? (size_t)B * 4 : 0));
+  const size_t pool_kv_bytes = 2 * (size_t)n_kv * (head_elems * eb + (q8 ? (size_t)B * 4 : 0));
   const double kv_bytes = (double)batch * (double)pool_kv_bytes;
   /* rotate among sets of pools so the working set is >= 4x L2 */
   int n_sets = (int)ceil(4.0 * (double)l2_bytes / kv_bytes);
@@ -230,7 +230,7 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   int32_t *dn = NULL, *dnext = NULL, *dpool = NULL, *dw = NULL, *dpos = NULL;
   BENCH_CUDA(cudaMalloc(&dk, arena_elems * eb));
   BENCH_CUDA(cudaMalloc(&dv, arena_elems * eb));
-  if (f8) {
+  if (q8) {
     BENCH_CUDA(cudaMalloc((void **)&dks, arena_elems / D * 4));
     BENCH_CUDA(cudaMalloc((void **)&dvs, arena_elems / D * 4));
     void *d8 = NULL, *dsc = NULL;
@@ -300,14 +300,14 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
     if (!bk || !bv || !sk || !sv) return 1;
     BENCH_CUDA(cudaMemcpy(bk, dk, ne * eb, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(bv, dv, ne * eb, cudaMemcpyDeviceToHost));
-    if (f8) {
+    if (q8) {
       BENCH_CUDA(cudaMemcpy(sk, dks, nr * 4, cudaMemcpyDeviceToHost));
       BENCH_CUDA(cudaMemcpy(sv, dvs, nr * 4, cudaMemcpyDeviceToHost));
     }
     for (size_t i = 0; i < ne; i++) {
-      hk[i] = f8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bk)[i], sk[i / D])
+      hk[i] = q8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bk)[i], sk[i / D])
                  : bf2f(((uint16_t *)bk)[i]);
-      hv[i] = f8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bv)[i], sv[i / D])
+      hv[i] = q8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bv)[i], sv[i / D])
                  : bf2f(((uint16_t *)bv)[i]);
     }
     free(bk);
