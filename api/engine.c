@@ -8,6 +8,7 @@
 
 #include "engine/backend.h"
 #include "base/error.h"
+#include "base/kvq.h"
 #include "memory/pool.h"
 #include "engine/model.h"
 #include "parallel/comm.h"
@@ -100,6 +101,11 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc,
   const double util = cfg->mem_util > 0 ? cfg->mem_util : LF_MEM_UTIL_DEFAULT;
   if (!(util <= 1.0))
     return lf_error(LF_ERR_INVALID_ARG, "mem_util %g must be in (0, 1]", cfg->mem_util);
+  if (!lf_kvq_fits((int)cfg->kv_dtype, mc->head_dim))
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "%s pools need head_dim a multiple of %d; this model's is %d (bf16, fp8 or "
+                    "int8 pools fit it)",
+                    lf_kv_dtype_str(cfg->kv_dtype), LF_I4_GROUP, mc->head_dim);
   if (cfg->n_pools > 0) return LF_OK;
   if (cfg->kv_memory_bytes == 0) return LF_OK;
   lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim, (int)cfg->kv_dtype};
@@ -218,9 +224,10 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
       !(cfg_in->mem_util >= 0))
     return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
                                         "max_batch_tokens, h2o_recent or mem_util");
-  if ((int)cfg_in->kv_dtype < (int)LF_KV_BF16 || (int)cfg_in->kv_dtype > (int)LF_KV_INT8)
-    return lf_error(LF_ERR_INVALID_ARG, "unknown kv_dtype %d (bf16 %d, fp8 %d, int8 %d)",
-                    (int)cfg_in->kv_dtype, (int)LF_KV_BF16, (int)LF_KV_FP8, (int)LF_KV_INT8);
+  if ((int)cfg_in->kv_dtype < (int)LF_KV_BF16 || (int)cfg_in->kv_dtype > (int)LF_KV_INT4)
+    return lf_error(LF_ERR_INVALID_ARG, "unknown kv_dtype %d (bf16 %d, fp8 %d, int8 %d, int4 %d)",
+                    (int)cfg_in->kv_dtype, (int)LF_KV_BF16, (int)LF_KV_FP8, (int)LF_KV_INT8,
+                    (int)LF_KV_INT4);
   if (comm && (comm->size < 1 || comm->rank < 0 || comm->rank >= comm->size))
     return lf_error(LF_ERR_INVALID_ARG, "communicator rank %d of %d", comm->rank, comm->size);
 

@@ -64,18 +64,20 @@ const char *lf_kv_dtype_str(lf_kv_dtype d) {
     return "fp8";
   case LF_KV_INT8:
     return "int8";
+  case LF_KV_INT4:
+    return "int4";
   }
   return "unknown";
 }
 
 lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out) {
-  static const lf_kv_dtype all[] = {LF_KV_BF16, LF_KV_FP8, LF_KV_INT8};
+  static const lf_kv_dtype all[] = {LF_KV_BF16, LF_KV_FP8, LF_KV_INT8, LF_KV_INT4};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
     if (s && strcmp(s, lf_kv_dtype_str(all[i])) == 0) {
       *out = all[i];
       return LF_OK;
     }
-  return lf_error(LF_ERR_INVALID_ARG, "unknown KV dtype '%s' (bf16, fp8, int8)", s ? s : "(null)");
+  return lf_error(LF_ERR_INVALID_ARG, "unknown KV dtype '%s' (bf16, fp8, int8, int4)", s ? s : "(null)");
 }
 
 int lf_h2o_recent(int requested, int budget) { return requested > 0 ? requested : budget / 2; }
@@ -157,14 +159,22 @@ static void softmax_inplace(double *x, int n) {
     x[i] /= sum;
 }
 
-_Static_assert(LF_KVQ_FP8 == (int)LF_KV_FP8 && LF_KVQ_INT8 == (int)LF_KV_INT8,
+_Static_assert(LF_KVQ_FP8 == (int)LF_KV_FP8 && LF_KVQ_INT8 == (int)LF_KV_INT8 &&
+                   LF_KVQ_INT4 == (int)LF_KV_INT4,
                "base/kvq.h's dtype numbers are lf_kv_dtype's");
 
-/* A row as the pool's dtype stores it: fp8 and int8 keep the values its codes read back
+/* A row as the pool's dtype stores it: fp8, int8 and int4 keep the values its codes read back
  * (base/kvq.h). */
 static void store_row(float *dst, const float *x, int d, int kv_dtype) {
   if (kv_dtype == LF_KV_BF16) {
     memcpy(dst, x, (size_t)d * sizeof(float));
+    return;
+  }
+  if (kv_dtype == LF_KV_INT4) { /* lf_kv_arena_init checked d: <= LF_I4_MAX_DIM, whole groups */
+    uint32_t words[LF_I4_MAX_DIM / 8], meta[LF_I4_MAX_DIM / LF_I4_GROUP];
+    lf_i4_quantize_row(x, d, words, meta);
+    for (int i = 0; i < d; i++)
+      dst[i] = lf_i4_value(lf_i4_get(words, i), meta[i / LF_I4_GROUP]);
     return;
   }
   const float scale = lf_kvq_scale_of_row(kv_dtype, x, d);

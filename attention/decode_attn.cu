@@ -94,15 +94,21 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   const int chunk = ((n + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
   const int s0 = min(split * chunk, n), s1 = min(s0 + chunk, n);
   const int ntiles = (s1 - s0 + DA_TILE - 1) / DA_TILE;
-  constexpr bool F8 = Q == DA_FP8;  /* the 2^-120 image: q and P raised, see DA_F8_* */
-  constexpr bool Q8 = Q != DA_BF16; /* 8-bit codes and row scales */
-  constexpr int EB = Q8 ? 1 : 2;    /* bytes per K/V element */
+  constexpr bool F8 = Q == DA_FP8;                  /* the 2^-120 image: q and P raised, see DA_F8_* */
+  constexpr bool Q8 = Q == DA_FP8 || Q == DA_INT8; /* 8-bit codes and row scales */
+  constexpr bool I4 = Q == DA_INT4;                 /* 4-bit codes, (step, floor) per 32 dims */
+  constexpr int RB = Q8 ? D : I4 ? D / 2 : 2 * D;   /* bytes per K/V row */
+  constexpr int NG = D / 32;                        /* int4 groups per row */
   const __nv_bfloat16 *K = (const __nv_bfloat16 *)p.k + (hidx * B) * D;
   const __nv_bfloat16 *V = (const __nv_bfloat16 *)p.v + (hidx * B) * D;
   const uint8_t *K8 = (const uint8_t *)p.k + (hidx * B) * D;
   const uint8_t *V8 = (const uint8_t *)p.v + (hidx * B) * D;
+  const uint32_t *K4 = (const uint32_t *)p.k + (hidx * B) * (D / 8);
+  const uint32_t *V4 = (const uint32_t *)p.v + (hidx * B) * (D / 8);
   const float *ksc_row = Q8 ? p.k_scale + hidx * B : nullptr;
   const float *vsc_row = Q8 ? p.v_scale + hidx * B : nullptr;
+  const uint32_t *kmeta = I4 ? (const uint32_t *)p.k_scale + hidx * B * NG : nullptr;
+  const uint32_t *vmeta = I4 ? (const uint32_t *)p.v_scale + hidx * B * NG : nullptr;
   const float kmul = F8 ? DA_F8_KDOWN * p.scale : p.scale; /* times the row's K scale */
   const float vmul = F8 ? DA_F8_PUP : 1.0f;                /* times the row's V scale */
   float *lg_s = (float *)da_smem;                   /* [chunk_max][G] */
@@ -114,8 +120,8 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   for (int i = tid; i < (s1 - s0 + 31) / 32; i += DA_NT)
     prefetch_l2(p.vnorm + hidx * B + s0 + 32 * i);
   {
-    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * D * EB / 128; /* 128-byte lines */
-    const char *vb = (const char *)p.v + ((hidx * B) + s0) * D * EB;
+    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * RB / 128; /* 128-byte lines */
+    const char *vb = (const char *)p.v + ((hidx * B) + s0) * RB;
     for (int i = tid; i < nv; i += DA_NT)
       prefetch_l2(vb + 128 * i);
   }
@@ -132,14 +138,35 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
                            bf16x2_scale(qf[j].z, DA_F8_QUP), bf16x2_scale(qf[j].w, DA_F8_QUP));
     }
   }
+  /* int4: the sum of q over each group of 32 dims, for this thread's accumulator heads 2t and
+   * 2t + 1: a group's floor m adds m * sum(q) to every slot's dot product, and the codes enter
+   * the MMA as (128 + code), whose extra 128 * sum(q) the floor term takes back. */
+  float qs0[NJ], qs1[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; j++) {
+    qs0[j] = qs1[j] = 0.0f;
+    if (I4) {
+      float a = 0.0f;
+#pragma unroll
+      for (int w = 0; w < 4; w++) {
+        const uint32_t x = u4_get(qf[j], w);
+        a += __uint_as_float(x << 16) + __uint_as_float(x & 0xffff0000u);
+      }
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      qs0[j] = __shfl_sync(0xffffffffu, a, 8 * t);
+      qs1[j] = __shfl_sync(0xffffffffu, a, 8 * t + 4);
+    }
+  }
 
   /* Pass 1: logits. Tile rows are slots sb + g and sb + g + 8; the accumulator holds heads 2t and
    * 2t + 1 of both. */
   float mx0 = -INFINITY, mx1 = -INFINITY;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
-    if (!Q8 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
+    if (Q == DA_BF16 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 kr[DA_UNR][2][NJ];
     uint2 kr8[DA_UNR][2][NJ];
+    uint32_t kr4[DA_UNR][2][NJ], km4[DA_UNR][2][NJ];
     float ksc[DA_UNR][2];
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++)
@@ -152,6 +179,15 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
           for (int j = 0; j < NJ; j++)
             kr8[u][r][j] = slot < s1 ? ld_stream(src + 4 * j) : make_uint2(0, 0);
           ksc[u][r] = slot < s1 ? ksc_row[slot] * kmul : 0.0f;
+        } else if (I4) {
+          const uint32_t *src = K4 + (size_t)slot * (D / 8) + t;
+          const uint32_t *ms = kmeta + (size_t)slot * NG;
+#pragma unroll
+          for (int j = 0; j < NJ; j++) {
+            kr4[u][r][j] = slot < s1 ? ld_stream(src + 4 * j) : 0u;
+            km4[u][r][j] = slot < s1 ? ms[j] : 0u;
+          }
+          ksc[u][r] = p.scale;
         } else {
           const uint4 *src = (const uint4 *)(K + (size_t)slot * D) + t;
 #pragma unroll
@@ -167,12 +203,27 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < NJ; j++) {
-        const uint4 k0 = Q8 ? q8x8_bf16x8<Q>(kr8[u][0][j]) : kr[u][0][j];
-        const uint4 k1 = Q8 ? q8x8_bf16x8<Q>(kr8[u][1][j]) : kr[u][1][j];
+        const uint4 k0 = Q8 ? q8x8_bf16x8<Q>(kr8[u][0][j]) : I4 ? i4x8_img(kr4[u][0][j]) : kr[u][0][j];
+        const uint4 k1 = Q8 ? q8x8_bf16x8<Q>(kr8[u][1][j]) : I4 ? i4x8_img(kr4[u][1][j]) : kr[u][1][j];
+        if (I4) { /* group j alone, then its step and floor: s * q.(128 + c) + (m - 128 s) sum q */
+          float cj[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int hf = 0; hf < 2; hf++)
-          mma_bf16(c, u4_get(k0, 2 * hf), u4_get(k1, 2 * hf), u4_get(k0, 2 * hf + 1),
-                   u4_get(k1, 2 * hf + 1), u4_get(qf[j], 2 * hf), u4_get(qf[j], 2 * hf + 1));
+          for (int hf = 0; hf < 2; hf++)
+            mma_bf16(cj, u4_get(k0, 2 * hf), u4_get(k1, 2 * hf), u4_get(k0, 2 * hf + 1),
+                     u4_get(k1, 2 * hf + 1), u4_get(qf[j], 2 * hf), u4_get(qf[j], 2 * hf + 1));
+#pragma unroll
+          for (int r = 0; r < 2; r++) {
+            const float sg = lf_i4_meta_s(km4[u][r][j]);
+            const float mg = fmaf(-128.0f, sg, lf_i4_meta_m(km4[u][r][j]));
+            c[2 * r] += fmaf(cj[2 * r], sg, mg * qs0[j]);
+            c[2 * r + 1] += fmaf(cj[2 * r + 1], sg, mg * qs1[j]);
+          }
+        } else {
+#pragma unroll
+          for (int hf = 0; hf < 2; hf++)
+            mma_bf16(c, u4_get(k0, 2 * hf), u4_get(k1, 2 * hf), u4_get(k0, 2 * hf + 1),
+                     u4_get(k1, 2 * hf + 1), u4_get(qf[j], 2 * hf), u4_get(qf[j], 2 * hf + 1));
+        }
       }
 #pragma unroll
       for (int r = 0; r < 2; r++) {
@@ -220,9 +271,10 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   float psum = 0.0f;
   const float mg2 = m_g * DA_LOG2E;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
-    if (!Q8 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
+    if (Q == DA_BF16 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 vr[DA_UNR][4][NC];
     uint2 vr8[DA_UNR][4][NC];
+    uint32_t vr4[DA_UNR][4][NC], vm4[DA_UNR][4][NC];
     float vsc[DA_UNR][4];
 #pragma unroll
     for (int u = 0; u < DA_UNR; u++)
@@ -235,6 +287,14 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
           for (int c = 0; c < NC; c++)
             vr8[u][r][c] = slot < s1 ? ld_stream(src + 8 * c) : make_uint2(0, 0);
           vsc[u][r] = slot < s1 ? vsc_row[slot] * vmul : 0.0f;
+        } else if (I4) { /* dims 64c + 8g .. + 7: code word 8c + g, group 2c + g / 4 */
+          const uint32_t *src = V4 + (size_t)slot * (D / 8) + g;
+          const uint32_t *ms = vmeta + (size_t)slot * NG + (g >> 2);
+#pragma unroll
+          for (int c = 0; c < NC; c++) {
+            vr4[u][r][c] = slot < s1 ? ld_stream(src + 8 * c) : 0u;
+            vm4[u][r][c] = slot < s1 ? ms[2 * c] : 0u;
+          }
         } else {
           const uint4 *src = (const uint4 *)(V + (size_t)slot * D) + g;
 #pragma unroll
@@ -261,7 +321,10 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
 #pragma unroll
       for (int r = 0; r < 4; r++)
 #pragma unroll
-        for (int c = 0; c < NC; c++) vx[r][c] = Q8 ? q8x8_bf16x8<Q>(vr8[u][r][c]) : vr[u][r][c];
+        for (int c = 0; c < NC; c++)
+          vx[r][c] = Q8   ? q8x8_bf16x8<Q>(vr8[u][r][c])
+                     : I4 ? i4x8_bf16x8(vr4[u][r][c], vm4[u][r][c])
+                          : vr[u][r][c];
 #pragma unroll
       for (int mt = 0; mt < NMT; mt++) {
         const int e0 = mt, e1 = mt + NMT; /* this thread's dims of rows g and g + 8 */
@@ -624,6 +687,7 @@ static lf_status launch_any(const attn_params &p, int q, dim3 grid, int cl,
                             cudaStream_t stream) {
   return q == DA_FP8    ? launch_dtype<D, MINB, DA_FP8>(p, grid, cl, stream)
          : q == DA_INT8 ? launch_dtype<D, MINB, DA_INT8>(p, grid, cl, stream)
+         : q == DA_INT4 ? launch_dtype<D, MINB, DA_INT4>(p, grid, cl, stream)
                         : launch_dtype<D, MINB, DA_BF16>(p, grid, cl, stream);
 }
 
@@ -644,7 +708,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   if (!lf_kvq_known(pv->kv_dtype))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: kv dtype %d", pv->kv_dtype);
   if (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale))
-    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: 8-bit pools need their scales");
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: quantized pools need their scales");
   if ((a->policy == LF_POLICY_STREAMING || a->policy == LF_POLICY_H2O) && !pv->pos)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: streaming and h2o need pos");
   if (a->policy == LF_POLICY_H2O && (!pv->acc || a->recent < 0))
@@ -715,6 +779,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   const dim3 grid(S, pv->n_kv_heads, a->n_seq);
   const int qd = pv->kv_dtype == LF_KV_FP8    ? DA_FP8
                  : pv->kv_dtype == LF_KV_INT8 ? DA_INT8
+                 : pv->kv_dtype == LF_KV_INT4 ? DA_INT4
                                               : DA_BF16;
   /* Four blocks per SM (128 registers) while four blocks' shared memory still leaves L1 room
    * for loads in flight; past that, three blocks with the registers the compiler wants. */

@@ -89,8 +89,39 @@ static __device__ __forceinline__ uint4 i8x8_bf16x8(uint2 w) {
                     i8x2_bf16x2(y, 0x7540, 0x7541), i8x2_bf16x2(y, 0x7542, 0x7543));
 }
 
-/* The kernel's K/V storage: bf16, or 8-bit codes with a scale per row (base/kvq.h). */
-enum { DA_BF16 = 0, DA_FP8 = 1, DA_INT8 = 2 };
+/* The kernel's K/V storage: bf16, 8-bit codes with a scale per row, or 4-bit codes with a step
+ * and floor per 32 dims (base/kvq.h). */
+enum { DA_BF16 = 0, DA_FP8 = 1, DA_INT8 = 2, DA_INT4 = 3 };
+
+/* int4 pools (the INT4 kernel). The nibbles of dims 2k and 2k + 1 of a code word (base/kvq.h's
+ * order) as the bf16 pair (128 + code): the nibbles land in the low mantissa bits of 128.0's
+ * pattern, so the pair is exact with one shift and one mask (a LOP3). */
+static __device__ __forceinline__ uint32_t i4x2_img(uint32_t w, int k) {
+  return ((w >> (4 * k)) & 0x000f000fu) | 0x43004300u;
+}
+
+/* Eight codes (one code word) as the bf16 octet of their images (128 + code), in dim order. */
+static __device__ __forceinline__ uint4 i4x8_img(uint32_t w) {
+  return make_uint4(i4x2_img(w, 0), i4x2_img(w, 1), i4x2_img(w, 2), i4x2_img(w, 3));
+}
+
+static __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+/* Eight codes as their values in bf16, s * code + m rounded once (the meta word (s, m) of
+ * their group): the image minus 128 is the code exactly, then one bf16x2 fma. */
+static __device__ __forceinline__ uint4 i4x8_bf16x8(uint32_t w, uint32_t meta) {
+  const uint32_t s2 = __byte_perm(meta, 0, 0x1010), m2 = __byte_perm(meta, 0, 0x3232);
+  uint4 r;
+  r.x = bf16x2_fma(bf16x2_fma(i4x2_img(w, 0), 0x3f803f80u, 0xc300c300u), s2, m2);
+  r.y = bf16x2_fma(bf16x2_fma(i4x2_img(w, 1), 0x3f803f80u, 0xc300c300u), s2, m2);
+  r.z = bf16x2_fma(bf16x2_fma(i4x2_img(w, 2), 0x3f803f80u, 0xc300c300u), s2, m2);
+  r.w = bf16x2_fma(bf16x2_fma(i4x2_img(w, 3), 0x3f803f80u, 0xc300c300u), s2, m2);
+  return r;
+}
 
 /* Eight codes of storage Q as the bf16 octet a 16-byte bf16 load gives: fp8 scaled by 2^-120,
  * int8 exact. */

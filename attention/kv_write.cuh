@@ -71,8 +71,9 @@ static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int 
 
 /* One warp stores one (slot, KV head) row of K or V in the pool's dtype: lane l holds the values
  * of dims l, l + 32, ... in x[] (dims >= D ignored). base: p.k or p.v; scales: p.k_scale or
- * p.v_scale (fp8, int8); row: hidx * budget + slot. bf16 rounds each value; fp8 and int8 take the
- * row's amax across the warp and store codes and the scale as base/kvq.h defines them. Returns, in every
+ * p.v_scale (fp8, int8: a scale per row; int4: head_dim / 32 meta words per row); row: hidx *
+ * budget + slot. bf16 rounds each value; fp8 and int8 take the row's amax across the warp, int4
+ * each group's min and max, and store codes and scales as base/kvq.h defines them. Returns, in every
  * lane, ||stored row||_1 (lane sums in dim order, then the xor reduction: the same bits the bf16
  * write always produced). */
 template <int NE>
@@ -80,7 +81,31 @@ static __device__ __forceinline__ float lf_kvq_store_row(const lf_cuda_pool_view
                                                          float *scales, size_t row,
                                                          const float (&x)[NE], int D, int lane) {
   float l1 = 0.0f;
-  if (p.kv_dtype != LF_KV_BF16) {
+  if (p.kv_dtype == LF_KV_INT4) {
+    /* dims lane + 32 i are group i (D a multiple of 32): the group's min and max across the
+     * warp, each lane's nibble, the 8 nibbles of a code word gathered by xor shuffles */
+    uint32_t *words = (uint32_t *)base + row * (size_t)(D / 8);
+    uint32_t *meta = (uint32_t *)scales + row * (size_t)(D / LF_I4_GROUP);
+#pragma unroll
+    for (int i = 0; i < NE; i++)
+      if (32 * i < D) {
+        const int finite = fabsf(x[i]) <= 3.40282347e38f;
+        float mn = finite ? x[i] : 3.40282347e38f, mx = finite ? x[i] : -3.40282347e38f;
+        for (int o = 16; o > 0; o >>= 1) {
+          mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        }
+        const uint32_t m = lf_i4_group_meta(mn, mx, __any_sync(0xffffffffu, !finite));
+        const uint8_t c = lf_i4_code(x[i], m);
+        uint32_t w = (uint32_t)c << lf_i4_nibble_shift(lane);
+        w |= __shfl_xor_sync(0xffffffffu, w, 1);
+        w |= __shfl_xor_sync(0xffffffffu, w, 2);
+        w |= __shfl_xor_sync(0xffffffffu, w, 4);
+        if ((lane & 7) == 0) words[(lane + 32 * i) >> 3] = w;
+        if (lane == 0) meta[i] = m;
+        l1 += fabsf(lf_i4_value(c, m));
+      }
+  } else if (p.kv_dtype != LF_KV_BF16) {
     float amax = 0.0f;
     int nonfinite = 0;
 #pragma unroll

@@ -15,11 +15,15 @@ static __device__ __forceinline__ const __nv_bfloat16 *pool_row(const lf_cuda_po
 }
 
 /* Element d of that row as attention computes on it: the bf16 value, or under fp8 / int8 the
- * code read back under the row's scale (scales: p.k_scale or p.v_scale). */
+ * code read back under the row's scale, under int4 under its group's step and floor (scales:
+ * p.k_scale or p.v_scale). */
 static __device__ __forceinline__ float pool_val(const lf_cuda_pool_view &p, const void *base,
                                                  const float *scales, size_t hidx, int slot,
                                                  int d) {
   const size_t row = hidx * p.budget + slot;
+  if (p.kv_dtype == LF_KV_INT4)
+    return lf_i4_value(lf_i4_get((const uint32_t *)base + row * (p.head_dim / 8), d),
+                       ((const uint32_t *)scales)[row * (p.head_dim / LF_I4_GROUP) + d / LF_I4_GROUP]);
   if (p.kv_dtype != LF_KV_BF16)
     return lf_kvq_value(p.kv_dtype, ((const uint8_t *)base)[row * p.head_dim + d], scales[row]);
   return __bfloat162float(((const __nv_bfloat16 *)base)[row * p.head_dim + d]);

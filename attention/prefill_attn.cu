@@ -428,20 +428,18 @@ static __global__ void pool_dequant_kernel(lf_cuda_pool_view p, int pool, int la
   const int slot = blockIdx.x * 4 + threadIdx.y, g = blockIdx.y, lane = threadIdx.x;
   if (slot >= n0) return;
   const int D = p.head_dim;
-  const size_t row = (((size_t)pool * p.n_layers + layer) * p.n_kv_heads + g) * p.budget + slot;
+  const size_t hidx = ((size_t)pool * p.n_layers + layer) * p.n_kv_heads + g;
   const size_t drow = ((size_t)g * p.budget + slot) * D;
-  const float ks = p.k_scale[row], vs = p.v_scale[row];
-  const uint8_t *kc = (const uint8_t *)p.k + row * D, *vc = (const uint8_t *)p.v + row * D;
   __nv_bfloat16 *kd = (__nv_bfloat16 *)p.deq_k + drow, *vd = (__nv_bfloat16 *)p.deq_v + drow;
   for (int d = lane; d < D; d += 32) {
-    kd[d] = __float2bfloat16(lf_kvq_value(p.kv_dtype, kc[d], ks));
-    vd[d] = __float2bfloat16(lf_kvq_value(p.kv_dtype, vc[d], vs));
+    kd[d] = __float2bfloat16(pool_val(p, p.k, p.k_scale, hidx, slot, d));
+    vd[d] = __float2bfloat16(pool_val(p, p.v, p.v_scale, hidx, slot, d));
   }
 }
 
 extern "C" lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
                                           cudaStream_t stream) {
-  if (!pv || pv->kv_dtype == LF_KV_BF16 || !lf_kvq_known(pv->kv_dtype) || !pv->deq_k ||
+  if (!pv || pv->kv_dtype == LF_KV_BF16 || !lf_kvq_fits(pv->kv_dtype, pv->head_dim) || !pv->deq_k ||
       !pv->deq_v || !pv->k_scale ||
       !pv->v_scale || n0 < 0 || n0 > pv->budget || layer < 0 || layer >= pv->n_layers)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_pool_dequant: bad arguments");
@@ -459,8 +457,9 @@ static lf_status read_view(const lf_cuda_pool_view *pv, int *pool, int *layer, i
                            cudaStream_t stream, lf_cuda_pool_view *rv) {
   *rv = *pv;
   if (pv->kv_dtype == LF_KV_BF16) return LF_OK;
-  if (!lf_kvq_known(pv->kv_dtype))
-    return lf_error(LF_ERR_UNSUPPORTED, "prefill attention: kv dtype %d", pv->kv_dtype);
+  if (!lf_kvq_fits(pv->kv_dtype, pv->head_dim))
+    return lf_error(LF_ERR_UNSUPPORTED, "prefill attention: kv dtype %d, head_dim %d",
+                    pv->kv_dtype, pv->head_dim);
   if (fill) LF_TRY(lf_cuda_pool_dequant(pv, *pool, *layer, n0, stream));
   rv->k = pv->deq_k;
   rv->v = pv->deq_v;
@@ -642,7 +641,7 @@ extern "C" lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int
       (!slot_of && n0 + n_tok > pv->budget))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_kv_store: bad arguments");
   if (pv->head_dim > ATT_DMAX ||
-      !lf_kvq_known(pv->kv_dtype) ||
+      !lf_kvq_fits(pv->kv_dtype, pv->head_dim) ||
       (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale)))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_kv_store: head_dim %d, kv dtype %d",
                     pv->head_dim, pv->kv_dtype);

@@ -46,6 +46,13 @@ static __device__ __forceinline__ uint2 ld_stream(const uint2 *p) {
   return r;
 }
 
+/* The same for 4 bytes. */
+static __device__ __forceinline__ uint32_t ld_stream(const uint32_t *p) {
+  uint32_t r;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
 /* Programmatic dependent launch (Hopper; base/cuda_launch.cuh launches with it unless it is
  * turned off). A kernel so launched may start while its predecessor on the stream still runs, so
  * every such kernel calls pdl_wait() before touching memory the predecessor writes or reads (it

@@ -208,17 +208,19 @@ static int check_seq0(int n_kv, int group, int B, int D, int sink, const float *
 }
 
 /* One (batch, budget) row. */
-/* fp8 / int8 (seed8 non-NULL, kv_dtype): seed8 [seed_elems] holds the seed's rows of D quantized
- * (base/kvq.h) and seed_sc their scales; the arena copies whole rows of codes and scales. */
+/* Quantized dtypes (seed8 non-NULL, kv_dtype): seed8 holds the seed's seed_elems / D rows
+ * quantized (base/kvq.h: lf_kvq_code_bytes each) and seed_sc their meta words
+ * (lf_kvq_meta_words each); the arena copies whole rows of codes and meta. */
 static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int iters, int warmup,
                       int splits_req, const uint16_t *seed, const uint8_t *seed8,
-                      const float *seed_sc, lf_kv_dtype kv_dtype, size_t seed_elems,
+                      const uint32_t *seed_sc, lf_kv_dtype kv_dtype, size_t seed_elems,
                       size_t l2_bytes, void *flush, size_t flush_bytes, kernel_row *row) {
-  const int group = n_heads / n_kv, sink = 4, B = budget, q8 = seed8 != NULL; /* 8-bit codes */
+  const int group = n_heads / n_kv, sink = 4, B = budget, q8 = seed8 != NULL; /* codes */
   const size_t head_elems = (size_t)B * D; /* one (pool, kv head) of K */
-  const size_t eb = q8 ? 1 : 2;            /* bytes per value */
+  const size_t rb = (size_t)lf_kvq_code_bytes((int)kv_dtype, D); /* bytes per row of codes */
+  const size_t mw = (size_t)lf_kvq_meta_words((int)kv_dtype, D); /* meta words per row */
   /* K + V of one pool, codes and scales */
-  const size_t pool_kv_bytes = 2 * (size_t)n_kv * (head_elems * eb + (q8 ? (size_t)B * 4 : 0));
+  const size_t pool_kv_bytes = 2 * (size_t)n_kv * (size_t)B * (rb + 4 * mw);
   const double kv_bytes = (double)batch * (double)pool_kv_bytes;
   /* rotate among sets of pools so the working set is >= 4x L2 */
   int n_sets = (int)ceil(4.0 * (double)l2_bytes / kv_bytes);
@@ -228,27 +230,30 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *dws = NULL;
   float *dvnorm = NULL, *dks = NULL, *dvs = NULL;
   int32_t *dn = NULL, *dnext = NULL, *dpool = NULL, *dw = NULL, *dpos = NULL;
-  BENCH_CUDA(cudaMalloc(&dk, arena_elems * eb));
-  BENCH_CUDA(cudaMalloc(&dv, arena_elems * eb));
+  const size_t arena_rows = arena_elems / (size_t)D, seed_rows = seed_elems / (size_t)D;
+  BENCH_CUDA(cudaMalloc(&dk, arena_rows * rb));
+  BENCH_CUDA(cudaMalloc(&dv, arena_rows * rb));
   if (q8) {
-    BENCH_CUDA(cudaMalloc((void **)&dks, arena_elems / D * 4));
-    BENCH_CUDA(cudaMalloc((void **)&dvs, arena_elems / D * 4));
+    BENCH_CUDA(cudaMalloc((void **)&dks, arena_rows * mw * 4));
+    BENCH_CUDA(cudaMalloc((void **)&dvs, arena_rows * mw * 4));
     void *d8 = NULL, *dsc = NULL;
-    BENCH_CUDA(cudaMalloc(&d8, seed_elems));
-    BENCH_CUDA(cudaMalloc(&dsc, seed_elems / D * 4));
-    BENCH_CUDA(cudaMemcpy(d8, seed8, seed_elems, cudaMemcpyHostToDevice));
-    BENCH_CUDA(cudaMemcpy(dsc, seed_sc, seed_elems / D * 4, cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMalloc(&d8, seed_rows * rb));
+    BENCH_CUDA(cudaMalloc(&dsc, seed_rows * mw * 4));
+    BENCH_CUDA(cudaMemcpy(d8, seed8, seed_rows * rb, cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMemcpy(dsc, seed_sc, seed_rows * mw * 4, cudaMemcpyHostToDevice));
     size_t i = 0;
-    for (size_t off = 0; off < arena_elems; i++) { /* whole rows: offsets are multiples of D */
-      size_t n = seed_elems / 2;
-      if (n > arena_elems - off) n = arena_elems - off;
-      const size_t sk = ((i * 7919u) % (seed_elems / 2)) / (size_t)D * (size_t)D;
-      const size_t sv = ((i * 104729u + 12345u) % (seed_elems / 2)) / (size_t)D * (size_t)D;
-      BENCH_CUDA(cudaMemcpy((uint8_t *)dk + off, (uint8_t *)d8 + sk, n, cudaMemcpyDeviceToDevice));
-      BENCH_CUDA(cudaMemcpy((uint8_t *)dv + off, (uint8_t *)d8 + sv, n, cudaMemcpyDeviceToDevice));
-      BENCH_CUDA(cudaMemcpy(dks + off / D, (float *)dsc + sk / D, n / D * 4,
+    for (size_t off = 0; off < arena_rows; i++) { /* in whole rows */
+      size_t n = seed_rows / 2;
+      if (n > arena_rows - off) n = arena_rows - off;
+      const size_t sk = (i * 7919u) % (seed_rows / 2);
+      const size_t sv = (i * 104729u + 12345u) % (seed_rows / 2);
+      BENCH_CUDA(cudaMemcpy((uint8_t *)dk + off * rb, (uint8_t *)d8 + sk * rb, n * rb,
                             cudaMemcpyDeviceToDevice));
-      BENCH_CUDA(cudaMemcpy(dvs + off / D, (float *)dsc + sv / D, n / D * 4,
+      BENCH_CUDA(cudaMemcpy((uint8_t *)dv + off * rb, (uint8_t *)d8 + sv * rb, n * rb,
+                            cudaMemcpyDeviceToDevice));
+      BENCH_CUDA(cudaMemcpy((uint32_t *)dks + off * mw, (uint32_t *)dsc + sk * mw, n * mw * 4,
+                            cudaMemcpyDeviceToDevice));
+      BENCH_CUDA(cudaMemcpy((uint32_t *)dvs + off * mw, (uint32_t *)dsc + sv * mw, n * mw * 4,
                             cudaMemcpyDeviceToDevice));
       off += n;
     }
@@ -295,19 +300,21 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   {
     /* pool 0's values as the kernel reads them */
     const size_t ne = (size_t)n_kv * head_elems, nr = ne / (size_t)D;
-    void *bk = malloc(ne * eb), *bv = malloc(ne * eb);
-    float *sk = malloc(nr * 4), *sv = malloc(nr * 4);
+    uint8_t *bk = malloc(nr * rb), *bv = malloc(nr * rb);
+    uint32_t *sk = malloc(nr * (mw + 1) * 4), *sv = malloc(nr * (mw + 1) * 4);
     if (!bk || !bv || !sk || !sv) return 1;
-    BENCH_CUDA(cudaMemcpy(bk, dk, ne * eb, cudaMemcpyDeviceToHost));
-    BENCH_CUDA(cudaMemcpy(bv, dv, ne * eb, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(bk, dk, nr * rb, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(bv, dv, nr * rb, cudaMemcpyDeviceToHost));
     if (q8) {
-      BENCH_CUDA(cudaMemcpy(sk, dks, nr * 4, cudaMemcpyDeviceToHost));
-      BENCH_CUDA(cudaMemcpy(sv, dvs, nr * 4, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(sk, dks, nr * mw * 4, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(sv, dvs, nr * mw * 4, cudaMemcpyDeviceToHost));
     }
     for (size_t i = 0; i < ne; i++) {
-      hk[i] = q8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bk)[i], sk[i / D])
+      const size_t r = i / (size_t)D;
+      const int d = (int)(i % (size_t)D);
+      hk[i] = q8 ? lf_kvq_row_value((int)kv_dtype, bk + r * rb, sk + r * mw, d)
                  : bf2f(((uint16_t *)bk)[i]);
-      hv[i] = q8 ? lf_kvq_value(kv_dtype, ((uint8_t *)bv)[i], sv[i / D])
+      hv[i] = q8 ? lf_kvq_row_value((int)kv_dtype, bv + r * rb, sv + r * mw, d)
                  : bf2f(((uint16_t *)bv)[i]);
     }
     free(bk);
@@ -505,15 +512,22 @@ static int bench_kernel(int argc, char **argv) {
   for (size_t i = 0; i < seed_elems; i++)
     seed[i] = bench_f2bf(rng_normal());
   uint8_t *seed8 = NULL;
-  float *seed_sc = NULL;
+  uint32_t *seed_sc = NULL;
   if (kv_dtype != LF_KV_BF16) { /* the seed's rows of D, quantized as the pools store them */
-    seed8 = malloc(seed_elems);
-    seed_sc = malloc(seed_elems / (size_t)D * 4);
+    if (!lf_kvq_fits((int)kv_dtype, D)) {
+      fprintf(stderr, "lfbench kernel: %s pools cannot hold head_dim %d\n",
+              lf_kv_dtype_str(kv_dtype), D);
+      return 2;
+    }
+    const size_t rb = (size_t)lf_kvq_code_bytes((int)kv_dtype, D);
+    const size_t mw = (size_t)lf_kvq_meta_words((int)kv_dtype, D);
+    seed8 = malloc(seed_elems / (size_t)D * rb);
+    seed_sc = malloc(seed_elems / (size_t)D * mw * 4);
     float *row = malloc((size_t)D * 4);
     if (!seed8 || !seed_sc || !row) return 1;
     for (size_t r = 0; r < seed_elems / (size_t)D; r++) {
       for (int d = 0; d < D; d++) row[d] = bf2f(seed[r * (size_t)D + (size_t)d]);
-      seed_sc[r] = lf_kvq_quantize_row(kv_dtype, row, D, seed8 + r * (size_t)D);
+      lf_kvq_encode_row((int)kv_dtype, row, D, seed8 + r * rb, seed_sc + r * mw);
     }
     free(row);
   }

@@ -11,9 +11,10 @@
 #   bench/run.sh kernel           the torch SDPA peer and `lfbench kernel` (decode attention)
 #                                 PROFILE_ATTN=1: also ncu --set full on the batch-1 decode
 #                                 attention kernel (budget PROFILE_ATTN_BUDGET, default 1024)
-#   bench/run.sh kvq              the quantized pools: `lfbench kernel` per KV dtype (bf16, fp8, int8;
-#                                 KVQ_KERNEL_ARGS adds options, e.g. --batches 128 --budgets 3200)
-#                                 beside the torch SDPA peer, each 8-bit row's time over bf16's;
+#   bench/run.sh kvq              the quantized pools: `lfbench kernel` per KV dtype (KVQ_DTYPES,
+#                                 default "bf16 fp8 int8 int4"; KVQ_KERNEL_ARGS adds options, e.g.
+#                                 --batches 128 --budgets 3200) beside the torch SDPA peer, each
+#                                 quantized row's time over bf16's;
 #                                 then `lfbench serve` on random:llama3-8b, 512 -> 16384, budget
 #                                 3200, --kv-gb 20, per dtype (KVQ_SERVE_ARGS replaces --duration 60;
 #                                 KVQ_PARTS: "kernel", "serve" or both, the default)
@@ -244,31 +245,34 @@ run_serve() {
 
 run_kvq() {
   [ -x "$B/lfbench" ] || build . "$B" || { rc=1; return; }
-  local parts=${KVQ_PARTS:-kernel serve}
+  local parts=${KVQ_PARTS:-kernel serve} dtypes=${KVQ_DTYPES:-bf16 fp8 int8 int4}
   if [[ $parts == *kernel* ]]; then
     [ -s "$OUT/sdpa_peer.json" ] ||
       python3 bench/sdpa_peer.py --json "$OUT/sdpa_peer.json" >"$OUT/sdpa_peer.txt" 2>&1 || rc=1
     local peer=() dt
     [ -s "$OUT/sdpa_peer.json" ] && peer=(--peer "$OUT/sdpa_peer.json")
-    for dt in bf16 fp8 int8; do
+    for dt in $dtypes; do
       say "lfbench kernel --kv-dtype $dt"
       # shellcheck disable=SC2086
       "$B/lfbench" kernel --kv-dtype $dt ${KVQ_KERNEL_ARGS:-} "${peer[@]}" \
         --json "$OUT/lfbench_kernel_$dt.json" | grep -v "^# device" | tee -a "$LOG" || rc=1
     done
-    python3 - "$OUT" <<'PY' | tee -a "$LOG"
+    # shellcheck disable=SC2086 # dtypes: a list
+    python3 - "$OUT" $dtypes <<'PY' | tee -a "$LOG"
 import json, sys
+dts = sys.argv[2:]
 rows = {dt: {(r["batch"], r["budget"]): r for r in json.load(open(f"{sys.argv[1]}/lfbench_kernel_{dt}.json"))["rows"]}
-        for dt in ("bf16", "fp8", "int8")}
-print("# kernel time of the 8-bit pools over bf16's (same rows, same run)")
-for key, b in rows["bf16"].items():
+        for dt in dts}
+q = [dt for dt in dts if dt != "bf16"]
+print("# kernel time of the quantized pools over bf16's (same rows, same run)")
+for key, b in rows.get("bf16", {}).items():
     print(f"  batch {key[0]:4d} budget {key[1]:5d}: bf16 {b['time_us']:8.1f} us, "
           + ", ".join(f"{dt} {rows[dt][key]['time_us']:8.1f} us ({rows[dt][key]['time_us'] / b['time_us']:.3f}x, "
-                      f"{rows[dt][key]['bw_fraction']:.2f} of copy bw)" for dt in ("fp8", "int8")))
+                      f"{rows[dt][key]['bw_fraction']:.2f} of copy bw)" for dt in q))
 PY
   fi
   [[ $parts == *serve* ]] || return 0
-  for dt in bf16 fp8 int8; do
+  for dt in $dtypes; do
     say "lfbench serve --kv-dtype $dt"
     # shellcheck disable=SC2086
     "$B/lfbench" serve --model random:llama3-8b --backend cuda --prompt 512 --output 16384 \

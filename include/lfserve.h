@@ -91,10 +91,12 @@ typedef enum lf_kv_dtype {
   LF_KV_INT8,     /* int8 with the same per-row scales and bytes as fp8; its uniform step keeps
                      keys' large channels more exact than e4m3's 3-bit mantissa, which is most
                      of fp8's error (docs/DESIGN.md §3, "Quantized pools") */
+  LF_KV_INT4,     /* 4-bit codes with a bf16 step and floor per 32 dims (head_dim a multiple
+                     of 32): 0.31 of bf16's bytes per slot */
 } lf_kv_dtype;
 
 const char *lf_kv_dtype_str(lf_kv_dtype d);
-/* Parses "bf16", "fp8", "int8"; LF_ERR_INVALID_ARG naming the choices otherwise. */
+/* Parses "bf16", "fp8", "int8", "int4"; LF_ERR_INVALID_ARG naming the choices otherwise. */
 lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out);
 
 /* lf_engine_config.max_batch_tokens's default: at Poisson arrivals of 2048-token prompts on one

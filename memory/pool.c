@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "base/error.h"
+#include "base/kvq.h"
 
 /* a * b into *out; 0 on overflow of size_t. */
 static int mul_size(size_t a, size_t b, size_t *out) {
@@ -57,6 +58,10 @@ uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int h2o) {
   case LF_KV_FP8:
   case LF_KV_INT8:
     kv_bytes = 2u * ((uint64_t)s->head_dim + 4u); /* codes and the scale, K and V */
+    break;
+  case LF_KV_INT4:
+    if (s->head_dim % LF_I4_GROUP) return 0;
+    kv_bytes = 2u * ((uint64_t)s->head_dim / 2u + 4u * (uint64_t)(s->head_dim / LF_I4_GROUP));
     break;
   default:
     return 0;
@@ -155,6 +160,12 @@ lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
                     "lf_kv_arena_init: arena of %d pools x %d layers x %d heads x %d slots x %d "
                     "dims overflows the address space",
                     s->n_pools, s->n_layers, s->n_kv_heads, s->budget, s->head_dim);
+  if (!lf_kvq_fits(s->kv_dtype, s->head_dim) ||
+      (s->kv_dtype == LF_KV_INT4 && s->head_dim > LF_I4_MAX_DIM))
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "lf_kv_arena_init: kv dtype %d cannot store rows of %d values (int4: a "
+                    "multiple of %d, at most %d)",
+                    s->kv_dtype, s->head_dim, LF_I4_GROUP, LF_I4_MAX_DIM);
 
   a->shape = *s;
   a->k = calloc(n_vals, sizeof(float));

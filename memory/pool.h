@@ -79,7 +79,8 @@ typedef struct lf_kv_arena {
  * Every pointer is device memory; kernels take it by value. */
 typedef struct lf_cuda_pool_view {
   void *k, *v;       /* [n_pools][n_layers][n_kv_heads][budget][head_dim] (K post-RoPE): bf16, or
-                        e4m3 / int8 bytes under LF_KV_FP8 / LF_KV_INT8 */
+                        e4m3 / int8 bytes under LF_KV_FP8 / LF_KV_INT8, or head_dim / 8 words of
+                        4-bit codes under LF_KV_INT4 (base/kvq.h) */
   float *vnorm;      /* [n_pools][n_layers][n_kv_heads][budget] ||v||_1 of the bf16 v */
   int32_t *pos;      /* [n_pools][n_layers][n_kv_heads][budget] */
   int32_t *n, *next; /* [n_pools][n_layers][n_kv_heads] */
@@ -87,9 +88,10 @@ typedef struct lf_cuda_pool_view {
                         mass accumulated since the slot was written */
   int n_layers, n_kv_heads, budget, head_dim;
   int kv_dtype;      /* lf_kv_dtype */
-  float *k_scale, *v_scale; /* fp8 and int8 (else NULL): [n_pools][n_layers][n_kv_heads][budget],
-                               each row's scale (base/kvq.h) */
-  void *deq_k, *deq_v;      /* fp8 and int8 (else NULL): bf16 [n_kv_heads][budget][head_dim] scratch
+  float *k_scale, *v_scale; /* quantized dtypes (else NULL): [n_pools][n_layers][n_kv_heads][budget]
+                               each row's scale (fp8, int8), or each row's head_dim / 32 meta
+                               words (step, floor) as 32-bit words (int4; base/kvq.h) */
+  void *deq_k, *deq_v;      /* quantized dtypes (else NULL): bf16 [n_kv_heads][budget][head_dim] scratch
                                where a prompt chunk's attention reads the pool's slots dequantized
                                (lf_cuda_pool_dequant) */
 } lf_cuda_pool_view;

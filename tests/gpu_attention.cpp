@@ -39,8 +39,9 @@ struct DevPool {
     v.k = dev<uint16_t>(slots * s.head_dim);
     v.v = dev<uint16_t>(slots * s.head_dim);
     if (s.kv_dtype != LF_KV_BF16) { // codes in the bf16-sized buffers; scales; the chunk scratch
-      v.k_scale = dev<float>(slots);
-      v.v_scale = dev<float>(slots);
+      const size_t mw = size_t(lf_kvq_meta_words(s.kv_dtype, s.head_dim));
+      v.k_scale = dev<float>(slots * mw);
+      v.v_scale = dev<float>(slots * mw);
       v.deq_k = dev<uint16_t>(size_t(s.n_kv_heads) * s.budget * s.head_dim);
       v.deq_v = dev<uint16_t>(size_t(s.n_kv_heads) * s.budget * s.head_dim);
     }
@@ -52,17 +53,18 @@ struct DevPool {
   }
   void upload(const lf_kv_arena &a) {
     const size_t D = size_t(a.shape.head_dim);
-    if (a.shape.kv_dtype != LF_KV_BF16) { // each row's codes and scale
-      std::vector<uint8_t> k(slots * D), vv(slots * D);
-      std::vector<float> ks(slots), vs(slots);
+    if (a.shape.kv_dtype != LF_KV_BF16) { // each row's codes and scales
+      const int kvd = a.shape.kv_dtype;
+      const size_t rb = size_t(lf_kvq_code_bytes(kvd, int(D))), mw = size_t(lf_kvq_meta_words(kvd, int(D)));
+      std::vector<uint32_t> k(slots * rb / 4), vv(slots * rb / 4), ks(slots * mw), vs(slots * mw);
       for (size_t i = 0; i < slots; i++) {
-        ks[i] = lf_kvq_quantize_row(a.shape.kv_dtype, a.k + i * D, int(D), &k[i * D]);
-        vs[i] = lf_kvq_quantize_row(a.shape.kv_dtype, a.v + i * D, int(D), &vv[i * D]);
+        lf_kvq_encode_row(kvd, a.k + i * D, int(D), (uint8_t *)k.data() + i * rb, &ks[i * mw]);
+        lf_kvq_encode_row(kvd, a.v + i * D, int(D), (uint8_t *)vv.data() + i * rb, &vs[i * mw]);
       }
-      EXPECT_EQ(cudaMemcpy(v.k, k.data(), k.size(), cudaMemcpyHostToDevice), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(v.v, vv.data(), vv.size(), cudaMemcpyHostToDevice), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(v.k_scale, ks.data(), slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(v.v_scale, vs.data(), slots * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.k, k.data(), slots * rb, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.v, vv.data(), slots * rb, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.k_scale, ks.data(), ks.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.v_scale, vs.data(), vs.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     }
     std::vector<uint16_t> k(slots * D), vv(slots * D);
     for (size_t i = 0; i < slots * D; i++) {
@@ -266,13 +268,14 @@ TEST(GpuKernels, PrefillVsReference) {
                  Case{64, 4, 500, 2100, 0, 1}, Case{128, 2, 60, 70, 0, 8},
                  Case{128, 4, 40, 37, 0, 8}, Case{64, 2, 200, 1, 150, 8}}) {
    for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O})
-   for (int kvd : {int(LF_KV_BF16), int(LF_KV_FP8), int(LF_KV_INT8)}) {
+   for (int kvd : {int(LF_KV_BF16), int(LF_KV_FP8), int(LF_KV_INT8), int(LF_KV_INT4)}) {
     // 8-bit pools: a chunk attends to the pool's slots through bf16 copies of what their codes
     // read back (the CPU pool holds those values exactly in fp32). The output is held to the
     // reference run over a copy of the CPU pool with the same bf16 rounding, so the bound stays
     // bf16's (with sharp queries the rounding alone moves outputs by up to 0.02, far beyond it);
     // every slot written must read back bit-identically.
     const int hkv = 2, hq = hkv * c.G, D = c.D, B = c.B;
+    if (!lf_kvq_fits(kvd, D)) continue; // int4: whole groups of 32 dims
     if (pol == LF_POLICY_H2O && c.T1 + c.T2 > 2200) continue; // the column sums run on CUDA cores
     lf_pool_shape ps{1, 1, hkv, B, D, kvd};
     lf_kv_arena a;
@@ -395,10 +398,11 @@ TEST(GpuKernels, PrefillVsReference) {
       std::vector<float> pacc(dp.slots);
       CK(cudaMemcpy(pacc.data(), dp.v.acc, dp.slots * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
-      std::vector<uint8_t> pk8(kvd != LF_KV_BF16 ? dp.slots * D : 0);
-      std::vector<float> pks(kvd != LF_KV_BF16 ? dp.slots : 0);
+      const size_t rb = size_t(lf_kvq_code_bytes(kvd, D)), mw = size_t(lf_kvq_meta_words(kvd, D));
+      std::vector<uint32_t> pk8(kvd != LF_KV_BF16 ? dp.slots * rb / 4 : 0);
+      std::vector<uint32_t> pks(kvd != LF_KV_BF16 ? dp.slots * mw : 0);
       if (kvd != LF_KV_BF16) {
-        CK(cudaMemcpy(pk8.data(), dp.v.k, pk8.size(), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(pk8.data(), dp.v.k, pk8.size() * 4, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(pks.data(), dp.v.k_scale, pks.size() * 4, cudaMemcpyDeviceToHost));
       } else {
         CK(cudaMemcpy(pk.data(), dp.v.k, pk.size() * 2, cudaMemcpyDeviceToHost));
@@ -433,8 +437,10 @@ TEST(GpuKernels, PrefillVsReference) {
                                                        << seed;
           for (int d = 0; d < D; d++) {
             const size_t row = static_cast<size_t>(g) * B + i;
-            const float got = kvd != LF_KV_BF16 ? lf_kvq_value(kvd, pk8[row * D + d], pks[row])
-                                                : bf(pk[row * D + d]);
+            const float got = kvd != LF_KV_BF16
+                                  ? lf_kvq_row_value(kvd, (const uint8_t *)pk8.data() + row * rb,
+                                                     &pks[row * mw], d)
+                                  : bf(pk[row * D + d]);
             ASSERT_EQ(got, h.k[size_t(i) * D + d]) << "k slot " << i << " head " << g;
           }
           // h2o: the column sums (fp32 against fp64 over the same bf16 inputs; the prefill

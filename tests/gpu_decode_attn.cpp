@@ -10,7 +10,7 @@
  * output and next are poisoned before every launch, so a read past n or an unwritten element
  * fails. LF_TEST_SEED replays a run.
  *
- * 8-bit pools (DecodeAttnFp8, DecodeAttnInt8): the CPU arena holds what each row's codes read
+ * Quantized pools (DecodeAttnFp8, DecodeAttnInt8, DecodeAttnInt4): the CPU arena holds what each row's codes read
  * back (base/kvq.h),
  * the GPU arena the codes and scales of the same rows; the new token's row is quantized by both
  * sides on its own, and every kept row must read back bit-identically at the end.
@@ -114,7 +114,7 @@ std::string case_name(const Case &c) {
 /* Runs one case: set up identical CPU and GPU pools, then `steps` decode steps on both. */
 void run_case(const Case &c, int kv_dtype) {
   const uint64_t seed = lf_test_seed();
-  const bool f8 = kv_dtype != LF_KV_BF16; /* 8-bit codes and row scales */
+  const bool f8 = kv_dtype != LF_KV_BF16; /* codes and scales (8-bit rows, int4 groups) */
   SCOPED_TRACE(case_name(c) + " " + lf_kv_dtype_str(lf_kv_dtype(kv_dtype)) + " seed " +
                std::to_string(seed));
   std::mt19937_64 rng(seed);
@@ -142,9 +142,11 @@ void run_case(const Case &c, int kv_dtype) {
   /* GPU arena: everything NaN except filled slots, metadata mirrors the CPU's. */
   std::vector<uint16_t> hk(n_slots_all * D, BF_NAN), hv(n_slots_all * D, BF_NAN);
   /* fp8: NaN codes and NaN scales outside the filled slots */
-  std::vector<uint8_t> hk8(f8 ? n_slots_all * D : 0, LF_FP8_NAN),
-      hv8(f8 ? n_slots_all * D : 0, LF_FP8_NAN);
-  std::vector<float> hks(f8 ? n_slots_all : 0, NAN), hvs(f8 ? n_slots_all : 0, NAN);
+  /* quantized: codes 0xff and NaN scales (NaN as fp32 and as both bf16 halves) outside */
+  const size_t rb = (size_t)lf_kvq_code_bytes(kv_dtype, D), mw = (size_t)lf_kvq_meta_words(kv_dtype, D);
+  std::vector<uint8_t> hk8(f8 ? n_slots_all * rb : 0, 0xff), hv8(f8 ? n_slots_all * rb : 0, 0xff);
+  std::vector<uint32_t> hks(f8 ? n_slots_all * mw : 0, 0x7fc07fc0u),
+      hvs(f8 ? n_slots_all * mw : 0, 0x7fc07fc0u);
   std::vector<int32_t> max_pos(NS, 0);
   for (int s = 0; s < NS; s++) {
     const int pool = pool_ids[s];
@@ -170,12 +172,13 @@ void run_case(const Case &c, int kv_dtype) {
             vr[d] = round_bf(nd(rng));
           }
           if (f8) { /* the GPU gets the codes, the CPU what they read back */
-            uint8_t *kc = &hk8[(slot0 + i) * D], *vc = &hv8[(slot0 + i) * D];
-            hks[slot0 + i] = lf_kvq_quantize_row(kv_dtype, kr, D, kc);
-            hvs[slot0 + i] = lf_kvq_quantize_row(kv_dtype, vr, D, vc);
+            uint8_t *kc = &hk8[(slot0 + i) * rb], *vc = &hv8[(slot0 + i) * rb];
+            uint32_t *km = &hks[(slot0 + i) * mw], *vm = &hvs[(slot0 + i) * mw];
+            lf_kvq_encode_row(kv_dtype, kr, D, kc, km);
+            lf_kvq_encode_row(kv_dtype, vr, D, vc, vm);
             for (int d = 0; d < D; d++) {
-              kr[d] = lf_kvq_value(kv_dtype, kc[d], hks[slot0 + i]);
-              vr[d] = lf_kvq_value(kv_dtype, vc[d], hvs[slot0 + i]);
+              kr[d] = lf_kvq_row_value(kv_dtype, kc, km, d);
+              vr[d] = lf_kvq_row_value(kv_dtype, vc, vm, d);
             }
           }
           for (int d = 0; d < D; d++) l1 += std::fabs((double)vr[d]);
@@ -196,7 +199,8 @@ void run_case(const Case &c, int kv_dtype) {
 
   dev_buf<uint16_t> dk, dv, dq, dout;
   dev_buf<uint8_t> dk8, dv8;
-  dev_buf<float> dvnorm, dqkv, dinv, dacc, dks, dvs;
+  dev_buf<float> dvnorm, dqkv, dinv, dacc;
+  dev_buf<uint32_t> dks, dvs;
   dev_buf<int32_t> dpos, dn, dnext, dpool, dw, dposnew;
   dev_buf<char> dws;
   CUDA_OK(dk.alloc(hk.size()));
@@ -279,8 +283,8 @@ void run_case(const Case &c, int kv_dtype) {
     pv.k = f8 ? (void *)dk8.p : (void *)dk.p;
     pv.v = f8 ? (void *)dv8.p : (void *)dv.p;
     pv.kv_dtype = kv_dtype;
-    pv.k_scale = f8 ? dks.p : nullptr;
-    pv.v_scale = f8 ? dvs.p : nullptr;
+    pv.k_scale = f8 ? (float *)dks.p : nullptr;
+    pv.v_scale = f8 ? (float *)dvs.p : nullptr;
     pv.vnorm = dvnorm.p;
     pv.pos = dpos.p;
     pv.n = dn.p;
@@ -414,7 +418,7 @@ void run_case(const Case &c, int kv_dtype) {
   CUDA_OK(dvnorm.get(gvn));
   std::vector<uint16_t> gk, gv;
   std::vector<uint8_t> gk8, gv8;
-  std::vector<float> gks, gvs;
+  std::vector<uint32_t> gks, gvs;
   if (f8) {
     CUDA_OK(dk8.get(gk8));
     CUDA_OK(dv8.get(gv8));
@@ -435,9 +439,9 @@ void run_case(const Case &c, int kv_dtype) {
         EXPECT_NEAR(gvn[hidx * B + i], kh.vnorm[i], 1e-5f * kh.vnorm[i]);
         const size_t row = hidx * B + i;
         for (int d = 0; d < D; d++) {
-          const float gkx = f8 ? lf_kvq_value(kv_dtype, gk8[row * D + d], gks[row])
+          const float gkx = f8 ? lf_kvq_row_value(kv_dtype, &gk8[row * rb], &gks[row * mw], d)
                                : bf2f(gk[row * D + d]);
-          const float gvx = f8 ? lf_kvq_value(kv_dtype, gv8[row * D + d], gvs[row])
+          const float gvx = f8 ? lf_kvq_row_value(kv_dtype, &gv8[row * rb], &gvs[row * mw], d)
                                : bf2f(gv[row * D + d]);
           ASSERT_EQ(gkx, kh.k[(size_t)i * D + d]) << "k, slot " << i << " dim " << d;
           ASSERT_EQ(gvx, kh.v[(size_t)i * D + d]) << "v, slot " << i << " dim " << d;
@@ -471,6 +475,16 @@ TEST_P(DecodeAttnInt8, MatchesCpuReference) {
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
   run_case(GetParam(), LF_KV_INT8);
+}
+
+/* int4 pools: the INT4 kernel (group sums of q against 4-bit images, V dequantized in bf16)
+ * and the int4 write. */
+class DecodeAttnInt4 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeAttnInt4, MatchesCpuReference) {
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(GetParam(), LF_KV_INT4);
 }
 
 /* Single steps over the shape grid, each with one split and with several (exercising the
@@ -532,6 +546,10 @@ INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnFp8, ::testing::ValuesIn(cases()),
                            return case_name(i.param);
                          });
 INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnInt8, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case> &i) {
+                           return case_name(i.param);
+                         });
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnInt4, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case> &i) {
                            return case_name(i.param);
                          });

@@ -113,7 +113,7 @@ class SmolLM2GpuQuant : public ::testing::TestWithParam<int> {};
 
 TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
   const lf_kv_dtype dt = lf_kv_dtype(GetParam());
-  const double kFp8Agree = dt == LF_KV_INT8 ? 0.99 : 0.975;
+  const double kFp8Agree = dt == LF_KV_INT8 ? 0.99 : dt == LF_KV_FP8 ? 0.975 : 0.92;
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string path = smollm2_gguf_path();
   if (path.empty()) GTEST_SKIP() << SMOLLM2_INSTALL_HINT;
@@ -139,7 +139,9 @@ TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
       if (p.gap[j] / p.stdev[j] > kFp8SigStd) {
         n_sig++;
         sig_agree += of[i][j].token == p.top1[j];
-        EXPECT_EQ(of[i][j].token, p.top1[j]) << p.name << " position " << p.positions[j];
+        if (dt != LF_KV_INT4) {
+          EXPECT_EQ(of[i][j].token, p.top1[j]) << p.name << " position " << p.positions[j];
+        }
       }
     }
     max_dl = std::max(max_dl, smollm2_max_dlogit_std(p, of[i]));
@@ -150,11 +152,16 @@ TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
               lf_kv_dtype_str(dt), same, n, 100.0 * same / n, fp64_all, n, kFp8SigStd, sig_agree,
               n_sig, max_dl);
   EXPECT_GE(same, kFp8Agree * n);
-  EXPECT_LE(max_dl, kLogitStd);
+  if (dt == LF_KV_INT4) { /* the CPU twin's figures (tests/test_smollm2.cpp) */
+    EXPECT_GE(sig_agree, 0.995 * n_sig);
+    EXPECT_LE(max_dl, 3.0);
+  } else {
+    EXPECT_LE(max_dl, kLogitStd);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, SmolLM2GpuQuant,
-                         ::testing::Values(int(LF_KV_INT8), int(LF_KV_FP8)),
+                         ::testing::Values(int(LF_KV_INT8), int(LF_KV_FP8), int(LF_KV_INT4)),
                          [](const ::testing::TestParamInfo<int> &i) {
                            return std::string(lf_kv_dtype_str(lf_kv_dtype(i.param)));
                          });

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/kvq.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "engine/sample.h"
@@ -39,6 +40,14 @@ struct Model {
 
 // Whether the sharding plan accepts this world size for the model (e.g. 8 ranks and 4 query
 // heads do not): such models are left out of the rank-count-specific tests.
+int head_dim_of(const std::string &path) {
+  lf_checkpoint ck;
+  if (lf_checkpoint_open(path.c_str(), &ck) != LF_OK) return 0;
+  const int d = ck.cfg.head_dim;
+  lf_checkpoint_close(&ck);
+  return d;
+}
+
 bool plan_fits(const std::string &path) {
   lf_checkpoint ck;
   if (lf_checkpoint_open(path.c_str(), &ck) != LF_OK) return false;
@@ -123,7 +132,7 @@ TEST(MpiTp, GreedyTokensMatchSingleRank) {
   }
 }
 
-// 8-bit pools under tensor parallelism: every rank quantizes the rows of the KV heads it holds,
+// Quantized pools under tensor parallelism: every rank quantizes the rows of the KV heads it holds,
 // so T ranks must give a single rank's tokens (head scope, evicting from the first decode step),
 // and not the bf16 pools' tokens (so the dtype reached the ranks and changed the pools).
 TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
@@ -135,7 +144,9 @@ TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
         small_cpu_config(m.path.c_str(), LF_POLICY_LONGFLOW, LF_EVICT_HEAD, 16, 2);
     std::vector<std::vector<int32_t>> bf16;
     if (g_comm->rank == 0) bf16 = lf_tp_test_run_single(cfg, gens);
-    for (lf_kv_dtype dt : {LF_KV_FP8, LF_KV_INT8}) {
+    const int hd = head_dim_of(m.path); /* the same file on every rank */
+    for (lf_kv_dtype dt : {LF_KV_FP8, LF_KV_INT8, LF_KV_INT4}) {
+      if (!lf_kvq_fits(int(dt), hd)) continue; /* int4: whole groups of 32 dims (qwen3 here) */
       cfg.kv_dtype = dt;
       const auto [tp, ref] = lf_tp_test_run_both(cfg, g_comm, gens);
       if (g_comm->rank != 0) continue;

@@ -136,7 +136,7 @@ INSTANTIATE_TEST_SUITE_P(Models, FidelityCpu, ::testing::ValuesIn(fid_models()),
 // int8's uniform step rounds keys' large channels finer than e4m3's 3-bit mantissa. A pool whose
 // rows read back wrong (a code or scale misplaced) disagrees almost everywhere.
 constexpr double kQDecisiveAgree = 0.9;
-constexpr double kQAgree[2] = {0.7, 0.85}; /* fp8, int8 */
+constexpr double kQAgree[3] = {0.7, 0.85, 0.0}; /* fp8, int8, int4 */
 constexpr float kQDecisive = 0.75f;
 
 class FidelityCpuQuant : public ::testing::TestWithParam<std::string> {};
@@ -145,9 +145,10 @@ TEST_P(FidelityCpuQuant, AgreesWithUnquantizedPool) {
   const std::string model = GetParam();
   lf_checkpoint ck;
   ASSERT_EQ(lf_checkpoint_open(fid_model_dir(model).c_str(), &ck), LF_OK) << lf_last_error();
-  const lf_kv_dtype dts[2] = {LF_KV_FP8, LF_KV_INT8};
-  int n[2] = {0, 0}, same[2] = {0, 0}, decisive[2] = {0, 0}, same_decisive[2] = {0, 0};
-  float worst[2] = {0.0f, 0.0f};
+  constexpr int NQ = 3;
+  const lf_kv_dtype dts[NQ] = {LF_KV_FP8, LF_KV_INT8, LF_KV_INT4};
+  int n[NQ] = {}, same[NQ] = {}, decisive[NQ] = {}, same_decisive[NQ] = {};
+  float worst[NQ] = {};
   for (int P : {40, 600, 1500}) {
     if (FID_ASAN && P > 40) continue; /* three runs a prompt: the Release run covers these */
     FidGolden g;
@@ -157,7 +158,7 @@ TEST_P(FidelityCpuQuant, AgreesWithUnquantizedPool) {
     const std::vector<float> lb = fid_run(LF_BACKEND_CPU, ck, g, FidFault{}, nullptr, &tb);
     ASSERT_FALSE(lb.empty()) << model << " P=" << P;
     const int V = g.vocab;
-    for (int q = 0; q < 2; q++) {
+    for (int q = 0; q < NQ; q++) {
       std::vector<int32_t> tf;
       const std::vector<float> lf =
           fid_run(LF_BACKEND_CPU, ck, g, FidFault{}, nullptr, &tf, dts[q]);
@@ -191,7 +192,7 @@ TEST_P(FidelityCpuQuant, AgreesWithUnquantizedPool) {
     }
   }
   lf_checkpoint_close(&ck);
-  for (int q = 0; q < 2; q++) {
+  for (int q = 0; q < NQ; q++) {
     printf("[ %-5s    ] %-13s top-1 as the unquantized pool at %d/%d positions (%d/%d with a "
            "gap > %.2f std); worst |logit - float64| / (1 + max|ref|) %.2e\n",
            lf_kv_dtype_str(dts[q]), model.c_str(), same[q], n[q], same_decisive[q], decisive[q],

@@ -194,12 +194,149 @@ TEST(Int8Row, RoundsToNearestEvenWithinHalfAStep) {
   for (uint8_t b : c) EXPECT_TRUE(std::isnan(lf_i8_value(b, sc)));
 }
 
+/* The bf16 neighbours int4's scales round to, against brute force over the bf16 grid. */
+TEST(Int4Format, Bf16DownAndUpAreTheNeighbours) {
+  std::mt19937_64 r(lf_test_seed_for("Int4Format.Bf16DownAndUpAreTheNeighbours"));
+  auto bf = [](uint32_t hi) { return lf_kvq_bits_f32(hi << 16); };
+  for (int i = 0; i < 200000; i++) {
+    uint32_t u = (uint32_t)r();
+    if ((u & 0x7f800000u) == 0x7f800000u) continue; /* finite only */
+    const float x = lf_kvq_bits_f32(u);
+    const float dn = lf_kvq_bf16_down(x), up = lf_kvq_bf16_up(x);
+    ASSERT_EQ(lf_kvq_f32_bits(dn) & 0xffffu, 0u);
+    ASSERT_EQ(lf_kvq_f32_bits(up) & 0xffffu, 0u);
+    ASSERT_LE(dn, x);
+    ASSERT_GE(up, x);
+    if ((u & 0xffffu) == 0) {
+      ASSERT_EQ(dn, x);
+      ASSERT_EQ(up, x);
+    } else { /* the two bf16 around x are adjacent: x's truncation and one step out */
+      const uint32_t t = u >> 16;
+      const float a = bf(t), b = bf(t + 1); /* same sign, magnitudes |a| < |x| < |b| */
+      ASSERT_EQ(x < 0 ? dn : up, b) << x;
+      ASSERT_EQ(x < 0 ? up : dn, a) << x;
+    }
+  }
+  EXPECT_TRUE(std::isinf(lf_kvq_bf16_up(3.4e38f)));
+  EXPECT_TRUE(std::isinf(lf_kvq_bf16_down(-3.4e38f)));
+}
+
+/* Every value of a group reads back within half a step of itself, through the code brute force
+ * picks as nearest (ties to even), and the group's floor and top cover its range. */
+TEST(Int4Format, GroupsRoundToTheNearestLevel) {
+  std::mt19937_64 r(lf_test_seed_for("Int4Format.GroupsRoundToTheNearestLevel"));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(64);
+  std::vector<uint32_t> w(8), m(2);
+  for (int it = 0; it < 3000; it++) {
+    const float scale = std::ldexp(1.0f, (int)(r() % 60) - 30), shift = (it % 3) * 5.0f * scale;
+    for (auto &v : x) v = nd(r) * scale + shift;
+    if (it % 7 == 0) x[r() % 64] *= 40.0f; /* an outlier */
+    lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+    for (int g = 0; g < 2; g++) {
+      const float s = lf_i4_meta_s(m[g]), mm = lf_i4_meta_m(m[g]);
+      float mn = x[32 * g], mx = x[32 * g];
+      for (int i = 0; i < 32; i++) {
+        mn = std::min(mn, x[32 * g + i]);
+        mx = std::max(mx, x[32 * g + i]);
+      }
+      ASSERT_LE(mm, mn);
+      ASSERT_GE((double)mm + 15.0 * s, (double)mx * (1 - 1e-6) - 1e-30);
+      for (int i = 0; i < 32; i++) {
+        const int d = 32 * g + i;
+        const int c = lf_i4_get(w.data(), d);
+        /* brute force: the code whose exact level s * c + m is nearest, ties to even */
+        double best = 1e300;
+        int bc = -1;
+        for (int k = 0; k < 16; k++) {
+          const double e = std::fabs((double)x[d] - ((double)s * k + mm));
+          if (e < best || (e == best && (k & 1) == 0)) {
+            best = e;
+            bc = k;
+          }
+        }
+        const double t = ((double)x[d] - mm) / s; /* fp32 division can move a near tie */
+        if (std::fabs(t - std::floor(t) - 0.5) > 1e-4) {
+          ASSERT_EQ(c, bc) << "dim " << d;
+        }
+        ASSERT_LE(std::fabs((double)lf_i4_value((uint8_t)c, m[g]) - x[d]), 0.5 * s * 1.0001 + 1e-30)
+            << "dim " << d;
+      }
+    }
+  }
+}
+
+/* The nibble order: 8 distinct positions per word, dims 2k and 2k + 1 16 bits apart. */
+TEST(Int4Format, NibbleLayout) {
+  uint32_t seen = 0;
+  for (int e = 0; e < 8; e++) {
+    const int sh = lf_i4_nibble_shift(e);
+    EXPECT_EQ(sh % 4, 0);
+    seen |= 0xfu << sh;
+    if (e % 2 == 0) {
+      EXPECT_EQ(lf_i4_nibble_shift(e + 1), sh + 16);
+    }
+    EXPECT_EQ(lf_i4_nibble_shift(e + 8), sh); /* per word */
+  }
+  EXPECT_EQ(seen, 0xffffffffu);
+  std::vector<float> x(32);
+  for (int i = 0; i < 32; i++) x[i] = (float)(i % 16); /* min 0, max 15: step 1, codes = x */
+  std::vector<uint32_t> w(4), m(1);
+  lf_i4_quantize_row(x.data(), 32, w.data(), m.data());
+  EXPECT_EQ(lf_i4_meta_s(m[0]), 1.0f);
+  EXPECT_EQ(lf_i4_meta_m(m[0]), 0.0f);
+  for (int i = 0; i < 32; i++) EXPECT_EQ(lf_i4_get(w.data(), i), i % 16);
+  /* word 0 holds dims 0..7 = codes 0..7: pairs (0,1) (2,3) (4,5) (6,7) at nibbles 0/4, 1/5, ... */
+  EXPECT_EQ(w[0], 0x75316420u);
+}
+
+/* Zeros, constants (exact when the constant is a bf16), tiny and huge groups, and a non-finite
+ * value poisoning only its own group. */
+TEST(Int4Format, EdgeGroups) {
+  std::vector<float> x(64, 0.0f);
+  std::vector<uint32_t> w(8), m(2);
+  lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+  for (int d = 0; d < 64; d++) EXPECT_EQ(lf_i4_value(lf_i4_get(w.data(), d), m[d / 32]), 0.0f);
+  for (int d = 0; d < 64; d++) x[d] = d < 32 ? 1.5f : -3.0f; /* bf16 constants: exact */
+  lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+  for (int d = 0; d < 64; d++) EXPECT_EQ(lf_i4_value(lf_i4_get(w.data(), d), m[d / 32]), x[d]);
+  for (int d = 0; d < 64; d++) x[d] = 1.2345678f; /* not a bf16: within half a (tiny) step */
+  lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+  for (int d = 0; d < 64; d++)
+    EXPECT_NEAR(lf_i4_value(lf_i4_get(w.data(), d), m[d / 32]), x[d], 1e-3f);
+  for (int d = 0; d < 64; d++) x[d] = (d % 2 ? 1e-38f : -1e-38f) * (float)(d % 5);
+  lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+  for (int d = 0; d < 64; d++) {
+    const float v = lf_i4_value(lf_i4_get(w.data(), d), m[d / 32]);
+    EXPECT_TRUE(std::isfinite(v));
+    EXPECT_NEAR(v, x[d], 1e-38f);
+  }
+  for (int d = 0; d < 64; d++) x[d] = (d % 2 ? 1e30f : -1e30f);
+  lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+  for (int d = 0; d < 64; d++)
+    EXPECT_NEAR(lf_i4_value(lf_i4_get(w.data(), d), m[d / 32]) / x[d], 1.0, 0.02);
+  for (int d = 0; d < 64; d++) x[d] = (float)d;
+  x[40] = std::numeric_limits<float>::quiet_NaN();
+  lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+  for (int d = 0; d < 64; d++) {
+    const float v = lf_i4_value(lf_i4_get(w.data(), d), m[d / 32]);
+    if (d < 32) {
+      EXPECT_NEAR(v, x[d], 0.5f * 31.0f / 15.0f * 1.01f);
+    } else {
+      EXPECT_TRUE(std::isnan(v));
+    }
+  }
+  x[40] = -std::numeric_limits<float>::infinity();
+  lf_i4_quantize_row(x.data(), 64, w.data(), m.data());
+  EXPECT_TRUE(std::isnan(lf_i4_value(lf_i4_get(w.data(), 33), m[1])));
+}
+
 /* The CPU pools under fp8: every written row (decode write and prefill append, SnapKV's kept
  * tokens) holds exactly what its codes read back, and ||v||_1 is that of the stored values. */
 class QuantPool : public ::testing::TestWithParam<int> {};
 
 TEST_P(QuantPool, CpuPoolsStoreWhatTheCodesReadBack) {
-  const int D = 16, G = 2, B = 12, kvd = GetParam();
+  const int D = 32, G = 2, B = 12, kvd = GetParam();
   lf_pool_shape ps{1, 1, 1, B, D, kvd};
   lf_kv_arena a;
   ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
@@ -226,14 +363,17 @@ TEST_P(QuantPool, CpuPoolsStoreWhatTheCodesReadBack) {
                                 o.data(), (size_t)G * D, nullptr),
             LF_OK);
   auto check_slot = [&](int slot, const float *kx, const float *vx) {
-    std::vector<uint8_t> c(D);
-    const float ks = lf_kvq_quantize_row(kvd, kx, D, c.data());
+    std::vector<uint32_t> c(D), m(D); /* words: code bytes and meta words, 4-byte aligned */
+    uint8_t *cb = (uint8_t *)c.data();
+    lf_kvq_encode_row(kvd, kx, D, cb, m.data());
     double l1 = 0.0;
     for (int d = 0; d < D; d++)
-      ASSERT_EQ(h.k[(size_t)slot * D + d], lf_kvq_value(kvd, c[d], ks)) << "k slot " << slot;
-    const float vs = lf_kvq_quantize_row(kvd, vx, D, c.data());
+      ASSERT_EQ(h.k[(size_t)slot * D + d], lf_kvq_row_value(kvd, cb, m.data(), d))
+          << "k slot " << slot;
+    lf_kvq_encode_row(kvd, vx, D, cb, m.data());
     for (int d = 0; d < D; d++) {
-      ASSERT_EQ(h.v[(size_t)slot * D + d], lf_kvq_value(kvd, c[d], vs)) << "v slot " << slot;
+      ASSERT_EQ(h.v[(size_t)slot * D + d], lf_kvq_row_value(kvd, cb, m.data(), d))
+          << "v slot " << slot;
       l1 += std::fabs((double)h.v[(size_t)slot * D + d]);
     }
     EXPECT_EQ(h.vnorm[slot], (float)l1);
@@ -256,7 +396,8 @@ TEST_P(QuantPool, CpuPoolsStoreWhatTheCodesReadBack) {
   lf_kv_arena_free(&a);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, QuantPool, ::testing::Values(int(LF_KV_FP8), int(LF_KV_INT8)),
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantPool,
+                         ::testing::Values(int(LF_KV_FP8), int(LF_KV_INT8), int(LF_KV_INT4)),
                          [](const ::testing::TestParamInfo<int> &i) {
                            return std::string(lf_kv_dtype_str(lf_kv_dtype(i.param)));
                          });
@@ -273,8 +414,29 @@ TEST(Fp8Pool, DeviceBytesCountCodesAndScales) {
   lf_pool_shape i8 = f;
   i8.kv_dtype = LF_KV_INT8;
   EXPECT_EQ(lf_pool_bytes_device(&i8, 0), lf_pool_bytes_device(&f, 0));
+  /* int4: head_dim / 2 bytes of codes and a 4-byte (step, floor) per 32 dims, K and V: 160
+   * bytes a slot at head_dim 128, 80 at 64 (0.3125 of bf16's) */
+  lf_pool_shape i4 = f;
+  i4.kv_dtype = LF_KV_INT4;
+  EXPECT_EQ(lf_pool_bytes_device(&f, 0) - lf_pool_bytes_device(&i4, 0), 264u - 160u);
+  i4.head_dim = 64;
+  EXPECT_EQ(lf_pool_bytes_device(&i4, 0), 2u * (32 + 2 * 4) + 4 + 4 + 2 * 4);
+  i4.head_dim = 48; /* not whole groups */
+  EXPECT_EQ(lf_pool_bytes_device(&i4, 0), 0u);
   s.kv_dtype = 7;
   EXPECT_EQ(lf_pool_bytes_device(&s, 0), 0u);
+}
+
+/* int4 rows need whole groups of 32 dims: any other head_dim is refused with a clear error. */
+TEST(Int4Pool, ArenaRefusesPartialGroups) {
+  lf_pool_shape ps{1, 1, 1, 4, 48, LF_KV_INT4};
+  lf_kv_arena a;
+  EXPECT_EQ(lf_kv_arena_init(&a, &ps), LF_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(lf_last_error()).find("multiple of 32"), std::string::npos)
+      << lf_last_error();
+  ps.head_dim = 64;
+  ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
+  lf_kv_arena_free(&a);
 }
 
 TEST(KvDtype, NamesAndParse) {
@@ -286,8 +448,12 @@ TEST(KvDtype, NamesAndParse) {
   EXPECT_STREQ(lf_kv_dtype_str(LF_KV_FP8), "fp8");
   EXPECT_EQ(lf_kv_dtype_parse("int8", &d), LF_OK);
   EXPECT_EQ(d, LF_KV_INT8);
+  EXPECT_EQ(lf_kv_dtype_parse("int4", &d), LF_OK);
+  EXPECT_EQ(d, LF_KV_INT4);
+  EXPECT_STREQ(lf_kv_dtype_str(LF_KV_INT4), "int4");
   EXPECT_EQ(lf_kv_dtype_parse("int3", &d), LF_ERR_INVALID_ARG);
-  EXPECT_NE(std::string(lf_last_error()).find("bf16, fp8, int8"), std::string::npos) << lf_last_error();
+  EXPECT_NE(std::string(lf_last_error()).find("bf16, fp8, int8, int4"), std::string::npos)
+      << lf_last_error();
   EXPECT_EQ(lf_kv_dtype_parse(nullptr, &d), LF_ERR_INVALID_ARG);
 }
 

@@ -200,7 +200,8 @@ TEST(SmolLM2, CpuGreedyAndLogitsMatchReference) {
 // whose fp64 top-2 gap exceeds 0.5 std (a misread code or scale moves logits by whole stds).
 struct QuantCase {
   lf_kv_dtype dtype;
-  double min_agree;
+  double min_agree;    /* of all decode positions */
+  double min_decisive; /* of the decisive ones (1: every one, each reported) */
 };
 
 class SmolLM2Quant : public ::testing::TestWithParam<QuantCase> {};
@@ -226,7 +227,9 @@ TEST_P(SmolLM2Quant, CpuPoolsAgreeWithReference) {
       if (p.gap[j] / p.stdev[j] > 0.5) {
         n_sig++;
         sig_same += obs[i][j].token == p.top1[j];
-        EXPECT_EQ(obs[i][j].token, p.top1[j]) << p.name << " position " << p.positions[j];
+        if (qc.min_decisive >= 1.0) {
+          EXPECT_EQ(obs[i][j].token, p.top1[j]) << p.name << " position " << p.positions[j];
+        }
       }
     }
     max_dl = std::max(max_dl, smollm2_max_dlogit_std(p, obs[i]));
@@ -235,10 +238,14 @@ TEST_P(SmolLM2Quant, CpuPoolsAgreeWithReference) {
               "decisive, gap > 0.5 std: %d/%d); max |dlogit| %.3f std\n",
               lf_kv_dtype_str(qc.dtype), same, n, 100.0 * same / n, sig_same, n_sig, max_dl);
   EXPECT_GE(same, qc.min_agree * n);
+  EXPECT_GE(sig_same, qc.min_decisive * n_sig);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, SmolLM2Quant,
-                         ::testing::Values(QuantCase{LF_KV_INT8, 0.99}, QuantCase{LF_KV_FP8, 0.975}),
+                         ::testing::Values(QuantCase{LF_KV_INT8, 0.99, 1.0},
+                                           QuantCase{LF_KV_FP8, 0.975, 1.0},
+                                           /* measured 1670/1792 (93.2%), 1091/1093 */
+                                           QuantCase{LF_KV_INT4, 0.92, 0.995}),
                          [](const ::testing::TestParamInfo<QuantCase> &i) {
                            return std::string(lf_kv_dtype_str(i.param.dtype));
                          });

@@ -189,9 +189,11 @@ static lf_status create(cuda_backend *c) {
     return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
   }
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
-  if (!lf_kvq_known((int)p->kv_dtype))
-    return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: kv dtype %d (bf16, fp8 or int8)",
-                    (int)p->kv_dtype);
+  if (!lf_kvq_fits((int)p->kv_dtype, D))
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "cuda backend: kv dtype %d with head_dim %d (bf16, fp8, int8; int4 needs a "
+                    "multiple of %d)",
+                    (int)p->kv_dtype, D, LF_I4_GROUP);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
   if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
   if (c->comm && !c->comm->device)
@@ -249,12 +251,13 @@ static lf_status create(cuda_backend *c) {
   c->pv.budget = p->budget;
   c->pv.head_dim = D;
   c->pv.kv_dtype = (int)p->kv_dtype;
-  const size_t eb = p->kv_dtype == LF_KV_BF16 ? 2 : 1; /* bytes per K/V value */
-  CB_ALLOC(c->pv.k, slots * D * eb);
-  CB_ALLOC(c->pv.v, slots * D * eb);
+  const size_t rb = (size_t)lf_kvq_code_bytes((int)p->kv_dtype, D); /* bytes per K/V row */
+  const size_t mb = 4 * (size_t)lf_kvq_meta_words((int)p->kv_dtype, D); /* scales per row */
+  CB_ALLOC(c->pv.k, slots * rb);
+  CB_ALLOC(c->pv.v, slots * rb);
   if (p->kv_dtype != LF_KV_BF16) {
-    CB_ALLOC(c->pv.k_scale, slots * 4);
-    CB_ALLOC(c->pv.v_scale, slots * 4);
+    CB_ALLOC(c->pv.k_scale, slots * mb);
+    CB_ALLOC(c->pv.v_scale, slots * mb);
     CB_ALLOC(c->pv.deq_k, (size_t)hkv * p->budget * D * 2);
     CB_ALLOC(c->pv.deq_v, (size_t)hkv * p->budget * D * 2);
   }
