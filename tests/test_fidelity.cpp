@@ -123,7 +123,7 @@ TEST_P(FidelityCpu, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(Models, FidelityCpu, ::testing::ValuesIn(fid_models()),
                          [](const ::testing::TestParamInfo<std::string> &i) { return i.param; });
 
-// 8-bit pools (lfserve.h LF_KV_FP8, LF_KV_INT8) on the same sequences, full KV: the greedy token
+// Quantized pools (lfserve.h LF_KV_FP8, LF_KV_INT8, LF_KV_INT4) on the same sequences, full KV: the greedy token
 // at every checked position against the unquantized pool's, and the logits' distance from
 // float64 (the quantization error, reported). Prompts of 40, 600 and 1500 tokens (the longest
 // crosses prompt chunks, so chunks attend to 8-bit slots written by earlier chunks). These
@@ -133,10 +133,12 @@ INSTANTIATE_TEST_SUITE_P(Models, FidelityCpu, ::testing::ValuesIn(fid_models()),
 // logits, the top-1 must agree at >= kQDecisiveAgree of them, and over all positions at >= the
 // dtype's kQAgree. Measured over the 75 positions per model: every decisive position agrees;
 // overall fp8 56-65/75 (worst logit error 0.32-0.66 of 1 + max|ref|), int8 67-72/75 (0.10-0.23):
-// int8's uniform step rounds keys' large channels finer than e4m3's 3-bit mantissa. A pool whose
-// rows read back wrong (a code or scale misplaced) disagrees almost everywhere.
-constexpr double kQDecisiveAgree = 0.9;
-constexpr double kQAgree[3] = {0.7, 0.85, 0.0}; /* fp8, int8, int4 */
+// int8's uniform step rounds keys' large channels finer than e4m3's 3-bit mantissa. int4 (16
+// levels per group of 32 dims) moves these sharp logits by about one unit: 39-47/75 overall,
+// 3/5 to 8/8 of the decisive positions (worst logit error 0.87-1.22), so its bounds are its own.
+// A pool whose rows read back wrong (a code or scale misplaced) disagrees almost everywhere.
+constexpr double kQDecisiveAgree[3] = {0.9, 0.9, 0.55}; /* fp8, int8, int4 */
+constexpr double kQAgree[3] = {0.7, 0.85, 0.45};
 constexpr float kQDecisive = 0.75f;
 
 class FidelityCpuQuant : public ::testing::TestWithParam<std::string> {};
@@ -197,7 +199,10 @@ TEST_P(FidelityCpuQuant, AgreesWithUnquantizedPool) {
            "gap > %.2f std); worst |logit - float64| / (1 + max|ref|) %.2e\n",
            lf_kv_dtype_str(dts[q]), model.c_str(), same[q], n[q], same_decisive[q], decisive[q],
            (double)kQDecisive, (double)worst[q]);
-    EXPECT_GE(same_decisive[q], kQDecisiveAgree * decisive[q]) << lf_kv_dtype_str(dts[q]);
+    /* int4's decisive share is measured over all three prompts; the sanitizer build runs one */
+    if (!FID_ASAN || dts[q] != LF_KV_INT4) {
+      EXPECT_GE(same_decisive[q], kQDecisiveAgree[q] * decisive[q]) << lf_kv_dtype_str(dts[q]);
+    }
     if (!FID_ASAN) {
       EXPECT_GE(same[q], kQAgree[q] * n[q]) << lf_kv_dtype_str(dts[q]);
     }
