@@ -2,7 +2,8 @@
 # Installs a build into a temporary prefix and uses it as an outside project would
 # (tools/test.sh's "install" stage):
 #  1. cmake --install; the libraries, header, CMake package, lfserve.pc and programs are there;
-#  2. examples/ built out of tree through find_package(lfserve), and again through pkg-config;
+#  2. examples/ built out of tree through find_package(lfserve) (shared, and static:
+#     lfserve::lfserve_static) and again through pkg-config;
 #  3. examples/generate run on the trace model (models/trace): two requests, streamed text;
 #     the installed lfgen gives the same greedy text for the first;
 #  4. examples/tp_generate under mpirun -np 2 (CPU ranks over MPI): the same text as one rank.
@@ -54,6 +55,14 @@ cmake --build "$tmp/cm" >"$tmp/cm_build.log" 2>&1 || { cat "$tmp/cm_build.log"; 
 ldd "$tmp/cm/generate" | grep -q "$prefix/$libdir/$soname" ||
   { ldd "$tmp/cm/generate"; die "generate does not load the installed $soname"; }
 
+step "examples through find_package(lfserve), static library"
+cmake -S examples -B "$tmp/cms" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLFSERVE_LINK_STATIC=ON \
+  -DCMAKE_C_FLAGS="-Wall -Wextra -Werror" -DCMAKE_PREFIX_PATH="$prefix" >"$tmp/cms.log" 2>&1 ||
+  { cat "$tmp/cms.log"; die "configuring examples/ (static) failed"; }
+cmake --build "$tmp/cms" --target generate >"$tmp/cms_build.log" 2>&1 ||
+  { cat "$tmp/cms_build.log"; die "building examples/ (static) failed"; }
+! ldd "$tmp/cms/generate" | grep -q liblfserve || die "the static generate loads liblfserve.so"
+
 step "examples through pkg-config"
 export PKG_CONFIG_PATH="$prefix/$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 mkdir -p "$tmp/pc"
@@ -72,7 +81,10 @@ LD_LIBRARY_PATH="$prefix/$libdir" "$tmp/pc/generate" "$model" "$p1" "$p2" --max-
   >"$tmp/gen.out" 2>"$tmp/gen.err" || { cat "$tmp/gen.err"; die "generate failed"; }
 "$tmp/cm/generate" "$model" "$p1" "$p2" --max-tokens $ntok >"$tmp/gen_cm.out" 2>/dev/null ||
   die "generate (find_package build) failed"
-cmp -s "$tmp/gen.out" "$tmp/gen_cm.out" || die "the two builds of generate print different text"
+"$tmp/cms/generate" "$model" "$p1" "$p2" --max-tokens $ntok >"$tmp/gen_cms.out" 2>/dev/null ||
+  die "generate (static build) failed"
+cmp -s "$tmp/gen.out" "$tmp/gen_cm.out" && cmp -s "$tmp/gen.out" "$tmp/gen_cms.out" ||
+  die "the three builds of generate print different text"
 for k in 1 2; do
   grep -q "^\[$k\] finished: " "$tmp/gen.out" || { cat "$tmp/gen.out"; die "request $k did not finish"; }
 done
