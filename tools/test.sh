@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds lfserve and runs every test this machine can run:
 #  1. release build (CUDA sources compiled and linked wherever nvcc exists), CPU + MPI tests,
-#     plus the GPU tests when a GPU is present;
+#     plus the GPU tests when a GPU is present; then that build installed into a temporary
+#     prefix and used from outside (tools/test_install.sh: examples/ through find_package and
+#     pkg-config) and the Python package over it (tools/test_python.sh);
 #  2. an AddressSanitizer + UndefinedBehaviorSanitizer build of the CPU tests (the server tests
 #     among them: lfserve under ASan must exit leak-free), except those labelled `model`;
 #  3. short libFuzzer runs (ASan) of the request parser and the tokenizer, where clang can.
@@ -25,6 +27,13 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 # ctest runs one test per core; OpenMP inside each would oversubscribe the cores.
 stage="release tests ($labels)"
 OMP_NUM_THREADS=1 ctest --test-dir build -L "$labels" --output-on-failure -j "$jobs"
+# The release build installed into a temporary prefix: examples/ built through find_package and
+# pkg-config and run (tp_generate under mpirun -np 2), then the Python package over its shared
+# library (each ~10 s).
+stage="install + examples"
+bash tools/test_install.sh build
+stage="python package"
+bash tools/test_python.sh build
 
 # Short libFuzzer runs of the request parser, the tokenizer and the GGUF parser (ASan), where
 # clang has it.
