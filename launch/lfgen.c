@@ -3,7 +3,7 @@
  *   lfgen --model PATH [--lora DIR] --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P]
  *         [--sink S] [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
  *         [--backend auto|cpu|cuda] [--evict-scope head|layer] [--evict-groups G] [--ignore-eos]
- *         [--kv-dtype bf16|fp8|int8]
+ *         [--kv-dtype bf16|fp8|int8|int4]
  *         [--print-ids]
  *
  * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.

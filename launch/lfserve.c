@@ -1,7 +1,7 @@
 /* lfserve: an OpenAI-compatible HTTP server over the lfserve engine.
  *
  *   lfserve --model DIR [--lora DIR] [--budget B] [--port 8000] [--host 0.0.0.0] [--policy P]
- *           [--evict-scope layer|head] [--kv-dtype bf16|fp8|int8]
+ *           [--evict-scope layer|head] [--kv-dtype bf16|fp8|int8|int4]
  *           [--pools N] [--max-queue N] [--backend auto|cpu|cuda] [--served-model-name NAME] ...
  *
  * This file holds main: the options, start-up (the engine, the model's tokenizer and chat
