@@ -40,7 +40,7 @@ static void usage(FILE *f) {
           "  --budget B          KV slots per sequence (default: the model's context)\n"
           "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
           "  --evict-scope S     layer | head: one eviction slot per layer or per KV head\n"
-          "  --kv-dtype T        bf16 | fp8 | int8: K/V storage of the pools (default bf16)\n"
+          "  --kv-dtype T        bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
           "                      (default layer; rank-local under --tp)\n"
           "  --evict-groups G    layer scope: each layer's KV heads in G groups of one slot\n"
           "                      (G = T: what T tensor-parallel ranks evict; default 1)\n"

@@ -45,7 +45,7 @@ static void usage(FILE *f) {
           "  --sink S  --window W    eviction sinks / prefill window (defaults 4, 32)\n"
           "  --h2o-recent R          h2o: the R newest slots never evicted (default 0: budget/2)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
-          "  --kv-dtype T            bf16 | fp8 | int8: K/V storage of the pools (default bf16)\n"
+          "  --kv-dtype T            bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
           "  --pools N               concurrent sequences (default: from --kv-memory-gb, else 1)\n"
           "  --kv-memory-gb G        memory for KV pools when --pools is not given\n"
