@@ -27,54 +27,6 @@ struct lf_engine {
   lf_comm_t comm;  /* NULL on a single rank */
 };
 
-/* Names of the public enums, indexed by value. */
-static const char *const POLICY_NAMES[] = {"longflow", "full", "streaming", "h2o"};
-static const char *const BACKEND_NAMES[] = {"auto", "cpu", "cuda"};
-static const char *const FINISH_NAMES[LF_FINISH_COUNT] = {
-    "none", "eos", "length", "cancelled", "error", "stop_id", "stop_sequence"};
-#define N_NAMES(a) ((int)(sizeof(a) / sizeof((a)[0])))
-
-static const char *name_of(const char *const *names, int n, int v) {
-  return v >= 0 && v < n ? names[v] : "unknown";
-}
-
-/* The index of s in names[0..n), or an LF_ERR_INVALID_ARG naming the choices (-1). */
-static int name_parse(const char *const *names, int n, const char *what, const char *s) {
-  char choices[128] = "";
-  size_t used = 0;
-  for (int i = 0; i < n; i++) {
-    if (s && strcmp(s, names[i]) == 0) return i;
-    used += (size_t)snprintf(choices + used, sizeof choices - used, "%s%s", i ? ", " : "",
-                             names[i]);
-  }
-  lf_error(LF_ERR_INVALID_ARG, "unknown %s '%s' (%s)", what, s ? s : "(null)", choices);
-  return -1;
-}
-
-const char *lf_policy_str(lf_policy p) { return name_of(POLICY_NAMES, N_NAMES(POLICY_NAMES), p); }
-
-lf_status lf_policy_parse(const char *s, lf_policy *out) {
-  const int i = name_parse(POLICY_NAMES, N_NAMES(POLICY_NAMES), "policy", s);
-  if (i < 0) return LF_ERR_INVALID_ARG;
-  *out = (lf_policy)i;
-  return LF_OK;
-}
-
-const char *lf_backend_str(lf_backend_kind b) {
-  return name_of(BACKEND_NAMES, N_NAMES(BACKEND_NAMES), b);
-}
-
-lf_status lf_backend_parse(const char *s, lf_backend_kind *out) {
-  const int i = name_parse(BACKEND_NAMES, N_NAMES(BACKEND_NAMES), "backend", s);
-  if (i < 0) return LF_ERR_INVALID_ARG;
-  *out = (lf_backend_kind)i;
-  return LF_OK;
-}
-
-const char *lf_finish_reason_str(lf_finish_reason r) {
-  return name_of(FINISH_NAMES, LF_FINISH_COUNT, r);
-}
-
 void lf_engine_config_default(lf_engine_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
   cfg->backend = LF_BACKEND_AUTO;

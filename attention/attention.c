@@ -35,51 +35,6 @@ static int policy_evicts(lf_policy p) {
   return p != LF_POLICY_FULL;
 }
 
-const char *lf_evict_scope_str(lf_evict_scope s) {
-  switch (s) {
-  case LF_EVICT_HEAD:
-    return "head";
-  case LF_EVICT_LAYER:
-    return "layer";
-  }
-  return "unknown";
-}
-
-lf_status lf_evict_scope_parse(const char *s, lf_evict_scope *out) {
-  static const lf_evict_scope all[] = {LF_EVICT_HEAD, LF_EVICT_LAYER};
-  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-    if (s && strcmp(s, lf_evict_scope_str(all[i])) == 0) {
-      *out = all[i];
-      return LF_OK;
-    }
-  return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope '%s' (head, layer)",
-                  s ? s : "(null)");
-}
-
-const char *lf_kv_dtype_str(lf_kv_dtype d) {
-  switch (d) {
-  case LF_KV_BF16:
-    return "bf16";
-  case LF_KV_FP8:
-    return "fp8";
-  case LF_KV_INT8:
-    return "int8";
-  case LF_KV_INT4:
-    return "int4";
-  }
-  return "unknown";
-}
-
-lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out) {
-  static const lf_kv_dtype all[] = {LF_KV_BF16, LF_KV_FP8, LF_KV_INT8, LF_KV_INT4};
-  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-    if (s && strcmp(s, lf_kv_dtype_str(all[i])) == 0) {
-      *out = all[i];
-      return LF_OK;
-    }
-  return lf_error(LF_ERR_INVALID_ARG, "unknown KV dtype '%s' (bf16, fp8, int8, int4)", s ? s : "(null)");
-}
-
 int lf_h2o_recent(int requested, int budget) { return requested > 0 ? requested : budget / 2; }
 
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
