@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -392,6 +393,16 @@ lf_status lf_tensor_read_f32(const lf_tensor_src *t, int64_t row0, int64_t nrows
                              int64_t ncols, float *dst) {
   if (!t) return lf_error(LF_ERR_INVALID_ARG, "lf_tensor_read_f32: NULL tensor");
   LF_TRY(read_stored_f32(t, row0, nrows, col0, ncols, dst));
+  /* Every weight of every format reaches the engine through here: a NaN or an infinity in a
+   * file (corrupt bytes, a broken conversion) is refused by name instead of turning every
+   * output into NaN. */
+  for (int64_t r = 0; r < nrows; r++)
+    for (int64_t c = 0; c < ncols; c++)
+      if (!isfinite(dst[r * ncols + c]))
+        return lf_error(LF_ERR_FORMAT,
+                        "%s: tensor %s holds a non-finite value (%g) at row %lld, column %lld",
+                        t->file ? t->file : "(no file)", t->name, (double)dst[r * ncols + c],
+                        (long long)(row0 + r), (long long)(col0 + c));
   if (t->lowrank && nrows > 0 && ncols > 0) LF_TRY(add_lowrank(t, row0, nrows, col0, ncols, dst));
   return LF_OK;
 }

@@ -6,6 +6,7 @@
 // equal the HF one bit for bit, and the tokenizers must give the tokenizer.json ids.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -15,6 +16,7 @@
 
 #include "text/json.h"
 #include "engine/model.h"
+#include "engine/tensor.h"
 #include "engine/model_text.h"
 #include "text/tokenizer.h"
 #include "engine_test_util.h"
@@ -246,6 +248,51 @@ TEST(GgufModelErrors, UnsupportedArchitectureAndBadFiles) {
   }
   EXPECT_NE(lf_checkpoint_open(path.c_str(), &ck), LF_OK);
   EXPECT_STRNE(lf_last_error(), "");
+  std::remove(path.c_str());
+}
+
+// A NaN or an infinity in a tensor's data (corrupt bytes, a broken conversion) is refused at
+// load, naming the tensor, on every format: here a GGUF copy with one value of the up projection
+// of layer 0 replaced (by the bytes of a NaN in the tensor's own dtype).
+TEST(GgufModelErrors, NonFiniteWeightsRefusedByName) {
+  const std::string src = gguf_dir() + "llama.gguf";
+  std::ifstream in(src, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  size_t at = std::string::npos, elem = 0;
+  std::string name;
+  {
+    Ck c(src);
+    ASSERT_EQ(c.st, LF_OK) << lf_last_error();
+    const lf_tensor_src *t = lf_tensor_set_find(&c.ck.tensors, "model.layers.0.mlp.up_proj.weight");
+    ASSERT_NE(t, nullptr);
+    ASSERT_TRUE(t->dtype == LF_DTYPE_F32 || t->dtype == LF_DTYPE_BF16 || t->dtype == LF_DTYPE_F16);
+    name = t->name;
+    // find the tensor's first 64 bytes in the file: its offset
+    const std::string head((const char *)t->data, 64);
+    at = bytes.find(head);
+    ASSERT_NE(at, std::string::npos);
+    ASSERT_EQ(bytes.find(head, at + 1), std::string::npos) << "not unique";
+    elem = 5;
+    if (t->dtype == LF_DTYPE_F32) {
+      const uint32_t nan = 0x7fc00000u;
+      std::memcpy(&bytes[at + 4 * elem], &nan, 4);
+    } else { // bf16 and f16 NaN patterns
+      const uint16_t nan = t->dtype == LF_DTYPE_BF16 ? 0x7fc0u : 0x7e00u;
+      std::memcpy(&bytes[at + 2 * elem], &nan, 2);
+    }
+  }
+  const std::string path = testing::TempDir() + "nan.gguf";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << bytes;
+  }
+  Ck c(path);
+  ASSERT_EQ(c.st, LF_OK) << lf_last_error(); // the header is fine; the values are read at load
+  W w(c.ck);
+  EXPECT_EQ(w.st, LF_ERR_FORMAT);
+  const std::string err = lf_last_error();
+  EXPECT_NE(err.find(name), std::string::npos) << err;
+  EXPECT_NE(err.find("non-finite"), std::string::npos) << err;
   std::remove(path.c_str());
 }
 
