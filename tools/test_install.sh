@@ -20,7 +20,7 @@ die() { echo "test_install: FAIL: $*" >&2; exit 1; }
 
 step "cmake --install $build --prefix <tmp>"
 cmake --install "$build" --prefix "$prefix" >/dev/null
-a=$(cd "$prefix" && find . -name liblfserve.a | head -1)
+a=$(cd "$prefix" && find . -name liblfserve.a -print -quit)
 [ -n "$a" ] || die "no liblfserve.a installed"
 libdir=$(dirname "${a#./}") # lib, or lib/<multiarch> under some prefixes
 for f in "$libdir/liblfserve.a" "$libdir/liblfserve.so" include/lfserve.h \
@@ -52,8 +52,11 @@ cmake -S examples -B "$tmp/cm" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_C_FLAGS="-Wall -Wextra -Werror" -DCMAKE_PREFIX_PATH="$prefix" >"$tmp/cm.log" 2>&1 ||
   { cat "$tmp/cm.log"; die "configuring examples/ failed"; }
 cmake --build "$tmp/cm" >"$tmp/cm_build.log" 2>&1 || { cat "$tmp/cm_build.log"; die "building examples/ failed"; }
-ldd "$tmp/cm/generate" | grep -q "$prefix/$libdir/$soname" ||
-  { ldd "$tmp/cm/generate"; die "generate does not load the installed $soname"; }
+# ldd's output is captured first: under pipefail, grep -q closing the pipe early can kill ldd
+# with SIGPIPE and fail (or, negated, pass) the check whatever it found.
+deps=$(ldd "$tmp/cm/generate")
+grep -qF "$prefix/$libdir/$soname" <<<"$deps" ||
+  { echo "$deps"; die "generate does not load the installed $soname"; }
 
 step "examples through find_package(lfserve), static library"
 cmake -S examples -B "$tmp/cms" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLFSERVE_LINK_STATIC=ON \
@@ -61,7 +64,8 @@ cmake -S examples -B "$tmp/cms" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLFSERVE_LI
   { cat "$tmp/cms.log"; die "configuring examples/ (static) failed"; }
 cmake --build "$tmp/cms" --target generate >"$tmp/cms_build.log" 2>&1 ||
   { cat "$tmp/cms_build.log"; die "building examples/ (static) failed"; }
-! ldd "$tmp/cms/generate" | grep -q liblfserve || die "the static generate loads liblfserve.so"
+deps=$(ldd "$tmp/cms/generate")
+! grep -q liblfserve <<<"$deps" || die "the static generate loads liblfserve.so"
 
 step "examples through pkg-config"
 export PKG_CONFIG_PATH="$prefix/$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
