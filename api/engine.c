@@ -60,7 +60,8 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc,
                     lf_kv_dtype_str(cfg->kv_dtype), LF_I4_GROUP, mc->head_dim);
   if (cfg->n_pools > 0) return LF_OK;
   if (cfg->kv_memory_bytes == 0) return LF_OK;
-  lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim, (int)cfg->kv_dtype};
+  lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim, (int)cfg->kv_dtype,
+                      cfg->policy == LF_POLICY_RKV ? cfg->rkv_stage : 0};
   const uint64_t pool_bytes = cfg->backend == LF_BACKEND_CUDA
                                   ? lf_pool_bytes_device(&ps, cfg->policy == LF_POLICY_H2O)
                                   : lf_pool_bytes(&ps);
@@ -128,6 +129,7 @@ static lf_status engine_init_local(lf_engine_t e) {
                           .sink = e->cfg.sink,
                           .window = e->cfg.window,
                           .h2o_recent = e->cfg.h2o_recent,
+                          .rkv_stage = e->cfg.rkv_stage,
                           .kv_dtype = e->cfg.kv_dtype,
                           .n_pools = e->cfg.n_pools,
                           .mem_util = e->cfg.mem_util,
@@ -173,9 +175,9 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   if (!cfg_in->model_path) return lf_error(LF_ERR_INVALID_ARG, "no model path given");
   if (cfg_in->budget < 0 || cfg_in->sink < 0 || cfg_in->window < 0 || cfg_in->n_pools < 0 ||
       cfg_in->max_queue < 0 || cfg_in->max_batch_tokens < 0 || cfg_in->h2o_recent < 0 ||
-      !(cfg_in->mem_util >= 0))
+      cfg_in->rkv_stage < 0 || !(cfg_in->mem_util >= 0))
     return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
-                                        "max_batch_tokens, h2o_recent or mem_util");
+                                        "max_batch_tokens, h2o_recent, rkv_stage or mem_util");
   if ((int)cfg_in->kv_dtype < (int)LF_KV_BF16 || (int)cfg_in->kv_dtype > (int)LF_KV_INT4)
     return lf_error(LF_ERR_INVALID_ARG, "unknown kv_dtype %d (bf16 %d, fp8 %d, int8 %d, int4 %d)",
                     (int)cfg_in->kv_dtype, (int)LF_KV_BF16, (int)LF_KV_FP8, (int)LF_KV_INT8,
@@ -186,6 +188,7 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   lf_engine_t e = calloc(1, sizeof *e);
   if (!e) return lf_error(LF_ERR_OUT_OF_MEMORY, "engine");
   e->cfg = *cfg_in;
+  if (e->cfg.rkv_stage == 0) e->cfg.rkv_stage = LF_RKV_STAGE_DEFAULT;
   e->comm = comm && comm->size > 1 ? comm : NULL;
   lf_status s = engine_init_local(e);
   if (e->comm) {

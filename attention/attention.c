@@ -39,7 +39,7 @@ int lf_h2o_recent(int requested, int budget) { return requested > 0 ? requested 
 
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
   if (!p) return lf_error(LF_ERR_INVALID_ARG, "attention params are NULL");
-  if ((int)p->policy < (int)LF_POLICY_LONGFLOW || (int)p->policy > (int)LF_POLICY_H2O)
+  if ((int)p->policy < (int)LF_POLICY_LONGFLOW || (int)p->policy > (int)LF_POLICY_RKV)
     return lf_error(LF_ERR_INVALID_ARG, "unknown eviction policy %d", (int)p->policy);
   if ((int)p->scope != (int)LF_EVICT_HEAD && (int)p->scope != (int)LF_EVICT_LAYER)
     return lf_error(LF_ERR_INVALID_ARG, "unknown eviction scope %d", (int)p->scope);
@@ -63,6 +63,14 @@ lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
                     "policy h2o needs budget >= sink + h2o_recent + 2 (budget %d, sink %d, "
                     "h2o_recent %d)",
                     budget, p->sink, p->h2o_recent);
+  /* rkv keeps its observation window and chooses a stage of candidates outside it. */
+  if (p->policy == LF_POLICY_RKV &&
+      (p->rkv_stage < 1 ||
+       (long long)budget < (long long)p->sink + LF_RKV_OBS + p->rkv_stage + 1))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "policy rkv needs rkv_stage >= 1 and budget >= sink + %d + rkv_stage + 1 "
+                    "(budget %d, sink %d, rkv_stage %d)",
+                    LF_RKV_OBS, budget, p->sink, p->rkv_stage);
   return LF_OK;
 }
 
@@ -91,6 +99,10 @@ static lf_status head_check(const lf_attn_params *p, const lf_kv_head *h, const 
                     h->head_dim, p->head_dim);
   if (*h->n < 0 || *h->n > h->budget)
     return lf_error(LF_ERR_STATE, "%s: pool has n = %d outside [0, %d]", fn, *h->n, h->budget);
+  if (p->policy == LF_POLICY_RKV && (!h->queue || !h->since || h->stage < p->rkv_stage))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "%s: policy rkv needs the pool's queue of %d slots (pool stage %d)", fn,
+                    p->rkv_stage, h->stage);
   return LF_OK;
 }
 
@@ -149,6 +161,18 @@ static void write_slot(lf_kv_head *h, int slot, const float *k, const float *v, 
     l1 += fabs((double)v[i]);
   h->pos[slot] = pos;
   h->vnorm[slot] = (float)l1;
+}
+
+typedef struct ranked {
+  double score;
+  int pos;
+} ranked;
+
+/* Higher score first; ties to the lower position. */
+static int cmp_ranked(const void *a, const void *b) {
+  const ranked *x = a, *y = b;
+  if (x->score != y->score) return x->score > y->score ? -1 : 1;
+  return (x->pos > y->pos) - (x->pos < y->pos);
 }
 
 /* Orders slots by (position, slot index); comparable as one int64 since |pos| < 2^31. */
@@ -256,6 +280,7 @@ static inline void widen(double *o, const float *v, int d) {
 typedef struct decode_ws {
   double *lg, *mass, *total, *qd, *od, *row, *m, *z;
   int64_t *heap;
+  char *rkv; /* rkv_ws_bytes */
 } decode_ws;
 
 static size_t decode_ws_doubles(const lf_attn_params *p, int B, size_t sizes[8]) {
@@ -269,10 +294,19 @@ static size_t decode_ws_doubles(const lf_attn_params *p, int B, size_t sizes[8])
   return t;
 }
 
+/* rkv's selection scratch, after the heap: keys int64 [B] (recency keys, then slots in position
+ * order), then double kn [B][D] (unit keys), imp, pooled, csum, lastv, red [B] each, then
+ * ranked cand [B]. */
+static size_t rkv_ws_bytes(const lf_attn_params *p, int B) {
+  if (p->policy != LF_POLICY_RKV) return 0;
+  const size_t b = (size_t)B, D = (size_t)p->head_dim;
+  return b * sizeof(int64_t) + (b * D + 5 * b) * sizeof(double) + b * sizeof(ranked) + 64;
+}
+
 static size_t decode_ws_bytes(const lf_attn_params *p, int B) {
   size_t sizes[8];
   const size_t R = p->h2o_recent > 0 ? (size_t)p->h2o_recent : 1;
-  return decode_ws_doubles(p, B, sizes) + R * sizeof(int64_t) + 64;
+  return decode_ws_doubles(p, B, sizes) + R * sizeof(int64_t) + 64 + rkv_ws_bytes(p, B);
 }
 
 static decode_ws decode_ws_carve(const lf_attn_params *p, int B, void *buf) {
@@ -288,6 +322,8 @@ static decode_ws decode_ws_carve(const lf_attn_params *p, int B, void *buf) {
     c += sizes[i];
   }
   w.heap = (int64_t *)c;
+  const size_t R = p->h2o_recent > 0 ? (size_t)p->h2o_recent : 1;
+  w.rkv = (char *)LF_ALIGN64((uintptr_t)(w.heap + R));
   return w;
 }
 
@@ -354,6 +390,89 @@ static void decode_attend(const lf_attn_params *p, const lf_kv_head *h, int n, c
   }
 }
 
+static int cmp_i64(const void *a, const void *b) {
+  const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* rkv's selection (attention.h) over the n filled slots of the scope's heads: fills every head's
+ * queue with the rkv_stage slots to overwrite next. Runs on ws->rkv (rkv_ws_bytes). */
+static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
+                       const decode_ws *ws) {
+  const int D = p->head_dim, S = p->rkv_stage, M = n - LF_RKV_OBS, half = LF_RKV_POOL_KERNEL / 2;
+  const size_t b = (size_t)hs[0].budget;
+  int64_t *slot_of = (int64_t *)ws->rkv;
+  double *kn = (double *)(slot_of + b), *imp = kn + b * (size_t)D, *pooled = imp + b;
+  double *csum = pooled + b, *lastv = csum + b, *red = lastv + b;
+  ranked *cand = (ranked *)(red + b);
+  double *total = ws->total; /* indexed by rank in position order here */
+
+  /* slots in position order; the last LF_RKV_OBS (the window) stay */
+  for (int i = 0; i < n; i++)
+    slot_of[i] = recency_key(&hs[0], i);
+  qsort(slot_of, (size_t)n, sizeof *slot_of, cmp_i64);
+  for (int i = 0; i < n; i++)
+    slot_of[i] &= 0xffffffff;
+  for (int j = 0; j < M; j++)
+    total[j] = 0.0;
+
+  for (int g = 0; g < n_kv; g++) {
+    const lf_kv_head *h = &hs[g];
+    for (int j = 0; j < M; j++) {
+      const int s = (int)slot_of[j];
+      imp[j] = (double)h->acc[s] / ((double)p->group * LF_RKV_OBS);
+      double *r = kn + (size_t)j * D;
+      widen(r, h->k + (size_t)s * D, D);
+      const double nrm = sqrt(dot_f64(r, r, D)) + 1e-8;
+      for (int d = 0; d < D; d++)
+        r[d] /= nrm;
+      csum[j] = lastv[j] = 0.0;
+    }
+    for (int j = 0; j < M; j++) { /* max-pool over the neighbours that exist */
+      double mx = imp[j];
+      for (int t = j - half; t <= j + half; t++)
+        if (t >= 0 && t < M && imp[t] > mx) mx = imp[t];
+      pooled[j] = mx;
+    }
+    /* each pair once; a row's look-alikes are met in increasing index order (those before it
+     * as the pair's second member, then those after it as the first), so the last one
+     * recorded is its most recent */
+    for (int i = 0; i < M; i++)
+      for (int j = i + 1; j < M; j++) {
+        const double c = dot_f64(kn + (size_t)i * D, kn + (size_t)j * D, D);
+        csum[i] += c;
+        csum[j] += c;
+        if (c > LF_RKV_SIM_THRESHOLD) lastv[i] = lastv[j] = c;
+      }
+    double mmax = -INFINITY, z = 0.0;
+    for (int j = 0; j < M; j++) {
+      red[j] = (csum[j] - lastv[j]) / (double)M;
+      if (red[j] > mmax) mmax = red[j];
+    }
+    for (int j = 0; j < M; j++) {
+      red[j] = exp(red[j] - mmax);
+      z += red[j];
+    }
+    for (int j = 0; j < M; j++)
+      total[j] += LF_RKV_LAMBDA * pooled[j] - (1.0 - LF_RKV_LAMBDA) * (red[j] / z);
+  }
+
+  /* the stage: the lowest total among non-sink slots, ties to the lower slot */
+  int m = 0;
+  for (int j = 0; j < M; j++)
+    if (slot_of[j] >= p->sink) {
+      cand[m].score = -total[j]; /* cmp_ranked: highest first */
+      cand[m].pos = (int)slot_of[j];
+      m++;
+    }
+  qsort(cand, (size_t)m, sizeof *cand, cmp_ranked); /* m >= S: lf_attn_params_check */
+  for (int g = 0; g < n_kv; g++) {
+    for (int i = 0; i < S; i++)
+      hs[g].queue[i] = cand[i].pos;
+    *hs[g].since = 0;
+  }
+}
+
 /* The decode step for the n_kv heads of one eviction scope (one head, or a layer's heads):
  * q [n_kv][G][D], k_new / v_new [n_kv][D], out [n_kv][G][D]. */
 static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, const float *q,
@@ -400,6 +519,17 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
   double *total = ws.total;
   for (int i = 0; i < n; i++)
     total[i] = 0.0;
+  /* rkv: the steps left before its next selection */
+  const int rkv = p->policy == LF_POLICY_RKV;
+  int since = rkv ? *hs[0].since : -1, k_left = 0;
+  if (rkv) {
+    if (since < 0) {
+      k_left = B - n;
+    } else {
+      since++;
+      k_left = p->rkv_stage - since;
+    }
+  }
 
   for (int g = 0; g < n_kv; g++) {
     lf_kv_head *h = &hs[g];
@@ -410,10 +540,19 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
     decode_attend(p, h, n, q + (size_t)g * G * D, out + (size_t)g * G * D, &ws);
     /* 3. the policy's score. h2o accumulates mass since the slot was written, so the slot just
      * written starts from this step's mass alone. */
-    if (p->policy == LF_POLICY_H2O) {
+    if (p->policy == LF_POLICY_H2O || (rkv && k_left < LF_RKV_OBS)) {
+      /* rkv: the observation window opens LF_RKV_OBS steps before the selection, or at the
+       * first step after the last one when the stage is shorter */
+      if (rkv && (k_left == LF_RKV_OBS - 1 || (since == 1 && k_left < LF_RKV_OBS - 1)))
+        for (int i = 0; i < n; i++)
+          h->acc[i] = 0.0f;
       h->acc[w] = 0.0f;
       for (int i = 0; i < n; i++)
         h->acc[i] += (float)ws.mass[i];
+    }
+    if (rkv) {
+      *h->since = since;
+      continue;
     }
     for (int i = 0; i < n; i++) {
       switch (p->policy) {
@@ -430,6 +569,15 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
         break;
       }
     }
+  }
+  if (rkv) {
+    if (k_left <= 0) rkv_select(p, hs, n_kv, n, &ws);
+    const int s = *hs[0].since;
+    for (int g = 0; g < n_kv; g++)
+      *hs[g].next = s >= 0 ? hs[g].queue[s] : -1;
+    if (evicted) *evicted = was_full ? n_kv : 0;
+    lf_attn_scratch_free(&local);
+    return LF_OK;
   }
   if (scores)
     for (int i = 0; i < n; i++)
@@ -480,17 +628,6 @@ lf_status lf_attn_decode_layer_ref(const lf_attn_params *p, lf_kv_head *heads, i
                      "lf_attn_decode_layer_ref");
 }
 
-typedef struct ranked {
-  double score;
-  int pos;
-} ranked;
-
-/* Higher score first; ties to the lower position. */
-static int cmp_ranked(const void *a, const void *b) {
-  const ranked *x = a, *y = b;
-  if (x->score != y->score) return x->score > y->score ? -1 : 1;
-  return (x->pos > y->pos) - (x->pos < y->pos);
-}
 
 /* Causal attention of a chunk over the pool's n0 filled slots and the chunk itself, writing out.
  * Optionally accumulates
@@ -669,6 +806,11 @@ static lf_status prefill_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv,
     /* n <= B - 1 for evicting policies, so the next token has a free slot and its decode step
      * chooses next; nothing to overwrite is decided yet. */
     *h->next = -1;
+    if (p->policy == LF_POLICY_RKV) { /* no selection yet; the window counts decode steps */
+      for (int i = 0; i < *h->n; i++)
+        h->acc[i] = 0.0f;
+      *h->since = -1;
+    }
   }
 
   free(logits);

@@ -35,7 +35,18 @@ typedef struct lf_attn_params {
   int scope_groups;     /* layer scope: the layer's KV heads held here, split into this many
                            contiguous groups of one eviction slot each (0 or 1: one group).
                            The forward reads it; the functions below see one group's heads */
+  int rkv_stage;        /* rkv: slots chosen per selection, one selection every rkv_stage steps */
 } lf_attn_params;
+
+/* rkv's fixed parameters, R-KV's published values (Cai et al. 2025, "R-KV: Redundancy-aware KV
+ * Cache Compression for Reasoning Models"): the importance is the attention of the last
+ * LF_RKV_OBS queries (which are never evicted themselves), max-pooled over LF_RKV_POOL_KERNEL
+ * neighbours in position order; two keys are look-alikes above a cosine of
+ * LF_RKV_SIM_THRESHOLD; score = LF_RKV_LAMBDA * importance - (1 - LF_RKV_LAMBDA) * redundancy. */
+#define LF_RKV_OBS 8
+#define LF_RKV_POOL_KERNEL 7
+#define LF_RKV_SIM_THRESHOLD 0.5
+#define LF_RKV_LAMBDA 0.1
 
 /* KV heads that share one eviction decision: 1 for LF_EVICT_HEAD; for LF_EVICT_LAYER the n_kv
  * heads held here, or one of `groups` contiguous groups of them when groups > 1. 0 when groups
@@ -81,6 +92,20 @@ int lf_snapkv_window(const lf_attn_params *p, int budget);
 
 /* The slot a new token is written to: n < budget ? n : next. */
 int lf_kv_write_slot(const lf_kv_head *h);
+
+/* rkv (LF_POLICY_RKV) replaces steps 3-4 below. Its state per (layer, KV head) is the pool's acc
+ * (the observation window's attention mass), queue and since. With k_left the steps left before
+ * the next selection (B - n before the first, when the pool fills; then rkv_stage - since, since
+ * counting the steps after a selection), a step with k_left < LF_RKV_OBS adds this step's mass to
+ * acc (acc zeroed first at the step with k_left == LF_RKV_OBS - 1, or at the first step after a
+ * selection when rkv_stage < LF_RKV_OBS, and at a prefill; the slot just written starts from its
+ * own mass). At k_left == 0 the selection runs over the filled slots
+ * in position order less the LF_RKV_OBS newest (the window, kept): importance = acc / (group *
+ * LF_RKV_OBS), max-pooled over LF_RKV_POOL_KERNEL neighbours; redundancy = softmax over these
+ * slots of each key's mean cosine similarity (keys / (||k|| + 1e-8), in fp64) to the others, its
+ * most recent look-alike (cosine > LF_RKV_SIM_THRESHOLD) left out of the mean; the rkv_stage
+ * candidates (not sinks) with the lowest score summed over the scope's heads, ties to the
+ * lower slot, become queue in that order, and next = queue[since] afterwards. */
 
 /* One decode step of one sequence for one (layer, KV head):
  *   1. write k_new/v_new (post-RoPE) at w = (n < B) ? n++ : next  (full policy: n == B is

@@ -164,6 +164,7 @@ static void run_group(ev_ctx *c, ev_group *g) {
   cfg.sink = o->sink;
   cfg.window = o->window;
   cfg.h2o_recent = o->h2o_recent;
+  cfg.rkv_stage = o->rkv_stage;
   cfg.kv_dtype = o->kv_dtype;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
@@ -294,14 +295,15 @@ static void *worker(void *arg) {
 }
 
 
-/* Series in eval.py's order: full, longflow (every scope), streaming, h2o (every scope). */
+/* Series in eval.py's order: full, longflow (every scope), streaming, h2o and rkv (every
+ * scope). */
 static void make_series(ev_ctx *c) {
   const lf_policy order[] = {LF_POLICY_FULL, LF_POLICY_LONGFLOW, LF_POLICY_STREAMING,
-                             LF_POLICY_H2O};
-  for (int i = 0; i < 4; i++) {
+                             LF_POLICY_H2O, LF_POLICY_RKV};
+  for (int i = 0; i < 5; i++) {
     if (!c->o->want_policy[order[i]]) continue;
     for (int sc = 0; sc < 2; sc++) {
-      const int scoped = order[i] == LF_POLICY_LONGFLOW || order[i] == LF_POLICY_H2O;
+      const int scoped = order[i] != LF_POLICY_FULL && order[i] != LF_POLICY_STREAMING;
       if (scoped ? !c->o->want_scope[sc] : sc != LF_EVICT_HEAD) continue;
       ev_series *se = &c->series[c->n_series++];
       se->policy = order[i];

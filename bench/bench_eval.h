@@ -27,12 +27,13 @@ typedef struct ev_opts {
   const char *model, *problems, *json, *tokenizer;
   const char *lora; /* --lora DIR: a PEFT adapter merged at load, or NULL */
   lf_backend_kind backend;
-  int want_policy[4]; /* by lf_policy */
+  int want_policy[LF_POLICY_RKV + 1]; /* by lf_policy */
   int want_scope[2];  /* by lf_evict_scope */
   double fractions[EV_MAX_FRACTIONS];
   int n_fractions;
   int margin, max_concurrent, jobs, threads, sink, window, max_batch_tokens, budget_round;
   int h2o_recent; /* lf_engine_config.h2o_recent (0: each budget's B/2) */
+  int rkv_stage;  /* lf_engine_config.rkv_stage (0: LF_RKV_STAGE_DEFAULT) */
   lf_kv_dtype kv_dtype; /* lf_engine_config.kv_dtype of every series */
   int evict_groups; /* layer-scope series: lf_engine_config.evict_groups */
   int full_ctx, limit, ids, quiet;

@@ -32,12 +32,14 @@ void ev_usage(FILE *f) {
           "  --problems FILE      JSON lines: id, prompt, output, answer, prompt_tokens,\n"
           "                       output_tokens (gen.py --out)\n"
           "  --n N                first N problems only (default 0: all)\n"
-          "  --policies LIST      comma list of full, longflow, streaming, h2o (default all)\n"
+          "  --policies LIST      comma list of full, longflow, streaming, h2o, rkv (default:\n"
+          "                       full, longflow, streaming, h2o)\n"
           "  --fractions LIST     budgets as fractions of each problem's output length\n"
           "                       (default 0.05,0.1,0.2,0.4): ceil(fraction x output_tokens)\n"
           "  --budget-of output|live  live: the fractions are multiples of each problem's\n"
           "                       oracle live set instead (gen.py's live_tokens)\n"
-          "  --scopes LIST        eviction scopes for longflow and h2o: head, layer (default head)\n"
+          "  --scopes LIST        eviction scopes for longflow, h2o and rkv: head, layer (default\n"
+          "                       head)\n"
           "  --evict-groups G     layer scope: each layer's KV heads in G groups of one slot,\n"
           "                       what G tensor-parallel ranks evict (default 0: one group)\n"
           "  --budget-round Q     round budgets up to a multiple of Q: fewer, larger groups\n"
@@ -52,6 +54,7 @@ void ev_usage(FILE *f) {
           "                       --jobs 1, else 1)\n"
           "  --sink S --window W  policy parameters as lfgen (default 4 32)\n"
           "  --h2o-recent R       h2o's recent window as lfgen (default 0: each budget's B/2)\n"
+          "  --rkv-stage S        rkv's slots per selection as lfgen (default 0: 32)\n"
           "  --kv-dtype T         bf16 | fp8 | int8 | int4: the pools' K/V storage (default bf16);\n"
           "                       the fractions stay in slots, not bytes\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
@@ -98,7 +101,7 @@ static int parse_list(const char *name, const char *s, int (*item)(const char *,
 static int policy_item(const char *t, ev_opts *o) {
   lf_policy p;
   if (lf_policy_parse(t, &p) != LF_OK) {
-    fprintf(stderr, EV_NAME ": unknown policy '%s' (full, longflow, streaming, h2o)\n", t);
+    fprintf(stderr, EV_NAME ": unknown policy '%s' (full, longflow, streaming, h2o, rkv)\n", t);
     return -1;
   }
   o->want_policy[p] = 1;
@@ -174,7 +177,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--max-concurrent", "--jobs",      "--threads",
                                          "--sink",           "--window",    "--max-batch-tokens",
                                          "--budget-round",   "--evict-groups",
-                                         "--budget-of",      "--h2o-recent", "--kv-dtype"};
+                                         "--budget-of",      "--h2o-recent", "--kv-dtype",
+                                         "--rkv-stage"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -239,6 +243,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, INT_MAX, &o->sink);
     else if (!strcmp(a, "--h2o-recent"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->h2o_recent);
+    else if (!strcmp(a, "--rkv-stage"))
+      r = parse_int_opt(a, v, 0, INT_MAX, &o->rkv_stage);
     else if (!strcmp(a, "--kv-dtype")) {
       if (lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK) {
         fprintf(stderr, EV_NAME ": %s\n", lf_last_error());

@@ -252,11 +252,12 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
   json_cstr(f, o->problems);
   fprintf(f,
           ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, \"h2o_recent\": %d, "
-          "\"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
+          "\"rkv_stage\": %d, \"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
           "\"full_budget\": \"%s\", \"evict_groups\": %d, \"kv_dtype\": \"%s\"},\n "
           "\"teacher_forced\": %s, "
           "\"budget_of\": \"%s\", \"budget_round\": %d, \"fractions\": [",
-          backend, o->sink, o->window, o->h2o_recent, o->max_batch_tokens, o->threads, o->jobs,
+          backend, o->sink, o->window, o->h2o_recent,
+          o->rkv_stage ? o->rkv_stage : LF_RKV_STAGE_DEFAULT, o->max_batch_tokens, o->threads, o->jobs,
           o->max_concurrent, o->full_ctx ? "ctx" : "fit", o->evict_groups,
           lf_kv_dtype_str(o->kv_dtype), o->teacher_forced ? "true" : "false",
           o->budget_of_live ? "live" : "output", o->budget_round);
@@ -270,8 +271,8 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
   fprintf(f, "], \"policies\": [");
   {
     const lf_policy order[] = {LF_POLICY_FULL, LF_POLICY_LONGFLOW, LF_POLICY_STREAMING,
-                               LF_POLICY_H2O};
-    for (int i = 0, k = 0; i < 4; i++)
+                               LF_POLICY_H2O, LF_POLICY_RKV};
+    for (int i = 0, k = 0; i < 5; i++)
       if (o->want_policy[order[i]])
         fprintf(f, "%s\"%s\"", k++ ? ", " : "", lf_policy_str(order[i]));
   }

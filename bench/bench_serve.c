@@ -211,7 +211,7 @@ static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, lf_policy pol
   lf_shard sh;
   const int kv = lf_shard_plan(0, tp, m->n_heads, m->n_kv_heads, m->hidden_dim, m->vocab_size,
                                &sh) == LF_OK ? sh.n_kv : m->n_kv_heads;
-  lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim, (int)kv_dtype};
+  lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim, (int)kv_dtype, 0};
   return cuda ? lf_pool_bytes_device(&ps, pol == LF_POLICY_H2O) : lf_pool_bytes(&ps);
 }
 

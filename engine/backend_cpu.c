@@ -310,6 +310,7 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
                        .sink = p->sink,
                        .window = p->window,
                        .h2o_recent = lf_h2o_recent(p->h2o_recent, p->budget),
+                       .rkv_stage = p->rkv_stage,
                        .group = mc->n_heads / mc->n_kv_heads,
                        .head_dim = mc->head_dim,
                        .scale = 1.0f / sqrtf((float)mc->head_dim)};
@@ -319,7 +320,8 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
                               mc->n_kv_heads, mc->hidden_dim, mc->vocab_size, &sh);
   /* n_pools == 0 (nothing sized them): one pool, the cpu backend's default */
   lf_pool_shape ps = {p->n_pools > 0 ? p->n_pools : 1, mc->n_layers, sh.n_kv, p->budget,
-                      mc->head_dim, (int)p->kv_dtype};
+                      mc->head_dim, (int)p->kv_dtype,
+                      p->policy == LF_POLICY_RKV ? p->rkv_stage : 0};
   if (s == LF_OK) s = lf_attn_params_check(&ap, p->budget);
   if (s == LF_OK)
     s = check_memory(mc, &sh, &ps,

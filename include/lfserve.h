@@ -60,10 +60,12 @@ typedef enum lf_policy {
   LF_POLICY_FULL,         /* never evict; a sequence longer than its pool is an error */
   LF_POLICY_STREAMING,    /* keep the sinks and the most recent tokens */
   LF_POLICY_H2O,          /* heavy hitters: accumulated attention mass, recent window kept */
+  LF_POLICY_RKV,          /* R-KV: every rkv_stage steps, the next rkv_stage slots to overwrite
+                             chosen by recent attention and key redundancy (docs/DESIGN.md §3) */
 } lf_policy;
 
 const char *lf_policy_str(lf_policy p);
-/* Parses "longflow", "full", "streaming", "h2o". */
+/* Parses "longflow", "full", "streaming", "h2o", "rkv". */
 lf_status lf_policy_parse(const char *s, lf_policy *out);
 
 /* Which KV heads share an eviction decision. docs/DESIGN.md §3. */
@@ -103,6 +105,10 @@ lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out);
  * H200 it kept the decodes' TPOT p99 within 1.5x of a decode-only step while TTFT stayed within
  * 1.3x of an isolated prefill (bench/RESULTS.md, "Serving under arrivals"). */
 #define LF_MAX_BATCH_TOKENS_DEFAULT 512
+
+/* lf_engine_config.rkv_stage's default (docs/TASK.md §11: the selection interval measured in the
+ * simulator on the task model). */
+#define LF_RKV_STAGE_DEFAULT 32
 
 typedef struct lf_engine_config {
   const char *model_path; /* HF model dir (config.json + safetensors), GGUF file or llama2.c .bin */
@@ -152,6 +158,10 @@ typedef struct lf_engine_config {
                              (docs/TASK.md section 10). budget >= sink + h2o_recent + 2 */
   lf_kv_dtype kv_dtype;   /* how the pools store K and V; default LF_KV_BF16. Pool sizing from
                              memory counts this dtype's bytes */
+  int rkv_stage;          /* LF_POLICY_RKV: steps between selections, each of which chooses the
+                             next rkv_stage slots to overwrite; 0 (default): LF_RKV_STAGE_DEFAULT.
+                             budget >= sink + 8 (its observation window) + rkv_stage + 1. CPU
+                             backend only for now */
 } lf_engine_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,

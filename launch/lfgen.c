@@ -38,7 +38,7 @@ static void usage(FILE *f) {
           "  --max-tokens N      tokens to generate (default 256, at most what the context\n"
           "                      leaves after the prompt; more is an error)\n"
           "  --budget B          KV slots per sequence (default: the model's context)\n"
-          "  --policy P          longflow | full | streaming | h2o (default longflow)\n"
+          "  --policy P          longflow | full | streaming | h2o | rkv (default longflow)\n"
           "  --evict-scope S     layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T        bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
           "                      (default layer; rank-local under --tp)\n"
@@ -47,6 +47,8 @@ static void usage(FILE *f) {
           "  --sink S            never-evicted first slots (default 4)\n"
           "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
           "  --h2o-recent R      h2o: the R newest slots are never evicted (default 0: budget/2)\n"
+          "  --rkv-stage S       rkv: slots chosen per selection, every S steps (default 0: 32;\n"
+          "                      cpu backend only)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts that fit the pool are "
           "chunked (default 512; 0 = whole prompt)\n"
           "  --temperature T     0 = greedy (default 0)\n"
@@ -155,6 +157,7 @@ int main(int argc, char **argv) {
       {"--evict-groups", 0, 4096, &cfg.evict_groups},
       {"--window", 0, INT_MAX, &cfg.window},
       {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
+      {"--rkv-stage", 0, INT_MAX, &cfg.rkv_stage},
       {"--top-k", 0, INT_MAX, &rq.sampling.top_k},
   };
   for (int i = 1; i < argc; i++) {

@@ -41,9 +41,11 @@ static void usage(FILE *f) {
           "  --host ADDR             IPv4 address to listen on (default 0.0.0.0)\n"
           "  --port N                (default 8000; 0 picks a free port, printed at start)\n"
           "  --budget B              KV slots per sequence (default: the model's context)\n"
-          "  --policy P              longflow | full | streaming | h2o (default longflow)\n"
+          "  --policy P              longflow | full | streaming | h2o | rkv (default longflow)\n"
           "  --sink S  --window W    eviction sinks / prefill window (defaults 4, 32)\n"
           "  --h2o-recent R          h2o: the R newest slots never evicted (default 0: budget/2)\n"
+          "  --rkv-stage S           rkv: slots chosen per selection, every S steps (default 0: 32;\n"
+          "                          cpu backend only)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T            bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
@@ -77,6 +79,7 @@ int main(int argc, char **argv) {
       {"--sink", 0, INT_MAX, &cfg.sink},
       {"--window", 0, INT_MAX, &cfg.window},
       {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
+      {"--rkv-stage", 0, INT_MAX, &cfg.rkv_stage},
       {"--pools", 1, INT_MAX, &cfg.n_pools},
       {"--max-queue", 0, INT_MAX, &cfg.max_queue},
       {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},

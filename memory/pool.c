@@ -22,7 +22,7 @@ static int mul_size(size_t a, size_t b, size_t *out) {
 
 static int shape_valid(const lf_pool_shape *s) {
   return s && s->n_pools >= 1 && s->n_layers >= 1 && s->n_kv_heads >= 1 && s->budget >= 1 &&
-         s->head_dim >= 1;
+         s->head_dim >= 1 && s->stage >= 0 && s->stage < s->budget;
 }
 
 /* Bytes of every per-pool array of the arena for one pool, so n_pools * lf_pool_bytes() is the
@@ -37,6 +37,8 @@ uint64_t lf_pool_bytes(const lf_pool_shape *s) {
   uint64_t head_bytes;
   if ((uint64_t)s->budget > UINT64_MAX / slot_bytes) return 0;
   head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t); /* + n, next */
+  if (s->stage > 0) /* rkv: the staged overwrite order and the steps since its selection */
+    head_bytes += ((uint64_t)s->stage + 1u) * sizeof(int32_t);
   if (head_bytes > (UINT64_MAX - 64u) / heads) return 0;
   return heads * head_bytes + sizeof(uint64_t) /* evictions */ + sizeof(int) /* free_list */ +
          sizeof(uint8_t) /* in_use */;
@@ -176,7 +178,11 @@ lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
   a->n = calloc(n_heads, sizeof(int32_t));
   a->next = calloc(n_heads, sizeof(int32_t));
   a->evictions = calloc((size_t)s->n_pools, sizeof(uint64_t));
-  if (!a->k || !a->v || !a->pos || !a->vnorm || !a->acc || !a->n || !a->next || !a->evictions ||
+  const int rkv_bad = s->stage > 0 && (!(a->queue = calloc(n_heads * (size_t)s->stage,
+                                                           sizeof(int32_t))) ||
+                                       !(a->since = calloc(n_heads, sizeof(int32_t))));
+  if (rkv_bad || !a->k || !a->v || !a->pos || !a->vnorm || !a->acc || !a->n || !a->next ||
+      !a->evictions ||
       lf_pool_list_init(&a->pools, s->n_pools) != LF_OK) {
     lf_kv_arena_free(a);
     return lf_error(LF_ERR_OUT_OF_MEMORY,
@@ -197,6 +203,8 @@ void lf_kv_arena_free(lf_kv_arena *a) {
   free(a->acc);
   free(a->n);
   free(a->next);
+  free(a->queue);
+  free(a->since);
   free(a->evictions);
   lf_pool_list_free(&a->pools);
   memset(a, 0, sizeof *a);
@@ -224,6 +232,7 @@ void lf_kv_arena_reset_pool(lf_kv_arena *a, int pool) {
   for (size_t i = 0; i < heads; i++) {
     a->n[h0 + i] = 0;
     a->next[h0 + i] = -1;
+    if (a->since) a->since[h0 + i] = -1;
   }
   for (size_t i = 0; i < n_slots; i++) {
     a->pos[slot0 + i] = -1;
@@ -251,6 +260,11 @@ lf_kv_head lf_kv_arena_head(const lf_kv_arena *a, int pool, int layer, int kv_he
   h.acc = a->acc + slot0;
   h.n = a->n + idx;
   h.next = a->next + idx;
+  if (a->queue) {
+    h.queue = a->queue + idx * (size_t)s->stage;
+    h.since = a->since + idx;
+    h.stage = s->stage;
+  }
   h.budget = s->budget;
   h.head_dim = s->head_dim;
   h.kv_dtype = s->kv_dtype;

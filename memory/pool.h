@@ -24,6 +24,8 @@ typedef struct lf_pool_shape {
   int head_dim;
   int kv_dtype;   /* lf_kv_dtype: the CUDA arena's K/V storage (lf_pool_bytes_device); the CPU
                      arena stores fp32 in any case, holding a quantized dtype's dequantized values */
+  int stage;      /* LF_POLICY_RKV: slots chosen per selection (the staged overwrite order kept
+                     per (pool, layer, head)); 0: no such state */
 } lf_pool_shape;
 
 /* A view of one (pool, layer, kv head): everything the attention step reads and writes. */
@@ -34,6 +36,10 @@ typedef struct lf_kv_head {
   float *acc;    /* [budget] h2o: attention mass accumulated since the slot was written */
   int32_t *n;    /* filled slots */
   int32_t *next; /* slot the next token overwrites once n == budget (-1: none yet) */
+  int32_t *queue; /* rkv only (else NULL): [stage] the slots the last selection chose, in the
+                     order they are overwritten */
+  int32_t *since; /* rkv only (else NULL): decode steps since the last selection (-1: none yet) */
+  int stage;      /* rkv: the length of queue */
   int budget;
   int head_dim;
   int kv_dtype;  /* lf_kv_dtype: a quantized dtype stores each written row as the values its
@@ -70,6 +76,8 @@ typedef struct lf_kv_arena {
   float *vnorm;        /* [pool][layer][kv_head][slot] */
   float *acc;          /* [pool][layer][kv_head][slot] */
   int32_t *n, *next;   /* [pool][layer][kv_head] */
+  int32_t *queue;      /* rkv (shape.stage > 0): [pool][layer][kv_head][stage] */
+  int32_t *since;      /* rkv: [pool][layer][kv_head] */
   uint64_t *evictions; /* [pool] slot overwrites since the pool was taken */
   lf_pool_list pools;  /* which pools are free */
 } lf_kv_arena;

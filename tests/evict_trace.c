@@ -4,9 +4,9 @@
  *
  *   evict_trace MODEL POLICY SCOPE BUDGET SINK WINDOW IDS_FILE OUT_FILE
  *
- * MODEL is anything lf_checkpoint_open takes; POLICY longflow|full|streaming|h2o; SCOPE
+ * MODEL is anything lf_checkpoint_open takes; POLICY longflow|full|streaming|h2o|rkv; SCOPE
  * head|layer. The attention parameters are the cpu backend's (engine/backend_cpu.c): h2o's recent
- * window is WINDOW, scale 1/sqrt(head_dim), one thread. IDS_FILE holds whitespace-separated
+ * window and rkv's stage are WINDOW, scale 1/sqrt(head_dim), one thread. IDS_FILE holds whitespace-separated
  * integers: the number of chunks K, the K chunk sizes, then the tokens. A chunk of one token is a
  * decode step (lf_cpu_forward_decode, as the backend batches decodes); a longer one goes through
  * lf_cpu_forward_run (prefill: append, SnapKV compression or decode steps, by attention.c's rules).
@@ -86,10 +86,11 @@ int main(int argc, char **argv) {
                              .sink = sink,
                              .window = window,
                              .h2o_recent = window,
+                             .rkv_stage = window,
                              .group = mc->n_heads / mc->n_kv_heads,
                              .head_dim = mc->head_dim,
                              .scale = 1.0f / sqrtf((float)mc->head_dim)};
-  const lf_pool_shape ps = {1, L, H, B, mc->head_dim, 0};
+  const lf_pool_shape ps = {1, L, H, B, mc->head_dim, 0, policy == LF_POLICY_RKV ? window : 0};
   int pool = -1, rc = 1;
   float *logits = malloc(sizeof(float) * (size_t)V);
   FILE *out = fopen(argv[8], "wb");

@@ -123,7 +123,7 @@ void run_case(const Case &c, int kv_dtype) {
   const int HQ = H * G, L = 2, layer = 1, NP = NS + 3;
   const size_t n_heads_all = (size_t)NP * L * H, n_slots_all = n_heads_all * B;
 
-  lf_pool_shape shape = {NP, L, H, B, D, kv_dtype};
+  lf_pool_shape shape = {NP, L, H, B, D, kv_dtype, 0};
   lf_kv_arena cpu;
   LF_OK_(lf_kv_arena_init(&cpu, &shape));
   struct arena_guard {

@@ -405,7 +405,7 @@ TEST(GpuEngine, PoolsFromKvMemoryBytes) {
   cfg.budget = 256;
   lf_checkpoint ck{};
   ASSERT_EQ(lf_checkpoint_open(cfg.model_path, &ck), LF_OK);
-  const lf_pool_shape ps = {1, ck.cfg.n_layers, ck.cfg.n_kv_heads, cfg.budget, ck.cfg.head_dim, 0};
+  const lf_pool_shape ps = {1, ck.cfg.n_layers, ck.cfg.n_kv_heads, cfg.budget, ck.cfg.head_dim, 0, 0};
   lf_checkpoint_close(&ck);
   const uint64_t dev_pool = lf_pool_bytes_device(&ps, 0);
   ASSERT_LT(dev_pool, lf_pool_bytes(&ps) * 6 / 10); // bf16 against fp32: the sizes differ

@@ -373,7 +373,7 @@ GroupRun run_groups(const std::string &model, lf_evict_scope scope, int groups, 
   EXPECT_EQ(lf_weights_load_f32(&ck, &w), LF_OK) << lf_last_error();
   const lf_model_config &c = ck.cfg;
   lf_kv_arena arena;
-  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, B, c.head_dim, 0};
+  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, B, c.head_dim, 0, 0};
   EXPECT_EQ(lf_kv_arena_init(&arena, &ps), LF_OK);
   int pool = -1;
   EXPECT_EQ(lf_kv_arena_take(&arena, &pool), LF_OK);

@@ -3,7 +3,7 @@
 
 For each tiny Hugging Face model under tests/data/hf_tiny (llama: 2 KV heads of 2 query heads,
 llama3 RoPE; qwen2: 2 KV heads of 4, q/k/v biases) and each case (policy longflow, streaming,
-h2o, full; scope head and layer; decode from the first token, a prompt that fits, a prompt
+h2o, rkv, full; scope head and layer; decode from the first token, a prompt that fits, a prompt
 SnapKV-compresses, a chunk that overflows a non-empty pool and runs as decode steps, a window
 wider than the pool, sink 0), tests/evict_trace.c runs a seeded random token sequence through
 lfserve's forward and dumps the pool after every chunk. The simulator (float64) runs the same
@@ -116,7 +116,7 @@ def lockstep(exe, m, model_dir, case, tokens, tmp, fails, batch=None):
         traces.append(run_trace(exe, model_dir, policy, scope, budget, sink, window, chunks,
                                 tokens, tmp))
         specs.append(evs.Spec(policy, budget, sink=sink, window=window, h2o_recent=recent,
-                              scope=scope))
+                              scope=scope, stage=window))  # rkv: evict_trace's WINDOW is its stage
     s = evs.Sim(m, specs)
     R = len(specs)
     pos0 = 0
@@ -179,9 +179,10 @@ def lockstep(exe, m, model_dir, case, tokens, tmp, fails, batch=None):
                     pos0, l, g, i, pos[l, g, i], rec["pos"][l, g, i])
             elif not np.allclose(vn[filled], rec["vnorm"][filled], rtol=1e-5, atol=1e-6):
                 problem = "vnorm differs by %.3g" % np.abs(vn[filled] - rec["vnorm"][filled]).max()
-            elif policy == "h2o" and not np.allclose(acc[filled], rec["acc"][filled], rtol=1e-4,
-                                                     atol=1e-5):
-                problem = "h2o mass differs by %.3g" % np.abs(acc[filled] - rec["acc"][filled]).max()
+            elif policy in ("h2o", "rkv") and not np.allclose(acc[filled], rec["acc"][filled],
+                                                              rtol=1e-4, atol=1e-5):
+                problem = "%s mass differs by %.3g" % (
+                    policy, np.abs(acc[filled] - rec["acc"][filled]).max())
             elif d > 1e-3:
                 problem = "logits differ by %.3g" % d
             if problem:
@@ -226,6 +227,12 @@ def cases(n_tok):
         if policy != "h2o":  # h2o's recent window is the window, which must fit the pool
             out.append((policy, "head", 12, 4, 32, [30] + [1] * (n_tok - 30)))  # window > fill
         out.append((policy, "head", 10, 0, 4, dec))                              # sink 0
+    for scope in ("head", "layer"):  # rkv: WINDOW is also its stage (budget >= sink + 8 + S + 1)
+        out.append(("rkv", scope, 24, 4, 4, dec))                               # decode from 0
+        out.append(("rkv", scope, 26, 4, 3, [12] + [1] * (n_tok - 12)))         # prompt that fits
+        out.append(("rkv", scope, 24, 4, 5, [40] + [1] * (n_tok - 40)))         # SnapKV
+        out.append(("rkv", scope, 20, 2, 6, [10, 14, 30] + [1] * (n_tok - 54)))  # steps
+    out.append(("rkv", "head", 14, 0, 5, dec))                                   # sink 0
     out.append(("full", "head", n_tok, 4, 32, [20] + [1] * (n_tok - 20)))
     out.append(("full", "head", 64, 4, 32, [20] + [1] * (n_tok - 20)))          # context full
     return out

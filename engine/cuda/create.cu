@@ -140,7 +140,7 @@ static lf_status size_pools(cuda_backend *c) {
   const lf_model_config *m = &c->cfg;
   const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
   const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim,
-                            (int)c->p.kv_dtype};
+                            (int)c->p.kv_dtype, 0};
   const uint64_t arena = lf_pool_bytes_device(&ps, c->p.policy == LF_POLICY_H2O);
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
@@ -371,6 +371,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
                                             lf_backend **out) {
   if (!ck || !p || !out) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: NULL argument");
   *out = NULL;
+  if (p->policy == LF_POLICY_RKV)
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "cuda backend: policy rkv runs on the cpu backend only for now (--backend "
+                    "cpu); its selection kernel is not written yet");
   const lf_model_config *m = &ck->cfg;
   const lf_comm_t comm = p->comm && p->comm->size > 1 ? p->comm : NULL;
   lf_shard sh;

@@ -21,7 +21,8 @@ random-layer and oracle-layer, the same with one decision per layer for all its 
 oracle then keeps the slot some head needs soonest), to tell the cost of per-head eviction
 apart from the cost of its scores; and LongFlow's score taken apart, in either scope
 (attn-head, attn-layer: the attention mass alone; vnorm-head, vnorm-layer: ||v||_1 alone;
-centered-head, centered-layer: alpha * ||v - o||_1; emaG-head, emaG-layer: LongFlow's score
+centered-head, centered-layer: alpha * ||v - o||_1; rkv, rkv-S8, rkv-S64-l0.1-o8: R-KV's
+selection as lfserve's --policy rkv (stage S, lambda, observation queries); emaG-head, emaG-layer: LongFlow's score
 decayed by G per step and accumulated, emaG+rR-head / -layer with a protected window;
 longflow+rR-head, longflow+rR-layer: LongFlow's score
 with h2o's protected window of the R most recent slots, R a number or `half` for B/2). These
@@ -38,6 +39,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -69,6 +71,7 @@ def parse():
                     "hf), teacher-forced on prompt + completion; budgets are fractions of each "
                     "record's output tokens, rounded up")
     ap.add_argument("--task-n", type=int, default=1, help="the N records with the shortest output")
+    ap.add_argument("--task-skip", type=int, default=0, help="after skipping the K shortest")
     ap.add_argument("--tokenizer", help="tokenizer.json for --task (gen.py --save-hf-tokenizer)")
     return ap.parse_args()
 
@@ -82,7 +85,7 @@ def task_items(a):
     recs.sort(key=lambda r: r["output_tokens"])
     tok = gen.load_hf_tokenizer(a.tokenizer)
     out = []
-    for r in recs[:a.task_n]:
+    for r in recs[a.task_skip:a.task_skip + a.task_n]:
         p = tok.encode(r["prompt"], add_special_tokens=False).ids
         c = tok.encode(r["completion"], add_special_tokens=False).ids
         out.append((r["id"], p + c, len(p), r["output_tokens"]))
@@ -141,6 +144,14 @@ def make_specs(sim, a, budgets, n_kv):
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=B // 2, name="h2o-recent-half/B%d" % B))
             elif p == "h2o-32":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=32, name="h2o-recent-32/B%d" % B))
+            elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o[0-9]+)?", p):
+                # R-KV: a selection every S steps (default 32) of the S slots to overwrite next,
+                # lam (default 0.1) mixing importance and redundancy, o observation queries (8)
+                kw = {"stage": 32, "lam": 0.1, "obs": 8}
+                for part in p.split("-")[1:]:
+                    kw[{"S": "stage", "l": "lam", "o": "obs"}[part[0]]] = \
+                        float(part[1:]) if part[0] == "l" else int(part[1:])
+                specs.append(sim.Spec("rkv", B, sink=a.sink, name="%s/B%d" % (p, B), **kw))
             elif p == "random":
                 specs.append(sim.Spec("random", B, sink=a.sink, seed=a.seed, name="random/B%d" % B))
             elif p == "random-layer":  # one random slot per layer, the same for all its KV heads

@@ -54,7 +54,7 @@ import math
 import numpy as np
 
 POLICIES = ("full", "longflow", "streaming", "h2o", "random", "oracle", "attn", "vnorm", "centered",
-            "ema")
+            "ema", "rkv")
 NEVER = np.int64(1) << 40  # "no further use"
 
 
@@ -67,7 +67,8 @@ class Spec:
     recent window B/2, as lf_h2o_recent resolves lf_engine_config.h2o_recent = 0)."""
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
-                 tau=None, name=None, gamma=0.0, recent=None):
+                 tau=None, name=None, gamma=0.0, recent=None, stage=32, obs=8, lam=0.1,
+                 sim_thr=0.5, pool_kernel=7):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
@@ -82,9 +83,18 @@ class Spec:
         # the most recent slots (by position) never evicted: h2o's window; for the other scores
         # a diagnostic (recent=R), 0 = none
         self.recent = self.h2o_recent if policy == "h2o" else int(recent or 0)
+        # rkv (attention.h): a selection every `stage` steps picks the next `stage` slots to
+        # overwrite; importance = the attention of the last `obs` queries (max-pooled over
+        # `pool_kernel` neighbours in position order), redundancy = the softmax of each key's mean
+        # cosine similarity to the others (its most recent look-alike above sim_thr left out),
+        # score = lam * importance - (1 - lam) * redundancy; the `obs` newest are kept
+        self.stage, self.obs, self.lam = int(stage), int(obs), float(lam)
+        self.sim_thr, self.pool_kernel = float(sim_thr), int(pool_kernel)
         self.name = name or "%s/%s/B%d" % (policy, scope, budget)
         if policy != "full" and self.budget < self.sink + 2:
             raise ValueError("%s: budget %d < sink %d + 2" % (self.name, self.budget, self.sink))
+        if policy == "rkv" and self.budget < self.sink + self.obs + self.stage + 1:
+            raise ValueError("%s: budget %d < sink + obs + stage + 1" % (self.name, self.budget))
         if policy == "h2o" and self.budget < self.sink + self.h2o_recent + 2:
             raise ValueError("%s: budget %d < sink + h2o_recent + 2" % (self.name, self.budget))
 
@@ -184,6 +194,12 @@ class Sim:
         self.harmful = np.zeros(R, np.int64)      # needed again within harm_window steps
         self.needed_later = np.zeros(R, np.int64)  # needed again at all
         self.evict_log = [] if record else None    # (step, layer, run, head, slot, evicted pos)
+        # rkv: steps since the last selection (-1: none yet), whether the observation window is
+        # accumulating, and the slots chosen to be overwritten next, in order
+        self.rk_since = np.full((L, R), -1, np.int64)
+        self.rk_obs_on = np.zeros((L, R), dtype=bool)
+        S = max([sp.stage for sp in self.specs if sp.policy == "rkv"] or [1])
+        self.rk_queue = np.full((L, R, H, S), -1, np.int64)
         self.last_scores = [None] * L  # per layer: [R][H][C] the combined score the argmin saw
 
     # ------------------------------------------------------------------ the decode step
@@ -299,6 +315,9 @@ class Sim:
                 acc[np.arange(len(ra))[:, None], np.arange(H)[None, :], w[li]] = 0.0
                 acc += mass[li].astype(np.float32)
                 self.acc[l, ra] = acc
+            if policy == "rkv":
+                self._rkv_step(l, ra, li, w, n, mass)
+                continue
             if policy == "full":
                 self.next[l, ra] = -1  # never evicts: no candidate, as in attention.c
                 continue
@@ -363,6 +382,73 @@ class Sim:
             scores_all[li] = np.repeat(tot, gs, axis=1)
         self.last_scores[l] = scores_all
 
+    def _rkv_step(self, l, ra, li, w, n, mass):
+        """rkv at layer l after the write and the attention of step t, for runs `ra` (rows `li`):
+        the observation window's accumulation, and every `stage` steps once the pool is full, the
+        selection of the next `stage` slots to overwrite."""
+        H, G = self.H, self.G
+        for a, r in zip(li, ra):
+            sp = self.specs[r]
+            B, S, obs = sp.budget, sp.stage, sp.obs
+            nr = int(n[a])
+            if self.rk_since[l, r] < 0:
+                k_left = B - nr  # the first selection when the pool fills
+            else:
+                self.rk_since[l, r] += 1
+                k_left = S - self.rk_since[l, r]
+            if k_left < obs:
+                if not self.rk_obs_on[l, r]:
+                    self.acc[l, r] = 0.0
+                    self.rk_obs_on[l, r] = True
+                self.acc[l, r, np.arange(H), w[a]] = 0.0
+                self.acc[l, r] += mass[a].astype(np.float32)
+            if k_left <= 0:
+                gs = self.gsize[r]
+                for g0 in range(0, H, gs):  # one choice per scope: the heads' scores summed
+                    q = self._rkv_select(l, r, range(g0, g0 + gs), sp, nr)
+                    self.rk_queue[l, r, g0:g0 + gs, :S] = q[None, :]
+                self.rk_since[l, r] = 0
+                self.rk_obs_on[l, r] = False
+            if self.rk_since[l, r] >= 0:
+                self.next[l, r] = self.rk_queue[l, r, :, self.rk_since[l, r]]
+            else:
+                self.next[l, r] = -1
+
+    def _rkv_select(self, l, r, heads, sp, nr):
+        """The `stage` slots of (layer l, run r) to overwrite next for the KV heads `heads` (one
+        scope: they hold the same positions in the same slots), lowest summed score first."""
+        heads = list(heads)
+        pos = self.pos[l, r, heads[0], :nr]
+        order = np.argsort(pos, kind="stable")          # slots in position order
+        rest = order[:nr - sp.obs]                       # all but the observation window (kept)
+        score = sum(self._rkv_head_score(l, r, g, sp, rest) for g in heads)
+        cand = rest >= sp.sink
+        idx = np.nonzero(cand)[0]
+        if len(idx) < sp.stage:
+            raise RuntimeError("%s: %d candidates for a stage of %d" % (sp.name, len(idx), sp.stage))
+        pick = idx[np.lexsort((rest[idx], score[idx]))[:sp.stage]]  # ties: lower slot first
+        return rest[pick]
+
+    def _rkv_head_score(self, l, r, g, sp, rest):
+        """R-KV's score of the slots `rest` (in position order) of KV head g."""
+        imp = self.acc[l, r, g, rest].astype(np.float64) / (self.G * sp.obs)
+        if sp.pool_kernel > 1:                           # max over neighbours in position order
+            h = sp.pool_kernel // 2
+            pad = np.concatenate([np.full(h, -np.inf), imp, np.full(h, -np.inf)])
+            imp = np.max(np.stack([pad[i:i + len(rest)] for i in range(2 * h + 1)]), 0)
+        k = self.K[l, r, g, rest].astype(np.float64)
+        kn = k / (np.linalg.norm(k, axis=1, keepdims=True) + 1e-8)
+        cos = kn @ kn.T
+        np.fill_diagonal(cos, 0.0)
+        similar = cos > sp.sim_thr
+        has = similar.any(1)
+        last = len(rest) - 1 - np.argmax(similar[:, ::-1], axis=1)  # the most recent look-alike
+        cos[np.nonzero(has)[0], last[has]] = 0.0
+        m = cos.mean(1)
+        red = np.exp(m - m.max())
+        red /= red.sum()
+        return sp.lam * imp - (1.0 - sp.lam) * red
+
     # ------------------------------------------------------------------------ prefill
 
     def feed(self, tokens):
@@ -381,6 +467,9 @@ class Sim:
                 arr[:, 1:] = arr[:, :1]
             self.n[:, 1:] = self.n[:, :1]
             self.next[:, 1:] = self.next[:, :1]
+            for r, sp in enumerate(self.specs):
+                if sp.policy == "rkv":  # its window counts decode steps only (as _prefill_attn)
+                    self.acc[:, r] = 0.0
             out = np.repeat(lg[None, :], self.R, 0)
         else:
             out = np.stack([self._prefill_run(r, tokens) for r in range(self.R)])
@@ -485,6 +574,10 @@ class Sim:
                     self.ptr[ti][l, r, g, new_slots[ok]] = p
                     self.end[ti][l, r, g, new_slots[ok]] = e
             self.next[l, r, g] = -1
+            if s.policy == "rkv":  # no selection yet; the observation window counts decode steps
+                self.acc[l, r, g, :n_after] = 0.0
+                self.rk_since[l, r] = -1
+                self.rk_obs_on[l, r] = False
         self.n[l, r] = n_after
         return out
 
