@@ -181,6 +181,8 @@ typedef struct cuda_backend {
   int32_t *h_io;      /* host copy of the same layout */
   step_io d_step, h_step;
   lf_sample_params *d_sp, *h_sp; /* [max_items] */
+  lf_cuda_logit_adj *d_adj, *h_adj; /* the step's logit processing entries, grown on demand */
+  size_t cap_adj;
   int32_t *d_tok_out, *h_tok_out; /* [max_items] */
   size_t io_bytes;
 

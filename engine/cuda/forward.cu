@@ -9,6 +9,7 @@
 #include "attention/prefill_attn.cuh"
 #include "base/cuda_launch.cuh"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/sample.h"
 #include "kernels/embed.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/rmsnorm.cuh"
@@ -312,6 +313,51 @@ static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok,
 
 /* ---- the forward ---------------------------------------------------------------------------- */
 
+/* After the LM head (and the tensor-parallel gather): the raw rows items ask for go to the host
+ * (logits_last), then the items' logit processing runs on the device rows, before sampling. */
+static lf_status cb_logits_last_and_adjust(cuda_backend *c, const lf_batch_item *items,
+                                           const lf_batch_result *res, int n) {
+  const int V = c->cfg.vocab_size;
+  size_t na = 0;
+  int want_rows = 0;
+  for (int i = 0; i < n; i++) {
+    if (res[i].status != LF_OK) continue;
+    na += (size_t)items[i].n_adj;
+    want_rows |= items[i].logits_last != NULL;
+  }
+  /* a copy to pageable memory must not wait inside CUDA on a collective */
+  if (want_rows && c->comm) LF_TRY(cb_stream_wait(c));
+  for (int i = 0; i < n; i++)
+    if (res[i].status == LF_OK && items[i].logits_last)
+      LF_CUDA_CHECK(cudaMemcpyAsync(items[i].logits_last, c->logits + (size_t)i * V,
+                                    (size_t)V * sizeof(float), cudaMemcpyDeviceToHost,
+                                    c->stream));
+  if (na == 0) return LF_OK;
+  if (na > c->cap_adj) {
+    LF_TRY(cb_stream_wait(c)); /* the old device buffer may still be read */
+    cudaFree(c->d_adj);
+    free(c->h_adj);
+    c->d_adj = NULL;
+    c->cap_adj = 0;
+    c->h_adj = (lf_cuda_logit_adj *)malloc(na * sizeof *c->h_adj);
+    if (!c->h_adj) return lf_error(LF_ERR_OUT_OF_MEMORY, "%zu logit processing entries", na);
+    LF_CUDA_CHECK(cudaMalloc((void **)&c->d_adj, na * sizeof *c->d_adj));
+    c->cap_adj = na;
+  }
+  size_t k = 0;
+  for (int i = 0; i < n; i++) {
+    if (res[i].status != LF_OK) continue;
+    for (int j = 0; j < items[i].n_adj; j++) {
+      const lf_logit_adj *a = &items[i].adj[j];
+      c->h_adj[k++] = (lf_cuda_logit_adj){i, a->token, a->seen, a->bias, a->sub, items[i].rep};
+    }
+  }
+  /* from pageable memory: staged before the call returns, so h_adj is free again */
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_adj, c->h_adj, na * sizeof *c->h_adj,
+                                cudaMemcpyHostToDevice, c->stream));
+  return lf_cuda_logits_adjust(c->logits, V, c->d_adj, (int)na, c->stream);
+}
+
 lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_result *res,
                      float *logits_out) {
   cuda_backend *c = (cuda_backend *)b;
@@ -421,7 +467,8 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
 
   /* LM head and token selection for every item (failed items' rows are ignored). */
   int need_full = c->comm == NULL || logits_out != NULL;
-  for (int i = 0; i < n && !need_full; i++) need_full = items[i].sampling.temperature > 0.0f;
+  for (int i = 0; i < n && !need_full; i++)
+    need_full = items[i].sampling.temperature > 0.0f || items[i].full_logits;
   LF_TRY(cb_gemm(c, c->lm_head, c->xf, c->llocal, CUDA_R_32F, c->nv, m->dim, n, 0.0f));
   if (!need_full) {
     /* tensor parallel, all greedy: one gather of (max, id) pairs, the pick on the device */
@@ -438,6 +485,7 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
                                   cudaMemcpyHostToDevice, c->stream));
     /* tensor parallel: the full logits (or every item's top-k candidates) on every rank */
     if (c->comm) LF_TRY(cb_tp_gather_logits(c, items, res, n, logits_out != NULL));
+    LF_TRY(cb_logits_last_and_adjust(c, items, res, n));
     LF_TRY(lf_cuda_sample(c->logits, m->vocab_size, n, c->d_sp, c->d_tok_out, c->probs,
                           c->stream));
     for (int i = 0; i < n; i++)
