@@ -407,8 +407,11 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
   }
 
   /* Every member is acted on, or listed as harmless: nothing is silently ignored. */
-  for (const cJSON *e = root->child; e; e = e->next) {
+  /* (a body without its prompt hears that first) */
+  for (const cJSON *e = lfs_json_member(root, chat ? "messages" : "prompt") ? root->child : NULL; e;
+       e = e->next) {
     const char *k = e->string ? e->string : "";
+    if (cJSON_IsNull(e)) continue; /* null: the member is absent, as for the known ones */
     if (in_list(common_members, k) || in_list(chat ? chat_members : completion_members, k) ||
         in_list(lfs_ignored_members, k))
       continue;
