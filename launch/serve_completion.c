@@ -55,7 +55,7 @@ static void put_ids(lfs_buf *b, const int32_t *ids, int n) {
  * incomplete UTF-8 character as U+FFFD, as in vLLM), or "token_id:N" without a tokenizer;
  * "bytes" lists that string's UTF-8 bytes. Completions' text_offset is the byte offset of each
  * token's string in the returned text, counting the strings of the tokens before it (from the
- * prompt's start with echo). Values are the raw model distribution's (lf_sampling). */
+ * prompt's start with echo) but not special tokens', which the text leaves out. Values are the raw model distribution's (lf_sampling). */
 
 static void token_str(int32_t id, lf_tok_text *t) {
   lf_tok_text_clear(t);
@@ -120,7 +120,8 @@ static void lp_cols_add(lp_cols *a, int32_t id, const lf_event *e, long long *of
   lfs_buf_puts(&a->tokens, sep);
   lfs_buf_json_str(&a->tokens, t->data ? t->data : "", t->len);
   lfs_buf_printf(&a->offs, "%s%lld", sep, *off);
-  *off += (long long)t->len;
+  /* special tokens (BOS, chat markers) are not in the returned text */
+  if (!S.tok || !lf_tokenizer_is_special(S.tok, id)) *off += (long long)t->len;
   lfs_buf_puts(&a->lps, sep);
   lfs_buf_puts(&a->tops, sep);
   if (!e) {
