@@ -257,6 +257,33 @@ static lf_status step_upload(cuda_backend *c, int rows) {
   return LF_OK;
 }
 
+/* A chunk's logits at every position, from its rows of x after the last layer: the final norm,
+ * the LM head, then to the host at out + tok_off * vocab (pageable: the copy has finished when
+ * it returns, so the scratch is free again). Single rank (the engine refuses prompt logprobs
+ * under tensor parallelism). */
+static lf_status seg_logits(cuda_backend *c, const pass_seg *s, float *out) {
+  const lf_model_config *m = &c->cfg;
+  const int V = m->vocab_size;
+  if (c->comm) return lf_error(LF_ERR_UNSUPPORTED, "cuda: prompt logits under tensor parallelism");
+  if (!c->pl_x) {
+    LF_CUDA_CHECK(cudaMalloc((void **)&c->pl_x, (size_t)c->max_chunk * m->dim * sizeof(bf16)));
+    if (cudaMalloc((void **)&c->pl_logits, (size_t)c->max_chunk * V * sizeof(float)) !=
+        cudaSuccess) {
+      cudaFree(c->pl_x);
+      c->pl_x = NULL;
+      (void)cudaGetLastError();
+      return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda: prompt logits for %d positions", c->max_chunk);
+    }
+  }
+  LF_TRY(lf_cuda_rmsnorm(c->x + (size_t)s->row0 * m->dim, m->dim, c->rms_final, m->dim,
+                         m->norm_eps, s->T, c->pl_x, m->dim, NULL, c->stream));
+  LF_TRY(cb_gemm(c, c->lm_head, c->pl_x, c->pl_logits, CUDA_R_32F, c->nv, m->dim, s->T, 0.0f));
+  LF_CUDA_CHECK(cudaMemcpyAsync(out + (size_t)s->tok_off * V, c->pl_logits,
+                                (size_t)s->T * V * sizeof(float), cudaMemcpyDeviceToHost,
+                                c->stream));
+  return LF_OK;
+}
+
 /* A pass with prompt chunks: their tokens (and the decode items' after them) through the pinned
  * staging buffer, eager (no graph), the GEMV only up to a short prompt's rows (cb_gemv_lim), no
  * GEMM timing for its row counts (gemm.cu). The caller has waited for any earlier use of
@@ -276,8 +303,11 @@ static lf_status mixed_pass(cuda_backend *c, const lf_batch_item *items, const p
   c->in_prefill = 1;
   const int pdl_saved = lf_pdl_pass_off;
   lf_pdl_pass_off = Tp + nd > c->pdl_max_rows;
-  const lf_status st = run_pass(c, c->ptok, seg, n_seg, Tp, nd);
+  lf_status st = run_pass(c, c->ptok, seg, n_seg, Tp, nd);
   lf_pdl_pass_off = pdl_saved;
+  /* prompt logits wanted (prompt_logprobs): the chunks' rows are still in x */
+  for (int i = 0; i < n_seg && st == LF_OK; i++)
+    if (items[seg[i].item].logits_all) st = seg_logits(c, &seg[i], items[seg[i].item].logits_all);
   c->in_prefill = 0;
   LF_TRY(st);
   for (int i = 0; i < n_seg; i++)
@@ -323,15 +353,21 @@ static lf_status cb_logits_last_and_adjust(cuda_backend *c, const lf_batch_item 
   for (int i = 0; i < n; i++) {
     if (res[i].status != LF_OK) continue;
     na += (size_t)items[i].n_adj;
-    want_rows |= items[i].logits_last != NULL;
+    want_rows |= items[i].logits_last != NULL || items[i].logits_all != NULL;
   }
   /* a copy to pageable memory must not wait inside CUDA on a collective */
   if (want_rows && c->comm) LF_TRY(cb_stream_wait(c));
-  for (int i = 0; i < n; i++)
-    if (res[i].status == LF_OK && items[i].logits_last)
+  for (int i = 0; i < n; i++) {
+    if (res[i].status != LF_OK) continue;
+    if (items[i].logits_last)
       LF_CUDA_CHECK(cudaMemcpyAsync(items[i].logits_last, c->logits + (size_t)i * V,
                                     (size_t)V * sizeof(float), cudaMemcpyDeviceToHost,
                                     c->stream));
+    if (items[i].logits_all && items[i].n_tok == 1) /* a one-token chunk: its row is this */
+      LF_CUDA_CHECK(cudaMemcpyAsync(items[i].logits_all, c->logits + (size_t)i * V,
+                                    (size_t)V * sizeof(float), cudaMemcpyDeviceToHost,
+                                    c->stream));
+  }
   if (na == 0) return LF_OK;
   if (na > c->cap_adj) {
     LF_TRY(cb_stream_wait(c)); /* the old device buffer may still be read */
@@ -413,6 +449,13 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
                       ? (uint8_t)lf_prefill_kind_of(c->p.policy, B, c->host_n[items[i].pool],
                                                     items[i].n_tok)
                       : KIND_NONE;
+  for (int i = 0; i < n; i++)
+    if (c->kinds[i] == LF_PREFILL_DECODE_STEPS && items[i].logits_all) {
+      res[i].status = lf_error(LF_ERR_UNSUPPORTED,
+                               "cuda: prompt logprobs of a chunk run token by token (a prompt "
+                               "overflowing its pool)");
+      c->kinds[i] = KIND_NONE;
+    }
   /* Prompt chunks that overflow a non-empty pool under eviction: token by token. They use the
    * step arrays and wait for their copies, so they go before the decode items are staged. */
   for (int i = 0; i < n; i++)
