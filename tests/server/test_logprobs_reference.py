@@ -4,8 +4,8 @@ which transformers dequantizes at load as lfserve does, so both run the same wei
 the server on the cpu backend:
 
 - /v1/completions with echo and logprobs: every prompt token's logprob (after the first) and
-  every generated token's, against log_softmax of transformers' logits in float64 at the same
-  positions, within 1e-3; the top alternatives likewise;
+  every generated token's, against log_softmax (in float64) of transformers' float32 logits at
+  the same positions, within 1e-3; the top alternatives likewise;
 - /v1/chat/completions with logprobs: the generated tokens' logprobs, the same way.
 
 The logprobs are the raw model distribution's (lfserve's documented choice), so they are
@@ -25,6 +25,7 @@ from serverlib import ROOT, Server, run_suite  # noqa: E402
 try:
     import torch
     import transformers
+    import accelerate  # noqa: F401  (transformers needs it to load a GGUF file)
     import gguf  # noqa: F401  (transformers reads GGUF files through it)
 except ImportError as e:
     print("SKIP: %s" % e)
@@ -76,8 +77,11 @@ def main():
     path = smollm2()
     torch.set_num_threads(2)
     d, n = os.path.dirname(path), os.path.basename(path)
+    # float32: transformers may keep GGUF weights packed and compute in float32 whatever dtype is
+    # asked; the comparison is then transformers' float32 against lfserve's fp32 cpu backend,
+    # the log-softmax of both in float64
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=n,
-                                                              dtype=torch.float64).eval()
+                                                              dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=n)
 
     def body(servers):
