@@ -55,11 +55,14 @@ struct lf_sreq {
   uint64_t evictions;
   double t_submit, t_admit, t_first, t_last;
   /* Logit processing (lf_logits_adjust): the bias entries, then one per distinct token of the
-   * prompt (repetition penalty on) and of the output. adj_of[token] is its entry or -1; NULL
-   * when the request has no processing. n_counted: output tokens already folded in. */
+   * prompt (repetition penalty on) and of the output; NULL when the request has none. adj_of:
+   * an open-addressing table of entry indices (-1 empty), [adj_mask + 1] at least twice the
+   * entries' capacity, so a request's memory follows its own size, not the vocabulary's.
+   * n_counted: output tokens already folded in. */
   lf_logit_adj *adj;
   int n_adj;
-  int *adj_of; /* [vocab] */
+  int *adj_of;
+  uint32_t adj_mask;
   int *adj_cnt; /* [entries] occurrences in the output */
   int n_counted;
   lp_entry *lp; /* [max_tokens] the generated ids' logprobs (lf_sampling.logprobs), else NULL */
@@ -144,6 +147,18 @@ static void req_free(lf_sreq *r) {
   free(r->adj_cnt);
   free(r->lp);
   free(r);
+}
+
+/* r's entry for token t, created (zeroed) when absent. */
+static lf_logit_adj *adj_entry(lf_sreq *r, int32_t t) {
+  uint32_t i = ((uint32_t)t * 2654435761u) & r->adj_mask;
+  while (r->adj_of[i] >= 0) {
+    if (r->adj[r->adj_of[i]].token == t) return &r->adj[r->adj_of[i]];
+    i = (i + 1) & r->adj_mask;
+  }
+  r->adj_of[i] = r->n_adj;
+  r->adj[r->n_adj] = (lf_logit_adj){.token = t};
+  return &r->adj[r->n_adj++];
 }
 
 static void wait_push(lf_sched *s, lf_sreq *r) {
@@ -473,10 +488,13 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
                                          (track_prompt ? (size_t)rq->n_prompt : 0) +
                                          (track_out ? (size_t)max_tokens : 0)
                                    : 0;
+  size_t table = 16;
+  while (table < 2 * cap_adj) table *= 2;
   if (processed) {
     r->adj = malloc(sizeof *r->adj * cap_adj);
-    r->adj_of = malloc(sizeof(int) * (size_t)c->vocab_size);
+    r->adj_of = malloc(sizeof(int) * table);
     r->adj_cnt = calloc(cap_adj, sizeof(int));
+    r->adj_mask = (uint32_t)(table - 1);
   }
   if (sp->logprobs) r->lp = calloc((size_t)max_tokens, sizeof *r->lp);
   if (!r->tokens || (rq->n_stop_ids && !r->stop_ids) || (seq_total && !r->seq_ids) ||
@@ -504,25 +522,19 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   r->sp = rq->sampling;
   r->sp.logit_bias = NULL; /* copied into adj */
   if (processed) {
-    for (int i = 0; i < c->vocab_size; i++) r->adj_of[i] = -1;
+    for (size_t i = 0; i < table; i++) r->adj_of[i] = -1;
     for (int i = 0; i < sp->n_logit_bias; i++) {
-      const int t = sp->logit_bias[i].token;
-      if (r->adj_of[t] >= 0) {
+      const int before = r->n_adj;
+      lf_logit_adj *a = adj_entry(r, sp->logit_bias[i].token);
+      if (r->n_adj == before) {
+        const int t = sp->logit_bias[i].token;
         req_free(r);
         return lf_error(LF_ERR_INVALID_ARG, "logit_bias lists token %d twice", t);
       }
-      r->adj_of[t] = r->n_adj;
-      r->adj[r->n_adj++] = (lf_logit_adj){.token = t, .bias = sp->logit_bias[i].bias};
+      a->bias = sp->logit_bias[i].bias;
     }
     if (track_prompt)
-      for (int i = 0; i < rq->n_prompt; i++) {
-        const int t = rq->prompt[i];
-        if (r->adj_of[t] < 0) {
-          r->adj_of[t] = r->n_adj;
-          r->adj[r->n_adj++] = (lf_logit_adj){.token = t};
-        }
-        r->adj[r->adj_of[t]].seen = 1;
-      }
+      for (int i = 0; i < rq->n_prompt; i++) adj_entry(r, rq->prompt[i])->seen = 1;
   }
   lf_rng_seed(&r->rng, rq->sampling.seed);
   r->ignore_eos = rq->ignore_eos;
@@ -727,15 +739,10 @@ static void fold_output(lf_sreq *r) {
                     (r->sp.repetition_penalty > 0.0f && r->sp.repetition_penalty != 1.0f);
   if (!r->adj || !track) return;
   for (; r->n_counted < r->n_gen; r->n_counted++) {
-    const int t = r->tokens[r->n_prompt + r->n_counted];
-    if (r->adj_of[t] < 0) {
-      r->adj_of[t] = r->n_adj;
-      r->adj[r->n_adj++] = (lf_logit_adj){.token = t};
-    }
-    const int e = r->adj_of[t];
-    const int k = ++r->adj_cnt[e];
-    r->adj[e].seen = 1;
-    r->adj[e].sub = r->sp.presence_penalty + r->sp.frequency_penalty * (float)k;
+    lf_logit_adj *a = adj_entry(r, r->tokens[r->n_prompt + r->n_counted]);
+    const int k = ++r->adj_cnt[a - r->adj];
+    a->seen = 1;
+    a->sub = r->sp.presence_penalty + r->sp.frequency_penalty * (float)k;
   }
 }
 
