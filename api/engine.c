@@ -265,6 +265,10 @@ lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *o) {
 lf_status lf_engine_submit(lf_engine_t e, const lf_request *rq, uint64_t *id) {
   if (!e) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_submit: NULL engine");
   if (!e->sched) return follower_call(e, "lf_engine_submit");
+  if (rq && rq->sampling.prompt_logprobs && e->comm && e->comm->size > 1)
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "prompt_logprobs is not supported under tensor parallelism (%d ranks)",
+                    e->comm->size);
   return lf_sched_submit(e->sched, rq, id);
 }
 

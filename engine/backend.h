@@ -25,6 +25,17 @@ typedef struct lf_batch_item {
   const int32_t *tokens; /* [n_tok] */
   lf_sampling sampling;  /* how to pick the token after the chunk's last position */
   float u;               /* uniform [0,1) random draw used when sampling is not greedy */
+  /* Logit processing before the pick (greedy too), applied to the last position's logits:
+   * lf_logits_adjust(logits, adj, n_adj, rep) (engine/sample.h). The forward's logits output
+   * and logits_last/logits_all stay raw. */
+  const struct lf_logit_adj *adj;
+  int n_adj;
+  float rep;           /* repetition penalty; 1 or 0: off */
+  float *logits_last;  /* non-NULL: the last position's raw logits [vocab] copied here */
+  float *logits_all;   /* non-NULL (prompt chunks): every position's raw logits [n_tok][vocab];
+                          single rank only (LF_ERR_UNSUPPORTED in the item's status otherwise) */
+  int full_logits;     /* nonzero when adj or logits_last is set: under tensor parallelism the
+                          item takes the whole-logits path (this flag is what followers see) */
 } lf_batch_item;
 
 typedef struct lf_batch_result {

@@ -20,6 +20,7 @@ typedef struct cpu_backend {
   lf_cpu_forward fwd;
   lf_sampler sampler;
   float *logits; /* [vocab] */
+  float *adjusted; /* [vocab] an item's logits after its logit processing */
   /* tensor parallel (fwd.comm set): per-batch scratch, grown on demand */
   int cap_items;
   float *local;    /* [cap_items][n_vocab] each item's slice of the logits */
@@ -102,9 +103,22 @@ static lf_status run_decodes(cpu_backend *c, const lf_batch_item *items, int n, 
                                c->d_st);
 }
 
+/* The item's token from its whole raw logits lg [vocab]: copied out when asked
+ * (logits_last), processed (adj) on a copy, then lf_sample. */
+static int32_t pick(cpu_backend *c, const lf_batch_item *it, const float *lg) {
+  const size_t vocab = (size_t)c->ck->cfg.vocab_size;
+  if (it->logits_last) memcpy(it->logits_last, lg, sizeof(float) * vocab);
+  if (it->n_adj > 0) {
+    memcpy(c->adjusted, lg, sizeof(float) * vocab);
+    lf_logits_adjust(c->adjusted, it->adj, it->n_adj, it->rep);
+    lg = c->adjusted;
+  }
+  return lf_sample(&c->sampler, lg, &it->sampling, it->u);
+}
+
 /* Sampled with top-k from the ranks' candidates (lf_tp_topk_logits) rather than whole logits. */
 static int tp_topk_item(const lf_batch_item *it, int vocab, const float *logits_out) {
-  return !logits_out && it->sampling.temperature > 0.0f && it->sampling.top_k >= 1 &&
+  return !logits_out && !it->full_logits && it->sampling.temperature > 0.0f && it->sampling.top_k >= 1 &&
          it->sampling.top_k <= LF_TP_TOPK_MAX && it->sampling.top_k < vocab;
 }
 
@@ -136,6 +150,9 @@ static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int 
       r->status = lf_cpu_forward_run(&c->fwd, it->pool, it->pos0, it->n_tok, it->tokens, li,
                                      NULL, &r->evictions);
     }
+    /* every rank sees the same items: the same status on all of them */
+    if (r->status == LF_OK && it->logits_all)
+      r->status = lf_error(LF_ERR_UNSUPPORTED, "prompt logits under tensor parallelism");
     /* Evictions are counted over the model's KV heads, each once however many ranks hold it.
      * Every KV head of a pool takes the same writes and so overwrites as many slots as any
      * other (in every scope: one write, so at most one overwrite, per head), so this rank's count times
@@ -160,7 +177,7 @@ static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int 
     c->kk[nk++] = items[i].sampling.top_k;
   }
   for (int i = 0; i < n; i++) {
-    if (!logits_out && items[i].sampling.temperature <= 0.0f) continue;
+    if (!logits_out && !items[i].full_logits && items[i].sampling.temperature <= 0.0f) continue;
     if (tp_topk_item(&items[i], vocab, logits_out)) continue;
     if (k != i)
       memmove(c->local + (size_t)k * nv, c->local + (size_t)i * nv, sizeof(float) * nv);
@@ -173,12 +190,13 @@ static lf_status cpu_forward_tp(cpu_backend *c, const lf_batch_item *items, int 
     const float *full = NULL;
     if (tp_topk_item(&items[i], vocab, logits_out))
       full = c->full + (size_t)jk++ * vocab;
-    else if (logits_out || items[i].sampling.temperature > 0.0f)
+    else if (logits_out || items[i].full_logits || items[i].sampling.temperature > 0.0f)
       full = c->full + (size_t)j++ * vocab;
     if (res[i].status != LF_OK) continue;
     if (logits_out) memcpy(logits_out + (size_t)i * vocab, full, sizeof(float) * vocab);
-    res[i].token = items[i].sampling.temperature > 0.0f
-                       ? lf_sample(&c->sampler, full, &items[i].sampling, items[i].u)
+    /* a top-k item's row holds its candidates only (-inf elsewhere): enough for lf_sample */
+    res[i].token = items[i].sampling.temperature > 0.0f || items[i].full_logits
+                       ? pick(c, &items[i], full)
                        : c->greedy[i];
   }
   return LF_OK;
@@ -201,7 +219,8 @@ static lf_status cpu_forward(lf_backend *b, const lf_batch_item *items, int n,
     r->token = -1;
     if (r->status != LF_OK) continue;
     if (logits_out) memcpy(logits_out + (size_t)i * vocab, lg, sizeof(float) * vocab);
-    r->token = lf_sample(&c->sampler, lg, &items[i].sampling, items[i].u);
+    if (items[i].logits_all) memcpy(items[i].logits_all, lg, sizeof(float) * vocab);
+    r->token = pick(c, &items[i], lg);
   }
   for (int i = 0; i < n; i++) {
     const lf_batch_item *it = &items[i];
@@ -210,10 +229,10 @@ static lf_status cpu_forward(lf_backend *b, const lf_batch_item *items, int n,
     r->evictions = 0;
     r->token = -1;
     r->status = lf_cpu_forward_run(&c->fwd, it->pool, it->pos0, it->n_tok, it->tokens, c->logits,
-                                   NULL, &r->evictions);
+                                   it->logits_all, &r->evictions);
     if (r->status != LF_OK) continue;
     if (logits_out) memcpy(logits_out + (size_t)i * vocab, c->logits, sizeof(float) * vocab);
-    r->token = lf_sample(&c->sampler, c->logits, &it->sampling, it->u);
+    r->token = pick(c, it, c->logits);
   }
   return LF_OK;
 }
@@ -238,6 +257,7 @@ static void cpu_free(lf_backend *b) {
   cpu_backend *c = (cpu_backend *)b;
   if (!c) return;
   free(c->logits);
+  free(c->adjusted);
   free(c->local);
   free(c->full);
   free(c->lmax);
@@ -331,7 +351,8 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   if (s == LF_OK) s = lf_cpu_forward_init_tp(&c->fwd, mc, &c->w, &c->arena, &ap, &sh, comm);
   if (s == LF_OK) c->fwd.n_threads = p->n_threads;
   if (s == LF_OK) s = lf_sampler_init(&c->sampler, mc->vocab_size);
-  if (s == LF_OK && !(c->logits = malloc(sizeof(float) * (size_t)mc->vocab_size)))
+  if (s == LF_OK && (!(c->logits = malloc(sizeof(float) * (size_t)mc->vocab_size)) ||
+                     !(c->adjusted = malloc(sizeof(float) * (size_t)mc->vocab_size))))
     s = lf_error(LF_ERR_OUT_OF_MEMORY, "logits");
   if (s != LF_OK) {
     cpu_free(&c->base);

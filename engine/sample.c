@@ -122,3 +122,36 @@ int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, float u)
   }
   return s->idx[m - 1];
 }
+
+void lf_logits_adjust(float *logits, const lf_logit_adj *a, int n, float rep) {
+  const int use_rep = rep > 0.0f && rep != 1.0f;
+  for (int i = 0; i < n; i++) {
+    float l = logits[a[i].token] + a[i].bias;
+    if (use_rep && a[i].seen) l = l > 0.0f ? l / rep : l * rep;
+    logits[a[i].token] = l - a[i].sub;
+  }
+}
+
+void lf_logprobs(const float *logits, int vocab, int32_t token, float *lp_token, int k,
+                 int32_t *top_ids, float *top_lp) {
+  const float mx = logits[lf_argmax(logits, vocab)];
+  double sum = 0.0;
+  for (int i = 0; i < vocab; i++) sum += exp((double)logits[i] - (double)mx);
+  const double lse = (double)mx + log(sum);
+  if (token >= 0 && token < vocab && lp_token) *lp_token = (float)((double)logits[token] - lse);
+  if (k > LF_MAX_TOP_LOGPROBS) k = LF_MAX_TOP_LOGPROBS;
+  if (k > vocab) k = vocab;
+  /* insertion into a k-long list, descending by logit, ascending id on ties */
+  int m = 0;
+  for (int i = 0; i < vocab && k > 0; i++) {
+    const float v = logits[i];
+    if (m == k && !(v > logits[top_ids[m - 1]])) continue;
+    int j = m < k ? m++ : k - 1;
+    while (j > 0 && v > logits[top_ids[j - 1]]) {
+      top_ids[j] = top_ids[j - 1];
+      j--;
+    }
+    top_ids[j] = i;
+  }
+  for (int i = 0; i < m; i++) top_lp[i] = (float)((double)logits[top_ids[i]] - lse);
+}

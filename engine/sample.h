@@ -39,6 +39,28 @@ void lf_sampler_free(lf_sampler *s);
  * cumulative probability exceeds u. */
 int lf_sample(lf_sampler *s, const float *logits, const lf_sampling *p, float u);
 
+/* One token's logit adjustment (the scheduler builds a request's list; every backend applies it
+ * with the same arithmetic, the cpu one through lf_logits_adjust, the cuda one in
+ * kernels/sample.cu): l = logit + bias; if seen and rep != 1: l = l > 0 ? l / rep : l * rep;
+ * then l -= sub. bias is the request's logit_bias, seen marks a token of the prompt or the output
+ * (repetition penalty, vLLM's choice), sub = presence * [count > 0] + frequency * count over
+ * the output tokens so far (OpenAI's penalties). The order (bias, then repetition, then
+ * presence/frequency) is vLLM's. Tokens are distinct within a list. */
+typedef struct lf_logit_adj {
+  int32_t token;
+  int32_t seen;
+  float bias;
+  float sub;
+} lf_logit_adj;
+
+void lf_logits_adjust(float *logits, const lf_logit_adj *a, int n, float rep);
+
+/* The raw model distribution's log-probabilities from logits [vocab] (log-softmax in double):
+ * *lp_token for `token` (-1: skipped) and the k (<= LF_MAX_TOP_LOGPROBS) most likely ids in
+ * top_ids / top_lp (descending, ties by ascending id). */
+void lf_logprobs(const float *logits, int vocab, int32_t token, float *lp_token, int k,
+                 int32_t *top_ids, float *top_lp);
+
 #ifdef __cplusplus
 }
 #endif

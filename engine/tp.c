@@ -152,7 +152,7 @@ lf_status lf_tp_topk_logits(lf_comm_t comm, const lf_shard *sh, int vocab, int n
 
 enum { TP_MAGIC = 0x4c465450 /* "LFTP" */, TP_OP_FORWARD = 1, TP_OP_STOP = 2 };
 enum { H_MAGIC, H_OP, H_NOPS, H_NITEMS, H_NTOK, H_LOGITS, H_WORDS, H_COUNT = 8 };
-#define TP_ITEM_WORDS 9
+#define TP_ITEM_WORDS 10
 
 /* Grows buf to at least `need` words; `what` names it in the error. */
 static lf_status grow_words(int32_t **buf, size_t *cap, size_t need, const char *what) {
@@ -229,6 +229,7 @@ static lf_status lead_forward(lf_backend *b, const lf_batch_item *items, int n,
     p[6] = (int32_t)(uint32_t)it->sampling.seed;
     p[7] = (int32_t)(uint32_t)(it->sampling.seed >> 32);
     memcpy(&p[8], &it->u, 4);
+    p[9] = it->full_logits != 0; /* the collectives an item takes depend on it */
   }
   for (int i = 0; i < n; i++) {
     memcpy(p, items[i].tokens, sizeof(int32_t) * (size_t)items[i].n_tok);
@@ -381,6 +382,7 @@ static lf_status follow_one(tp_follower *f, lf_backend *be, lf_comm_t comm, int 
     memcpy(&it->sampling.top_p, &p[5], 4);
     it->sampling.seed = (uint64_t)(uint32_t)p[6] | (uint64_t)(uint32_t)p[7] << 32;
     memcpy(&it->u, &p[8], 4);
+    it->full_logits = p[9];
     it->tokens = tok;
     tok += it->n_tok;
   }

@@ -48,6 +48,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       abort();
     for (int i = 0; i < r.n_prompt; i++)
       if (r.prompt[i] < 0 || r.prompt[i] >= c.vocab_size) abort();
+    /* what the engine's submit would refuse must not get through */
+    const lf_sampling *sp = &r.sampling;
+    if (sp->n_logit_bias < 0 || sp->n_logit_bias > LFS_MAX_LOGIT_BIAS ||
+        (sp->n_logit_bias > 0 && !sp->logit_bias))
+      abort();
+    for (int i = 0; i < sp->n_logit_bias; i++)
+      if (sp->logit_bias[i].token < 0 || sp->logit_bias[i].token >= c.vocab_size ||
+          !(sp->logit_bias[i].bias >= -LF_LOGIT_BIAS_MAX && sp->logit_bias[i].bias <= LF_LOGIT_BIAS_MAX))
+        abort();
+    if (sp->top_logprobs < 0 || sp->top_logprobs > LF_MAX_TOP_LOGPROBS ||
+        !(sp->repetition_penalty >= 0.0f) || (sp->prompt_logprobs && (r.chat || !sp->logprobs)))
+      abort();
     lfs_request_free(&r);
   } else {
     if (err.status < 400 || err.status > 599 || !err.message[0]) abort();

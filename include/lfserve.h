@@ -179,11 +179,47 @@ typedef struct lf_model_info {
   int n_eos;
 } lf_model_info;
 
+/* Most alternatives a token's log-probabilities may list (lf_sampling.top_logprobs). */
+#define LF_MAX_TOP_LOGPROBS 20
+/* logit_bias values lie in [-LF_LOGIT_BIAS_MAX, LF_LOGIT_BIAS_MAX] (OpenAI's range). */
+#define LF_LOGIT_BIAS_MAX 100.0f
+
+/* An additive bias on one token's logit. */
+typedef struct lf_logit_bias {
+  int32_t token; /* in [0, vocab) */
+  float bias;    /* finite, within +-LF_LOGIT_BIAS_MAX */
+} lf_logit_bias;
+
+/* How a request picks its tokens. A zeroed struct is greedy with nothing else on. Since 0.2 the
+ * struct holds the fields after `seed` (appended, so the first four keep their offsets; the
+ * struct and lf_request grew: see lf_abi_sizeof). Every backend applies the same logit
+ * processing before the pick, in this order (vLLM's): logit_bias added; repetition_penalty on
+ * every token of the prompt or the output so far (a positive logit divided by it, a negative one
+ * multiplied: the Hugging Face / vLLM rule; vLLM's choice of tokens); then presence_penalty *
+ * [count > 0] + frequency_penalty * count subtracted, count being the token's occurrences in the
+ * output so far (OpenAI's rule; teacher forcing: the forced ids). Then temperature, top-k, top-p
+ * and the seeded draw. */
 typedef struct lf_sampling {
   float temperature; /* 0: greedy (argmax, lowest id on ties) */
   int top_k;         /* 0: off */
   float top_p;       /* 1 (or 0): off */
-  uint64_t seed;
+  uint64_t seed;     /* the request's own random stream: the same seed and request give the same
+                        tokens whatever else runs in the batch */
+  float presence_penalty;   /* finite; 0: off */
+  float frequency_penalty;  /* finite; 0: off */
+  float repetition_penalty; /* > 0; 1 (or 0): off */
+  int n_logit_bias;
+  const lf_logit_bias *logit_bias; /* [n_logit_bias], distinct tokens, copied at submit */
+  /* Log-probabilities, always of the model's raw distribution: the log-softmax of its logits,
+   * before temperature, penalties, bias or top-k/top-p (OpenAI's choice, vLLM's "raw_logprobs"),
+   * computed in double from the backend's fp32 logits. */
+  int logprobs;        /* 1: each TOKEN event carries its token's logprob */
+  int top_logprobs;    /* 0..LF_MAX_TOP_LOGPROBS: and that many most likely alternatives */
+  int prompt_logprobs; /* 1: before its first TOKEN, the request emits one LF_EVENT_PROMPT_TOKEN
+                          per prompt position 1..n_prompt-1 (position 0 has no logprob) with the
+                          prompt token's logprob given the tokens before it and top_logprobs
+                          alternatives. Single-rank engines only (LF_ERR_UNSUPPORTED under
+                          tensor parallelism) */
 } lf_sampling;
 
 /* A stop sequence: generation ends when the generated tokens end with ids[0..n_ids). */
@@ -218,8 +254,10 @@ typedef struct lf_request {
 } lf_request;
 
 typedef enum lf_event_type {
-  LF_EVENT_TOKEN = 0, /* one generated token */
-  LF_EVENT_FINISH,    /* the request ended; finish_reason says why */
+  LF_EVENT_TOKEN = 0,   /* one generated token */
+  LF_EVENT_FINISH,      /* the request ended; finish_reason says why */
+  LF_EVENT_PROMPT_TOKEN, /* lf_sampling.prompt_logprobs: a prompt token (position 1 onwards, in
+                            order) with its logprob */
 } lf_event_type;
 
 /* Why a request ended. lf_finish_reason_str gives the name in brackets. */
@@ -246,6 +284,12 @@ typedef struct lf_event {
                              sampled (the EOS / stop id for those reasons), -1 if none */
   lf_finish_reason reason; /* LF_EVENT_FINISH */
   lf_status status;       /* LF_EVENT_FINISH with LF_FINISH_ERROR */
+  /* Since 0.2. TOKEN (lf_sampling.logprobs) and PROMPT_TOKEN events: token's log-probability
+   * and the n_top most likely ids (descending, ties by ascending id) with theirs; 0 otherwise. */
+  float logprob;
+  int n_top;
+  int32_t top_ids[LF_MAX_TOP_LOGPROBS];
+  float top_logprobs[LF_MAX_TOP_LOGPROBS];
 } lf_event;
 
 /* Per-request statistics. Times are seconds on a monotonic clock, measured at step boundaries
@@ -402,12 +446,13 @@ lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m);
 
 /* The library's version, "MAJOR.MINOR.PATCH" (also LFSERVE_VERSION_* below). */
 #define LFSERVE_VERSION_MAJOR 0
-#define LFSERVE_VERSION_MINOR 1
+#define LFSERVE_VERSION_MINOR 2
 #define LFSERVE_VERSION_PATCH 0
 const char *lf_version(void);
 
 /* sizeof of a public struct by its name ("lf_engine_config", "lf_request", "lf_event",
- * "lf_model_info", "lf_request_stats", "lf_sampling", "lf_chat_message", "lf_metrics"), 0 for
+ * "lf_model_info", "lf_request_stats", "lf_sampling", "lf_chat_message", "lf_metrics",
+ * "lf_logit_bias"), 0 for
  * another name: lets a binding built without this header (python/lfserve) check its layouts. */
 size_t lf_abi_sizeof(const char *type_name);
 

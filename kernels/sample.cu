@@ -168,3 +168,26 @@ extern "C" lf_status lf_cuda_sample_sorted(const float *logits, int vocab,
   LF_CUDA_CHECK_LAUNCH("sort_pick_kernel");
   return LF_OK;
 }
+
+static __global__ void logits_adjust_kernel(float *logits, int vocab, const lf_cuda_logit_adj *e,
+                                            int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const lf_cuda_logit_adj a = e[i];
+  float *p = logits + (size_t)a.row * vocab + a.token;
+  float l = __fadd_rn(*p, a.bias);
+  if (a.seen && a.rep > 0.0f && a.rep != 1.0f)
+    l = l > 0.0f ? __fdiv_rn(l, a.rep) : __fmul_rn(l, a.rep);
+  *p = __fsub_rn(l, a.sub);
+}
+
+extern "C" lf_status lf_cuda_logits_adjust(float *logits, int vocab,
+                                           const lf_cuda_logit_adj *entries, int n,
+                                           cudaStream_t stream) {
+  if (!logits || vocab < 1 || n < 0 || (n > 0 && !entries))
+    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_logits_adjust: bad arguments");
+  if (n == 0) return LF_OK;
+  logits_adjust_kernel<<<(n + 255) / 256, 256, 0, stream>>>(logits, vocab, entries, n);
+  LF_CUDA_CHECK_LAUNCH("logits_adjust_kernel");
+  return LF_OK;
+}

@@ -31,6 +31,21 @@ typedef struct lf_sample_params {
   float u;           /* uniform [0, 1) */
 } lf_sample_params;
 
+/* One entry of an item's logit processing (engine/sample.h lf_logit_adj) on its logits row. */
+typedef struct lf_cuda_logit_adj {
+  int32_t row;   /* the item's row of logits */
+  int32_t token; /* distinct within a row */
+  int32_t seen;
+  float bias, sub;
+  float rep; /* the item's repetition penalty (1 or 0: off) */
+} lf_cuda_logit_adj;
+
+/* logits[row][token] processed as lf_logits_adjust does on the host (same float operations, in
+ * the same order, correctly rounded): + bias, repetition penalty when seen, - sub. entries:
+ * device [n]. */
+lf_status lf_cuda_logits_adjust(float *logits, int vocab, const lf_cuda_logit_adj *entries, int n,
+                                struct CUstream_st *stream);
+
 /* 1 when the item needs lf_cuda_sample_sorted (temperature > 0 with top-k or top-p). */
 int lf_sample_needs_sort(const lf_sample_params *p, int vocab);
 

@@ -45,6 +45,7 @@ void lfs_error_set(lfs_error *e, int status, const char *type, const char *code,
 
 void lfs_request_free(lfs_request *r) {
   free(r->prompt);
+  free(r->logit_bias);
   free(r->stop_ids);
   for (int i = 0; i < r->n_stop_seqs; i++)
     free((void *)r->stop_seqs[i].ids);
@@ -309,6 +310,85 @@ done:
   return rc;
 }
 
+const char *const lfs_ignored_members[] = {"user", NULL};
+
+/* The members the server acts on (both endpoints, then each one's own). */
+static const char *const common_members[] = {
+    "model",           "max_tokens",        "temperature",        "top_p",
+    "top_k",           "seed",              "stop",               "stop_token_ids",
+    "stream",          "stream_options",    "n",                  "ignore_eos",
+    "return_token_ids", "presence_penalty", "frequency_penalty",  "repetition_penalty",
+    "logit_bias",      "logprobs",          "response_format",    NULL};
+static const char *const chat_members[] = {"messages", "max_completion_tokens", "top_logprobs",
+                                           NULL};
+static const char *const completion_members[] = {"prompt", "echo", "best_of", NULL};
+
+static int in_list(const char *const *l, const char *k) {
+  for (; *l; l++)
+    if (!strcmp(*l, k)) return 1;
+  return 0;
+}
+
+/* logit_bias: {"token id": bias}; ids in the vocabulary, each once, biases in [-100, 100]. */
+static int read_logit_bias(const lfs_model_ctx *m, const cJSON *v, lfs_request *r,
+                           lfs_error *err) {
+  if (!cJSON_IsObject(v)) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", "logit_bias",
+                  "'logit_bias' must be an object mapping token ids to biases");
+    return -1;
+  }
+  const size_t n = lfs_json_count(v);
+  if (n > LFS_MAX_LOGIT_BIAS) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "logit_bias",
+                  "'logit_bias' has %zu entries; at most %d are accepted", n, LFS_MAX_LOGIT_BIAS);
+    return -1;
+  }
+  if (n == 0) return 0;
+  r->logit_bias = malloc(sizeof *r->logit_bias * n);
+  if (!r->logit_bias) {
+    lfs_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    return -1;
+  }
+  int k = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, v) {
+    const char *key = e->string ? e->string : "";
+    long long id = -1;
+    int digits = 0;
+    for (const char *c = key; *c; c++, digits++) {
+      if (*c < '0' || *c > '9' || digits >= 10) {
+        id = -1;
+        break;
+      }
+      id = (id < 0 ? 0 : id * 10) + (*c - '0');
+    }
+    if (id < 0 || id >= m->vocab_size) {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "logit_bias",
+                    "'logit_bias' key '%.40s' is not a token id in [0, %d)", key, m->vocab_size);
+      return -1;
+    }
+    double b;
+    if (!cJSON_IsNumber(e) || !((b = e->valuedouble) >= -LF_LOGIT_BIAS_MAX) ||
+        !(b <= LF_LOGIT_BIAS_MAX)) {
+      lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "logit_bias",
+                    "'logit_bias' of token %lld must be a number in [-100, 100]", id);
+      return -1;
+    }
+    for (int i = 0; i < k; i++)
+      if (r->logit_bias[i].token == (int32_t)id) {
+        lfs_error_set(err, 400, "invalid_request_error", "invalid_value", "logit_bias",
+                      "'logit_bias' lists token %lld twice", id);
+        return -1;
+      }
+    r->logit_bias[k].token = (int32_t)id;
+    r->logit_bias[k].bias = (float)b;
+    k++;
+  }
+  r->sampling.logit_bias = r->logit_bias;
+  r->sampling.n_logit_bias = k;
+  return 0;
+}
+
 int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t len,
                       lfs_request *out, lfs_error *err) {
   cJSON *root = NULL;
@@ -326,6 +406,21 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
     goto fail;
   }
 
+  /* Every member is acted on, or listed as harmless: nothing is silently ignored. */
+  /* (a body without its prompt hears that first) */
+  for (const cJSON *e = lfs_json_member(root, chat ? "messages" : "prompt") ? root->child : NULL; e;
+       e = e->next) {
+    const char *k = e->string ? e->string : "";
+    if (cJSON_IsNull(e)) continue; /* null: the member is absent, as for the known ones */
+    if (in_list(common_members, k) || in_list(chat ? chat_members : completion_members, k) ||
+        in_list(lfs_ignored_members, k))
+      continue;
+    lfs_error_set(err, 400, "invalid_request_error", "unsupported_parameter", k,
+                  "'%.100s' is not supported by this server (%s); see docs/USAGE.md", k,
+                  chat ? "/v1/chat/completions" : "/v1/completions");
+    goto fail;
+  }
+
   const cJSON *v = lfs_json_member(root, "model");
   if (!lfs_json_is_null(v)) {
     const char *name = lfs_json_string(v, NULL);
@@ -339,7 +434,6 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
   }
   int64_t x;
   double d;
-  int b = 0;
   switch (lfs_member_int(root, "n", INT64_MIN, INT64_MAX, &x, err)) {
   case -1:
     goto fail;
@@ -352,13 +446,56 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
   case 1:
     if (x != 1) BAD("best_of", "'best_of' must be 1");
   }
-  if (lfs_member_bool(root, "echo", &b, err) < 0) goto fail;
-  if (lfs_json_member(root, "echo") && b) BAD("echo", "'echo' is not supported");
+  if (!chat && lfs_member_bool(root, "echo", &r.echo, err) < 0) goto fail;
   v = lfs_json_member(root, "logprobs");
-  if (!lfs_json_is_null(v) && !cJSON_IsFalse(v) && !(cJSON_IsNumber(v) && v->valuedouble == 0))
-    BAD("logprobs", "'logprobs' is not supported");
-  if (!lfs_json_is_null(lfs_json_member(root, "suffix")))
-    BAD("suffix", "'suffix' is not supported");
+  if (chat) {
+    if (lfs_member_bool(root, "logprobs", &r.logprobs, err) < 0) goto fail;
+    switch (lfs_member_int(root, "top_logprobs", 0, LF_MAX_TOP_LOGPROBS, &x, err)) {
+    case -1:
+      goto fail;
+    case 1:
+      if (x > 0 && !r.logprobs) BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+      r.top_logprobs = (int)x;
+    }
+  } else if (!lfs_json_is_null(v) && !cJSON_IsFalse(v)) {
+    switch (lfs_member_int(root, "logprobs", 0, LFS_MAX_LOGPROBS_COMPLETION, &x, err)) {
+    case -1:
+      goto fail;
+    case 1:
+      r.logprobs = 1;
+      r.top_logprobs = (int)x;
+    }
+  }
+  r.sampling.logprobs = r.logprobs;
+  r.sampling.top_logprobs = r.top_logprobs;
+  r.sampling.prompt_logprobs = r.echo && r.logprobs;
+  v = lfs_json_member(root, "response_format");
+  if (!lfs_json_is_null(v)) {
+    const char *t = cJSON_IsObject(v) ? lfs_json_string(lfs_json_member(v, "type"), NULL) : NULL;
+    if (!t || strcmp(t, "text") || lfs_json_count(v) != 1)
+      BAD("response_format",
+          "'response_format' must be {\"type\": \"text\"}: structured output is not supported");
+  }
+  switch (lfs_member_num(root, "presence_penalty", -2, 2, 0, &d, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    r.sampling.presence_penalty = (float)d;
+  }
+  switch (lfs_member_num(root, "frequency_penalty", -2, 2, 0, &d, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    r.sampling.frequency_penalty = (float)d;
+  }
+  switch (lfs_member_num(root, "repetition_penalty", 0, 100, 1, &d, err)) {
+  case -1:
+    goto fail;
+  case 1:
+    r.sampling.repetition_penalty = (float)d;
+  }
+  v = lfs_json_member(root, "logit_bias");
+  if (!lfs_json_is_null(v) && read_logit_bias(m, v, &r, err)) goto fail;
 
   if (lfs_member_bool(root, "stream", &r.stream, err) < 0) goto fail;
   v = lfs_json_member(root, "stream_options");

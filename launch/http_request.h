@@ -7,7 +7,12 @@
  * stop (string | [string | int | [int...]]: strings are matched on the decoded text, at most
  * LFS_MAX_STOP_BYTES bytes each; ids and id arrays on tokens), stop_token_ids [int], stream,
  * stream_options {include_usage}, n (1 only), ignore_eos and return_token_ids (extensions, as in
- * vLLM). Unknown members are ignored; a known member of the wrong type is an error.
+ * vLLM), presence_penalty, frequency_penalty ([-2, 2]), repetition_penalty ((0, 100], vLLM's),
+ * logit_bias ({"id": bias in [-100, 100]}, at most LFS_MAX_LOGIT_BIAS), chat: logprobs (bool)
+ * and top_logprobs (0..20); completions: logprobs (0..5), echo, best_of (1 only).
+ * response_format is accepted as {"type": "text"} only. user is accepted and ignored
+ * (lfs_ignored_members). Any other member is a 400 naming it (tools, functions, suffix, ...),
+ * and so is a known member of the wrong type.
  * Bodies are parsed with cJSON behind strict RFC 8259 checks (http_request.c has the details):
  * integers are read through doubles, a duplicate member's first occurrence counts, and strings
  * holding "\u0000" are refused.
@@ -27,6 +32,8 @@ extern "C" {
 #endif
 
 #define LFS_MAX_STOP_BYTES 512
+#define LFS_MAX_LOGIT_BIAS 1024
+#define LFS_MAX_LOGPROBS_COMPLETION 5
 
 /* What the server knows about its model when it checks a request. */
 typedef struct lfs_model_ctx {
@@ -58,6 +65,11 @@ typedef struct lfs_request {
   int n_stop_seqs;
   lfs_stop_str *stop_strs; /* [n_stop_strs], each owned: "stop" strings, matched on the text */
   int n_stop_strs;
+  lf_logit_bias *logit_bias; /* [sampling.n_logit_bias], owned; sampling.logit_bias points here */
+  /* Log-probabilities: chat `logprobs` true (top: top_logprobs), completions `logprobs` n
+   * (top: n); sampling.logprobs / top_logprobs / prompt_logprobs are set to match */
+  int logprobs, top_logprobs;
+  int echo; /* completions: the prompt goes first in the text (and the logprobs) */
 } lfs_request;
 
 /* An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status. */
@@ -71,6 +83,10 @@ typedef struct lfs_error {
 
 void lfs_error_set(lfs_error *e, int status, const char *type, const char *code, const char *param,
                    const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+
+/* Request members the server accepts without acting on them (they only describe the client);
+ * NULL-terminated. Every member that is neither acted on nor listed here is refused (400). */
+extern const char *const lfs_ignored_members[];
 
 /* Parses and checks body[0..len). On success returns 0 and fills *out (free with
  * lfs_request_free); on failure returns -1, fills *err and leaves *out empty. */

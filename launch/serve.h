@@ -48,6 +48,18 @@ typedef struct job {
   pthread_cond_t cv; /* tokens or the finish arrived (waits on S.mu) */
   int32_t *toks;     /* [n_toks] routed, not yet taken by the connection */
   int n_toks, cap_toks;
+  /* With logprobs (want_lp): each routed token's event, parallel to toks ([cap_toks]); the
+   * prompt's PROMPT_TOKEN events (echo with logprobs), in order; and the connection's own copy
+   * of the events it took (taken_lp, [cap_taken_lp]). lp_oom: an event could not be kept. */
+  int want_lp, lp_oom;
+  lf_event *lps;
+  lf_event *plp;
+  int n_plp, cap_plp;
+  lf_event *taken_lp;
+  int cap_taken_lp;
+  /* the connection's progress through the logprobs: prompt echoed, text offset so far */
+  int echoed;
+  long long text_off;
   int finished;
   lf_finish_reason reason;
   lf_status status;

@@ -2,6 +2,7 @@
  * stream of SSE chunks (one per token, cut exactly before a stop string) or as one JSON body
  * once it has finished (serve.h). */
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -49,6 +50,153 @@ static void put_ids(lfs_buf *b, const int32_t *ids, int n) {
   lfs_buf_puts(b, "]");
 }
 
+/* ---- log-probabilities ----------------------------------------------------------------------
+ * A token's string is the token decoded alone (special tokens as their text; bytes of an
+ * incomplete UTF-8 character as U+FFFD, as in vLLM), or "token_id:N" without a tokenizer;
+ * "bytes" lists that string's UTF-8 bytes. Completions' text_offset is the byte offset of each
+ * token's string in the returned text, counting the strings of the tokens before it (from the
+ * prompt's start with echo) but not special tokens', which the text leaves out. Values are the raw model distribution's (lf_sampling). */
+
+static void token_str(int32_t id, lf_tok_text *t) {
+  lf_tok_text_clear(t);
+  if (!S.tok || lf_tokenizer_decode(S.tok, &id, 1, 0, t) != LF_OK) {
+    char x[32];
+    snprintf(x, sizeof x, "token_id:%d", (int)id);
+    lf_tok_text_clear(t);
+    lf_tok_text_append(t, x, strlen(x));
+  }
+}
+
+static void put_lp_num(lfs_buf *b, float v) {
+  /* OpenAI writes -9999.0 for a probability that underflows */
+  lfs_buf_printf(b, "%.9g", isfinite(v) ? (double)v : -9999.0);
+}
+
+/* {"token", "logprob", "bytes"} of chat's logprobs, without the closing brace. */
+static void put_chat_tok(lfs_buf *b, int32_t id, float lp, lf_tok_text *t) {
+  token_str(id, t);
+  lfs_buf_puts(b, "{\"token\":");
+  lfs_buf_json_str(b, t->data ? t->data : "", t->len);
+  lfs_buf_puts(b, ",\"logprob\":");
+  put_lp_num(b, lp);
+  lfs_buf_puts(b, ",\"bytes\":[");
+  for (size_t i = 0; i < t->len; i++)
+    lfs_buf_printf(b, i ? ",%u" : "%u", (unsigned)(unsigned char)t->data[i]);
+  lfs_buf_puts(b, "]");
+}
+
+/* One entry of chat's choices[].logprobs.content. */
+static void put_chat_lp(lfs_buf *b, const lf_event *e, lf_tok_text *t) {
+  put_chat_tok(b, e->token, e->logprob, t);
+  lfs_buf_puts(b, ",\"top_logprobs\":[");
+  for (int k = 0; k < e->n_top; k++) {
+    if (k) lfs_buf_puts(b, ",");
+    put_chat_tok(b, e->top_ids[k], e->top_logprobs[k], t);
+    lfs_buf_puts(b, "}");
+  }
+  lfs_buf_puts(b, "]}");
+}
+
+/* Completions' logprobs, column by column: tokens, token_logprobs, top_logprobs, text_offset. */
+typedef struct lp_cols {
+  lfs_buf tokens, lps, tops, offs;
+  int n;
+} lp_cols;
+
+static void lp_cols_free(lp_cols *a) {
+  lfs_buf_free(&a->tokens);
+  lfs_buf_free(&a->lps);
+  lfs_buf_free(&a->tops);
+  lfs_buf_free(&a->offs);
+}
+
+/* Token id with its event e (NULL: a prompt's first token, null logprobs); *off advances by the
+ * token's string. top_logprobs: the n_top most likely plus the token itself (OpenAI: up to
+ * logprobs + 1 entries), a string already listed not repeated. */
+static void lp_cols_add(lp_cols *a, int32_t id, const lf_event *e, long long *off,
+                        lf_tok_text *t) {
+  const char *sep = a->n ? "," : "";
+  token_str(id, t);
+  lfs_buf_puts(&a->tokens, sep);
+  lfs_buf_json_str(&a->tokens, t->data ? t->data : "", t->len);
+  lfs_buf_printf(&a->offs, "%s%lld", sep, *off);
+  /* special tokens (BOS, chat markers) are not in the returned text */
+  if (!S.tok || !lf_tokenizer_is_special(S.tok, id)) *off += (long long)t->len;
+  lfs_buf_puts(&a->lps, sep);
+  lfs_buf_puts(&a->tops, sep);
+  if (!e) {
+    lfs_buf_puts(&a->lps, "null");
+    lfs_buf_puts(&a->tops, "null");
+    a->n++;
+    return;
+  }
+  put_lp_num(&a->lps, e->logprob);
+  lfs_buf_puts(&a->tops, "{");
+  char *seen[LF_MAX_TOP_LOGPROBS + 1];
+  int n_seen = 0;
+  for (int k = 0; k <= e->n_top; k++) {
+    const int32_t tid = k < e->n_top ? e->top_ids[k] : e->token;
+    const float v = k < e->n_top ? e->top_logprobs[k] : e->logprob;
+    token_str(tid, t);
+    const char *str = t->data ? t->data : "";
+    int dup = 0;
+    for (int q = 0; q < n_seen && !dup; q++) dup = !strcmp(seen[q], str);
+    if (dup) continue;
+    seen[n_seen] = strdup(str);
+    if (!seen[n_seen]) {
+      a->tops.oom = 1;
+      break;
+    }
+    if (n_seen++) lfs_buf_puts(&a->tops, ",");
+    lfs_buf_json_str(&a->tops, str, t->len);
+    lfs_buf_puts(&a->tops, ":");
+    put_lp_num(&a->tops, v);
+  }
+  for (int q = 0; q < n_seen; q++) free(seen[q]);
+  lfs_buf_puts(&a->tops, "}");
+  a->n++;
+}
+
+static void lp_cols_put(lfs_buf *b, lp_cols *a) {
+  lfs_buf_puts(b, "{\"tokens\":[");
+  lfs_buf_put(b, a->tokens.data ? a->tokens.data : "", a->tokens.len);
+  lfs_buf_puts(b, "],\"token_logprobs\":[");
+  lfs_buf_put(b, a->lps.data ? a->lps.data : "", a->lps.len);
+  lfs_buf_puts(b, "],\"top_logprobs\":[");
+  lfs_buf_put(b, a->tops.data ? a->tops.data : "", a->tops.len);
+  lfs_buf_puts(b, "],\"text_offset\":[");
+  lfs_buf_put(b, a->offs.data ? a->offs.data : "", a->offs.len);
+  lfs_buf_puts(b, "]}");
+  if (a->tokens.oom || a->lps.oom || a->tops.oom || a->offs.oom) b->oom = 1;
+}
+
+/* The prompt's columns (echo): its first token without logprobs, then the PROMPT_TOKEN events
+ * (all routed before the first generated token); with_lp 0: tokens and offsets only, null
+ * logprobs. */
+static void lp_cols_prompt(lp_cols *a, const conn *c, const job *j, long long *off,
+                           lf_tok_text *t) {
+  for (int i = 0; i < c->rq.n_prompt; i++) {
+    const lf_event *e = i > 0 && i - 1 < j->n_plp ? &j->plp[i - 1] : NULL;
+    lp_cols_add(a, c->rq.prompt[i], e, off, t);
+  }
+}
+
+/* The prompt's text for echo. */
+static int prompt_text(const conn *c, lf_tok_text *t) {
+  lf_tok_text_clear(t);
+  if (S.tok)
+    return lf_tokenizer_decode(S.tok, c->rq.prompt, (size_t)c->rq.n_prompt, LF_TOK_SKIP_SPECIAL,
+                               t) == LF_OK
+               ? 0
+               : -1;
+  char x[16];
+  for (int i = 0; i < c->rq.n_prompt; i++) {
+    snprintf(x, sizeof x, "%d ", (int)c->rq.prompt[i]);
+    if (lf_tok_text_append(t, x, strlen(x)) != LF_OK) return -1;
+  }
+  return 0;
+}
+
 /* The common head of a response object / stream chunk. */
 static void put_head(lfs_buf *b, const conn *c, int chunk) {
   lfs_buf_puts(b, "{\"id\":");
@@ -60,9 +208,10 @@ static void put_head(lfs_buf *b, const conn *c, int chunk) {
   lfs_buf_json_cstr(b, S.model_name);
 }
 
-/* One SSE chunk carrying text (and ids), or the final one (finish != NULL). */
+/* One SSE chunk carrying text (and ids), or the final one (finish != NULL). lp: the logprobs
+ * of ids[0] (with logprobs on), else NULL. */
 static void put_chunk(conn *c, const char *text, size_t len, const int32_t *ids, int n_ids,
-                      const char *finish) {
+                      const char *finish, const lf_event *lp) {
   lfs_buf *b = &c->out;
   lfs_buf_puts(b, "data: ");
   put_head(b, c, 1);
@@ -84,7 +233,20 @@ static void put_chunk(conn *c, const char *text, size_t len, const int32_t *ids,
     lfs_buf_puts(b, ",\"token_ids\":");
     put_ids(b, ids, n_ids);
   }
-  lfs_buf_puts(b, ",\"logprobs\":null,\"finish_reason\":");
+  lfs_buf_puts(b, ",\"logprobs\":");
+  if (lp && c->chat) {
+    lfs_buf_puts(b, "{\"content\":[");
+    put_chat_lp(b, lp, &c->text);
+    lfs_buf_puts(b, "]}");
+  } else if (lp) {
+    lp_cols a = {0};
+    lp_cols_add(&a, lp->token, lp, &c->j->text_off, &c->text);
+    lp_cols_put(b, &a);
+    lp_cols_free(&a);
+  } else {
+    lfs_buf_puts(b, "null");
+  }
+  lfs_buf_puts(b, ",\"finish_reason\":");
   lfs_buf_json_cstr(b, finish);
   /* Usage goes only in the separate final chunk that stream_options.include_usage asks for,
    * as OpenAI sends it: clients that sum usage over chunks count it once. */
@@ -128,7 +290,7 @@ static int text_of(conn *c, int32_t tok) {
 
 /* The final chunk (text, finish_reason), the usage chunk when asked for, [DONE]. */
 static void stream_end(conn *c, const char *text, size_t len, const char *finish, const job *j) {
-  put_chunk(c, text, len, NULL, 0, finish);
+  put_chunk(c, text, len, NULL, 0, finish, NULL);
   if (c->rq.include_usage) {
     lfs_buf_puts(&c->out, "data: ");
     put_head(&c->out, c, 1);
@@ -155,20 +317,55 @@ static void stream_abort(conn *c) {
 /* Formats what the job handed over: one chunk per token (held-back partial UTF-8 characters, and
  * text that may begin a stop string, go out with the token that completes or rules them out),
  * then the end. A stop string ends the stream at once, cut exactly before it. */
+/* Echo (completions): one chunk with the prompt's text first, its logprobs with logprobs on. */
+static void stream_echo(conn *c, job *j) {
+  if (!c->rq.echo || j->echoed) return;
+  j->echoed = 1;
+  lf_tok_text pt = {0};
+  if (prompt_text(c, &pt)) c->out.oom = 1;
+  lfs_buf *b = &c->out;
+  lfs_buf_puts(b, "data: ");
+  put_head(b, c, 1);
+  lfs_buf_puts(b, ",\"choices\":[{\"index\":0,\"text\":");
+  lfs_buf_json_str(b, pt.data ? pt.data : "", pt.len);
+  if (c->rq.return_token_ids || !S.tok) {
+    lfs_buf_puts(b, ",\"prompt_token_ids\":");
+    put_ids(b, c->rq.prompt, c->rq.n_prompt);
+  }
+  lfs_buf_puts(b, ",\"logprobs\":");
+  if (c->rq.logprobs) {
+    lp_cols a = {0};
+    lp_cols_prompt(&a, c, j, &j->text_off, &c->text);
+    lp_cols_put(b, &a);
+    lp_cols_free(&a);
+  } else {
+    lfs_buf_puts(b, "null");
+  }
+  lfs_buf_puts(b, ",\"finish_reason\":null}]}\n\n");
+  c->first_chunk_sent = 1;
+  lf_tok_text_free(&pt);
+}
+
 static void stream_format(conn *c, const int32_t *toks, int n, int finished, const job *j) {
   if (c->done) return;
+  if (n > 0 || finished) stream_echo(c, c->j);
+  const lf_event *lps = c->rq.logprobs && !j->lp_oom ? j->taken_lp : NULL;
   for (int i = 0; i < n; i++) {
     const int stopped = text_of(c, toks[i]);
     c->n_out++;
     if (stopped) {
-      if (c->emit.len || c->rq.return_token_ids || !S.tok)
-        put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL);
+      if (c->emit.len || c->rq.return_token_ids || !S.tok || lps)
+        put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL,
+                  lps ? &lps[i] : NULL);
       stream_end(c, "", 0, "stop", j);
       return;
     }
-    if (c->emit.len == 0 && S.tok && !c->rq.return_token_ids) continue;
-    put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL);
+    /* with logprobs every token gets its chunk, so each chunk carries one token's */
+    if (c->emit.len == 0 && S.tok && !c->rq.return_token_ids && !lps) continue;
+    put_chunk(c, c->emit.data ? c->emit.data : "", c->emit.len, toks + i, 1, NULL,
+              lps ? &lps[i] : NULL);
   }
+  if (c->rq.logprobs && j->lp_oom) c->out.oom = 1; /* the stream ends with an error */
   if (!finished) return;
   if (j->reason == LF_FINISH_ERROR) {
     lfs_error e;
@@ -229,6 +426,18 @@ static int take_tokens(conn *c) {
   } else if (n > 0) {
     memcpy(c->taken, j->toks, sizeof(int32_t) * (size_t)n);
   }
+  if (j->want_lp && n > 0 && !j->lp_oom) {
+    if (n > j->cap_taken_lp) {
+      lf_event *p = realloc(j->taken_lp, sizeof *p * (size_t)n);
+      if (p) {
+        j->taken_lp = p;
+        j->cap_taken_lp = n;
+      } else {
+        j->lp_oom = 1;
+      }
+    }
+    if (!j->lp_oom) memcpy(j->taken_lp, j->lps, sizeof(lf_event) * (size_t)n);
+  }
   j->n_toks = 0;
   return n;
 }
@@ -279,6 +488,7 @@ static void stream_free(void *cls) {
 /* A whole (non-streaming) completion: waits for the end, then one JSON body. */
 static MHD_Result_t complete_blocking(conn *c) {
   int32_t *all = NULL;
+  lf_event *all_lp = NULL; /* [cap_all] with logprobs */
   int n_all = 0, cap_all = 0;
   /* With stop strings the text is decoded as the tokens arrive, so a match ends the request at
    * once; without, it is decoded in one go at the end. */
@@ -291,6 +501,7 @@ static MHD_Result_t complete_blocking(conn *c) {
     if (gone) {
       pthread_mutex_unlock(&S.mu);
       free(all);
+      free(all_lp);
       lfs_buf_free(&txt);
       if (gone > 0)
         return srv_reply_error(c->mc, 503, "server_error", "shutting_down",
@@ -303,16 +514,21 @@ static MHD_Result_t complete_blocking(conn *c) {
       while (cap < n_all + j->n_toks)
         cap *= 2;
       int32_t *p = realloc(all, sizeof *p * (size_t)cap);
-      if (!p) {
+      if (p) all = p;
+      lf_event *q = j->want_lp ? realloc(all_lp, sizeof *q * (size_t)cap) : NULL;
+      if (q) all_lp = q;
+      if (!p || (j->want_lp && !q)) {
         pthread_mutex_unlock(&S.mu);
         free(all);
+        free(all_lp);
         lfs_buf_free(&txt);
         return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
       }
-      all = p;
       cap_all = cap;
     }
     if (j->n_toks) memcpy(all + n_all, j->toks, sizeof(int32_t) * (size_t)j->n_toks);
+    if (j->n_toks && j->want_lp)
+      memcpy(all_lp + n_all, j->lps, sizeof(lf_event) * (size_t)j->n_toks);
     const int from = n_all;
     n_all += j->n_toks;
     j->n_toks = 0;
@@ -337,6 +553,7 @@ static MHD_Result_t complete_blocking(conn *c) {
   /* After a stop string the job may still be running: its fields are not read then. */
   if (!c->text_stopped && (j->reason == LF_FINISH_ERROR || j->reason == LF_FINISH_CANCELLED)) {
     free(all);
+    free(all_lp);
     lfs_buf_free(&txt);
     lfs_error e;
     finish_error(j, &e);
@@ -353,6 +570,7 @@ static MHD_Result_t complete_blocking(conn *c) {
     }
     if (txt.oom || lf_tok_text_append(&text, txt.data ? txt.data : "", txt.len) != LF_OK) {
       free(all);
+      free(all_lp);
       lfs_buf_free(&txt);
       lf_tok_text_free(&text);
       return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
@@ -371,13 +589,58 @@ static MHD_Result_t complete_blocking(conn *c) {
     lfs_buf_puts(&b, "}");
   } else {
     lfs_buf_puts(&b, "\"text\":");
-    lfs_buf_json_str(&b, text.data ? text.data : "", text.len);
+    lf_tok_text pt = {0};
+    if (c->rq.echo) {
+      if (prompt_text(c, &pt)) b.oom = 1;
+      if (pt.len) lf_tok_text_append(&pt, "", 0);
+      lfs_buf *e = &c->emit; /* scratch: prompt then completion text */
+      lfs_buf_clear(e);
+      lfs_buf_put(e, pt.data ? pt.data : "", pt.len);
+      lfs_buf_put(e, text.data ? text.data : "", text.len);
+      if (e->oom) b.oom = 1;
+      lfs_buf_json_str(&b, e->data ? e->data : "", e->len);
+    } else {
+      lfs_buf_json_str(&b, text.data ? text.data : "", text.len);
+    }
+    lf_tok_text_free(&pt);
+    if (c->rq.echo && (c->rq.return_token_ids || !S.tok)) {
+      lfs_buf_puts(&b, ",\"prompt_token_ids\":");
+      put_ids(&b, c->rq.prompt, c->rq.n_prompt);
+    }
   }
   if (c->rq.return_token_ids || !S.tok) {
     lfs_buf_puts(&b, ",\"token_ids\":");
     put_ids(&b, all, n_all);
   }
-  lfs_buf_puts(&b, ",\"logprobs\":null,\"finish_reason\":");
+  lfs_buf_puts(&b, ",\"logprobs\":");
+  if (!c->rq.logprobs || !all_lp) {
+    if (c->rq.logprobs && c->rq.echo && !c->chat) { /* echo with nothing generated */
+      lp_cols a = {0};
+      long long off = 0;
+      lp_cols_prompt(&a, c, j, &off, &c->text);
+      lp_cols_put(&b, &a);
+      lp_cols_free(&a);
+    } else if (c->rq.logprobs && c->chat) {
+      lfs_buf_puts(&b, "{\"content\":[]}");
+    } else {
+      lfs_buf_puts(&b, "null");
+    }
+  } else if (c->chat) {
+    lfs_buf_puts(&b, "{\"content\":[");
+    for (int i = 0; i < n_all; i++) {
+      if (i) lfs_buf_puts(&b, ",");
+      put_chat_lp(&b, &all_lp[i], &c->text);
+    }
+    lfs_buf_puts(&b, "]}");
+  } else {
+    lp_cols a = {0};
+    long long off = 0;
+    if (c->rq.echo) lp_cols_prompt(&a, c, j, &off, &c->text);
+    for (int i = 0; i < n_all; i++) lp_cols_add(&a, all[i], &all_lp[i], &off, &c->text);
+    lp_cols_put(&b, &a);
+    lp_cols_free(&a);
+  }
+  lfs_buf_puts(&b, ",\"finish_reason\":");
   lfs_buf_json_cstr(&b, c->text_stopped ? "stop" : finish_str(j->reason));
   lfs_buf_puts(&b, "}],\"usage\":");
   put_usage(&b, c, j);
@@ -386,6 +649,7 @@ static MHD_Result_t complete_blocking(conn *c) {
   lfs_buf_free(&b);
   lf_tok_text_free(&text);
   free(all);
+  free(all_lp);
   return r;
 }
 

@@ -26,6 +26,9 @@ void srv_job_unref(job *j) {
   if (--j->refs > 0) return;
   pthread_cond_destroy(&j->cv);
   free(j->toks);
+  free(j->lps);
+  free(j->plp);
+  free(j->taken_lp);
   free(j);
 }
 
@@ -36,6 +39,7 @@ int srv_job_submit(const lf_request *rq, job **out, lf_status *s) {
     free(j);
     return -1;
   }
+  j->want_lp = rq->sampling.logprobs || rq->sampling.prompt_logprobs;
   pthread_mutex_lock(&S.mu);
   if (S.stopping) {
     pthread_mutex_unlock(&S.mu);
@@ -92,18 +96,36 @@ static void route(const lf_event *ev, int n) {
     job **slot = job_slot(ev[i].id);
     job *j = *slot;
     if (!j) continue;
-    if (ev[i].type == LF_EVENT_TOKEN) {
-      if (j->n_toks == j->cap_toks) {
-        int cap = j->cap_toks ? 2 * j->cap_toks : 16;
-        int32_t *p = realloc(j->toks, sizeof *p * (size_t)cap);
+    if (ev[i].type == LF_EVENT_PROMPT_TOKEN) {
+      if (j->n_plp == j->cap_plp) {
+        const int cap = j->cap_plp ? 2 * j->cap_plp : 64;
+        lf_event *p = realloc(j->plp, sizeof *p * (size_t)cap);
         if (!p) {
+          j->lp_oom = 1;
+          lf_engine_cancel(S.e, j->id);
+          continue;
+        }
+        j->plp = p;
+        j->cap_plp = cap;
+      }
+      j->plp[j->n_plp++] = ev[i];
+      continue; /* the connection looks at them with the first token or the finish */
+    }
+    if (ev[i].type == LF_EVENT_TOKEN) {
+      if (j->n_toks == j->cap_toks || (j->want_lp && !j->lps)) {
+        int cap = j->n_toks == j->cap_toks ? (j->cap_toks ? 2 * j->cap_toks : 16) : j->cap_toks;
+        int32_t *p = cap != j->cap_toks ? realloc(j->toks, sizeof *p * (size_t)cap) : j->toks;
+        if (p) j->toks = p;
+        lf_event *q = j->want_lp ? realloc(j->lps, sizeof *q * (size_t)cap) : NULL;
+        if (q) j->lps = q;
+        if (!p || (j->want_lp && !q)) {
           /* Cannot keep the token: end the request rather than return a hole in its text. */
           lf_engine_cancel(S.e, j->id);
           continue;
         }
-        j->toks = p;
         j->cap_toks = cap;
       }
+      if (j->want_lp) j->lps[j->n_toks] = ev[i];
       j->toks[j->n_toks++] = ev[i].token;
     } else {
       j->finished = 1;

@@ -19,6 +19,14 @@
 #include "base/error.h"
 #include "engine/sample.h"
 
+/* One position's log-probabilities (lf_sampling.logprobs). */
+typedef struct lp_entry {
+  float lp;
+  int n_top;
+  int32_t ids[LF_MAX_TOP_LOGPROBS];
+  float lps[LF_MAX_TOP_LOGPROBS];
+} lp_entry;
+
 typedef struct lf_sreq lf_sreq;
 struct lf_sreq {
   uint64_t id;
@@ -46,6 +54,18 @@ struct lf_sreq {
   int chunks;
   uint64_t evictions;
   double t_submit, t_admit, t_first, t_last;
+  /* Logit processing (lf_logits_adjust): the bias entries, then one per distinct token of the
+   * prompt (repetition penalty on) and of the output; NULL when the request has none. adj_of:
+   * an open-addressing table of entry indices (-1 empty), [adj_mask + 1] at least twice the
+   * entries' capacity, so a request's memory follows its own size, not the vocabulary's.
+   * n_counted: output tokens already folded in. */
+  lf_logit_adj *adj;
+  int n_adj;
+  int *adj_of;
+  uint32_t adj_mask;
+  int *adj_cnt; /* [entries] occurrences in the output */
+  int n_counted;
+  lp_entry *lp; /* [max_tokens] the generated ids' logprobs (lf_sampling.logprobs), else NULL */
 };
 
 #define FINISHED_KEEP 4096
@@ -77,6 +97,13 @@ struct lf_sched {
   lf_batch_item *items;
   lf_batch_result *res;
   lf_sreq **item_req;
+  /* logprobs scratch, [pools_total] each: the raw last-position logits rows ([vocab] each,
+   * allocated at the first request that wants logprobs), each item's sampled token's entry,
+   * and a prompt chunk's per-position entries and logits (prompt_logprobs, per step) */
+  float *lrows;
+  lp_entry *item_lp;
+  lp_entry **item_plp;
+  int *item_oom;
 
   /* Pending events, a growing ring. Work that ends in events first reserves room for them
    * (ev_reserved counts reservations not yet released, an upper bound of the pushes still to
@@ -115,7 +142,23 @@ static void req_free(lf_sreq *r) {
   free(r->stop_ids);
   free(r->seq_ids);
   free(r->seq_off);
+  free(r->adj);
+  free(r->adj_of);
+  free(r->adj_cnt);
+  free(r->lp);
   free(r);
+}
+
+/* r's entry for token t, created (zeroed) when absent. */
+static lf_logit_adj *adj_entry(lf_sreq *r, int32_t t) {
+  uint32_t i = ((uint32_t)t * 2654435761u) & r->adj_mask;
+  while (r->adj_of[i] >= 0) {
+    if (r->adj[r->adj_of[i]].token == t) return &r->adj[r->adj_of[i]];
+    i = (i + 1) & r->adj_mask;
+  }
+  r->adj_of[i] = r->n_adj;
+  r->adj[r->n_adj] = (lf_logit_adj){.token = t};
+  return &r->adj[r->n_adj++];
 }
 
 static void wait_push(lf_sched *s, lf_sreq *r) {
@@ -193,9 +236,17 @@ static int finish_events(const lf_sreq *r) {
 }
 
 /* Emits TOKEN events for generated ids [n_out, upto). Reserved by the caller. */
+static void ev_set_lp(lf_event *e, const lp_entry *l) {
+  e->logprob = l->lp;
+  e->n_top = l->n_top;
+  memcpy(e->top_ids, l->ids, sizeof(int32_t) * (size_t)l->n_top);
+  memcpy(e->top_logprobs, l->lps, sizeof(float) * (size_t)l->n_top);
+}
+
 static void emit_tokens(lf_sched *s, lf_sreq *r, int upto) {
   for (; r->n_out < upto; r->n_out++) {
     lf_event te = {.id = r->id, .type = LF_EVENT_TOKEN, .token = r->tokens[r->n_prompt + r->n_out]};
+    if (r->lp) ev_set_lp(&te, &r->lp[r->n_out]);
     ev_push(s, &te);
   }
 }
@@ -307,11 +358,18 @@ lf_status lf_sched_init(const lf_sched_config *cfg, lf_backend *be, lf_sched **o
   s->items = calloc((size_t)pools, sizeof *s->items);
   s->res = calloc((size_t)pools, sizeof *s->res);
   s->item_req = calloc((size_t)pools, sizeof *s->item_req);
-  if (!s->running || !s->items || !s->res || !s->item_req || ev_reserve(s, 64) != LF_OK) {
+  s->item_lp = calloc((size_t)pools, sizeof *s->item_lp);
+  s->item_plp = calloc((size_t)pools, sizeof *s->item_plp);
+  s->item_oom = calloc((size_t)pools, sizeof *s->item_oom);
+  if (!s->running || !s->items || !s->res || !s->item_req || !s->item_lp || !s->item_plp ||
+      !s->item_oom || ev_reserve(s, 64) != LF_OK) {
     free(s->running);
     free(s->items);
     free(s->res);
     free(s->item_req);
+    free(s->item_lp);
+    free(s->item_plp);
+    free(s->item_oom);
     free(s->ev);
     free(s);
     return lf_error(LF_ERR_OUT_OF_MEMORY, "scheduler for %d pools", pools);
@@ -337,6 +395,10 @@ void lf_sched_free(lf_sched *s) {
   free(s->items);
   free(s->res);
   free(s->item_req);
+  free(s->item_lp);
+  free(s->item_plp);
+  free(s->item_oom);
+  free(s->lrows);
   free(s->ev);
   pthread_mutex_destroy(&s->mu);
   free(s);
@@ -379,6 +441,35 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   if (!(rq->sampling.temperature >= 0.0f) || rq->sampling.top_k < 0 ||
       !(rq->sampling.top_p >= 0.0f && rq->sampling.top_p <= 1.0f))
     return lf_error(LF_ERR_INVALID_ARG, "sampling: temperature >= 0, top_k >= 0, 0 <= top_p <= 1");
+  const lf_sampling *sp = &rq->sampling;
+  if (!isfinite(sp->presence_penalty) || !isfinite(sp->frequency_penalty) ||
+      !(sp->repetition_penalty >= 0.0f && isfinite(sp->repetition_penalty)))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "sampling: presence_penalty %g and frequency_penalty %g must be finite, "
+                    "repetition_penalty %g > 0 (0: off)",
+                    (double)sp->presence_penalty, (double)sp->frequency_penalty,
+                    (double)sp->repetition_penalty);
+  if (sp->n_logit_bias < 0 || (sp->n_logit_bias > 0 && !sp->logit_bias))
+    return lf_error(LF_ERR_INVALID_ARG, "bad logit_bias list");
+  for (int i = 0; i < sp->n_logit_bias; i++) {
+    const lf_logit_bias *b = &sp->logit_bias[i];
+    if (b->token < 0 || b->token >= c->vocab_size)
+      return lf_error(LF_ERR_INVALID_ARG, "logit_bias token %d is outside [0, %d)", b->token,
+                      c->vocab_size);
+    if (!(b->bias >= -LF_LOGIT_BIAS_MAX && b->bias <= LF_LOGIT_BIAS_MAX))
+      return lf_error(LF_ERR_INVALID_ARG, "logit_bias of token %d is %g; it must lie in [-%g, %g]",
+                      b->token, (double)b->bias, (double)LF_LOGIT_BIAS_MAX,
+                      (double)LF_LOGIT_BIAS_MAX);
+  }
+  if (sp->logprobs < 0 || sp->logprobs > 1 || sp->prompt_logprobs < 0 || sp->prompt_logprobs > 1 ||
+      sp->top_logprobs < 0 || sp->top_logprobs > LF_MAX_TOP_LOGPROBS)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "sampling: logprobs and prompt_logprobs are 0 or 1, top_logprobs in [0, %d]",
+                    LF_MAX_TOP_LOGPROBS);
+  const float rep_pen = sp->repetition_penalty;
+  const int track_prompt = rep_pen > 0.0f && rep_pen != 1.0f;
+  const int track_out =
+      track_prompt || sp->presence_penalty != 0.0f || sp->frequency_penalty != 0.0f;
   /* Generation never passes the model's context: the last generated token occupies position
    * max_seq_len and is never fed back (as in llama2.c). */
   int max_tokens = rq->max_tokens;
@@ -392,8 +483,23 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   r->stop_ids = rq->n_stop_ids ? malloc(sizeof(int32_t) * (size_t)rq->n_stop_ids) : NULL;
   r->seq_ids = seq_total ? malloc(sizeof(int32_t) * (size_t)seq_total) : NULL;
   r->seq_off = rq->n_stop_seqs ? malloc(sizeof(int) * (size_t)(rq->n_stop_seqs + 1)) : NULL;
+  const int processed = track_out || sp->n_logit_bias > 0;
+  const size_t cap_adj = processed ? (size_t)sp->n_logit_bias +
+                                         (track_prompt ? (size_t)rq->n_prompt : 0) +
+                                         (track_out ? (size_t)max_tokens : 0)
+                                   : 0;
+  size_t table = 16;
+  while (table < 2 * cap_adj) table *= 2;
+  if (processed) {
+    r->adj = malloc(sizeof *r->adj * cap_adj);
+    r->adj_of = malloc(sizeof(int) * table);
+    r->adj_cnt = calloc(cap_adj, sizeof(int));
+    r->adj_mask = (uint32_t)(table - 1);
+  }
+  if (sp->logprobs) r->lp = calloc((size_t)max_tokens, sizeof *r->lp);
   if (!r->tokens || (rq->n_stop_ids && !r->stop_ids) || (seq_total && !r->seq_ids) ||
-      (rq->n_stop_seqs && !r->seq_off)) {
+      (rq->n_stop_seqs && !r->seq_off) || (processed && (!r->adj || !r->adj_of || !r->adj_cnt)) ||
+      (sp->logprobs && !r->lp)) {
     req_free(r);
     return lf_error(LF_ERR_OUT_OF_MEMORY, "request");
   }
@@ -414,6 +520,22 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   r->n_prompt = rq->n_prompt;
   r->max_tokens = max_tokens;
   r->sp = rq->sampling;
+  r->sp.logit_bias = NULL; /* copied into adj */
+  if (processed) {
+    for (size_t i = 0; i < table; i++) r->adj_of[i] = -1;
+    for (int i = 0; i < sp->n_logit_bias; i++) {
+      const int before = r->n_adj;
+      lf_logit_adj *a = adj_entry(r, sp->logit_bias[i].token);
+      if (r->n_adj == before) {
+        const int t = sp->logit_bias[i].token;
+        req_free(r);
+        return lf_error(LF_ERR_INVALID_ARG, "logit_bias lists token %d twice", t);
+      }
+      a->bias = sp->logit_bias[i].bias;
+    }
+    if (track_prompt)
+      for (int i = 0; i < rq->n_prompt; i++) adj_entry(r, rq->prompt[i])->seen = 1;
+  }
   lf_rng_seed(&r->rng, rq->sampling.seed);
   r->ignore_eos = rq->ignore_eos;
   r->pool = -1;
@@ -514,8 +636,9 @@ static int stop_seq_match(const lf_sreq *r, const int32_t *g, int n, int *hold) 
   return 0;
 }
 
-/* Applies one sampled token (lock held, finish_events(r) + 1 reserved). */
-static void take_token(lf_sched *s, lf_sreq *r, int32_t tok, double now) {
+/* Applies one sampled token (lock held, finish_events(r) + 1 reserved); lp: its logprobs or
+ * NULL. */
+static void take_token(lf_sched *s, lf_sreq *r, int32_t tok, const lp_entry *lp, double now) {
   if (r->n_sampled == 0) r->t_first = now;
   r->t_last = now;
   r->n_sampled++;
@@ -524,6 +647,7 @@ static void take_token(lf_sched *s, lf_sreq *r, int32_t tok, double now) {
     r->n_gen++;
     r->n_out++;
     lf_event te = {.id = r->id, .type = LF_EVENT_TOKEN, .token = tok};
+    if (lp) ev_set_lp(&te, lp);
     ev_push(s, &te);
     if (r->n_gen >= r->max_tokens) finish(s, r, LF_FINISH_LENGTH, LF_OK, tok, 0, now);
     return;
@@ -536,6 +660,7 @@ static void take_token(lf_sched *s, lf_sreq *r, int32_t tok, double now) {
     finish(s, r, LF_FINISH_STOP_ID, LF_OK, tok, r->n_gen, now);
     return;
   }
+  if (r->lp && lp) r->lp[r->n_gen] = *lp;
   r->tokens[r->n_prompt + r->n_gen++] = tok;
   int hold = 0;
   const int L = stop_seq_match(r, r->tokens + r->n_prompt, r->n_gen, &hold);
@@ -608,6 +733,19 @@ static int build_batch(lf_sched *s) {
  * advances the request's generator, so it happens only for items that will run). A chunk that
  * does not end the prompt samples nothing that is used: greedy, no draw, so the generator's
  * stream does not depend on how the prompt was chunked. */
+/* Folds the output tokens fed since the last call into r's logit adjustments. */
+static void fold_output(lf_sreq *r) {
+  const int track = r->sp.presence_penalty != 0.0f || r->sp.frequency_penalty != 0.0f ||
+                    (r->sp.repetition_penalty > 0.0f && r->sp.repetition_penalty != 1.0f);
+  if (!r->adj || !track) return;
+  for (; r->n_counted < r->n_gen; r->n_counted++) {
+    lf_logit_adj *a = adj_entry(r, r->tokens[r->n_prompt + r->n_counted]);
+    const int k = ++r->adj_cnt[a - r->adj];
+    a->seen = 1;
+    a->sub = r->sp.presence_penalty + r->sp.frequency_penalty * (float)k;
+  }
+}
+
 static void set_sampling(lf_sched *s, int n) {
   for (int i = 0; i < n; i++) {
     lf_batch_item *it = &s->items[i];
@@ -615,9 +753,83 @@ static void set_sampling(lf_sched *s, int n) {
     const int samples = r->n_prefilled == r->n_prompt || r->n_prefilled + it->n_tok == r->n_prompt;
     memset(&it->sampling, 0, sizeof it->sampling);
     it->u = 0.0f;
+    it->adj = NULL;
+    it->n_adj = 0;
+    it->rep = 1.0f;
+    it->logits_last = it->logits_all = NULL;
+    it->full_logits = 0;
+    s->item_plp[i] = NULL;
+    s->item_oom[i] = 0;
     if (samples) {
       it->sampling = r->sp;
       if (r->sp.temperature > 0.0f) it->u = lf_rng_float(&r->rng);
+      fold_output(r);
+      if (r->n_adj > 0) {
+        it->adj = r->adj;
+        it->n_adj = r->n_adj;
+        it->rep = r->sp.repetition_penalty;
+      }
+      if (r->lp) it->logits_last = s->lrows + (size_t)i * (size_t)s->cfg.vocab_size;
+      it->full_logits = it->n_adj > 0 || it->logits_last != NULL;
+    }
+  }
+}
+
+/* Events a batch item may push: its request's finish events, its token, and with
+ * prompt_logprobs one per position of a prompt chunk. */
+static int item_events(const lf_sched *s, int i) {
+  const lf_sreq *r = s->item_req[i];
+  int k = finish_events(r) + 1;
+  if (r->sp.prompt_logprobs && r->n_prefilled < r->n_prompt) k += s->items[i].n_tok;
+  return k;
+}
+
+/* Without the lock, before the forward: the prompt chunks' logits buffers (prompt_logprobs).
+ * A failed allocation ends that request after the forward (item_oom). */
+static void prompt_lp_alloc(lf_sched *s, int n) {
+  const size_t V = (size_t)s->cfg.vocab_size;
+  for (int i = 0; i < n; i++) {
+    lf_batch_item *it = &s->items[i];
+    const lf_sreq *r = s->item_req[i];
+    if (!r->sp.prompt_logprobs || r->n_prefilled >= r->n_prompt) continue;
+    it->logits_all = malloc(sizeof(float) * V * (size_t)it->n_tok);
+    s->item_plp[i] = malloc(sizeof(lp_entry) * (size_t)it->n_tok);
+    if (!it->logits_all || !s->item_plp[i]) {
+      free(it->logits_all);
+      free(s->item_plp[i]);
+      it->logits_all = NULL;
+      s->item_plp[i] = NULL;
+      s->item_oom[i] = 1;
+    }
+  }
+}
+
+/* Without the lock, after the forward: log-probabilities from the raw logits the backend copied
+ * out (the sampled token's, and a prompt chunk's per position). */
+static void logprobs_compute(lf_sched *s, int n) {
+  const int V = s->cfg.vocab_size;
+  for (int i = 0; i < n; i++) {
+    lf_batch_item *it = &s->items[i];
+    const lf_sreq *r = s->item_req[i];
+    if (s->res[i].status != LF_OK) continue;
+    const int k = r->sp.top_logprobs;
+    if (it->logits_last) {
+      lp_entry *e = &s->item_lp[i];
+      e->n_top = k;
+      lf_logprobs(it->logits_last, V, s->res[i].token, &e->lp, k, e->ids, e->lps);
+    }
+    if (it->logits_all) {
+      for (int t = 0; t < it->n_tok; t++) {
+        const int p = it->pos0 + t; /* predicts position p + 1 */
+        lp_entry *e = &s->item_plp[i][t];
+        e->n_top = 0;
+        if (p + 1 >= r->n_prompt) continue;
+        e->n_top = k;
+        lf_logprobs(it->logits_all + (size_t)t * (size_t)V, V, r->tokens[p + 1], &e->lp, k,
+                    e->ids, e->lps);
+      }
+      free(it->logits_all);
+      it->logits_all = NULL;
     }
   }
 }
@@ -666,16 +878,27 @@ lf_status lf_sched_step(lf_sched *s, lf_event *events, int cap, int *n) {
   n_items = build_batch(s);
   int need = 0;
   for (int i = 0; i < n_items; i++)
-    need += finish_events(s->item_req[i]) + 1;
+    need += item_events(s, i);
   if ((st = ev_reserve(s, need)) != LF_OK) goto out;
+  for (int i = 0; i < n_items && !s->lrows; i++)
+    if (s->item_req[i]->lp) {
+      s->lrows = malloc(sizeof(float) * (size_t)s->pools_total * (size_t)s->cfg.vocab_size);
+      if (!s->lrows) {
+        ev_release(s, need);
+        st = lf_error(LF_ERR_OUT_OF_MEMORY, "logprobs rows for %d pools", s->pools_total);
+        goto out;
+      }
+    }
   reserved = need;
   set_sampling(s, n_items);
   pthread_mutex_unlock(&s->mu);
+  prompt_lp_alloc(s, n_items);
 
   /* 4. The forward pass, without the lock. Only this thread touches the items, their requests'
    * token arrays and the pools, so submit/cancel can proceed meanwhile. */
   lf_status fs = LF_OK;
   if (n_items > 0) fs = s->be->forward(s->be, s->items, n_items, s->res, NULL);
+  if (fs == LF_OK) logprobs_compute(s, n_items);
 
   pthread_mutex_lock(&s->mu);
   const double t1 = lf_now_s();
@@ -693,17 +916,26 @@ lf_status lf_sched_step(lf_sched *s, lf_event *events, int cap, int *n) {
       r->evictions += res->evictions;
       s->evictions += res->evictions;
       const int prefill = r->n_prefilled < r->n_prompt;
-      if (res->status != LF_OK) {
-        finish(s, r, LF_FINISH_ERROR, res->status, -1, 0, t1);
+      if (res->status != LF_OK || s->item_oom[i]) {
+        finish(s, r, LF_FINISH_ERROR, res->status != LF_OK ? res->status : LF_ERR_OUT_OF_MEMORY,
+               -1, 0, t1);
         continue;
       }
+      if (prefill && s->item_plp[i])
+        for (int t = 0; t < it->n_tok; t++) {
+          if (it->pos0 + t + 1 >= r->n_prompt) break;
+          lf_event pe = {.id = r->id, .type = LF_EVENT_PROMPT_TOKEN,
+                         .token = r->tokens[it->pos0 + t + 1]};
+          ev_set_lp(&pe, &s->item_plp[i][t]);
+          ev_push(s, &pe);
+        }
       if (prefill) {
         r->n_prefilled += it->n_tok;
         r->chunks++;
         s->prompt_tokens += (uint64_t)it->n_tok;
         if (r->n_prefilled < r->n_prompt) continue; /* more chunks to come */
       }
-      take_token(s, r, res->token, t1);
+      take_token(s, r, res->token, it->logits_last ? &s->item_lp[i] : NULL, t1);
     }
   }
   if (s->tokens_generated > sampled_before) {
@@ -711,6 +943,12 @@ lf_status lf_sched_step(lf_sched *s, lf_event *events, int cap, int *n) {
     s->rate_n[s->rate_next] = (int)(s->tokens_generated - sampled_before);
     s->rate_next = (s->rate_next + 1) % RATE_RING;
     if (s->rate_len < RATE_RING) s->rate_len++;
+  }
+  for (int i = 0; i < n_items; i++) {
+    free(s->item_plp[i]);
+    s->item_plp[i] = NULL;
+    free(s->items[i].logits_all);
+    s->items[i].logits_all = NULL;
   }
   compact_running(s);
   s->steps++;

@@ -132,6 +132,25 @@ TEST(MpiTp, GreedyTokensMatchSingleRank) {
   }
 }
 
+// Logit processing and logprobs take the whole-logits path on every rank (the flag travels in
+// the batch descriptor), so greedy and top-k items with penalties or a bias give one rank's tokens.
+TEST(MpiTp, PenaltiesAndBiasMatchSingleRank) {
+  for (const Model &m : models()) {
+    if (!all_agree(m.fits)) continue;
+    std::vector<TpGen> gens(4);
+    gens[0] = {prompt_of(9, 256, 0), 30, 0.0f, 0};
+    gens[0].presence = 1.5f;
+    gens[0].repetition = 1.4f;
+    gens[1] = {prompt_of(7, 256, 1), 30, 1.0f, 11, 20}; // top-k with a bias
+    gens[1].bias = {{3, 8.0f}, {5, -100.0f}};
+    gens[2] = {prompt_of(6, 256, 2), 25, 0.0f, 0};
+    gens[2].logprobs = 1;
+    gens[3] = {prompt_of(5, 256, 3), 25, 0.0f, 0}; // plain greedy beside them
+    gens[3].bias = {{7, 100.0f}};
+    compare_engines(m.path, LF_POLICY_FULL, 96, 2, gens);
+  }
+}
+
 // Quantized pools under tensor parallelism: every rank quantizes the rows of the KV heads it holds,
 // so T ranks must give a single rank's tokens (head scope, evicting from the first decode step),
 // and not the bf16 pools' tokens (so the dtype reached the ranks and changed the pools).

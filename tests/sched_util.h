@@ -88,7 +88,7 @@ inline void apply_events(const lf_event *ev, int n, std::map<uint64_t, Outcome> 
     EXPECT_EQ(o.n_finish, 0) << "event after FINISH for request " << ev[i].id;
     if (ev[i].type == LF_EVENT_TOKEN) {
       o.tokens.push_back(ev[i].token);
-    } else {
+    } else if (ev[i].type == LF_EVENT_FINISH) {
       o.n_finish++;
       o.reason = ev[i].reason;
       o.status = ev[i].status;

@@ -21,6 +21,9 @@ struct TpGen {
   uint64_t seed;
   int top_k = 0;      /* 0: off */
   float top_p = 1.0f; /* 1: off */
+  float presence = 0.0f, repetition = 1.0f;
+  std::vector<lf_logit_bias> bias = {};
+  int logprobs = 0;
 };
 
 /* Runs the requests on engine e, rank 0 driving and the others following in lf_engine_follow;
@@ -44,6 +47,11 @@ inline std::vector<std::vector<int32_t>> lf_tp_test_run(lf_engine_t e,
     rq.sampling.top_k = g.top_k;
     rq.sampling.top_p = g.top_p;
     rq.sampling.seed = g.seed;
+    rq.sampling.presence_penalty = g.presence;
+    rq.sampling.repetition_penalty = g.repetition;
+    rq.sampling.logit_bias = g.bias.empty() ? nullptr : g.bias.data();
+    rq.sampling.n_logit_bias = (int)g.bias.size();
+    rq.sampling.logprobs = g.logprobs;
     rq.ignore_eos = 1;
     uint64_t id;
     EXPECT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();

@@ -69,6 +69,10 @@ static lf_status apply_tuning(cuda_backend *c) {
 static void free_device_side_locked(cuda_backend *c) {
   cb_weights_free(c);
   cudaFree(c->inv_freq);
+  cudaFree(c->d_adj);
+  cudaFree(c->pl_x);
+  cudaFree(c->pl_logits);
+  free(c->h_adj);
   cudaFree(c->pv.k);
   cudaFree(c->pv.v);
   cudaFree(c->pv.k_scale);

@@ -9,6 +9,7 @@
 #include "attention/prefill_attn.cuh"
 #include "base/cuda_launch.cuh"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/sample.h"
 #include "kernels/embed.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/rmsnorm.cuh"
@@ -256,6 +257,33 @@ static lf_status step_upload(cuda_backend *c, int rows) {
   return LF_OK;
 }
 
+/* A chunk's logits at every position, from its rows of x after the last layer: the final norm,
+ * the LM head, then to the host at out + tok_off * vocab (pageable: the copy has finished when
+ * it returns, so the scratch is free again). Single rank (the engine refuses prompt logprobs
+ * under tensor parallelism). */
+static lf_status seg_logits(cuda_backend *c, const pass_seg *s, float *out) {
+  const lf_model_config *m = &c->cfg;
+  const int V = m->vocab_size;
+  if (c->comm) return lf_error(LF_ERR_UNSUPPORTED, "cuda: prompt logits under tensor parallelism");
+  if (!c->pl_x) {
+    LF_CUDA_CHECK(cudaMalloc((void **)&c->pl_x, (size_t)c->max_chunk * m->dim * sizeof(bf16)));
+    if (cudaMalloc((void **)&c->pl_logits, (size_t)c->max_chunk * V * sizeof(float)) !=
+        cudaSuccess) {
+      cudaFree(c->pl_x);
+      c->pl_x = NULL;
+      (void)cudaGetLastError();
+      return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda: prompt logits for %d positions", c->max_chunk);
+    }
+  }
+  LF_TRY(lf_cuda_rmsnorm(c->x + (size_t)s->row0 * m->dim, m->dim, c->rms_final, m->dim,
+                         m->norm_eps, s->T, c->pl_x, m->dim, NULL, c->stream));
+  LF_TRY(cb_gemm(c, c->lm_head, c->pl_x, c->pl_logits, CUDA_R_32F, c->nv, m->dim, s->T, 0.0f));
+  LF_CUDA_CHECK(cudaMemcpyAsync(out + (size_t)s->tok_off * V, c->pl_logits,
+                                (size_t)s->T * V * sizeof(float), cudaMemcpyDeviceToHost,
+                                c->stream));
+  return LF_OK;
+}
+
 /* A pass with prompt chunks: their tokens (and the decode items' after them) through the pinned
  * staging buffer, eager (no graph), the GEMV only up to a short prompt's rows (cb_gemv_lim), no
  * GEMM timing for its row counts (gemm.cu). The caller has waited for any earlier use of
@@ -275,8 +303,11 @@ static lf_status mixed_pass(cuda_backend *c, const lf_batch_item *items, const p
   c->in_prefill = 1;
   const int pdl_saved = lf_pdl_pass_off;
   lf_pdl_pass_off = Tp + nd > c->pdl_max_rows;
-  const lf_status st = run_pass(c, c->ptok, seg, n_seg, Tp, nd);
+  lf_status st = run_pass(c, c->ptok, seg, n_seg, Tp, nd);
   lf_pdl_pass_off = pdl_saved;
+  /* prompt logits wanted (prompt_logprobs): the chunks' rows are still in x */
+  for (int i = 0; i < n_seg && st == LF_OK; i++)
+    if (items[seg[i].item].logits_all) st = seg_logits(c, &seg[i], items[seg[i].item].logits_all);
   c->in_prefill = 0;
   LF_TRY(st);
   for (int i = 0; i < n_seg; i++)
@@ -311,6 +342,57 @@ static lf_status decode_one(cuda_backend *c, int pool, int32_t pos, int32_t tok,
 }
 
 /* ---- the forward ---------------------------------------------------------------------------- */
+
+/* After the LM head (and the tensor-parallel gather): the raw rows items ask for go to the host
+ * (logits_last), then the items' logit processing runs on the device rows, before sampling. */
+static lf_status cb_logits_last_and_adjust(cuda_backend *c, const lf_batch_item *items,
+                                           const lf_batch_result *res, int n) {
+  const int V = c->cfg.vocab_size;
+  size_t na = 0;
+  int want_rows = 0;
+  for (int i = 0; i < n; i++) {
+    if (res[i].status != LF_OK) continue;
+    na += (size_t)items[i].n_adj;
+    want_rows |= items[i].logits_last != NULL || items[i].logits_all != NULL;
+  }
+  /* a copy to pageable memory must not wait inside CUDA on a collective */
+  if (want_rows && c->comm) LF_TRY(cb_stream_wait(c));
+  for (int i = 0; i < n; i++) {
+    if (res[i].status != LF_OK) continue;
+    if (items[i].logits_last)
+      LF_CUDA_CHECK(cudaMemcpyAsync(items[i].logits_last, c->logits + (size_t)i * V,
+                                    (size_t)V * sizeof(float), cudaMemcpyDeviceToHost,
+                                    c->stream));
+    if (items[i].logits_all && items[i].n_tok == 1) /* a one-token chunk: its row is this */
+      LF_CUDA_CHECK(cudaMemcpyAsync(items[i].logits_all, c->logits + (size_t)i * V,
+                                    (size_t)V * sizeof(float), cudaMemcpyDeviceToHost,
+                                    c->stream));
+  }
+  if (na == 0) return LF_OK;
+  if (na > c->cap_adj) {
+    LF_TRY(cb_stream_wait(c)); /* the old device buffer may still be read */
+    cudaFree(c->d_adj);
+    free(c->h_adj);
+    c->d_adj = NULL;
+    c->cap_adj = 0;
+    c->h_adj = (lf_cuda_logit_adj *)malloc(na * sizeof *c->h_adj);
+    if (!c->h_adj) return lf_error(LF_ERR_OUT_OF_MEMORY, "%zu logit processing entries", na);
+    LF_CUDA_CHECK(cudaMalloc((void **)&c->d_adj, na * sizeof *c->d_adj));
+    c->cap_adj = na;
+  }
+  size_t k = 0;
+  for (int i = 0; i < n; i++) {
+    if (res[i].status != LF_OK) continue;
+    for (int j = 0; j < items[i].n_adj; j++) {
+      const lf_logit_adj *a = &items[i].adj[j];
+      c->h_adj[k++] = (lf_cuda_logit_adj){i, a->token, a->seen, a->bias, a->sub, items[i].rep};
+    }
+  }
+  /* from pageable memory: staged before the call returns, so h_adj is free again */
+  LF_CUDA_CHECK(cudaMemcpyAsync(c->d_adj, c->h_adj, na * sizeof *c->h_adj,
+                                cudaMemcpyHostToDevice, c->stream));
+  return lf_cuda_logits_adjust(c->logits, V, c->d_adj, (int)na, c->stream);
+}
 
 lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_result *res,
                      float *logits_out) {
@@ -367,6 +449,13 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
                       ? (uint8_t)lf_prefill_kind_of(c->p.policy, B, c->host_n[items[i].pool],
                                                     items[i].n_tok)
                       : KIND_NONE;
+  for (int i = 0; i < n; i++)
+    if (c->kinds[i] == LF_PREFILL_DECODE_STEPS && items[i].logits_all) {
+      res[i].status = lf_error(LF_ERR_UNSUPPORTED,
+                               "cuda: prompt logprobs of a chunk run token by token (a prompt "
+                               "overflowing its pool)");
+      c->kinds[i] = KIND_NONE;
+    }
   /* Prompt chunks that overflow a non-empty pool under eviction: token by token. They use the
    * step arrays and wait for their copies, so they go before the decode items are staged. */
   for (int i = 0; i < n; i++)
@@ -421,7 +510,8 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
 
   /* LM head and token selection for every item (failed items' rows are ignored). */
   int need_full = c->comm == NULL || logits_out != NULL;
-  for (int i = 0; i < n && !need_full; i++) need_full = items[i].sampling.temperature > 0.0f;
+  for (int i = 0; i < n && !need_full; i++)
+    need_full = items[i].sampling.temperature > 0.0f || items[i].full_logits;
   LF_TRY(cb_gemm(c, c->lm_head, c->xf, c->llocal, CUDA_R_32F, c->nv, m->dim, n, 0.0f));
   if (!need_full) {
     /* tensor parallel, all greedy: one gather of (max, id) pairs, the pick on the device */
@@ -438,6 +528,7 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
                                   cudaMemcpyHostToDevice, c->stream));
     /* tensor parallel: the full logits (or every item's top-k candidates) on every rank */
     if (c->comm) LF_TRY(cb_tp_gather_logits(c, items, res, n, logits_out != NULL));
+    LF_TRY(cb_logits_last_and_adjust(c, items, res, n));
     LF_TRY(lf_cuda_sample(c->logits, m->vocab_size, n, c->d_sp, c->d_tok_out, c->probs,
                           c->stream));
     for (int i = 0; i < n; i++)

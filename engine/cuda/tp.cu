@@ -108,6 +108,8 @@ static int tp_topk_kmax(const cuda_backend *c, const lf_batch_item *items,
   if (logits_wanted) return 0;
   const int V = c->cfg.vocab_size;
   int kmax = 1;
+  for (int i = 0; i < n; i++)
+    if (res[i].status == LF_OK && items[i].full_logits) return 0; /* processed or logprobs */
   for (int i = 0; i < n; i++) {
     if (res[i].status != LF_OK || items[i].sampling.temperature <= 0.0f) continue;
     const int k = items[i].sampling.top_k;

@@ -19,7 +19,7 @@ from typing import Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Uni
 from . import _lib
 
 __all__ = ["Engine", "LfserveError", "Prompt", "library_version", "library_path"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, str]]]
@@ -44,7 +44,7 @@ def _check(code: int, what: str) -> None:
 
 
 def library_version() -> str:
-    """The loaded C library's version ("0.1.0")."""
+    """The loaded C library's version ("0.2.0")."""
     return _lib.load().lf_version().decode()
 
 
@@ -222,10 +222,14 @@ class Engine:
 
     def submit(self, prompt: Prompt, max_tokens: int = 128, *, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, ignore_eos: bool = False,
-               stop_ids: Sequence[int] = ()) -> int:
+               stop_ids: Sequence[int] = (), presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+               logit_bias: Optional[Mapping[int, float]] = None) -> int:
         """Queues a request and returns its id; its output comes from `next_pieces` / `stream`.
         prompt: text (encoded with BOS where the tokenizer adds one), token ids, or chat
-        messages. Sampling is greedy at temperature 0."""
+        messages. Sampling is greedy at temperature 0. presence/frequency penalties (OpenAI),
+        repetition_penalty (Hugging Face / vLLM) and logit_bias {token id: bias in [-100, 100]}
+        as in lf_sampling (include/lfserve.h)."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         elif len(prompt) and isinstance(prompt[0], Mapping):
@@ -237,6 +241,13 @@ class Engine:
         rq = _lib.Request()
         rq.prompt, rq.n_prompt, rq.max_tokens = arr, len(ids), max_tokens
         rq.sampling = _lib.Sampling(temperature, top_k, top_p, seed)
+        rq.sampling.presence_penalty = presence_penalty
+        rq.sampling.frequency_penalty = frequency_penalty
+        rq.sampling.repetition_penalty = repetition_penalty
+        bias = (_lib.LogitBias * len(logit_bias or {}))(
+            *[_lib.LogitBias(int(k), float(v)) for k, v in (logit_bias or {}).items()])
+        if logit_bias:
+            rq.sampling.logit_bias, rq.sampling.n_logit_bias = bias, len(logit_bias)
         rq.ignore_eos = int(ignore_eos)
         if stop_ids:
             rq.stop_ids, rq.n_stop_ids = stops, len(stop_ids)
@@ -268,7 +279,7 @@ class Engine:
                     st.pieces.append(self._detok_call("lf_detokenizer_put", st.detok, e.token))
                 else:
                     st.pieces.append(f"{e.token} ")
-            else:
+            elif e.type == _lib.EVENT_FINISH:
                 if st.detok:
                     st.pieces.append(self._detok_call("lf_detokenizer_flush", st.detok))
                 st.finished = True

@@ -20,7 +20,7 @@ STATUS_NAMES = [
     "LF_ERR_QUEUE_FULL", "LF_ERR_NOT_FOUND", "LF_ERR_BACKEND", "LF_ERR_UNAVAILABLE",
     "LF_ERR_STATE", "LF_ERR_INTERNAL",
 ]
-EVENT_TOKEN, EVENT_FINISH = 0, 1
+EVENT_TOKEN, EVENT_FINISH, EVENT_PROMPT_TOKEN = 0, 1, 2
 FINISH_ERROR = 4
 
 
@@ -46,9 +46,20 @@ class ModelInfo(ctypes.Structure):
     ]
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+class LogitBias(ctypes.Structure):
+    _fields_ = [("token", ctypes.c_int32), ("bias", ctypes.c_float)]
+
+
 class Sampling(ctypes.Structure):
     _fields_ = [("temperature", ctypes.c_float), ("top_k", ctypes.c_int),
-                ("top_p", ctypes.c_float), ("seed", ctypes.c_uint64)]
+                ("top_p", ctypes.c_float), ("seed", ctypes.c_uint64),
+                ("presence_penalty", ctypes.c_float), ("frequency_penalty", ctypes.c_float),
+                ("repetition_penalty", ctypes.c_float), ("n_logit_bias", ctypes.c_int),
+                ("logit_bias", ctypes.POINTER(LogitBias)), ("logprobs", ctypes.c_int),
+                ("top_logprobs", ctypes.c_int), ("prompt_logprobs", ctypes.c_int)]
 
 
 class Request(ctypes.Structure):
@@ -63,7 +74,9 @@ class Request(ctypes.Structure):
 
 class Event(ctypes.Structure):
     _fields_ = [("id", ctypes.c_uint64), ("type", ctypes.c_int), ("token", ctypes.c_int32),
-                ("reason", ctypes.c_int), ("status", ctypes.c_int)]
+                ("reason", ctypes.c_int), ("status", ctypes.c_int), ("logprob", ctypes.c_float),
+                ("n_top", ctypes.c_int), ("top_ids", ctypes.c_int32 * MAX_TOP_LOGPROBS),
+                ("top_logprobs", ctypes.c_float * MAX_TOP_LOGPROBS)]
 
 
 class RequestStats(ctypes.Structure):
@@ -83,7 +96,8 @@ class ChatMessage(ctypes.Structure):
 
 _LAYOUTS = {"lf_engine_config": EngineConfig, "lf_model_info": ModelInfo,
             "lf_sampling": Sampling, "lf_request": Request, "lf_event": Event,
-            "lf_request_stats": RequestStats, "lf_chat_message": ChatMessage}
+            "lf_request_stats": RequestStats, "lf_chat_message": ChatMessage,
+            "lf_logit_bias": LogitBias}
 
 _P = ctypes.c_void_p
 _I32P = ctypes.POINTER(ctypes.c_int32)

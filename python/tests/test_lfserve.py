@@ -42,6 +42,19 @@ def test_generate_stream_and_ids_agree() -> None:
         assert eng.generate(ids, max_tokens=40) == text, "token-id prompt, same output"
 
 
+def test_sampling_parameters_reach_the_engine() -> None:
+    with lfserve.Engine(TRACE, backend="cpu") as eng:
+        tok = eng.tokenize("a")[-1]
+        forced = eng.generate(PROMPT, max_tokens=6, temperature=1.0, seed=4,
+                              logit_bias={tok: 100.0})
+        assert forced == "a" * 6, forced
+        plain = eng.generate(PROMPT, max_tokens=30)
+        assert eng.generate(PROMPT, max_tokens=30, presence_penalty=-2.0,
+                            repetition_penalty=0.5) != plain
+        e = raises(eng.generate, PROMPT, max_tokens=2, logit_bias={tok: 101.0})
+        assert e.status == "LF_ERR_INVALID_ARG" and "logit_bias" in str(e)
+
+
 def test_generate_equals_lfgen() -> None:
     lfgen = os.environ.get("LFGEN") or shutil.which("lfgen")
     if not lfgen:

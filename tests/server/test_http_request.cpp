@@ -163,12 +163,12 @@ TEST(HttpRequest, JsonEdges) {
   }
   expect_ok(" \t\r\n{\"prompt\": \"hi\"} \t\r\n");
   expect_ok(
-      "{\"prompt\": \"hi\", \"x\": [0, -0, 1.5e3, -2E-3, 1e+2, 123456789012345678901234567890]}");
+      "{\"prompt\": \"hi\", \"user\": [0, -0, 1.5e3, -2E-3, 1e+2, 123456789012345678901234567890]}");
   expect_ok("{\"prompt\": \"\\ud83d\\ude00 \\u00e9\\\"\\\\\\/\\b\\f\\n\\r\\t\xe2\x98\x83\"}");
-  expect_ok("{\"prompt\": \"hi\", \"unknown\": {\"a\": [null, true, false, {}], \"b\": []}}");
+  expect_ok("{\"prompt\": \"hi\", \"user\": {\"a\": [null, true, false, {}], \"b\": []}}");
   /* Nesting: 64 levels are accepted (the body object counts), 65 are not. */
-  expect_ok("{\"prompt\": \"hi\", \"x\": " + std::string(63, '[') + std::string(63, ']') + "}");
-  expect_bad_json("{\"prompt\": \"hi\", \"x\": " + std::string(64, '[') + std::string(64, ']') +
+  expect_ok("{\"prompt\": \"hi\", \"user\": " + std::string(63, '[') + std::string(63, ']') + "}");
+  expect_bad_json("{\"prompt\": \"hi\", \"user\": " + std::string(64, '[') + std::string(64, ']') +
                   "}");
   /* Brackets inside strings do not count. */
   expect_ok("{\"prompt\": \"" + std::string(100, '[') + "\"}");
@@ -212,8 +212,22 @@ TEST(HttpRequest, TopLevel) {
   expect_err(m, 1, "{}", 400, "missing_required_parameter", "messages", "'messages' is required");
   expect_err(m, 1, "{\"prompt\": \"x\"}", 400, "missing_required_parameter", "messages",
              "'messages' is required");
-  /* Unknown members are ignored, whatever they hold. */
-  expect_ok("{\"prompt\": \"hi\", \"user\": 5, \"frequency_penalty\": \"x\", \"Prompt\": 5}");
+  /* Every member is acted on or refused, except the listed harmless ones (user); null is
+   * absent. */
+  expect_ok("{\"prompt\": \"hi\", \"user\": \"u-1\", \"suffix\": null, \"tools\": null}");
+  expect_err(m, 0, "{\"prompt\": \"hi\", \"Prompt\": 5}", 400, "unsupported_parameter", "Prompt",
+             "'Prompt' is not supported by this server (/v1/completions); see docs/USAGE.md");
+  expect_err(m, 0, "{\"prompt\": \"hi\", \"frequency_penalty\": \"x\"}", 400, "invalid_type",
+             "frequency_penalty", "");
+  for (const char *k : {"tools", "tool_choice", "functions", "function_call", "suffix",
+                        "parallel_tool_calls", "min_tokens", "metadata", "store", "audio"})
+    expect_err(m, 0, "{\"prompt\": \"hi\", \"" + std::string(k) + "\": 1}", 400,
+               "unsupported_parameter", k, "");
+  /* members of the other endpoint */
+  expect_err(m, 0, "{\"prompt\": \"hi\", \"top_logprobs\": 1}", 400, "unsupported_parameter",
+             "top_logprobs", "");
+  expect_err(m, 1, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"echo\": true}",
+             400, "unsupported_parameter", "echo", "");
 }
 
 TEST(HttpRequest, Model) {
@@ -243,19 +257,76 @@ TEST(HttpRequest, Unsupported) {
   expect_ok(B("\"n\": null"));
   expect_err(m, 0, B("\"best_of\": 2"), 400, "invalid_value", "best_of", "'best_of' must be 1");
   expect_ok(B("\"best_of\": 1"));
-  expect_err(m, 0, B("\"echo\": true"), 400, "invalid_value", "echo", "'echo' is not supported");
   expect_err(m, 0, B("\"echo\": 1"), 400, "invalid_type", "echo", "'echo' must be a boolean");
+  expect_ok(B("\"echo\": true"));
   expect_ok(B("\"echo\": false"));
   expect_ok(B("\"echo\": null"));
-  for (const char *lp : {"3", "true", "\"x\"", "[]", "0.5"})
-    expect_err(m, 0, B((std::string("\"logprobs\": ") + lp).c_str()), 400, "invalid_value",
-               "logprobs", "'logprobs' is not supported");
-  for (const char *lp : {"0", "0.0", "-0", "false", "null"})
+  for (const char *lp : {"true", "\"x\"", "[]", "0.5"})
+    expect_err(m, 0, B((std::string("\"logprobs\": ") + lp).c_str()), 400, "invalid_type",
+               "logprobs", "");
+  expect_err(m, 0, B("\"logprobs\": 6"), 400, "invalid_value", "logprobs", "");
+  for (const char *lp : {"0", "0.0", "-0", "5", "false", "null"})
     expect_ok(B((std::string("\"logprobs\": ") + lp).c_str()));
-  expect_err(m, 0, B("\"suffix\": \"x\""), 400, "invalid_value", "suffix",
-             "'suffix' is not supported");
-  expect_err(m, 0, B("\"suffix\": \"\""), 400, "invalid_value", "suffix", "");
+  expect_err(m, 0, B("\"suffix\": \"x\""), 400, "unsupported_parameter", "suffix",
+             "'suffix' is not supported by this server (/v1/completions); see docs/USAGE.md");
   expect_ok(B("\"suffix\": null"));
+  expect_ok(B("\"response_format\": {\"type\": \"text\"}"));
+  expect_err(m, 0, B("\"response_format\": {\"type\": \"json_object\"}"), 400, "invalid_value",
+             "response_format", "");
+  expect_err(m, 0, B("\"response_format\": {\"type\": \"text\", \"x\": 1}"), 400,
+             "invalid_value", "response_format", "");
+}
+
+TEST(HttpRequest, SamplingParameters) {
+  lfs_model_ctx m = model();
+  const char *p = "{\"prompt\": \"hi\", ";
+  auto B = [&](const char *rest) { return std::string(p) + rest + "}"; };
+  lfs_request r;
+  lfs_error e;
+  std::string b = B("\"presence_penalty\": -2, \"frequency_penalty\": 1.5, "
+                    "\"repetition_penalty\": 1.3, \"logit_bias\": {\"5\": -100, \"7\": 2.5}, "
+                    "\"logprobs\": 3, \"echo\": true, \"seed\": 9");
+  ASSERT_EQ(lfs_request_parse(&m, 0, b.data(), b.size(), &r, &e), 0) << e.message;
+  EXPECT_EQ(r.sampling.presence_penalty, -2.0f);
+  EXPECT_EQ(r.sampling.frequency_penalty, 1.5f);
+  EXPECT_EQ(r.sampling.repetition_penalty, 1.3f);
+  ASSERT_EQ(r.sampling.n_logit_bias, 2);
+  EXPECT_EQ(r.sampling.logit_bias[0].token, 5);
+  EXPECT_EQ(r.sampling.logit_bias[0].bias, -100.0f);
+  EXPECT_EQ(r.sampling.logit_bias[1].token, 7);
+  EXPECT_EQ(r.sampling.logit_bias[1].bias, 2.5f);
+  EXPECT_EQ(r.sampling.logprobs, 1);
+  EXPECT_EQ(r.sampling.top_logprobs, 3);
+  EXPECT_EQ(r.sampling.prompt_logprobs, 1);
+  EXPECT_EQ(r.sampling.seed, 9u);
+  lfs_request_free(&r);
+  for (const char *bad : {"\"presence_penalty\": 2.01", "\"frequency_penalty\": -3",
+                          "\"repetition_penalty\": 0", "\"repetition_penalty\": -1",
+                          "\"logit_bias\": {\"x\": 1}", "\"logit_bias\": {\"-1\": 1}",
+                          "\"logit_bias\": {\"9999999\": 1}", "\"logit_bias\": {\"5\": 100.5}",
+                          "\"logit_bias\": {\"5\": \"1\"}", "\"logit_bias\": {\"5\": 1, \"05\": 2}",
+                          "\"logit_bias\": [1]", "\"logit_bias\": {\"\": 1}"})
+  {
+    Parsed q(m, 0, B(bad));
+    EXPECT_EQ(q.rc, -1) << bad;
+    EXPECT_EQ(q.e.status, 400) << bad;
+    EXPECT_STREQ(q.e.param, std::string(bad).substr(1, std::string(bad).find('"', 1) - 1).c_str());
+  }
+  expect_ok(B("\"logit_bias\": {}"));
+  // chat: logprobs is a bool, top_logprobs 0..20 and only with logprobs
+  const char *c = "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], ";
+  auto C = [&](const char *rest) { return std::string(c) + rest + "}"; };
+  b = C("\"logprobs\": true, \"top_logprobs\": 20");
+  ASSERT_EQ(lfs_request_parse(&m, 1, b.data(), b.size(), &r, &e), 0) << e.message;
+  EXPECT_EQ(r.sampling.logprobs, 1);
+  EXPECT_EQ(r.sampling.top_logprobs, 20);
+  EXPECT_EQ(r.sampling.prompt_logprobs, 0);
+  lfs_request_free(&r);
+  expect_err(m, 1, C("\"logprobs\": true, \"top_logprobs\": 21"), 400, "invalid_value",
+             "top_logprobs", "");
+  expect_err(m, 1, C("\"top_logprobs\": 2"), 400, "invalid_value", "top_logprobs",
+             "'top_logprobs' needs 'logprobs': true");
+  expect_err(m, 1, C("\"logprobs\": 2"), 400, "invalid_type", "logprobs", "");
 }
 
 TEST(HttpRequest, Flags) {
@@ -386,16 +457,9 @@ TEST(HttpRequest, MaxTokens) {
     ASSERT_EQ(r.rc, 0) << r.e.message;
     EXPECT_EQ(r.r.max_tokens, 4094);
   }
-  {
-    Parsed r(m, 0, B("\"max_tokens\": 7.0, \"max_completion_tokens\": 1"));
-    ASSERT_EQ(r.rc, 0) << r.e.message;
-    EXPECT_EQ(r.r.max_tokens, 7);
-  }
-  {
-    Parsed r(m, 0, B("\"max_completion_tokens\": 0")); /* not read by /v1/completions */
-    ASSERT_EQ(r.rc, 0) << r.e.message;
-    EXPECT_EQ(r.r.max_tokens, 16);
-  }
+  /* max_completion_tokens is chat's: the completions endpoint refuses it */
+  expect_err(m, 0, B("\"max_tokens\": 7.0, \"max_completion_tokens\": 1"), 400,
+             "unsupported_parameter", "max_completion_tokens", "");
   {
     Parsed r(m, 0, B("\"max_tokens\": null"));
     ASSERT_EQ(r.rc, 0) << r.e.message;
