@@ -545,3 +545,67 @@ TEST(LayerScope, Stories260KWithLayerScope) {
   EXPECT_EQ(r.stats.slots_filled, 64);
   EXPECT_EQ(r.stats.evictions, uint64_t(511 - 64) * 5 * 4);
 }
+
+/* rkv through the engine (the policy's step semantics are held to the simulator by
+ * tests/test_evict_sim.py): rkv_stage 0 is LF_RKV_STAGE_DEFAULT and reaches the backend, every
+ * scope evicts, a budget without room for the window and a stage is refused, and a pool taken
+ * again starts with no selection. */
+TEST(Rkv, EngineStageAndBudget) {
+  const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
+  const std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
+  auto run = [&](lf_evict_scope scope, int budget, int stage) {
+    lf_engine_config cfg;
+    lf_engine_config_default(&cfg);
+    cfg.model_path = dir.c_str();
+    cfg.backend = LF_BACKEND_CPU;
+    cfg.budget = budget;
+    cfg.evict_scope = scope;
+    cfg.policy = LF_POLICY_RKV;
+    cfg.rkv_stage = stage;
+    return lf_test_run_one(cfg, prompt, 150, true);
+  };
+  const int need = 4 + LF_RKV_OBS + LF_RKV_STAGE_DEFAULT + 1; /* sink + window + stage + 1 */
+  for (lf_evict_scope scope : {LF_EVICT_HEAD, LF_EVICT_LAYER}) {
+    const GenRun def = run(scope, need, 0), same = run(scope, need, LF_RKV_STAGE_DEFAULT),
+                 other = run(scope, need, 4);
+    ASSERT_EQ(def.init, LF_OK) << lf_last_error();
+    ASSERT_EQ(same.init, LF_OK) << lf_last_error();
+    ASSERT_EQ(other.init, LF_OK) << lf_last_error();
+    EXPECT_EQ((int)def.tokens.size(), 150);
+    /* every token past the pool's free slots overwrites a slot in each layer x KV head */
+    EXPECT_EQ(def.stats.evictions, (uint64_t)((int)prompt.size() + 150 - 1 - need) * 2 * 2);
+    EXPECT_EQ(def.tokens, same.tokens) << lf_evict_scope_str(scope);
+    EXPECT_NE(def.tokens, other.tokens) << lf_evict_scope_str(scope);
+    EXPECT_EQ(run(scope, need - 1, 0).init, LF_ERR_INVALID_ARG);
+    EXPECT_NE(std::string(lf_last_error()).find("rkv_stage"), std::string::npos) << lf_last_error();
+    EXPECT_EQ(run(scope, need, -1).init, LF_ERR_INVALID_ARG);
+  }
+}
+
+TEST(Rkv, PoolStateResetOnTake) {
+  lf_kv_arena a;
+  lf_pool_shape ps = {2, 2, 2, 32, 8, 0, 5};
+  ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK) << lf_last_error();
+  int pool = -1;
+  ASSERT_EQ(lf_kv_arena_take(&a, &pool), LF_OK);
+  lf_kv_head h = lf_kv_arena_head(&a, pool, 1, 1);
+  ASSERT_NE(h.queue, nullptr);
+  ASSERT_NE(h.since, nullptr);
+  EXPECT_EQ(h.stage, 5);
+  EXPECT_EQ(*h.since, -1);
+  *h.since = 3;
+  ASSERT_EQ(lf_kv_arena_give(&a, pool), LF_OK);
+  int again = -1;
+  ASSERT_EQ(lf_kv_arena_take(&a, &again), LF_OK);
+  EXPECT_EQ(*lf_kv_arena_head(&a, again, 1, 1).since, -1);
+  /* without rkv the arena holds no such state; a stage as large as the budget is refused */
+  lf_kv_arena b;
+  lf_pool_shape plain = {1, 1, 1, 8, 8, 0, 0};
+  ASSERT_EQ(lf_kv_arena_init(&b, &plain), LF_OK);
+  EXPECT_EQ(lf_kv_arena_head(&b, 0, 0, 0).queue, nullptr);
+  lf_pool_shape bad = {1, 1, 1, 8, 8, 0, 8};
+  lf_kv_arena c;
+  EXPECT_EQ(lf_kv_arena_init(&c, &bad), LF_ERR_INVALID_ARG);
+  lf_kv_arena_free(&a);
+  lf_kv_arena_free(&b);
+}
