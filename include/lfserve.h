@@ -251,7 +251,8 @@ typedef struct lf_request_stats {
   int prefill_chunks;   /* forward calls the prompt took (1 unless longer than max_batch_tokens) */
   lf_finish_reason reason; /* LF_FINISH_NONE while waiting or running */
   lf_status status;     /* with LF_FINISH_ERROR: why */
-  double queue_seconds; /* submit -> admission (a pool taken) */
+  double queue_seconds; /* submit -> admission (a pool taken); while still waiting, submit ->
+                           now: equal to total_seconds exactly then */
   double ttft_seconds;  /* submit -> first token sampled; 0 if none yet */
   double tpot_seconds;  /* time per output token after the first: (last - first) /
                            (generated_tokens - 1); 0 with fewer than 2 */
