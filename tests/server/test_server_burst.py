@@ -114,7 +114,7 @@ def main():
     ap.add_argument("--lfserve", required=True)
     ap.add_argument("--model", help="default: a generated tiny chat model")
     ap.add_argument("-n", type=int, default=300)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--timeout", type=int, default=1, help="the server's --timeout")
     ap.add_argument("--queue-timeout", type=float, default=1, help="the server's --queue-timeout")
     ap.add_argument("--deadline", type=float, default=150, help="seconds for the whole burst")
@@ -157,6 +157,7 @@ def main():
             else:
                 raise AssertionError("connection %d: status %d: %r" % (i, st, bytes(raw[:400])))
         print("burst of %d: %s, %d closed without a status, %.1f s" % (n, by, len(lost), secs))
+        sys.stdout.flush()
         if lost:
             print("closed without a status after (s):", ["%.2f" % closed_at[i] for i in lost[:30]])
         assert not lost, "%d of %d connections closed without a status: %s" % (len(lost), n, lost[:20])
@@ -171,6 +172,15 @@ def main():
         assert sum(outcomes.values()) == n, (outcomes, n)
         assert sum(refused.values()) == by.get(503, 0), (refused, by)
         assert d['lfserve_http_responses_total{code="503"}'] == by.get(503, 0), d
+        # A client that connects and sends nothing gets 408 once --timeout has passed.
+        sk = socket.create_connection(("127.0.0.1", s.port))
+        sk.settimeout(30)
+        t0 = time.time()
+        got = sk.recv(200)
+        sk.close()
+        assert got.startswith(b"HTTP/1.1 408 "), got
+        assert a.timeout <= time.time() - t0 < a.timeout + 5, time.time() - t0
+        assert s.metrics()['lfserve_timeouts_total{state="idle"}'] >= 1
         log = s.read_log()
         if by.get(503):
             assert "refused" in log, log[-2000:]
