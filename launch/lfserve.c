@@ -49,8 +49,13 @@ static void usage(FILE *f) {
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T            bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
-          "  --pools N               concurrent sequences (default: from --kv-memory-gb, else 1)\n"
-          "  --kv-memory-gb G        memory for KV pools when --pools is not given\n"
+          "  --pools N               concurrent sequences (KV pools); default: sized from memory\n"
+          "  --kv-memory-gb G        without --pools: the pools take --kv-memory-fraction of G GiB\n"
+          "  --kv-memory-fraction F  without --pools and --kv-memory-gb: the pools take F of the\n"
+          "                          memory left after the weights (cpu: MemAvailable, default\n"
+          "                          0.5; cuda: free device memory after the workspaces, default\n"
+          "                          0.9); with --kv-memory-gb, F of G (default 0.9)\n"
+          "  --max-pools N           at most N pools when sized from memory (default 256)\n"
           "  --max-queue N           waiting requests beyond which new ones get 503 + Retry-After\n"
           "                          (default 1024)\n"
           "  --queue-timeout S       a request still waiting for a pool after S seconds gets 503 +\n"
@@ -130,6 +135,11 @@ int main(int argc, char **argv) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.max_queue = 1024;
+  /* Pools sized from memory by default: on the cpu half of MemAvailable after the weights (the
+   * rest is the machine's: other processes, page cache, the activations that grow with the
+   * batch), on cuda mem_util (0.9) of the free device memory; at most 256 sequences. */
+  cfg.host_mem_util = 0.5;
+  cfg.max_pools = 256;
   const char *host = "127.0.0.1", *name = NULL, *key_file = NULL;
   int auth_metrics = 0;
   double queue_timeout = 60;
@@ -142,6 +152,7 @@ int main(int argc, char **argv) {
       {"--window", 0, INT_MAX, &cfg.window},
       {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
       {"--pools", 1, INT_MAX, &cfg.n_pools},
+      {"--max-pools", 1, INT_MAX, &cfg.max_pools},
       {"--max-queue", 0, INT_MAX, &cfg.max_queue},
       {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},
       {"--threads", 0, 4096, &cfg.n_threads},
@@ -208,6 +219,11 @@ int main(int argc, char **argv) {
       double g = strtod(v, &end);
       if (*end || end == v || !(g > 0)) goto bad;
       cfg.kv_memory_bytes = (uint64_t)(g * 1073741824.0);
+    } else if (!strcmp(a, "--kv-memory-fraction")) {
+      char *end;
+      double f = strtod(v, &end);
+      if (*end || end == v || !(f > 0 && f <= 1)) goto bad;
+      cfg.host_mem_util = cfg.mem_util = f;
     } else if (!strcmp(a, "--policy")) {
       if (lf_policy_parse(v, &cfg.policy) != LF_OK) goto bad;
     } else if (!strcmp(a, "--evict-scope")) {
@@ -306,6 +322,20 @@ int main(int argc, char **argv) {
   }
   lf_engine_model_info(S.e, &S.mi);
   S.budget = cfg.budget ? cfg.budget : S.mi.max_seq_len;
+  lf_pool_sizing ps;
+  if (lf_engine_pool_sizing(S.e, &ps) == LF_OK) {
+    char basis[160] = "";
+    if (ps.basis_bytes)
+      snprintf(basis, sizeof basis, " from %.2f GiB %s x %g = %.2f GiB%s", ps.basis_bytes / 1073741824.0,
+               ps.basis, ps.util, ps.basis_bytes * ps.util / 1073741824.0,
+               ps.capped ? ", capped by --max-pools" : "");
+    else
+      snprintf(basis, sizeof basis, " (%s)", ps.basis && !strcmp(ps.basis, "n_pools") ? "--pools" : ps.basis ? ps.basis : "?");
+    fprintf(stderr, "lfserve: pools: %d of %.1f MiB (%llu bytes) each (budget %d slots, kv %s), "
+            "%.2f GiB in all%s\n", ps.n_pools, ps.pool_bytes / 1048576.0,
+            (unsigned long long)ps.pool_bytes, S.budget, lf_kv_dtype_str(cfg.kv_dtype),
+            (double)ps.pool_bytes * ps.n_pools / 1073741824.0, basis);
+  }
 
   /* The tokenizer and chat template the model carries (HF directory or GGUF metadata). */
   char why[4200] = "", chat_state[512] = "";
