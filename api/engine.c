@@ -25,6 +25,7 @@ struct lf_engine {
   lf_backend *be;  /* rank 0 of T > 1: the lead wrapper around this rank's backend */
   lf_sched *sched; /* NULL on followers */
   lf_comm_t comm;  /* NULL on a single rank */
+  lf_pool_sizing sizing;
 };
 
 void lf_engine_config_default(lf_engine_config *cfg) {
@@ -49,7 +50,8 @@ void lf_engine_free(lf_engine_t e) {
 /* n_pools (docs/DESIGN.md §5): explicit when given; else floor(kv_memory_bytes * mem_util / pool
  * bytes), a pool's bytes in the chosen backend's own arena for the KV heads this rank holds; else
  * left to the backend (cuda: free device memory; cpu: 1). cfg->backend is resolved by now. */
-static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc, int n_kv) {
+static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc, int n_kv,
+                               lf_pool_sizing *sz) {
   const double util = cfg->mem_util > 0 ? cfg->mem_util : LF_MEM_UTIL_DEFAULT;
   if (!(util <= 1.0))
     return lf_error(LF_ERR_INVALID_ARG, "mem_util %g must be in (0, 1]", cfg->mem_util);
@@ -58,14 +60,25 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc,
                     "%s pools need head_dim a multiple of %d; this model's is %d (bf16, fp8 or "
                     "int8 pools fit it)",
                     lf_kv_dtype_str(cfg->kv_dtype), LF_I4_GROUP, mc->head_dim);
-  if (cfg->n_pools > 0) return LF_OK;
-  if (cfg->kv_memory_bytes == 0) return LF_OK;
+  if (cfg->max_pools < 0 || !(cfg->host_mem_util >= 0 && cfg->host_mem_util <= 1.0))
+    return lf_error(LF_ERR_INVALID_ARG, "max_pools %d must be >= 0, host_mem_util %g in [0, 1]",
+                    cfg->max_pools, cfg->host_mem_util);
   lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim, (int)cfg->kv_dtype,
                       cfg->policy == LF_POLICY_RKV ? cfg->rkv_stage : 0};
   const uint64_t pool_bytes = cfg->backend == LF_BACKEND_CUDA
                                   ? lf_pool_bytes_device(&ps, cfg->policy == LF_POLICY_H2O)
                                   : lf_pool_bytes(&ps);
+  *sz = (lf_pool_sizing){.n_pools = cfg->n_pools, .pool_bytes = pool_bytes, .basis = "n_pools"};
+  if (cfg->n_pools > 0) return LF_OK;
+  sz->basis = "the backend's default";
+  if (cfg->kv_memory_bytes == 0) return LF_OK; /* the backend's own sizing (it fills *sz) */
   cfg->n_pools = lf_pools_for_memory(cfg->kv_memory_bytes, util, pool_bytes);
+  sz->capped = cfg->max_pools > 0 && cfg->n_pools > cfg->max_pools;
+  if (sz->capped) cfg->n_pools = cfg->max_pools;
+  sz->basis = "kv_memory_bytes";
+  sz->basis_bytes = cfg->kv_memory_bytes;
+  sz->util = util;
+  sz->n_pools = cfg->n_pools;
   if (cfg->n_pools < 1)
     return lf_error(LF_ERR_OUT_OF_MEMORY,
                     "kv_memory_bytes %llu x mem_util %g holds no pool of %llu bytes (budget %d)",
@@ -121,7 +134,7 @@ static lf_status engine_init_local(lf_engine_t e) {
                       e->cfg.evict_groups, mc->n_kv_heads);
   }
   e->cfg.backend = lf_backend_resolve(e->cfg.backend);
-  LF_TRY(resolve_pools(&e->cfg, mc, n_kv));
+  LF_TRY(resolve_pools(&e->cfg, mc, n_kv, &e->sizing));
   lf_backend_params bp = {.policy = e->cfg.policy,
                           .scope = e->cfg.evict_scope,
                           .scope_groups = e->cfg.evict_groups,
@@ -133,6 +146,9 @@ static lf_status engine_init_local(lf_engine_t e) {
                           .kv_dtype = e->cfg.kv_dtype,
                           .n_pools = e->cfg.n_pools,
                           .mem_util = e->cfg.mem_util,
+                          .host_mem_util = e->cfg.host_mem_util,
+                          .max_pools = e->cfg.max_pools,
+                          .sizing = &e->sizing,
                           .n_threads = e->cfg.n_threads,
                           .comm = e->comm};
   return lf_backend_create(e->cfg.backend, &e->ck, &bp, &e->be);
@@ -151,7 +167,9 @@ static lf_status engine_agree(lf_engine_t e, lf_status local) {
   int fewest = s == LF_OK ? all[1] : 0;
   for (int r = 0; s == LF_OK && r < T; r++)
     if (all[2 * r] == LF_OK && all[2 * r + 1] < fewest) fewest = all[2 * r + 1];
-  const int may_lower = e->cfg.backend == LF_BACKEND_CUDA && e->cfg.n_pools == 0;
+  /* Pools sized from memory (free device memory; MemAvailable on the cpu) differ by rank. */
+  const int may_lower = e->cfg.n_pools == 0 && e->cfg.kv_memory_bytes == 0 &&
+                        (e->cfg.backend == LF_BACKEND_CUDA || e->cfg.host_mem_util > 0);
   for (int r = 0; s == LF_OK && r < T; r++) {
     if (all[2 * r] != LF_OK) {
       s = local != LF_OK ? local /* keep this rank's own message */
@@ -163,9 +181,12 @@ static lf_status engine_agree(lf_engine_t e, lf_status local) {
     }
   }
   free(all);
+  if (s == LF_OK && may_lower && mine[1] > fewest) {
 #ifdef LF_HAVE_CUDA_BACKEND
-  if (s == LF_OK && may_lower && mine[1] > fewest) s = lf_backend_cuda_limit_pools(e->be, fewest);
+    if (e->cfg.backend == LF_BACKEND_CUDA) s = lf_backend_cuda_limit_pools(e->be, fewest);
 #endif
+    if (e->cfg.backend == LF_BACKEND_CPU) s = lf_backend_cpu_limit_pools(e->be, fewest);
+  }
   return s;
 }
 
@@ -198,6 +219,7 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   }
   if (s != LF_OK) goto fail;
   const lf_model_config *mc = &e->ck.cfg;
+  e->sizing.n_pools = e->be->pools_free(e->be); /* after the agreement: what this rank holds */
   if (e->comm && e->comm->rank != 0) {
     e->cfg.n_pools = e->be->pools_free(e->be);
     *out = e; /* a follower: no scheduler */
@@ -240,6 +262,12 @@ lf_status lf_engine_follow(lf_engine_t e) {
 static lf_status follower_call(lf_engine_t e, const char *what) {
   return lf_error(LF_ERR_STATE, "%s on rank %d: only rank 0 takes requests; followers call "
                                 "lf_engine_follow", what, e->comm->rank);
+}
+
+lf_status lf_engine_pool_sizing(lf_engine_t e, lf_pool_sizing *out) {
+  if (!e || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_pool_sizing: NULL argument");
+  *out = e->sizing;
+  return LF_OK;
 }
 
 lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *o) {

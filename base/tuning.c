@@ -33,6 +33,8 @@ void lf_tuning_read(lf_tuning *t) {
   const char *e = getenv("LF_NCCL_TIMEOUT_S");
   const double to = e ? atof(e) : 0.0;
   t->nccl_timeout_s = to > 0 ? to : 60.0;
+  e = getenv("LF_MEM_AVAILABLE_BYTES");
+  t->mem_available = e ? strtoull(e, NULL, 10) : 0;
   t->tp_rank = getenv("LF_TP_RANK");
   t->tp_size = getenv("LF_TP_SIZE");
   t->tp_local_rank = getenv("LF_TP_LOCAL_RANK");

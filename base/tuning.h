@@ -30,6 +30,10 @@ typedef struct lf_tuning {
   int custom_ar;            /* LF_CUSTOM_AR=0: NCCL for every all-reduce (1: the IPC path) */
   size_t custom_ar_bytes;   /* LF_CUSTOM_AR_BYTES=N: the IPC path's staging bytes (8 MiB) */
   double nccl_timeout_s;    /* LF_NCCL_TIMEOUT_S=S: deadline of NCCL waits (60) */
+  /* cpu backend */
+  unsigned long long mem_available; /* LF_MEM_AVAILABLE_BYTES=N: the host memory the cpu backend
+                                       takes as available (pool sizing, the start-up check)
+                                       instead of /proc/meminfo's MemAvailable; 0: unset */
   /* rank identity when ranks start without mpirun (tests/tp_run.sh); NULL: unset */
   const char *tp_rank, *tp_size, *tp_local_rank, *tp_id_file; /* LF_TP_RANK, ... */
 #ifdef LF_BENCH_INSTRUMENTS

@@ -63,6 +63,10 @@ typedef struct lf_backend_params {
   int n_threads;
   double mem_util; /* n_pools == 0: fraction of the memory left after weights and workspaces
                       the pools take; 0: LF_MEM_UTIL_DEFAULT */
+  double host_mem_util; /* cpu, n_pools == 0: > 0 sizes the pools from MemAvailable after the
+                           weights (lf_engine_config.host_mem_util); 0: one pool */
+  int max_pools;        /* n_pools sized from memory: at most this many; 0: no cap */
+  lf_pool_sizing *sizing; /* filled by create when it sized the pools; may be NULL */
   int no_graphs;   /* cuda: 1 runs the decode step without CUDA graphs (tests, benchmarks) */
   /* Tensor parallelism: NULL or a single rank runs the whole model. With T > 1 ranks the
    * backend holds this rank's shard (parallel/shard.h) and its forward calls collectives, so
@@ -102,6 +106,9 @@ lf_status lf_backend_create(lf_backend_kind which, const lf_checkpoint *ck,
 
 lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params *p,
                                 lf_backend **out);
+/* Under tensor parallelism, pools sized from host memory (host_mem_util) can differ by rank:
+ * lowers this cpu backend's count to n_pools (all free), as the cuda one does. */
+lf_status lf_backend_cpu_limit_pools(lf_backend *b, int n_pools);
 #ifdef LF_HAVE_CUDA_BACKEND
 lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_backend_params *p,
                                  lf_backend **out);

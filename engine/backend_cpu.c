@@ -7,6 +7,7 @@
 #include "attention/attention.h"
 #include "backend.h"
 #include "base/error.h"
+#include "base/tuning.h"
 #include "forward.h"
 #include "memory/pool.h"
 #include "engine/tp.h"
@@ -245,6 +246,10 @@ static lf_status cpu_pool_give(lf_backend *b, int pool) {
   return lf_kv_arena_give(&((cpu_backend *)b)->arena, pool);
 }
 
+lf_status lf_backend_cpu_limit_pools(lf_backend *b, int n_pools) {
+  return lf_pool_list_limit(&((cpu_backend *)b)->arena.pools, n_pools);
+}
+
 static int cpu_pools_free(lf_backend *b) {
   return ((cpu_backend *)b)->arena.pools.n_free;
 }
@@ -279,8 +284,12 @@ static void cpu_free(lf_backend *b) {
   free(c);
 }
 
-/* MemAvailable from /proc/meminfo in bytes; 0 when unknown (not Linux). */
+/* MemAvailable from /proc/meminfo in bytes (override: LF_MEM_AVAILABLE_BYTES, base/tuning.h);
+ * 0 when unknown (not Linux). */
 static uint64_t mem_available(void) {
+  lf_tuning t;
+  lf_tuning_read(&t);
+  if (t.mem_available) return (uint64_t)t.mem_available;
   FILE *f = fopen("/proc/meminfo", "r");
   if (!f) return 0;
   char line[256];
@@ -338,15 +347,47 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   lf_shard sh;
   lf_status s = lf_shard_plan(comm ? comm->rank : 0, comm ? comm->size : 1, mc->n_heads,
                               mc->n_kv_heads, mc->hidden_dim, mc->vocab_size, &sh);
-  /* n_pools == 0 (nothing sized them): one pool, the cpu backend's default */
+  /* n_pools == 0 (nothing sized them): from MemAvailable after the weights when host_mem_util
+   * is set (checked here for one pool), else one pool, the cpu backend's default */
+  const int from_host = p->n_pools <= 0 && p->host_mem_util > 0;
   lf_pool_shape ps = {p->n_pools > 0 ? p->n_pools : 1, mc->n_layers, sh.n_kv, p->budget,
                       mc->head_dim, (int)p->kv_dtype,
                       p->policy == LF_POLICY_RKV ? p->rkv_stage : 0};
+  if (from_host && !(p->host_mem_util <= 1.0))
+    s = lf_error(LF_ERR_INVALID_ARG, "host_mem_util %g must be in (0, 1]", p->host_mem_util);
   if (s == LF_OK) s = lf_attn_params_check(&ap, p->budget);
   if (s == LF_OK)
     s = check_memory(mc, &sh, &ps,
                      lf_tensor_set_find(&ck->tensors, "lm_head.weight") || !mc->tie_embeddings);
   if (s == LF_OK) s = comm ? lf_weights_load_f32_shard(ck, &sh, &c->w) : lf_weights_load_f32(ck, &c->w);
+  if (s == LF_OK && from_host) {
+    /* The weights are resident by now (read and converted): what MemAvailable says is what is
+     * left for the pools, the activations and everything else on the machine. */
+    lf_pool_shape one = ps;
+    one.n_pools = 1;
+    const uint64_t avail = mem_available(), pool = lf_pool_bytes(&one);
+    int n = lf_pools_for_memory(avail, p->host_mem_util, pool);
+    const int capped = p->max_pools > 0 && n > p->max_pools;
+    if (capped) n = p->max_pools;
+    if (avail == 0)
+      s = lf_error(LF_ERR_UNAVAILABLE, "cpu backend: cannot read MemAvailable from /proc/meminfo "
+                                       "to size the KV pools: give the number of pools");
+    else if (n < 1)
+      s = lf_error(LF_ERR_OUT_OF_MEMORY,
+                   "cpu backend: %.2f GiB available after the weights (MemAvailable) x %g holds "
+                   "no KV pool of %.1f MiB (budget %d slots, %d layers, %d KV heads, kv %s): "
+                   "give a smaller budget, a smaller kv dtype, a larger fraction, or the number "
+                   "of pools",
+                   (double)avail / 1073741824.0, p->host_mem_util, (double)pool / 1048576.0,
+                   p->budget, mc->n_layers, sh.n_kv, lf_kv_dtype_str(p->kv_dtype));
+    if (s == LF_OK) {
+      ps.n_pools = n;
+      if (p->sizing)
+        *p->sizing = (lf_pool_sizing){.n_pools = n, .pool_bytes = pool, .basis_bytes = avail,
+                                      .util = p->host_mem_util, .capped = capped,
+                                      .basis = "MemAvailable"};
+    }
+  }
   if (s == LF_OK) s = lf_kv_arena_init(&c->arena, &ps);
   if (s == LF_OK) s = lf_cpu_forward_init_tp(&c->fwd, mc, &c->w, &c->arena, &ap, &sh, comm);
   if (s == LF_OK) c->fwd.n_threads = p->n_threads;

@@ -158,11 +158,30 @@ typedef struct lf_engine_config {
                              (docs/TASK.md section 10). budget >= sink + h2o_recent + 2 */
   lf_kv_dtype kv_dtype;   /* how the pools store K and V; default LF_KV_BF16. Pool sizing from
                              memory counts this dtype's bytes */
+  double host_mem_util;   /* cpu backend, n_pools and kv_memory_bytes 0: > 0 sizes the pools
+                             from host memory, n_pools = floor(MemAvailable as it stands after
+                             the weights are loaded x host_mem_util / bytes of one pool), in
+                             (0, 1]; 0 (default): one pool. LF_MEM_AVAILABLE_BYTES replaces
+                             MemAvailable (base/tuning.h) */
+  int max_pools;          /* a cap on n_pools sized from memory (kv_memory_bytes, the cuda
+                             backend's free memory, host_mem_util); 0: none. An explicit n_pools
+                             is never capped */
   int rkv_stage;          /* LF_POLICY_RKV: steps between selections, each of which chooses the
                              next rkv_stage slots to overwrite; 0 (default): LF_RKV_STAGE_DEFAULT.
                              budget >= sink + 8 (its observation window) + rkv_stage + 1. CPU
                              backend only for now */
 } lf_engine_config;
+
+/* How the engine's pool count was reached (lf_engine_pool_sizing). */
+typedef struct lf_pool_sizing {
+  int n_pools;
+  uint64_t pool_bytes;  /* one pool (K, V and metadata) in the backend's arena */
+  uint64_t basis_bytes; /* the memory figure the count came from; 0 when n_pools was given */
+  double util;          /* the fraction of basis_bytes the pools could take */
+  int capped;           /* 1: max_pools lowered the count */
+  const char *basis;    /* "n_pools", "kv_memory_bytes", "MemAvailable" or "free device
+                           memory" (static strings) */
+} lf_pool_sizing;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,
  * max_batch_tokens LF_MAX_BATCH_TOKENS_DEFAULT, the rest 0. */
@@ -305,7 +324,8 @@ typedef struct lf_request_stats {
   int prefill_chunks;   /* forward calls the prompt took (1 unless longer than max_batch_tokens) */
   lf_finish_reason reason; /* LF_FINISH_NONE while waiting or running */
   lf_status status;     /* with LF_FINISH_ERROR: why */
-  double queue_seconds; /* submit -> admission (a pool taken) */
+  double queue_seconds; /* submit -> admission (a pool taken); while still waiting, submit ->
+                           now: equal to total_seconds exactly then */
   double ttft_seconds;  /* submit -> first token sampled; 0 if none yet */
   double tpot_seconds;  /* time per output token after the first: (last - first) /
                            (generated_tokens - 1); 0 with fewer than 2 */
@@ -416,6 +436,8 @@ lf_status lf_engine_follow(lf_engine_t e);
 /* On rank 0 of a tensor-parallel engine this also releases the followers. */
 void lf_engine_free(lf_engine_t e);
 lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *out);
+/* How many pools this rank's engine holds and why (lf_pool_sizing). */
+lf_status lf_engine_pool_sizing(lf_engine_t e, lf_pool_sizing *out);
 /* Validates and queues a request (FCFS); *id identifies it in events. LF_ERR_QUEUE_FULL when
  * max_queue requests are already waiting; LF_ERR_INVALID_ARG for a bad request (nothing is
  * queued). A request that can never fit (a `full`-policy prompt longer than the pool) is

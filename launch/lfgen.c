@@ -311,9 +311,16 @@ int main(int argc, char **argv) {
       ts = lf_tokenizer_encode(tok, prompt_text, strlen(prompt_text), LF_TOK_ADD_SPECIAL, &enc);
     }
     lf_tok_text_free(&rendered);
-    if (ts != LF_OK || enc.n == 0 || enc.n > INT_MAX) {
+    if (ts == LF_OK && enc.n == 0) {
+      fprintf(stderr, "lfgen: the prompt is empty: it encodes to no tokens (this tokenizer adds "
+                      "no BOS); give a non-empty --prompt, or --prompt-ids\n");
+      lf_token_ids_free(&enc);
+      lf_tokenizer_free(tok);
+      return 2;
+    }
+    if (ts != LF_OK || enc.n > INT_MAX) {
       fprintf(stderr, "lfgen: cannot encode the prompt: %s: %s\n", lf_status_str(ts),
-              ts == LF_OK ? "no tokens" : lf_last_error());
+              ts == LF_OK ? "more than INT_MAX tokens" : lf_last_error());
       lf_token_ids_free(&enc);
       lf_tokenizer_free(tok);
       return 2;
@@ -432,9 +439,21 @@ int main(int argc, char **argv) {
         n_out++;
       } else {
         why = ev[i].reason;
-        if (why == LF_FINISH_ERROR) {
-          fprintf(stderr, "\nlfgen: generation failed: %s: %s\n", lf_status_str(ev[i].status),
-                  lf_last_error());
+        if (why == LF_FINISH_ERROR && ev[i].status == LF_ERR_CONTEXT_FULL) {
+          /* The engine reports only the status: the figures are ours. The sequence holds the
+           * prompt and every sampled token but the last (never fed back). */
+          const int budget = cfg.budget ? cfg.budget : mi.max_seq_len;
+          const int need = rq.n_prompt + rq.max_tokens - 1;
+          fprintf(stderr,
+                  "\nlfgen: generation failed: context full: the full policy keeps every token, "
+                  "and the pool of --budget %d slots filled after %d prompt + %d generated "
+                  "tokens; %d prompt + --max-tokens %d need --budget %d or more. Give a larger "
+                  "--budget, fewer --max-tokens, or an evicting --policy (longflow, streaming, "
+                  "h2o)\n",
+                  budget, rq.n_prompt, n_out, rq.n_prompt, rq.max_tokens, need);
+          rc = 1;
+        } else if (why == LF_FINISH_ERROR) {
+          fprintf(stderr, "\nlfgen: generation failed: %s\n", lf_status_str(ev[i].status));
           rc = 1;
         }
       }

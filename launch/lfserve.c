@@ -1,6 +1,6 @@
 /* lfserve: an OpenAI-compatible HTTP server over the lfserve engine.
  *
- *   lfserve --model DIR [--lora DIR] [--budget B] [--port 8000] [--host 0.0.0.0] [--policy P]
+ *   lfserve --model DIR [--lora DIR] [--budget B] [--port 8000] [--host 127.0.0.1] [--policy P]
  *           [--evict-scope layer|head] [--kv-dtype bf16|fp8|int8|int4]
  *           [--pools N] [--max-queue N] [--backend auto|cpu|cuda] [--served-model-name NAME] ...
  *
@@ -14,6 +14,7 @@
 #include <limits.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +39,8 @@ static void usage(FILE *f) {
           "  --lora DIR              merge this PEFT LoRA adapter (adapter_config.json +\n"
           "                          adapter_model.safetensors) into the model at load\n"
           "  --served-model-name S   the model id clients use (default: the directory's name)\n"
-          "  --host ADDR             IPv4 address to listen on (default 0.0.0.0)\n"
+          "  --host ADDR             IPv4 address to listen on (default 127.0.0.1: this machine\n"
+          "                          only; --host 0.0.0.0 serves every interface)\n"
           "  --port N                (default 8000; 0 picks a free port, printed at start)\n"
           "  --budget B              KV slots per sequence (default: the model's context)\n"
           "  --policy P              longflow | full | streaming | h2o | rkv (default longflow)\n"
@@ -49,16 +51,31 @@ static void usage(FILE *f) {
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T            bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
-          "  --pools N               concurrent sequences (default: from --kv-memory-gb, else 1)\n"
-          "  --kv-memory-gb G        memory for KV pools when --pools is not given\n"
-          "  --max-queue N           waiting requests before 429 (default 1024)\n"
+          "  --pools N               concurrent sequences (KV pools); default: sized from memory\n"
+          "  --kv-memory-gb G        without --pools: the pools take --kv-memory-fraction of G GiB\n"
+          "  --kv-memory-fraction F  without --pools and --kv-memory-gb: the pools take F of the\n"
+          "                          memory left after the weights (cpu: MemAvailable, default\n"
+          "                          0.5; cuda: free device memory after the workspaces, default\n"
+          "                          0.9); with --kv-memory-gb, F of G (default 0.9)\n"
+          "  --max-pools N           at most N pools when sized from memory (default 256)\n"
+          "  --max-queue N           waiting requests beyond which new ones get 503 + Retry-After\n"
+          "                          (default 1024)\n"
+          "  --queue-timeout S       a request still waiting for a pool after S seconds gets 503 +\n"
+          "                          Retry-After; nothing is sent before it holds a pool (default\n"
+          "                          60; 0: wait for ever, a stream's headers go out at once)\n"
           "  --max-batch-tokens N    prompt tokens per step; longer prompts that fit the pool are\n"
           "                          chunked (default 512; 0 = whole prompts)\n"
           "  --backend B             auto | cpu | cuda (default auto)\n"
           "  --threads N             cpu backend threads (default: all)\n"
           "  --max-body BYTES        request body limit (default 8388608), 413 beyond\n"
-          "  --timeout S             idle connection timeout in seconds (default 30)\n"
-          "  --max-connections N     (default 1024)\n"
+          "  --timeout S             idle connection timeout in seconds: the client's idleness\n"
+          "                          only, never the server's own work or queue (default 30)\n"
+          "  --max-connections N     (default 1024) completions beyond get 503 + Retry-After\n"
+          "  --api-key-file PATH     require 'Authorization: Bearer <key>' on /v1/* (401\n"
+          "                          otherwise); the key is the file's first line. Or set\n"
+          "                          LFSERVE_API_KEY (the file wins). Never on the command line:\n"
+          "                          other users can read it there\n"
+          "  --auth-metrics          with a key: /health and /metrics need it too (default open)\n"
           "  --chat-template NAME    chatml | llama3 | deepseek-r1: render chat with this built-in\n"
           "                          template (default: the model's own; without one chat is off)\n"
           "  --chat-content-special  read special-token text inside chat message content as\n"
@@ -66,11 +83,68 @@ static void usage(FILE *f) {
           "                          (default: content is plain text)\n");
 }
 
+/* The API key: the first line of --api-key-file, else $LFSERVE_API_KEY; NULL when neither is
+ * set. Returns 0, or 2 after a message (unreadable or empty file, a key with spaces or control
+ * characters: it could never match a header). */
+static int load_api_key(const char *path, char **key, const char **from) {
+  *key = NULL;
+  *from = NULL;
+  char buf[4097];
+  size_t n = 0;
+  if (path) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+      fprintf(stderr, "lfserve: --api-key-file %s: %s\n", path, strerror(errno));
+      return 2;
+    }
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && (st.st_mode & 077))
+      fprintf(stderr, "lfserve: warning: --api-key-file %s can be read by other users (mode %03o); "
+                      "chmod 600 it\n", path, (unsigned)(st.st_mode & 0777));
+    n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    n = strcspn(buf, "\r\n");
+    *from = "--api-key-file";
+  } else {
+    const char *e = getenv("LFSERVE_API_KEY");
+    if (!e) return 0;
+    snprintf(buf, sizeof buf, "%s", e);
+    n = strlen(buf);
+    *from = "LFSERVE_API_KEY";
+  }
+  buf[n] = '\0';
+  if (n == 0) {
+    fprintf(stderr, "lfserve: %s: the API key is empty\n", *from);
+    return 2;
+  }
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)buf[i] <= ' ' || (unsigned char)buf[i] >= 0x7f) {
+      fprintf(stderr, "lfserve: %s: the API key has a space or a non-printable character at byte "
+                      "%zu; keys are printable ASCII without spaces\n", *from, i + 1);
+      return 2;
+    }
+  *key = strdup(buf);
+  memset(buf, 0, sizeof buf);
+  if (!*key) {
+    fprintf(stderr, "lfserve: out of memory\n");
+    return 2;
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.max_queue = 1024;
-  const char *host = "0.0.0.0", *name = NULL;
+  /* Pools sized from memory by default: on the cpu half of MemAvailable after the weights (the
+   * rest is the machine's: other processes, page cache, the activations that grow with the
+   * batch), on cuda mem_util (0.9) of the free device memory; at most 256 sequences. */
+  cfg.host_mem_util = 0.5;
+  cfg.max_pools = 256;
+  const char *host = "127.0.0.1", *name = NULL, *key_file = NULL;
+  int auth_metrics = 0;
+  double queue_timeout = 60;
   long port = 8000, max_conn = 1024, timeout = 30, max_body = 8L << 20;
   int chat_content_special = 0;
   const char *chat_template = NULL;
@@ -81,6 +155,7 @@ int main(int argc, char **argv) {
       {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
       {"--rkv-stage", 0, INT_MAX, &cfg.rkv_stage},
       {"--pools", 1, INT_MAX, &cfg.n_pools},
+      {"--max-pools", 1, INT_MAX, &cfg.max_pools},
       {"--max-queue", 0, INT_MAX, &cfg.max_queue},
       {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},
       {"--threads", 0, 4096, &cfg.n_threads},
@@ -94,6 +169,16 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--chat-content-special")) {
       chat_content_special = 1;
       continue;
+    }
+    if (!strcmp(a, "--auth-metrics")) {
+      auth_metrics = 1;
+      continue;
+    }
+    if (!strcmp(a, "--api-key") || !strncmp(a, "--api-key=", 10)) {
+      fprintf(stderr, "lfserve: --api-key is not accepted: a key on the command line is visible to "
+                      "every user of this machine (ps, /proc/PID/cmdline); put it in a file only "
+                      "you can read and give --api-key-file PATH, or set LFSERVE_API_KEY\n");
+      return 2;
     }
     if (!v) {
       fprintf(stderr, "lfserve: unknown option or missing value: %s\n", a);
@@ -112,6 +197,13 @@ int main(int argc, char **argv) {
       name = v;
     else if (!strcmp(a, "--host"))
       host = v;
+    else if (!strcmp(a, "--api-key-file"))
+      key_file = v;
+    else if (!strcmp(a, "--queue-timeout")) {
+      char *end;
+      queue_timeout = strtod(v, &end);
+      if (*end || end == v || !(queue_timeout >= 0 && queue_timeout <= 86400)) goto bad;
+    }
     else if (!strcmp(a, "--chat-template")) {
       lf_chat_format f;
       if (lf_chat_format_parse(v, &f) != LF_OK) goto bad;
@@ -130,6 +222,11 @@ int main(int argc, char **argv) {
       double g = strtod(v, &end);
       if (*end || end == v || !(g > 0)) goto bad;
       cfg.kv_memory_bytes = (uint64_t)(g * 1073741824.0);
+    } else if (!strcmp(a, "--kv-memory-fraction")) {
+      char *end;
+      double f = strtod(v, &end);
+      if (*end || end == v || !(f > 0 && f <= 1)) goto bad;
+      cfg.host_mem_util = cfg.mem_util = f;
     } else if (!strcmp(a, "--policy")) {
       if (lf_policy_parse(v, &cfg.policy) != LF_OK) goto bad;
     } else if (!strcmp(a, "--evict-scope")) {
@@ -153,6 +250,16 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
+  char *api_key = NULL;
+  const char *key_from = NULL;
+  if (load_api_key(key_file, &api_key, &key_from)) return 2;
+  if (auth_metrics && !api_key)
+    fprintf(stderr, "lfserve: warning: --auth-metrics without a key (--api-key-file or "
+                    "LFSERVE_API_KEY): nothing is protected\n");
+  S.api_key = api_key;
+  S.api_key_len = api_key ? strlen(api_key) : 0;
+  S.auth_metrics = auth_metrics;
+  S.queue_timeout_s = queue_timeout;
 
   /* SIGINT / SIGTERM are taken by sigwait in this thread only: every thread started below
    * (engine, OpenMP, libmicrohttpd) inherits the blocked mask. */
@@ -168,6 +275,7 @@ int main(int argc, char **argv) {
   pthread_mutex_init(&S.mu, NULL);
   pthread_cond_init(&S.work_cv, NULL);
   pthread_mutex_init(&S.cmu, NULL);
+  pthread_mutex_init(&S.logmu, NULL);
   S.started = time(NULL);
   S.timeout_s = (unsigned)timeout;
   S.max_conn = (unsigned)max_conn;
@@ -217,6 +325,20 @@ int main(int argc, char **argv) {
   }
   lf_engine_model_info(S.e, &S.mi);
   S.budget = cfg.budget ? cfg.budget : S.mi.max_seq_len;
+  lf_pool_sizing ps;
+  if (lf_engine_pool_sizing(S.e, &ps) == LF_OK) {
+    char basis[160] = "";
+    if (ps.basis_bytes)
+      snprintf(basis, sizeof basis, " from %.2f GiB %s x %g = %.2f GiB%s", ps.basis_bytes / 1073741824.0,
+               ps.basis, ps.util, ps.basis_bytes * ps.util / 1073741824.0,
+               ps.capped ? ", capped by --max-pools" : "");
+    else
+      snprintf(basis, sizeof basis, " (%s)", ps.basis && !strcmp(ps.basis, "n_pools") ? "--pools" : ps.basis ? ps.basis : "?");
+    fprintf(stderr, "lfserve: pools: %d of %.1f MiB (%llu bytes) each (budget %d slots, kv %s), "
+            "%.2f GiB in all%s\n", ps.n_pools, ps.pool_bytes / 1048576.0,
+            (unsigned long long)ps.pool_bytes, S.budget, lf_kv_dtype_str(cfg.kv_dtype),
+            (double)ps.pool_bytes * ps.n_pools / 1073741824.0, basis);
+  }
 
   /* The tokenizer and chat template the model carries (HF directory or GGUF metadata). */
   char why[4200] = "", chat_state[512] = "";
@@ -286,7 +408,7 @@ int main(int argc, char **argv) {
   d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
                            MHD_USE_POLL | MHD_USE_ERROR_LOG,
                        (uint16_t)port, NULL, NULL, srv_on_request, NULL, MHD_OPTION_SOCK_ADDR,
-                       (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)timeout,
+                       (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_TIMEOUT, 0u,
                        MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn + CONN_RESERVE,
                        MHD_OPTION_NOTIFY_COMPLETED, srv_on_completed, NULL,
                        MHD_OPTION_NOTIFY_CONNECTION, srv_on_connection, NULL, MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u,
@@ -295,17 +417,30 @@ int main(int argc, char **argv) {
     fprintf(stderr, "lfserve: cannot listen on %s:%ld: %s\n", host, port, strerror(errno));
     goto stop_engine;
   }
+  /* --timeout is applied by our reaper (serve.h), not libmicrohttpd: its timer starts at accept
+   * and is checked before the socket is read, so under load (300 connections opened at once on
+   * two cores) it closed connections whose requests had arrived, unread and unanswered. */
+  const int reaper = timeout > 0 && pthread_create(&S.reaper, NULL, srv_reaper_main, NULL) == 0;
+  if (timeout > 0 && !reaper)
+    fprintf(stderr, "lfserve: warning: cannot start the idle-connection reaper: --timeout is off\n");
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
   fprintf(stderr,
           "lfserve: serving '%s' (%s%s%s, %d layers, vocab %d, context %d; policy %s, budget %d, kv %s; "
           "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n"
-          "lfserve: chat: %s\n",
+          "lfserve: chat: %s\n"
+          "lfserve: auth: %s%s%s\n",
           S.model_name, S.mi.model_type,
           cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
           cfg.lora_path ? cfg.lora_path : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
           lf_policy_str(cfg.policy), S.budget, lf_kv_dtype_str(cfg.kv_dtype), S.tok ? "yes" : "no", host,
           di ? (unsigned)di->port : (unsigned)port, lf_now_s() - t0, (long)getpid(),
-          lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state);
+          lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state,
+          api_key ? "an API key (" : "none: anyone who can reach the port may use it",
+          api_key ? key_from : "",
+          !api_key ? "" : auth_metrics ? ") on every endpoint" : ") on /v1/*; /health and /metrics open");
+  if (!api_key && sa.sin_addr.s_addr != htonl(INADDR_LOOPBACK))
+    fprintf(stderr, "lfserve: warning: listening on %s, beyond this machine, without an API key "
+                    "(--api-key-file or LFSERVE_API_KEY)\n", host);
   fflush(stderr);
 
   int sig;
@@ -345,6 +480,10 @@ int main(int argc, char **argv) {
   }
   if (aborted) fprintf(stderr, "lfserve: the engine did not end the requests: ended them here\n");
   MHD_stop_daemon(d);
+  if (reaper) {
+    atomic_store(&S.reaper_stop, 1);
+    pthread_join(S.reaper, NULL);
+  }
   rc = 0;
 stop_engine:
   pthread_mutex_lock(&S.mu);
@@ -361,6 +500,9 @@ out:
   pthread_cond_destroy(&S.work_cv);
   pthread_mutex_destroy(&S.mu);
   pthread_mutex_destroy(&S.cmu);
+  pthread_mutex_destroy(&S.logmu);
+  free(api_key);
+  S.api_key = NULL;
   const int world = lf_comm_size(comm);
   if (comm) {
     /* A first signal from elsewhere (a terminal's ^C) may have been followed by the launcher's

@@ -67,6 +67,8 @@ typedef struct job {
   int have_stats;
   int text_stop;    /* the connection matched a stop string and cancelled the request */
   int outcome;      /* OUT_*, once finished */
+  int refused;      /* the connection refused it (503, counted there) and cancelled it: the
+                       engine's FINISH is not counted again */
   struct job *next; /* hash chain */
 } job;
 
@@ -74,19 +76,35 @@ typedef struct job {
 
 /* How a completion request ended, as /metrics counts it (names in serve_metrics.c). */
 enum { OUT_STOP, OUT_LENGTH, OUT_ERROR, OUT_DISCONNECT, OUT_REJECTED, OUT_INVALID, OUT_N };
+/* Why a completion request was refused with 503 + Retry-After (lfserve_refused_total{reason};
+ * each is also an OUT_REJECTED outcome). Names in serve_metrics.c. */
+enum { REF_QUEUE_FULL, REF_QUEUE_TIMEOUT, REF_CONNECTIONS, REF_SHUTTING_DOWN, REF_N };
+extern const char *const srv_refused_names[REF_N];
 /* HTTP status codes /metrics counts one by one (the list is in serve_metrics.c); the rest are
  * counted together. */
-#define N_CODES 8
+#define N_CODES 10
 
 /* Accepted sockets beyond --max-connections, kept for /health and /metrics: libmicrohttpd's own
  * limit is this much higher, and completions are refused (503) beyond --max-connections. */
 #define CONN_RESERVE 16u
 
+/* Where a socket is (serve_conn.c's reaper applies --timeout to the client's part only). */
+enum {
+  SK_IDLE,     /* no request yet, or between keep-alive requests */
+  SK_READING,  /* headers in, the body arriving */
+  SK_HANDLING, /* the whole request in: the server's work (parsing, queue, generation) */
+  SK_SENDING,  /* a response queued: the client is reading it */
+};
+
 /* One accepted socket (libmicrohttpd's socket context). */
 struct sock {
   int fd;
-  int busy; /* a request in progress (between its headers and its completion) */
-  int shed; /* shut down to make room */
+  int busy;   /* a request in progress (between its headers and its completion) */
+  int shed;   /* shut down to make room, or by the reaper */
+  int state;  /* SK_* */
+  int served; /* a request has completed on it (keep-alive) */
+  double since;  /* the client's last sign of life in this state (lf_now_s) */
+  int outq;      /* SK_SENDING: bytes unsent at the last look */
   struct sock *prev, *next;
 };
 
@@ -99,7 +117,11 @@ struct srv {
   lfs_model_ctx mctx;
   char model_name[256];
   unsigned timeout_s;
+  double queue_timeout_s; /* a request still waiting for a pool after this long gets 503; 0: none */
   size_t max_body;
+  const char *api_key;    /* NULL: no authentication */
+  size_t api_key_len;
+  int auth_metrics;       /* /health and /metrics need the key too */
   lf_policy policy;
   int budget;
 
@@ -115,6 +137,13 @@ struct srv {
 
   atomic_ullong outcomes[OUT_N];
   atomic_ullong codes[N_CODES + 1]; /* the last: any other status */
+  atomic_ullong refused[REF_N];
+  atomic_ullong idle_closed[4]; /* sockets the reaper closed, by SK_* state */
+  pthread_t reaper;
+  atomic_int reaper_stop;
+  pthread_mutex_t logmu; /* the refusal log lines (at most one a second per reason) */
+  double log_last[REF_N];
+  unsigned long long log_since[REF_N];
   atomic_int open_streams;
   time_t started;
 
@@ -192,6 +221,17 @@ void srv_error_json(lfs_buf *b, const lfs_error *e);
 MHD_Result_t srv_send_error(struct MHD_Connection *mc, const lfs_error *e, const char *retry_after);
 MHD_Result_t srv_reply_error(struct MHD_Connection *mc, int status, const char *type,
                              const char *code, const char *msg);
+/* Refuses a completion request that cannot be served: 503 with Retry-After, counted under
+ * reason (REF_*) and as an OUT_REJECTED outcome, and logged (at most a line a second per
+ * reason, with the count since the last line). */
+MHD_Result_t srv_refuse(struct MHD_Connection *mc, int reason, const char *code, const char *msg);
+/* The reaper (a thread, started when --timeout is set; libmicrohttpd's own timeout is off): every
+ * 100 ms it closes sockets whose client has been idle longer than --timeout: no request started
+ * (408 Request Timeout first, unless the socket already served one: keep-alive clients expect a
+ * silent close), a body stalled (408), or a response the client stopped reading. Bytes waiting
+ * in the socket count as life, so a request that has arrived is never dropped unread, however
+ * late the server gets to it; and the server's own work (queue, generation) never counts. */
+void *srv_reaper_main(void *arg);
 
 /* The libmicrohttpd callbacks. */
 void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_context,

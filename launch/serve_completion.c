@@ -411,6 +411,50 @@ static int wait_job(conn *c) {
   return 0;
 }
 
+/* Waits until c's request holds a pool (or has output, or finished), at most --queue-timeout.
+ * Returns 0 then; 2 when the time ran out with the request still queued (it is cancelled and
+ * marked refused); -1 when the peer is gone or the server has stopped; 1 when the server is
+ * stopping and the engine cannot end the request. */
+static int wait_admitted(conn *c) {
+  job *j = c->j;
+  const double t0 = lf_now_s();
+  int ret = 0;
+  pthread_mutex_lock(&S.mu);
+  for (;;) {
+    if (j->n_toks || j->finished) break;
+    if (S.streams_abort) {
+      ret = 1;
+      break;
+    }
+    if (S.stopping == 2) {
+      ret = -1;
+      break;
+    }
+    /* Still queued exactly when its queue time is its whole time so far (lfserve.h). */
+    lf_request_stats st;
+    if (lf_engine_request_stats(S.e, j->id, &st) == LF_OK && st.queue_seconds < st.total_seconds)
+      break;
+    const double now = lf_now_s();
+    if (now - t0 >= S.queue_timeout_s) {
+      j->refused = 1;
+      lf_engine_cancel(S.e, j->id);
+      ret = 2;
+      break;
+    }
+    struct timespec ts = srv_deadline_200ms();
+    pthread_cond_timedwait(&j->cv, &S.mu, &ts);
+    pthread_mutex_unlock(&S.mu);
+    const int gone = srv_peer_gone(c->fd);
+    pthread_mutex_lock(&S.mu);
+    if (gone) {
+      ret = -1;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&S.mu);
+  return ret;
+}
+
 /* Takes the job's tokens into c->taken; returns how many. Under S.mu. */
 static int take_tokens(conn *c) {
   job *j = c->j;
@@ -455,19 +499,13 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     if (c->done || c->out.oom || !c->j)
       return c->done && !c->out.oom ? MHD_CONTENT_READER_END_OF_STREAM
                                     : MHD_CONTENT_READER_END_WITH_ERROR;
-    /* The wait (a queued request may wait minutes) would count as idleness to libmicrohttpd,
-     * which closes the connection on our return once --timeout has passed since its last
-     * activity, after the headers went out. So the timeout is off while we wait (the server,
-     * not the client, is the slow one then) and set again after: libmicrohttpd restarts its
-     * timer only when a timeout is set on a connection that had none (setting the same value
-     * again leaves the old start in place). */
-    MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    /* A queued request may wait minutes: that is the server's slowness, not the client's, and
+     * --timeout (serve_conn.c's reaper) never counts it: nothing is unsent meanwhile. */
     pthread_mutex_lock(&S.mu);
     const int gone = wait_job(c);
     const int n = gone ? 0 : take_tokens(c);
     const int finished = !gone && c->j->finished && c->j->n_toks == 0;
     pthread_mutex_unlock(&S.mu);
-    MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, S.timeout_s);
     if (gone < 0) return MHD_CONTENT_READER_END_WITH_ERROR; /* srv_conn_unref cancels the request */
     if (gone > 0) {
       /* The server is going down with the engine stuck (a rank died; the launcher is ending
@@ -494,7 +532,6 @@ static MHD_Result_t complete_blocking(conn *c) {
    * once; without, it is decoded in one go at the end. */
   const int incremental = S.tok && c->rq.n_stop_strs > 0;
   lfs_buf txt = {0};
-  MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
   for (;;) {
     pthread_mutex_lock(&S.mu);
     const int gone = wait_job(c);
@@ -547,7 +584,6 @@ static MHD_Result_t complete_blocking(conn *c) {
     }
     if (finished) break;
   }
-  MHD_set_connection_option(c->mc, MHD_CONNECTION_OPTION_TIMEOUT, S.timeout_s);
   const job *j = c->j;
   c->n_out = n_all;
   /* After a stop string the job may still be running: its fields are not read then. */
@@ -678,15 +714,11 @@ MHD_Result_t srv_handle_completion(conn *c, int chat) {
   if (sub == -1)
     return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
   if (sub > 0)
-    return srv_reply_error(c->mc, 503, "server_error", "shutting_down",
-                           "the server is shutting down");
+    return srv_refuse(c->mc, REF_SHUTTING_DOWN, "shutting_down", "the server is shutting down");
   if (sub == -2) {
-    if (s == LF_ERR_QUEUE_FULL) {
-      atomic_fetch_add(&S.outcomes[OUT_REJECTED], 1);
-      lfs_error_set(&err, 429, "server_overloaded", "queue_full", NULL,
-                    "the request queue is full; retry later");
-      return srv_send_error(c->mc, &err, "1");
-    }
+    if (s == LF_ERR_QUEUE_FULL)
+      return srv_refuse(c->mc, REF_QUEUE_FULL, "queue_full",
+                        "the request queue is full; retry later");
     if (s == LF_ERR_INVALID_ARG) {
       lfs_error_set(&err, 400, "invalid_request_error", "invalid_value", NULL, "%s",
                     lf_last_error());
@@ -705,6 +737,17 @@ MHD_Result_t srv_handle_completion(conn *c, int chat) {
     if (lf_tok_stream_init(&c->ts, S.tok, LF_TOK_SKIP_SPECIAL) != LF_OK)
       return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
     c->have_stream = 1;
+  }
+  /* With --queue-timeout, nothing is sent until the request holds a pool: a request still
+   * waiting when it runs out gets a 503 rather than a 200 stream that would have to break off. */
+  if (S.queue_timeout_s > 0) {
+    const int w = wait_admitted(c);
+    if (w == 2)
+      return srv_refuse(c->mc, REF_QUEUE_TIMEOUT, "queue_timeout",
+                        "no KV pool became free within the server's --queue-timeout; retry later");
+    if (w < 0) return MHD_NO; /* the client went away: srv_conn_unref cancels the request */
+    if (w == 1)
+      return srv_refuse(c->mc, REF_SHUTTING_DOWN, "shutting_down", "the server is shutting down");
   }
   if (!c->rq.stream) return complete_blocking(c);
   struct MHD_Response *r =

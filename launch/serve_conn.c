@@ -7,8 +7,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include "base/clock.h"
 #include "launch/serve.h"
 
 static void conn_release_job(conn *c) {
@@ -100,6 +104,121 @@ MHD_Result_t srv_reply_error(struct MHD_Connection *mc, int status, const char *
   return srv_send_error(mc, &e, NULL);
 }
 
+static const char *const refuse_why[REF_N] = {
+    "the request queue is full (--max-queue)",
+    "no KV pool became free within --queue-timeout",
+    "the server is at --max-connections",
+    "the server is shutting down",
+};
+
+MHD_Result_t srv_refuse(struct MHD_Connection *mc, int reason, const char *code, const char *msg) {
+  atomic_fetch_add(&S.outcomes[OUT_REJECTED], 1);
+  const unsigned long long total = atomic_fetch_add(&S.refused[reason], 1) + 1;
+  /* One line a second per reason at most: a flood of refusals must not become a flood of log. */
+  const double now = lf_now_s();
+  pthread_mutex_lock(&S.logmu);
+  S.log_since[reason]++;
+  if (now - S.log_last[reason] >= 1.0) {
+    fprintf(stderr,
+            "lfserve: refused %llu request%s with 503 (%s: %s; Retry-After 1), %llu in all\n",
+            S.log_since[reason], S.log_since[reason] == 1 ? "" : "s", srv_refused_names[reason],
+            refuse_why[reason], total);
+    S.log_since[reason] = 0;
+    S.log_last[reason] = now;
+  }
+  pthread_mutex_unlock(&S.logmu);
+  lfs_error e;
+  lfs_error_set(&e, 503, "server_error", code, NULL, "%s", msg);
+  lfs_buf b = {0};
+  srv_error_json(&b, &e);
+  MHD_Result_t r = srv_send_buf(mc, 503, "application/json", &b, "1");
+  lfs_buf_free(&b);
+  return r;
+}
+
+/* Under S.cmu: k's client has been idle past --timeout in a state where it owes us bytes. */
+static void reap(struct sock *k, int with_408) {
+  if (with_408) {
+    static const char r408[] = "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
+                               "Content-Type: application/json\r\nContent-Length: 149\r\n\r\n"
+                               "{\"error\":{\"message\":\"the request did not arrive within the "
+                               "server's --timeout\",\"type\":\"invalid_request_error\",\"param\":null,"
+                               "\"code\":\"request_timeout\"}}";
+    (void)!send(k->fd, r408, sizeof r408 - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    srv_count_code(408);
+  }
+  atomic_fetch_add(&S.idle_closed[k->state], 1);
+  k->shed = 1;
+  S.n_shed++;
+  shutdown(k->fd, SHUT_RDWR); /* its thread sees the end of the stream and closes it */
+}
+
+void *srv_reaper_main(void *arg) {
+  (void)arg;
+  while (!atomic_load(&S.reaper_stop)) {
+    usleep(100000);
+    const double now = lf_now_s(), limit = (double)S.timeout_s;
+    pthread_mutex_lock(&S.cmu);
+    struct sock *k = S.socks;
+    for (int i = 0; k && i < S.n_socks; i++, k = k->next) {
+      if (k->shed || k->fd < 0 || k->state == SK_HANDLING) continue;
+      int q = 0;
+      if (k->state == SK_SENDING) {
+        /* Stalled: bytes unsent and none taken since the last look. Nothing unsent: the server
+         * is the slow one (a stream waiting for tokens). */
+        if (ioctl(k->fd, SIOCOUTQ, &q) != 0 || q == 0 || q < k->outq) k->since = now;
+        k->outq = q;
+      } else if (ioctl(k->fd, FIONREAD, &q) == 0 && q > 0) {
+        k->since = now; /* a request (or more of one) is waiting to be read */
+      }
+      if (now - k->since > limit)
+        reap(k, k->state == SK_READING || (k->state == SK_IDLE && !k->served));
+    }
+    pthread_mutex_unlock(&S.cmu);
+  }
+  return NULL;
+}
+
+/* 1 when the request carries "Authorization: Bearer <the key>" (or no key is set). The
+ * comparison takes the same time wherever the first difference is: it runs over every byte of
+ * the key whatever was sent, and the lengths are compared in the same pass. */
+static int authorized(struct MHD_Connection *mc) {
+  if (!S.api_key) return 1;
+  const char *h = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+  if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
+  const char *got = h + 7;
+  while (*got == ' ')
+    got++;
+  size_t n = strlen(got);
+  while (n && (got[n - 1] == ' ' || got[n - 1] == '\t'))
+    n--;
+  volatile unsigned char diff = (unsigned char)(n != S.api_key_len);
+  for (size_t i = 0; i < S.api_key_len; i++)
+    diff |= (unsigned char)(S.api_key[i] ^ (i < n ? got[i] : 0));
+  return diff == 0;
+}
+
+static MHD_Result_t reply_unauthorized(struct MHD_Connection *mc) {
+  lfs_error e;
+  lfs_error_set(&e, 401, "invalid_request_error", "invalid_api_key", NULL, "%s",
+                "missing or incorrect API key: send the header 'Authorization: Bearer <key>'");
+  lfs_buf b = {0};
+  srv_error_json(&b, &e);
+  MHD_Result_t r = MHD_NO;
+  struct MHD_Response *rs = b.oom ? NULL
+                                  : MHD_create_response_from_buffer(b.len, b.data,
+                                                                    MHD_RESPMEM_MUST_COPY);
+  if (rs) {
+    MHD_add_response_header(rs, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    MHD_add_response_header(rs, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    r = MHD_queue_response(mc, 401, rs);
+    MHD_destroy_response(rs);
+    srv_count_code(401);
+  }
+  lfs_buf_free(&b);
+  return r;
+}
+
 void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_context,
                        enum MHD_ConnectionNotificationCode toe) {
   (void)cls;
@@ -110,6 +229,8 @@ void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_conte
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
     k->fd = ci ? ci->connect_fd : -1;
+    k->state = SK_IDLE;
+    k->since = lf_now_s();
     pthread_mutex_lock(&S.cmu);
     struct sock *tail = S.socks ? S.socks->prev : NULL; /* circular: head->prev is the tail */
     if (!tail) {
@@ -155,14 +276,18 @@ void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_conte
   }
 }
 
-/* Marks the socket of mc busy (a request is in progress) or idle. */
-static void sock_busy(struct MHD_Connection *mc, int busy) {
+/* Moves the socket of mc to state (SK_*): busy (a request in progress) unless SK_IDLE. */
+static void sock_state(struct MHD_Connection *mc, int state) {
   const union MHD_ConnectionInfo *ci =
       MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
   struct sock *k = ci ? ci->socket_context : NULL;
   if (!k) return;
   pthread_mutex_lock(&S.cmu);
-  k->busy = busy;
+  if (k->state == SK_SENDING && state == SK_IDLE) k->served = 1;
+  k->busy = state != SK_IDLE;
+  k->state = state;
+  k->since = lf_now_s();
+  k->outq = 0;
   pthread_mutex_unlock(&S.cmu);
 }
 
@@ -172,11 +297,8 @@ static MHD_Result_t reply_too_large(struct MHD_Connection *mc) {
   return srv_reply_error(mc, 413, "invalid_request_error", "request_too_large", msg);
 }
 
-MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *url,
-                            const char *method, const char *version, const char *upload,
-                            size_t *upload_size, void **con_cls) {
-  (void)cls;
-  (void)version;
+static MHD_Result_t on_request(struct MHD_Connection *mc, const char *url, const char *method,
+                               const char *upload, size_t *upload_size, void **con_cls) {
   conn *c = *con_cls;
   if (!c) {
     c = calloc(1, sizeof *c);
@@ -184,11 +306,18 @@ MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *ur
     atomic_init(&c->refs, 1);
     c->mc = mc;
     c->fd = -1;
-    sock_busy(mc, 1);
+    sock_state(mc, SK_READING);
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci) c->fd = ci->connect_fd;
     *con_cls = c;
+    /* A key is checked on the headers: without it the body is never read. */
+    if (S.api_key && (!strncmp(url, "/v1/", 4) ||
+                      (S.auth_metrics && (!strcmp(url, "/health") || !strcmp(url, "/metrics")))) &&
+        !authorized(mc)) {
+      c->replied = 1;
+      return reply_unauthorized(mc);
+    }
     const char *cl =
         MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
     if (cl) {
@@ -203,6 +332,7 @@ MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *ur
     return reply_too_large(mc);
   }
   if (*upload_size) {
+    sock_state(mc, SK_READING); /* more of the body: the client is alive */
     /* A body without Content-Length that outgrows the limit: read and drop the rest (a reply
      * cannot be queued mid-upload), up to a bound past which the connection is just closed. */
     if (!c->too_large && c->body.len + *upload_size > S.max_body) {
@@ -220,6 +350,7 @@ MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *ur
   }
   if (c->replied) return MHD_YES;
   c->replied = 1;
+  sock_state(mc, SK_HANDLING);
   if (c->too_large) return reply_too_large(mc);
 
   const int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
@@ -237,12 +368,9 @@ MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *ur
     pthread_mutex_lock(&S.cmu);
     const int over = (unsigned)(S.n_socks - S.n_shed) > S.max_conn;
     pthread_mutex_unlock(&S.cmu);
-    if (over) { /* the sockets beyond the limit are kept for /health and /metrics */
-      lfs_error e;
-      lfs_error_set(&e, 503, "server_error", "too_many_connections", NULL,
-                    "the server is at its connection limit; retry later");
-      return srv_send_error(mc, &e, "1");
-    }
+    if (over) /* the sockets beyond the limit are kept for /health and /metrics */
+      return srv_refuse(mc, REF_CONNECTIONS, "too_many_connections",
+                        "the server is at its connection limit; retry later");
     return srv_handle_completion(c, is_chat);
   }
   if (is_get) {
@@ -256,12 +384,26 @@ MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *ur
   return srv_reply_error(mc, 404, "invalid_request_error", "not_found", "no such endpoint");
 }
 
+MHD_Result_t srv_on_request(void *cls, struct MHD_Connection *mc, const char *url,
+                            const char *method, const char *version, const char *upload,
+                            size_t *upload_size, void **con_cls) {
+  (void)cls;
+  (void)version;
+  const conn *c0 = *con_cls;
+  const int replied_before = c0 && c0->replied;
+  const MHD_Result_t r = on_request(mc, url, method, upload, upload_size, con_cls);
+  const conn *c = *con_cls;
+  /* A reply was queued by this call: from now on the client is the one reading. */
+  if (c && c->replied && !replied_before) sock_state(mc, SK_SENDING);
+  return r;
+}
+
 void srv_on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
                       enum MHD_RequestTerminationCode toe) {
   (void)cls;
   (void)toe;
   conn *c = *con_cls;
   *con_cls = NULL;
-  sock_busy(mc, 0);
+  sock_state(mc, SK_IDLE);
   if (c) srv_conn_unref(c);
 }

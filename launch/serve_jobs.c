@@ -138,7 +138,7 @@ static void route(const lf_event *ev, int n) {
               : j->reason == LF_FINISH_CANCELLED ? OUT_DISCONNECT
                                                  : OUT_STOP;
       j->outcome = o;
-      atomic_fetch_add(&S.outcomes[o], 1);
+      if (!j->refused) atomic_fetch_add(&S.outcomes[o], 1);
       *slot = j->next;
       S.n_jobs--;
       pthread_cond_broadcast(&j->cv);

@@ -6,7 +6,9 @@
 
 static const char *const outcome_names[OUT_N] = {"stop",         "length",   "error",
                                                  "disconnected", "rejected", "invalid"};
-static const int status_codes[N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503};
+static const int status_codes[N_CODES] = {200, 400, 401, 404, 405, 408, 413, 429, 500, 503};
+const char *const srv_refused_names[REF_N] = {"queue_full", "queue_timeout",
+                                              "too_many_connections", "shutting_down"};
 void srv_count_code(int status) {
   for (int i = 0; i < N_CODES; i++)
     if (status_codes[i] == status) {
@@ -76,6 +78,20 @@ MHD_Result_t srv_handle_metrics(struct MHD_Connection *mc) {
   for (int i = 0; i < OUT_N; i++)
     lfs_buf_printf(&b, "lfserve_requests_total{outcome=\"%s\"} %llu\n", outcome_names[i],
                    (unsigned long long)atomic_load(&S.outcomes[i]));
+  lfs_buf_puts(&b, "# HELP lfserve_refused_total Completion requests refused with 503 and "
+                   "Retry-After, by reason (each is also outcome=\"rejected\").\n"
+                   "# TYPE lfserve_refused_total counter\n");
+  for (int i = 0; i < REF_N; i++)
+    lfs_buf_printf(&b, "lfserve_refused_total{reason=\"%s\"} %llu\n", srv_refused_names[i],
+                   (unsigned long long)atomic_load(&S.refused[i]));
+  static const char *const sk_names[4] = {"idle", "reading", "handling", "sending"};
+  lfs_buf_puts(&b, "# HELP lfserve_timeouts_total Connections closed after --timeout of client "
+                   "idleness, by where the client was (idle and reading get 408 first).\n"
+                   "# TYPE lfserve_timeouts_total counter\n");
+  for (int i = 0; i < 4; i++)
+    if (i != SK_HANDLING)
+      lfs_buf_printf(&b, "lfserve_timeouts_total{state=\"%s\"} %llu\n", sk_names[i],
+                     (unsigned long long)atomic_load(&S.idle_closed[i]));
   lfs_buf_puts(&b, "# HELP lfserve_http_responses_total HTTP responses by status code.\n"
                    "# TYPE lfserve_http_responses_total counter\n");
   for (int i = 0; i <= N_CODES; i++) {

@@ -1,5 +1,6 @@
 #include "shard.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "base/error.h"
@@ -19,11 +20,21 @@ lf_status lf_shard_plan(int rank, int size, int n_heads, int n_kv_heads, int hid
     ok = n_kv_heads % size == 0;
   else /* replicate: every KV head on T/Hkv ranks, each with a part of its group */
     ok = size % n_kv_heads == 0 && n_heads % size == 0;
-  if (!ok)
+  if (!ok) {
+    /* The rank counts that would work: divisors of Hkv, and multiples of Hkv dividing Hq. */
+    char fits[256] = "";
+    size_t len = 0;
+    for (int t = 1; t <= n_heads && len + 16 < sizeof fits; t++) {
+      const int fit = t <= n_kv_heads ? n_kv_heads % t == 0 : t % n_kv_heads == 0 && n_heads % t == 0;
+      if (fit && t <= hidden_dim && t <= vocab_size)
+        len += (size_t)snprintf(fits + len, sizeof fits - len, "%s%d", len ? ", " : "", t);
+    }
     return lf_error(LF_ERR_INVALID_ARG,
                     "tensor parallel size T=%d does not fit the model's heads (Hq=%d, Hkv=%d): "
-                    "T must divide Hkv, or be a multiple of Hkv that divides Hq",
-                    size, n_heads, n_kv_heads);
+                    "T must divide Hkv, or be a multiple of Hkv that divides Hq; rank counts "
+                    "that work for this model: %s (mpirun -np T)",
+                    size, n_heads, n_kv_heads, fits);
+  }
   if (hidden_dim < size || vocab_size < size)
     return lf_error(LF_ERR_INVALID_ARG,
                     "tensor parallel size T=%d exceeds the intermediate size %d or vocabulary %d",

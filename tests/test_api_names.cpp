@@ -33,7 +33,8 @@ TEST(ApiNames, BackendRejectsOthersAndNamesTheChoices) {
 }
 
 TEST(ApiNames, PolicyRoundTrips) {
-  for (lf_policy p : {LF_POLICY_LONGFLOW, LF_POLICY_FULL, LF_POLICY_STREAMING, LF_POLICY_H2O}) {
+  for (lf_policy p : {LF_POLICY_LONGFLOW, LF_POLICY_FULL, LF_POLICY_STREAMING, LF_POLICY_H2O,
+                       LF_POLICY_RKV}) {
     lf_policy got = LF_POLICY_FULL;
     ASSERT_EQ(lf_policy_parse(lf_policy_str(p), &got), LF_OK) << lf_policy_str(p);
     EXPECT_EQ(got, p);
@@ -41,7 +42,7 @@ TEST(ApiNames, PolicyRoundTrips) {
   lf_policy got;
   EXPECT_EQ(lf_policy_parse("lru", &got), LF_ERR_INVALID_ARG);
   EXPECT_NE(
-      std::string(lf_last_error()).find("unknown policy 'lru' (longflow, full, streaming, h2o)"),
+      std::string(lf_last_error()).find("unknown policy 'lru' (longflow, full, streaming, h2o, rkv)"),
       std::string::npos)
       << lf_last_error();
 }

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Smoke test of `lfbench serve` (CPU, random:tiny-llama, about a second): every policy runs every
-# request to exactly O tokens, the JSON parses, and the eviction count is the exact one.
+# Smoke test of `lfbench serve` (CPU, random:tiny-llama, about a second; ~35 s under ASan+UBSan
+# on a loaded 2-core machine, where the earlier sizes, 2-5x these, took ~175 s): every policy runs every request to
+# exactly O tokens (more requests than pools, so some queue), the JSON parses, and the eviction
+# count is the exact one.
 #   tests/test_bench_serve.sh path/to/lfbench
 # Exit 77 (CTest SKIP_RETURN_CODE) when python3 is missing.
 set -eu -o pipefail
@@ -10,7 +12,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # P < B, so nothing is compressed at prefill: per (sequence, layer, KV head) the pool takes
 # P + O - 1 tokens (the last sampled token is never fed) and evicts P + O - 1 - B of them.
-P=16 O=64 N=6 B=32
+P=8 O=12 N=5 B=12
 "$LFBENCH" serve --model random:tiny-llama --backend cpu --threads 1 --prompt $P --output $O \
   --requests $N --n-pools 4 --budget $B --policies full,longflow,streaming --arrival poisson \
   --rate 400 --seed 7 --quiet --json "$tmp/serve.json" | tee "$tmp/serve.txt"
@@ -37,10 +39,10 @@ assert rows["full"]["budget"] == P + O and rows["longflow"]["budget"] == B
 print("bench serve smoke: OK")
 PY
 # --decode-only-ref: the isolated prefill, decode-only steps, and the mixed passes (the prompt's
-# chunks with ref_batch sequences decoding in the same steps): one step per 16-token chunk.
-P=64 C=16
-"$LFBENCH" serve --model random:tiny-llama --backend cpu --threads 1 --prompt $P --output 40 \
-  --requests 6 --n-pools 4 --budget 80 --policies longflow --arrival poisson --rate 400 --seed 7 \
+# chunks with ref_batch sequences decoding in the same steps): one step per 8-token chunk.
+P=16 C=8
+"$LFBENCH" serve --model random:tiny-llama --backend cpu --threads 1 --prompt $P --output 8 \
+  --requests 3 --n-pools 4 --budget 24 --policies longflow --arrival poisson --rate 400 --seed 7 \
   --max-batch-tokens $C --decode-only-ref --ref-batch 2 --quiet --json "$tmp/ref.json" \
   | tee "$tmp/ref.txt"
 grep -q "prompt's passes: alone" "$tmp/ref.txt"

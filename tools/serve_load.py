@@ -17,7 +17,7 @@ Every other stream asks for stream_options.include_usage: then exactly one chunk
 (`choices: []`), carries usage; otherwise none does. /metrics outcomes must grow by exactly what
 the clients saw (length and stop), with no error or disconnect. The longest wait in the queue
 is printed: with few --pools, a short --timeout and long outputs, queued streams must still
-come back whole (a connection timeout restarted by every wait).
+come back whole (--timeout counts the client's idleness only, never the queue).
 """
 import argparse
 import os

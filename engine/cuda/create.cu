@@ -172,7 +172,9 @@ static lf_status size_pools(cuda_backend *c) {
     return lf_error(LF_ERR_INVALID_ARG, "cuda backend: mem_util %g must be in (0, 1]",
                     c->p.mem_util);
   const uint64_t avail = free_b > fixed ? free_b - fixed : 0;
-  const int n = lf_pools_for_memory(avail, util, arena + item);
+  int n = lf_pools_for_memory(avail, util, arena + item);
+  const int capped = c->p.max_pools > 0 && n > c->p.max_pools;
+  if (capped) n = c->p.max_pools;
   if (n < 1)
     return lf_error(LF_ERR_OUT_OF_MEMORY,
                     "cuda backend: %.2f GiB free after the weights hold no pool of %.1f MiB "
@@ -180,6 +182,14 @@ static lf_status size_pools(cuda_backend *c) {
                     (double)free_b / (1 << 30), (double)(arena + item) / (1 << 20), c->p.budget,
                     util);
   c->p.n_pools = n;
+  if (c->p.sizing) {
+    c->p.sizing->n_pools = n;
+    c->p.sizing->pool_bytes = arena + item;
+    c->p.sizing->basis_bytes = avail;
+    c->p.sizing->util = util;
+    c->p.sizing->capped = capped;
+    c->p.sizing->basis = "free device memory";
+  }
   return LF_OK;
 }
 

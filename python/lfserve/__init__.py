@@ -76,7 +76,7 @@ class Engine:
 
     model: a Hugging Face directory, a GGUF file or a llama2.c .bin (lf_engine_config.model_path);
     text prompts and text output need a model that carries a tokenizer.
-    backend "auto" | "cpu" | "cuda"; policy "longflow" | "full" | "streaming" | "h2o";
+    backend "auto" | "cpu" | "cuda"; policy "longflow" | "full" | "streaming" | "h2o" | "rkv";
     budget: KV slots per pool (0: the model's context); n_pools: concurrent sequences (0: the
     backend decides; the cpu backend's default is 1, so give more to run requests together);
     kv_dtype "bf16" | "fp8" | "int8"; evict_scope "layer" | "head"; lora: a PEFT adapter

@@ -33,6 +33,7 @@ class EngineConfig(ctypes.Structure):
         ("kv_memory_bytes", ctypes.c_uint64), ("mem_util", ctypes.c_double),
         ("evict_scope", ctypes.c_int), ("evict_groups", ctypes.c_int),
         ("lora_path", ctypes.c_char_p), ("h2o_recent", ctypes.c_int), ("kv_dtype", ctypes.c_int),
+        ("host_mem_util", ctypes.c_double), ("max_pools", ctypes.c_int), ("rkv_stage", ctypes.c_int),
     ]
 
 

@@ -31,8 +31,9 @@ def free_port():
 
 
 class Server:
-    def __init__(self, binary, model, *args, env=None, launcher=None):
-        """launcher: a command prefix, e.g. ["mpiexec", "-np", "2"] (rank 0 serves HTTP)."""
+    def __init__(self, binary, model, *args, env=None, launcher=None, health_headers=None):
+        """launcher: a command prefix, e.g. ["mpiexec", "-np", "2"] (rank 0 serves HTTP).
+        health_headers: sent with the /health polls at start (a key under --auth-metrics)."""
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="lfserve-", suffix=".log", delete=False)
         cmd = list(launcher or []) + [binary, "--model", model, "--host", "127.0.0.1", "--port",
@@ -44,7 +45,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError("lfserve exited: " + self.read_log())
             try:
-                st, _, _ = self.request("GET", "/health", timeout=2)
+                st, _, _ = self.request("GET", "/health", headers=health_headers, timeout=2)
                 if st == 200:
                     return
             except OSError:

