@@ -106,8 +106,8 @@ lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out);
  * 1.3x of an isolated prefill (bench/RESULTS.md, "Serving under arrivals"). */
 #define LF_MAX_BATCH_TOKENS_DEFAULT 512
 
-/* lf_engine_config.rkv_stage's default (docs/TASK.md §11: the selection interval measured in the
- * simulator on the task model). */
+/* lf_engine_config.rkv_stage's default, set before measuring; docs/TASK.md §11 has the stages
+ * measured in the simulator on the task model. */
 #define LF_RKV_STAGE_DEFAULT 32
 
 typedef struct lf_engine_config {
