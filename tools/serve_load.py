@@ -45,12 +45,16 @@ def main():
     ap.add_argument("--pools", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=30, help="the server's --timeout (seconds)")
+    ap.add_argument("--queue-timeout", type=int, default=None,
+                    help="the server's --queue-timeout (seconds; 0: wait for a pool however "
+                    "long; default: the server's)")
     ap.add_argument("--budget", type=int, default=64)
     a = ap.parse_args()
     model = a.model or make_tiny_chat_model(os.path.join(tempfile.mkdtemp(prefix="lfload-"), "tiny"))
     s = Server(a.lfserve, model, "--pools", str(a.pools), "--max-queue", str(a.clients * 2),
                "--budget", str(a.budget), "--threads", str(a.threads), "--max-connections",
-               str(a.clients * 2 + 64), "--timeout", str(a.timeout))
+               str(a.clients * 2 + 64), "--timeout", str(a.timeout),
+               *(["--queue-timeout", str(a.queue_timeout)] if a.queue_timeout is not None else []))
     seen = {"length": 0, "stop": 0}
     waits = []  # seconds from sending a request to its first chunk
     errors, lock = [], threading.Lock()
