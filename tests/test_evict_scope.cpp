@@ -340,7 +340,7 @@ using GenRun = LfRun;
 /* policy and h2o_recent: the engine's defaults (longflow) unless given */
 GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind backend, int budget,
                 const std::vector<int32_t> &prompt, int max_tokens,
-                lf_policy policy = LF_POLICY_LONGFLOW, int h2o_recent = 0) {
+                lf_policy policy = LF_POLICY_LONGFLOW, int h2o_recent = 0, int rkv_stage = 0) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = model.c_str();
@@ -349,6 +349,7 @@ GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind 
   cfg.evict_scope = scope;
   cfg.policy = policy;
   cfg.h2o_recent = h2o_recent;
+  cfg.rkv_stage = rkv_stage;
   GenRun r = lf_test_run_one(cfg, prompt, max_tokens, true);
   if (r.init == LF_OK) {
     EXPECT_NE(r.reason, LF_FINISH_ERROR) << lf_status_str(r.finish_status);
@@ -554,15 +555,7 @@ TEST(Rkv, EngineStageAndBudget) {
   const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
   const std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
   auto run = [&](lf_evict_scope scope, int budget, int stage) {
-    lf_engine_config cfg;
-    lf_engine_config_default(&cfg);
-    cfg.model_path = dir.c_str();
-    cfg.backend = LF_BACKEND_CPU;
-    cfg.budget = budget;
-    cfg.evict_scope = scope;
-    cfg.policy = LF_POLICY_RKV;
-    cfg.rkv_stage = stage;
-    return lf_test_run_one(cfg, prompt, 150, true);
+    return generate(dir, scope, LF_BACKEND_CPU, budget, prompt, 150, LF_POLICY_RKV, 0, stage);
   };
   const int need = 4 + LF_RKV_OBS + LF_RKV_STAGE_DEFAULT + 1; /* sink + window + stage + 1 */
   for (lf_evict_scope scope : {LF_EVICT_HEAD, LF_EVICT_LAYER}) {
