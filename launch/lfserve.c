@@ -272,6 +272,7 @@ int main(int argc, char **argv) {
 
   int rc = 1;
   struct MHD_Daemon *d = NULL;
+  int lfd = -1; /* the listening socket (serve_accept.c) */
   pthread_mutex_init(&S.mu, NULL);
   pthread_cond_init(&S.work_cv, NULL);
   pthread_mutex_init(&S.cmu, NULL);
@@ -397,24 +398,28 @@ int main(int argc, char **argv) {
     goto out;
   }
 
-  struct sockaddr_in sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons((uint16_t)port);
-  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
-    fprintf(stderr, "lfserve: --host wants an IPv4 address, got '%s'\n", host);
-    goto stop_engine;
-  }
+  /* The acceptor (serve_accept.c) owns the listening socket and hands connections to
+   * libmicrohttpd while it has room, answering the rest with 503 itself: libmicrohttpd closes
+   * sockets beyond its limit without a word. Its limit is set above the acceptor's so a count
+   * that lags behind a closing socket never reaches it. */
+  int bound_port = 0;
+  lfd = srv_listen(host, port, 1024, &bound_port);
+  if (lfd < 0) goto stop_engine;
+  const unsigned room = (unsigned)max_conn + CONN_RESERVE;
   d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-                           MHD_USE_POLL | MHD_USE_ERROR_LOG,
-                       (uint16_t)port, NULL, NULL, srv_on_request, NULL, MHD_OPTION_SOCK_ADDR,
-                       (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_TIMEOUT, 0u,
-                       MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn + CONN_RESERVE,
+                           MHD_USE_POLL | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET |
+                           MHD_USE_ITC,
+                       0, NULL, NULL, srv_on_request, NULL, MHD_OPTION_CONNECTION_TIMEOUT, 0u,
+                       MHD_OPTION_CONNECTION_LIMIT, room + 64u,
                        MHD_OPTION_NOTIFY_COMPLETED, srv_on_completed, NULL,
-                       MHD_OPTION_NOTIFY_CONNECTION, srv_on_connection, NULL, MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u,
+                       MHD_OPTION_NOTIFY_CONNECTION, srv_on_connection, NULL,
                        MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1u << 20), MHD_OPTION_END);
   if (!d) {
-    fprintf(stderr, "lfserve: cannot listen on %s:%ld: %s\n", host, port, strerror(errno));
+    fprintf(stderr, "lfserve: cannot start the HTTP server: %s\n", strerror(errno));
+    goto stop_engine;
+  }
+  if (srv_acceptor_start(lfd, d, room)) {
+    fprintf(stderr, "lfserve: cannot start the acceptor thread\n");
     goto stop_engine;
   }
   /* --timeout is applied by our reaper (serve.h), not libmicrohttpd: its timer starts at accept
@@ -423,7 +428,6 @@ int main(int argc, char **argv) {
   const int reaper = timeout > 0 && pthread_create(&S.reaper, NULL, srv_reaper_main, NULL) == 0;
   if (timeout > 0 && !reaper)
     fprintf(stderr, "lfserve: warning: cannot start the idle-connection reaper: --timeout is off\n");
-  const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
   fprintf(stderr,
           "lfserve: serving '%s' (%s%s%s, %d layers, vocab %d, context %d; policy %s, budget %d, kv %s; "
           "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n"
@@ -433,12 +437,14 @@ int main(int argc, char **argv) {
           cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
           cfg.lora_path ? cfg.lora_path : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
           lf_policy_str(cfg.policy), S.budget, lf_kv_dtype_str(cfg.kv_dtype), S.tok ? "yes" : "no", host,
-          di ? (unsigned)di->port : (unsigned)port, lf_now_s() - t0, (long)getpid(),
+          (unsigned)bound_port, lf_now_s() - t0, (long)getpid(),
           lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state,
           api_key ? "an API key (" : "none: anyone who can reach the port may use it",
           api_key ? key_from : "",
           !api_key ? "" : auth_metrics ? ") on every endpoint" : ") on /v1/*; /health and /metrics open");
-  if (!api_key && sa.sin_addr.s_addr != htonl(INADDR_LOOPBACK))
+  struct in_addr bound_addr;
+  if (!api_key && (inet_pton(AF_INET, host, &bound_addr) != 1 ||
+                   (ntohl(bound_addr.s_addr) >> 24) != 127))
     fprintf(stderr, "lfserve: warning: listening on %s, beyond this machine, without an API key "
                     "(--api-key-file or LFSERVE_API_KEY)\n", host);
   fflush(stderr);
@@ -479,13 +485,17 @@ int main(int argc, char **argv) {
     usleep(10000);
   }
   if (aborted) fprintf(stderr, "lfserve: the engine did not end the requests: ended them here\n");
+  srv_acceptor_stop();
   MHD_stop_daemon(d);
+  d = NULL;
   if (reaper) {
     atomic_store(&S.reaper_stop, 1);
     pthread_join(S.reaper, NULL);
   }
   rc = 0;
 stop_engine:
+  if (d) MHD_stop_daemon(d);
+  if (lfd >= 0) close(lfd);
   pthread_mutex_lock(&S.mu);
   S.stopping = 2;
   pthread_cond_broadcast(&S.work_cv);

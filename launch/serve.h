@@ -155,6 +155,7 @@ struct srv {
   int n_socks;
   int n_shed; /* of n_socks: shut down to make room, closing (they do not count as in use) */
   unsigned max_conn;
+  atomic_int n_handed; /* sockets the acceptor handed to libmicrohttpd, not yet closed */
 };
 
 extern struct srv S;
@@ -225,6 +226,23 @@ MHD_Result_t srv_reply_error(struct MHD_Connection *mc, int status, const char *
  * reason (REF_*) and as an OUT_REJECTED outcome, and logged (at most a line a second per
  * reason, with the count since the last line). */
 MHD_Result_t srv_refuse(struct MHD_Connection *mc, int reason, const char *code, const char *msg);
+/* srv_refuse's accounting alone: the outcome, the reason's count and the log line. */
+void srv_refusal_count(int reason);
+
+/* ---- the listening socket (serve_accept.c) ------------------------------------------------ */
+
+/* Binds host:port (IPv4; port 0: any free one) and listens; returns the socket, or -1 after
+ * saying why on stderr. *bound_port: the port it got. */
+int srv_listen(const char *host, long port, int backlog, int *bound_port);
+/* Starts the acceptor thread: it accepts every connection on lfd and hands it to d while d holds
+ * fewer than room sockets; beyond, it answers 503 + Retry-After itself (counted as a refusal,
+ * reason too_many_connections) and closes the socket once the client has closed its end. */
+int srv_acceptor_start(int lfd, struct MHD_Daemon *d, unsigned room);
+/* Writes a whole 503 + Retry-After response (too_many_connections) on fd, before or without
+ * reading its request, and counts it as a refusal. */
+void srv_raw_refuse(int fd);
+/* Stops the acceptor (before MHD_stop_daemon). The listening socket stays the caller's. */
+void srv_acceptor_stop(void);
 /* The reaper (a thread, started when --timeout is set; libmicrohttpd's own timeout is off): every
  * 100 ms it closes sockets whose client has been idle longer than --timeout: no request started
  * (408 Request Timeout first, unless the socket already served one: keep-alive clients expect a

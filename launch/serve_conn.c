@@ -111,7 +111,7 @@ static const char *const refuse_why[REF_N] = {
     "the server is shutting down",
 };
 
-MHD_Result_t srv_refuse(struct MHD_Connection *mc, int reason, const char *code, const char *msg) {
+void srv_refusal_count(int reason) {
   atomic_fetch_add(&S.outcomes[OUT_REJECTED], 1);
   const unsigned long long total = atomic_fetch_add(&S.refused[reason], 1) + 1;
   /* One line a second per reason at most: a flood of refusals must not become a flood of log. */
@@ -127,6 +127,10 @@ MHD_Result_t srv_refuse(struct MHD_Connection *mc, int reason, const char *code,
     S.log_last[reason] = now;
   }
   pthread_mutex_unlock(&S.logmu);
+}
+
+MHD_Result_t srv_refuse(struct MHD_Connection *mc, int reason, const char *code, const char *msg) {
+  srv_refusal_count(reason);
   lfs_error e;
   lfs_error_set(&e, 503, "server_error", code, NULL, "%s", msg);
   lfs_buf b = {0};
@@ -243,13 +247,19 @@ void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_conte
     }
     S.n_socks++;
     /* Over the limit: shut down the oldest idle socket (nothing sent yet, or a keep-alive
-     * connection between requests). Its thread sees the end of the stream and closes it. */
+     * connection between requests), never one whose request has arrived unread. Its thread sees
+     * the end of the stream and closes it. One that never sent a request gets a 503 first (its
+     * client may be about to send one); a keep-alive one is closed silently, as idle keep-alive
+     * connections are. */
     if ((unsigned)S.n_socks > S.max_conn) {
       struct sock *o = S.socks;
       do {
-        if (o != k && !o->busy && !o->shed && o->fd >= 0) {
+        int q = 0;
+        if (o != k && !o->busy && !o->shed && o->fd >= 0 &&
+            !(ioctl(o->fd, FIONREAD, &q) == 0 && q > 0)) {
           o->shed = 1;
           S.n_shed++;
+          if (!o->served) srv_raw_refuse(o->fd);
           shutdown(o->fd, SHUT_RDWR);
           break;
         }
@@ -258,6 +268,7 @@ void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_conte
     }
     pthread_mutex_unlock(&S.cmu);
   } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+    atomic_fetch_sub(&S.n_handed, 1);
     struct sock *k = *socket_context;
     *socket_context = NULL;
     if (!k) return;
@@ -276,19 +287,22 @@ void srv_on_connection(void *cls, struct MHD_Connection *mc, void **socket_conte
   }
 }
 
-/* Moves the socket of mc to state (SK_*): busy (a request in progress) unless SK_IDLE. */
-static void sock_state(struct MHD_Connection *mc, int state) {
+/* Moves the socket of mc to state (SK_*): busy (a request in progress) unless SK_IDLE. Returns 1
+ * when the socket was shed (it has had its answer, if any). */
+static int sock_state(struct MHD_Connection *mc, int state) {
   const union MHD_ConnectionInfo *ci =
       MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
   struct sock *k = ci ? ci->socket_context : NULL;
-  if (!k) return;
+  if (!k) return 0;
   pthread_mutex_lock(&S.cmu);
+  const int shed = k->shed;
   if (k->state == SK_SENDING && state == SK_IDLE) k->served = 1;
   k->busy = state != SK_IDLE;
   k->state = state;
   k->since = lf_now_s();
   k->outq = 0;
   pthread_mutex_unlock(&S.cmu);
+  return shed;
 }
 
 static MHD_Result_t reply_too_large(struct MHD_Connection *mc) {
@@ -306,7 +320,9 @@ static MHD_Result_t on_request(struct MHD_Connection *mc, const char *url, const
     atomic_init(&c->refs, 1);
     c->mc = mc;
     c->fd = -1;
-    sock_state(mc, SK_READING);
+    *con_cls = c;
+    /* Shed while its request arrived (the 503 went out when it was shed): nothing more. */
+    if (sock_state(mc, SK_READING)) return MHD_NO;
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci) c->fd = ci->connect_fd;

@@ -278,8 +278,8 @@ def tests_tokenizer_server(s):
 
 
 def tests_connection_limit(s, max_conn=8, extra=20):
-    """More silent sockets than --max-connections: the oldest idle ones are shed, so /health,
-    /metrics and completions still get through at once."""
+    """More silent sockets than --max-connections: the oldest idle ones are shed (with a 503),
+    so /health, /metrics and completions still get through at once."""
     socks = []
     try:
         for _ in range(max_conn + extra):
@@ -294,14 +294,22 @@ def tests_connection_limit(s, max_conn=8, extra=20):
         assert st == 200
         st, _, j, _ = s.post(CMPL, {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=10)
         assert st == 200 and j["usage"]["completion_tokens"] == 3, j
-        # the oldest silent sockets were shut down to make room
+        # the oldest silent sockets were shut down to make room, each with a 503 first (it had
+        # not sent a request): a status, never a bare close
         shed = 0
         for k in socks[:extra]:
             k.settimeout(0.5)
+            got = b""
             try:
-                shed += k.recv(1) == b""
+                while True:
+                    d = k.recv(4096)
+                    if not d:
+                        break
+                    got += d
             except (socket.timeout, OSError):
-                pass
+                continue
+            assert got.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in got, got
+            shed += 1
         assert shed >= extra // 2, shed
         print("    %d silent sockets over a limit of %d: /health in %.3f s, %d oldest shed"
               % (max_conn + extra, max_conn, dt, shed))

@@ -119,6 +119,8 @@ def main():
     ap.add_argument("--queue-timeout", type=float, default=1, help="the server's --queue-timeout")
     ap.add_argument("--deadline", type=float, default=150, help="seconds for the whole burst")
     ap.add_argument("--threads", type=int, default=0, help="the server's --threads (0: all)")
+    ap.add_argument("--max-connections", type=int, default=0,
+                    help="the server's --max-connections (0: its default)")
     a = ap.parse_args()
     n = a.n
 
@@ -128,6 +130,8 @@ def main():
                 "--served-model-name", "m"]
         if a.threads:
             args += ["--threads", str(a.threads)]
+        if a.max_connections:
+            args += ["--max-connections", str(a.max_connections)]
         s = Server(a.lfserve, model, *args)
         servers.append(s)
         m0 = s.metrics()
