@@ -315,7 +315,7 @@ TEST(GpuEngine, GraphReplayIsBitIdentical) {
 // Another engine of the same process (lfbench eval --jobs, an embedding application) may be
 // capturing its decode step into a CUDA graph while this one is created or freed. Creation works
 // beside any capture and leaves it valid. Freeing synchronizes the device (cudaFree), which would
-// invalidate the capture, so it waits for cb_capture_lock, which every engine's capture holds:
+// invalidate the capture, so it waits for lf_cuda_capture_lock, which every engine's capture holds:
 // here the test holds it around its own capture, and the free on the other thread must not run
 // (nor break the capture) until it is released.
 TEST(GpuEngine, CreateAndFreeWhileAnotherEngineCaptures) {
@@ -329,7 +329,7 @@ TEST(GpuEngine, CreateAndFreeWhileAnotherEngineCaptures) {
   lf_backend *b = nullptr;
   for (int phase = 0; phase < 2; phase++) { // 0: create, 1: free
     SCOPED_TRACE(phase ? "free" : "create");
-    if (phase == 1) cb_capture_lock();
+    if (phase == 1) lf_cuda_capture_lock();
     ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(buf, 0, 4096, cs), cudaSuccess);
     lf_status st = LF_OK;
@@ -354,7 +354,7 @@ TEST(GpuEngine, CreateAndFreeWhileAnotherEngineCaptures) {
     cudaGraph_t g = nullptr;
     const cudaError_t e = cudaStreamEndCapture(cs, &g);
     if (phase == 1) {
-      cb_capture_unlock();
+      lf_cuda_capture_unlock();
       t.join();
       b = nullptr;
     }

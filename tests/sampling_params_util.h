@@ -206,7 +206,8 @@ inline void EngineGreedyWithPenaltiesMatchesBruteForce(double tol) {
       for (int t = 0; t < V; t++) ord[t] = t;
       std::stable_sort(ord.begin(), ord.end(), [&](int a, int b) { return l[a] > l[b]; });
       if (ord[0] != std::max_element(row.begin(), row.end()) - row.begin()) changed++;
-      if (l[ord[0]] - l[ord[1]] < 10 * tol) continue; // a near tie may go either way
+      // a near tie may go either way: logits that differ by up to tol can flip a gap of 2 tol
+      if (l[ord[0]] - l[ord[1]] < 2 * tol) continue;
       EXPECT_EQ(runs[i].tokens[k], ord[0]) << "position " << k;
       checked++;
     }
@@ -227,7 +228,12 @@ inline void HugeBiasForcesAToken(double tol) {
   for (int32_t t : runs[0].tokens) EXPECT_EQ(t, 42);
 }
 
-inline void SeedsAreReproducibleAndIndependentOfNeighbours(double tol) {
+/* batch_invariant: the backend computes a request's logits the same whatever runs beside it
+ * (the cpu backend). The cuda backend's bf16 passes are not: other rows and another prompt
+ * chunking change the low bits, and a sampled token can flip where a draw falls on a boundary,
+ * after which the texts part. There the tokens beside neighbours must start as alone's (mixed
+ * random streams would part at once), and each run must repeat exactly. */
+inline void SeedsAreReproducibleAndIndependentOfNeighbours(double tol, bool batch_invariant = true) {
   (void)tol;
   std::mt19937_64 g(lf_test_seed() + 3);
   Req a;
@@ -245,7 +251,15 @@ inline void SeedsAreReproducibleAndIndependentOfNeighbours(double tol) {
   c.seed = 7;
   c.max_tokens = 10;
   const std::vector<RunOut> together = run_batch({b, a, c}, 3);
-  EXPECT_EQ(together[1].tokens, alone);
+  if (batch_invariant) {
+    EXPECT_EQ(together[1].tokens, alone);
+  } else {
+    ASSERT_EQ(together[1].tokens.size(), alone.size());
+    EXPECT_EQ(std::vector<int32_t>(together[1].tokens.begin(), together[1].tokens.begin() + 4),
+              std::vector<int32_t>(alone.begin(), alone.begin() + 4));
+    EXPECT_EQ(run_batch({a})[0].tokens, alone) << "the same run twice";
+    EXPECT_EQ(run_batch({b, a, c}, 3)[1].tokens, together[1].tokens) << "the same batch twice";
+  }
   // other seeds: other text
   int differ = 0;
   for (uint64_t s : {1ull, 2ull, 3ull}) {

@@ -65,7 +65,7 @@ static lf_status apply_tuning(cuda_backend *c) {
 }
 
 /* Everything cuda_free releases on the device side (memory, graphs, handles, the stream); the
- * caller holds cb_capture_lock (free_device_side). */
+ * caller holds lf_cuda_capture_lock (free_device_side). */
 static void free_device_side_locked(cuda_backend *c) {
   cb_weights_free(c);
   cudaFree(c->inv_freq);
@@ -105,12 +105,12 @@ static void free_device_side_locked(cuda_backend *c) {
   if (c->stream) cudaStreamDestroy(c->stream);
 }
 
-/* free_device_side_locked under cb_capture_lock: these calls synchronize the device, which would
+/* free_device_side_locked under lf_cuda_capture_lock: these calls synchronize the device, which would
  * invalidate a graph that another engine of this process is capturing. */
 static void free_device_side(cuda_backend *c) {
-  cb_capture_lock();
+  lf_cuda_capture_lock();
   free_device_side_locked(c);
-  cb_capture_unlock();
+  lf_cuda_capture_unlock();
 }
 
 static void cuda_free(lf_backend *b) {

@@ -278,8 +278,8 @@ lf_status cb_decode_run(cuda_backend *c, int rows);
 void cb_graphs_free(cuda_backend *c);
 /* The process-wide lock that graph capture and the release of device memory take, so that one
  * engine's frees never invalidate another engine's capture (graphs.cu). */
-void cb_capture_lock(void);
-void cb_capture_unlock(void);
+extern "C" void lf_cuda_capture_lock(void);
+extern "C" void lf_cuda_capture_unlock(void);
 
 /* tp.cu */
 lf_status cb_stream_wait(cuda_backend *c);

@@ -13,8 +13,8 @@ static lf_status decode_run_graph(cuda_backend *c, int rows);
  * lock; creation needs none (gpu_engine's CreateAndFreeWhileAnotherEngineCaptures). */
 static pthread_mutex_t capture_mu = PTHREAD_MUTEX_INITIALIZER;
 
-void cb_capture_lock(void) { pthread_mutex_lock(&capture_mu); }
-void cb_capture_unlock(void) { pthread_mutex_unlock(&capture_mu); }
+void lf_cuda_capture_lock(void) { pthread_mutex_lock(&capture_mu); }
+void lf_cuda_capture_unlock(void) { pthread_mutex_unlock(&capture_mu); }
 
 lf_status cb_graphs_init(cuda_backend *c) {
   c->graph = (cudaGraphExec_t *)calloc((size_t)c->max_items + 1, sizeof *c->graph);
@@ -42,7 +42,7 @@ lf_status cb_decode_run(cuda_backend *c, int rows) {
 }
 
 /* Captures and instantiates the decode pass of `rows` rows into the cache (an LRU entry makes
- * room); under cb_capture_lock. */
+ * room); under lf_cuda_capture_lock. */
 static lf_status capture(cuda_backend *c, int rows, cudaGraphExec_t *out) {
   if (c->n_graphs >= c->graph_cap) {
     int lru = 0;
@@ -84,9 +84,9 @@ static lf_status decode_run_graph(cuda_backend *c, int rows) {
       c->graph_seen[rows]++;
       return cb_decode_pass(c, rows);
     }
-    cb_capture_lock();
+    lf_cuda_capture_lock();
     const lf_status s = capture(c, rows, &ex);
-    cb_capture_unlock();
+    lf_cuda_capture_unlock();
     LF_TRY(s);
   }
   c->graph_used[rows] = ++c->graph_clock;
