@@ -156,7 +156,9 @@ TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
     EXPECT_GE(sig_agree, 0.995 * n_sig);
     EXPECT_LE(max_dl, 3.0);
   } else {
-    EXPECT_LE(max_dl, kLogitStd);
+    /* fp8's keys move logits by up to 0.78 std on the CPU twin (bench/RESULTS.md) and 0.72 std
+     * here (H200, 2026-12-03): a misread code or scale is off by whole stds */
+    EXPECT_LE(max_dl, dt == LF_KV_FP8 ? 1.0 : kLogitStd);
   }
 }
 
