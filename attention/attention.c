@@ -398,7 +398,7 @@ static int cmp_i64(const void *a, const void *b) {
 /* rkv's selection (attention.h) over the n filled slots of the scope's heads: fills every head's
  * queue with the rkv_stage slots to overwrite next. Runs on ws->rkv (rkv_ws_bytes). */
 static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
-                       const decode_ws *ws) {
+                       const decode_ws *ws, double *slot_total) {
   const int D = p->head_dim, S = p->rkv_stage, M = n - LF_RKV_OBS, half = LF_RKV_POOL_KERNEL / 2;
   const size_t b = (size_t)hs[0].budget;
   int64_t *slot_of = (int64_t *)ws->rkv;
@@ -457,6 +457,12 @@ static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
       total[j] += LF_RKV_LAMBDA * pooled[j] - (1.0 - LF_RKV_LAMBDA) * (red[j] / z);
   }
 
+  if (slot_total) {
+    for (size_t i = 0; i < b; i++)
+      slot_total[i] = NAN;
+    for (int j = 0; j < M; j++)
+      slot_total[slot_of[j]] = total[j];
+  }
   /* the stage: the lowest total among non-sink slots, ties to the lower slot */
   int m = 0;
   for (int j = 0; j < M; j++)
@@ -571,7 +577,7 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
     }
   }
   if (rkv) {
-    if (k_left <= 0) rkv_select(p, hs, n_kv, n, &ws);
+    if (k_left <= 0) rkv_select(p, hs, n_kv, n, &ws, NULL);
     const int s = *hs[0].since;
     for (int g = 0; g < n_kv; g++)
       *hs[g].next = s >= 0 ? hs[g].queue[s] : -1;
@@ -618,6 +624,32 @@ lf_status lf_attn_decode_ref_ws(const lf_attn_params *p, lf_kv_head *h, const fl
                                 float *out, int *evicted, float *scores, lf_attn_scratch *ws) {
   return decode_impl(p, h, 1, q, k_new, v_new, pos_new, out, evicted, scores, ws,
                      "lf_attn_decode_ref");
+}
+
+lf_status lf_attn_rkv_select_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
+                                 double *slot_total) {
+  if (!p || !heads || n_kv < 1)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_attn_rkv_select_ref: NULL argument or n_kv < 1");
+  if (p->policy != LF_POLICY_RKV)
+    return lf_error(LF_ERR_INVALID_ARG, "lf_attn_rkv_select_ref: policy is not rkv");
+  LF_TRY(lf_attn_params_check(p, heads[0].budget));
+  for (int g = 0; g < n_kv; g++) {
+    LF_TRY(head_check(p, &heads[g], "lf_attn_rkv_select_ref"));
+    if (*heads[g].n != *heads[0].n || heads[g].budget != heads[0].budget)
+      return lf_error(LF_ERR_STATE, "lf_attn_rkv_select_ref: head %d disagrees with head 0", g);
+  }
+  const int n = *heads[0].n, B = heads[0].budget;
+  if (n < p->sink + LF_RKV_OBS + p->rkv_stage + 1)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_attn_rkv_select_ref: %d filled slots leave fewer than rkv_stage %d "
+                    "candidates outside the sink and the window",
+                    n, p->rkv_stage);
+  lf_attn_scratch sc = {0};
+  LF_TRY(scratch_reserve(&sc, decode_ws_bytes(p, B), "lf_attn_rkv_select_ref"));
+  const decode_ws ws = decode_ws_carve(p, B, sc.buf);
+  rkv_select(p, heads, n_kv, n, &ws, slot_total);
+  lf_attn_scratch_free(&sc);
+  return LF_OK;
 }
 
 lf_status lf_attn_decode_layer_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,

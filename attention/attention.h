@@ -133,6 +133,15 @@ lf_status lf_attn_decode_ref_ws(const lf_attn_params *p, lf_kv_head *h, const fl
  * out [n_kv][group][head_dim]. *evicted (may be NULL) is set to the number of heads that
  * overwrote a filled slot (0 or n_kv). scores (may be NULL): [budget], receives S_i. With n_kv == 1
  * this is exactly lf_attn_decode_ref_ws. */
+/* rkv's selection alone (the step that runs when k_left reaches 0), over the n = *heads[0].n
+ * filled slots of n_kv heads sharing one decision (1: head scope): fills every head's queue
+ * with the rkv_stage slots to overwrite next and sets its since to 0. slot_total, when not NULL,
+ * gets [budget] each slot's total score (NaN outside the candidates: the LF_RKV_OBS newest
+ * slots and the empty ones). The CPU twin of lf_cuda_rkv_select. Needs n >= sink + LF_RKV_OBS
+ * + rkv_stage + 1. */
+lf_status lf_attn_rkv_select_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
+                                 double *slot_total);
+
 lf_status lf_attn_decode_layer_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
                                    const float *q, const float *k_new, const float *v_new,
                                    int32_t pos_new, float *out, int *evicted, float *scores,

@@ -1,0 +1,59 @@
+/* rkv's selection on the GPU (attention.h: the rkv policy; the CPU twin is
+ * lf_attn_rkv_select_ref).
+ *
+ * For each eviction scope (a pool's KV head, or a layer's KV heads in layer scope) the kernel
+ * ranks the scope's n filled slots by position, leaves out the LF_RKV_OBS newest (the
+ * observation window), and scores the rest, summed over the scope's heads: LF_RKV_LAMBDA x the
+ * window's attention mass (acc / (group x LF_RKV_OBS)), max-pooled over LF_RKV_POOL_KERNEL
+ * neighbours in position order, minus (1 - LF_RKV_LAMBDA) x the softmax of each key's mean
+ * cosine similarity to the others (its most recent look-alike above LF_RKV_SIM_THRESHOLD left
+ * out). The rkv_stage lowest scores among non-sink slots (ties to the lower slot) become every
+ * head's queue, in that order, and each head's since becomes 0. In fp64 throughout: the
+ * cosines are dot(k_x, k_y) / (|k_x| |k_y|) (the CPU twin divides the rows first), so totals
+ * agree with the twin to ~1e-15 relative and the queues wherever no two totals are that close.
+ *
+ * One block per scope, O(n^2 x head_dim) fp64 work per head; n <= 4096 (the ranks and six
+ * fp64 arrays live in shared memory). K is read as attention reads it (pool_val: bf16, or a
+ * quantized dtype's values). Includable from C. Every pointer is device memory.
+ */
+#ifndef LF_RKV_SELECT_CUH
+#define LF_RKV_SELECT_CUH
+
+#include <stdint.h>
+
+#include "lfserve.h"
+#include "memory/pool.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct CUstream_st;
+
+/* The largest budget the kernel takes. */
+#define LF_CUDA_RKV_MAX_BUDGET 4096
+
+typedef struct lf_rkv_select_args {
+  lf_cuda_pool_view pool; /* K, pos, acc and n read */
+  int layer;
+  int n_scopes;             /* scopes = sequences x (n_kv_heads / heads_per_scope) */
+  const int32_t *pool_ids;  /* [n_scopes / (n_kv_heads / heads_per_scope)] each sequence's pool */
+  int heads_per_scope;      /* 1 (head scope) or n_kv_heads (layer scope) */
+  int group;                /* query heads per KV head */
+  int sink;
+  int stage;                /* rkv_stage: slots chosen */
+  int32_t *queue;           /* [n_pools][n_layers][n_kv_heads][stage] written */
+  int32_t *since;           /* [n_pools][n_layers][n_kv_heads] set to 0 */
+  double *totals;           /* NULL, or [n_scopes][budget]: each slot's total (NaN outside the
+                               candidates), for tests */
+} lf_rkv_select_args;
+
+/* Launches the selection on stream; asynchronous. Argument errors (a budget over
+ * LF_CUDA_RKV_MAX_BUDGET, too few filled slots is the caller's to avoid) are LF_ERR_INVALID_ARG;
+ * launch failures LF_ERR_BACKEND. */
+lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUstream_st *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,250 @@
+// rkv's selection kernel (attention/rkv_select.cu, lf_cuda_rkv_select) against its CPU twin
+// (lf_attn_rkv_select_ref): pools with look-alike keys (a quarter of the keys near copies of an
+// earlier or later one, so the most-recent-look-alike rule matters), sharp and flat attention
+// mass, positions out of slot order, head and layer scope, bf16 and int8 pools. Every
+// candidate's total must agree to 1e-12 (relative; the kernel divides the dot by the norms, the
+// twin normalizes the rows first), the non-candidates must be NaN on both, and each queue entry
+// must be the twin's wherever the twin's totals around it are not within 1e-9 of each other
+// (a near tie may go either way), and a candidate in any case; since must become 0.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "attention/attention.h"
+#include "attention/rkv_select.cuh"
+#include "base/kvq.h"
+#include "gpu_util.h"
+#include "memory/pool.h"
+
+namespace {
+
+struct Case {
+  int budget, n, n_kv, heads_per_scope, group, sink, stage, head_dim;
+  lf_kv_dtype dtype;
+  uint64_t seed;
+};
+
+void run_case(const Case &c) {
+  SCOPED_TRACE("budget " + std::to_string(c.budget) + " n " + std::to_string(c.n) + " kv " +
+               std::to_string(c.n_kv) + " per scope " + std::to_string(c.heads_per_scope) +
+               " stage " + std::to_string(c.stage) + " " + lf_kv_dtype_str(c.dtype));
+  const int B = c.budget, D = c.head_dim, H = c.n_kv;
+  std::mt19937_64 g(c.seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  // positions: distinct, with gaps, out of slot order (the same in every head of a layer)
+  std::vector<int32_t> order(c.n);
+  for (int i = 0; i < c.n; i++) order[i] = 3 * i + int(g() % 3);
+  std::shuffle(order.begin(), order.end(), g);
+  std::vector<int32_t> pos(size_t(H) * B, -1);
+  std::vector<float> k(size_t(H) * B * D, 0.f), acc(size_t(H) * B, 0.f);
+  // the values the pool reads back: bf16-rounded, or an int8 row's codes under its scale
+  std::vector<uint16_t> kb(size_t(H) * B * D, 0);
+  std::vector<uint8_t> kq(size_t(H) * B * D, 0);
+  std::vector<float> ks(size_t(H) * B, 0.f);
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < c.n; i++) {
+      pos[size_t(h) * B + i] = order[i];
+      float *r = &k[(size_t(h) * B + i) * D];
+      const int like = i > 4 && g() % 4 == 0 ? int(g() % uint64_t(i)) : -1;
+      for (int d = 0; d < D; d++)
+        r[d] = like >= 0 ? k[(size_t(h) * B + like) * D + d] + 0.3f * nd(g) : nd(g) * (d % 7 ? 1.f : 4.f);
+      // a few slots take most of the mass (sharp), the rest a little
+      acc[size_t(h) * B + i] = g() % 10 == 0 ? 2.f + 3.f * ud(g) : 0.05f * ud(g);
+    }
+  for (size_t row = 0; row < size_t(H) * B; row++) {
+    float *r = &k[row * D];
+    if (c.dtype == LF_KV_INT8) {
+      ks[row] = lf_kvq_quantize_row(LF_KV_INT8, r, D, &kq[row * D]);
+      for (int d = 0; d < D; d++) r[d] = lf_kvq_value(LF_KV_INT8, kq[row * D + d], ks[row]);
+    } else {
+      for (int d = 0; d < D; d++) {
+        r[d] = bfr(r[d]);
+        uint32_t u;
+        std::memcpy(&u, &r[d], 4);
+        kb[row * D + d] = uint16_t(u >> 16);
+      }
+    }
+  }
+
+  // the CPU twin, scope by scope
+  lf_attn_params p{};
+  p.policy = LF_POLICY_RKV;
+  p.sink = c.sink;
+  p.group = c.group;
+  p.head_dim = D;
+  p.scale = 1.f / std::sqrt(float(D));
+  p.scope = c.heads_per_scope > 1 ? LF_EVICT_LAYER : LF_EVICT_HEAD;
+  p.rkv_stage = c.stage;
+  std::vector<float> v(size_t(B) * D, 0.f), vnorm(B, 0.f);
+  std::vector<int32_t> nn(H, c.n), next(H, -1), queue(size_t(H) * c.stage, -1), since(H, 5);
+  std::vector<lf_kv_head> heads(H);
+  for (int h = 0; h < H; h++) {
+    lf_kv_head &kh = heads[h];
+    kh.k = &k[size_t(h) * B * D];
+    kh.v = v.data();
+    kh.pos = &pos[size_t(h) * B];
+    kh.vnorm = vnorm.data();
+    kh.acc = &acc[size_t(h) * B];
+    kh.n = &nn[h];
+    kh.next = &next[h];
+    kh.queue = &queue[size_t(h) * c.stage];
+    kh.since = &since[h];
+    kh.stage = c.stage;
+    kh.budget = B;
+    kh.head_dim = D;
+    kh.kv_dtype = c.dtype;
+  }
+  const int scopes = H / c.heads_per_scope;
+  std::vector<double> want(size_t(scopes) * B);
+  for (int s = 0; s < scopes; s++)
+    ASSERT_EQ(lf_attn_rkv_select_ref(&p, &heads[size_t(s) * c.heads_per_scope], c.heads_per_scope,
+                                     &want[size_t(s) * B]),
+              LF_OK)
+        << lf_last_error();
+
+  // the kernel on the same pool (one pool, one layer)
+  void *dk = nullptr;
+  float *dscale = nullptr, *dacc = nullptr;
+  int32_t *dpos = nullptr, *dn = nullptr, *dnext = nullptr, *dq = nullptr, *dsince = nullptr,
+          *dids = nullptr;
+  double *dtot = nullptr;
+  const size_t kbytes = c.dtype == LF_KV_INT8 ? kq.size() : kb.size() * 2;
+  CK(cudaMalloc(&dk, kbytes));
+  CK(cudaMemcpy(dk, c.dtype == LF_KV_INT8 ? (const void *)kq.data() : (const void *)kb.data(),
+                kbytes, cudaMemcpyHostToDevice));
+  if (c.dtype == LF_KV_INT8) {
+    CK(cudaMalloc(&dscale, ks.size() * 4));
+    CK(cudaMemcpy(dscale, ks.data(), ks.size() * 4, cudaMemcpyHostToDevice));
+  }
+  CK(cudaMalloc(&dacc, acc.size() * 4));
+  CK(cudaMemcpy(dacc, acc.data(), acc.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&dpos, pos.size() * 4));
+  CK(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<int32_t> n_dev(H, c.n), neg(H, -1), since0(H, 5), ids{0};
+  CK(cudaMalloc(&dn, H * 4));
+  CK(cudaMemcpy(dn, n_dev.data(), H * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&dnext, H * 4));
+  CK(cudaMemcpy(dnext, neg.data(), H * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&dq, queue.size() * 4));
+  CK(cudaMemset(dq, 0xff, queue.size() * 4));
+  CK(cudaMalloc(&dsince, H * 4));
+  CK(cudaMemcpy(dsince, since0.data(), H * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&dids, 4));
+  CK(cudaMemcpy(dids, ids.data(), 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&dtot, want.size() * 8));
+  lf_rkv_select_args a{};
+  a.pool.k = dk;
+  a.pool.k_scale = dscale;
+  a.pool.pos = dpos;
+  a.pool.acc = dacc;
+  a.pool.n = dn;
+  a.pool.next = dnext;
+  a.pool.n_layers = 1;
+  a.pool.n_kv_heads = H;
+  a.pool.budget = B;
+  a.pool.head_dim = D;
+  a.pool.kv_dtype = c.dtype;
+  a.layer = 0;
+  a.n_scopes = scopes;
+  a.pool_ids = dids;
+  a.heads_per_scope = c.heads_per_scope;
+  a.group = c.group;
+  a.sink = c.sink;
+  a.stage = c.stage;
+  a.queue = dq;
+  a.since = dsince;
+  a.totals = dtot;
+  ASSERT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_OK) << lf_last_error();
+  CK(cudaDeviceSynchronize());
+  std::vector<double> got(want.size());
+  std::vector<int32_t> gq(queue.size()), gs(H);
+  CK(cudaMemcpy(got.data(), dtot, got.size() * 8, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gq.data(), dq, gq.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gs.data(), dsince, H * 4, cudaMemcpyDeviceToHost));
+  for (void *ptr : {dk, (void *)dscale, (void *)dacc, (void *)dpos, (void *)dn, (void *)dnext,
+                    (void *)dq, (void *)dsince, (void *)dids, (void *)dtot})
+    cudaFree(ptr);
+
+  int ties = 0;
+  for (int s = 0; s < scopes; s++) {
+    const double *w = &want[size_t(s) * B], *gt = &got[size_t(s) * B];
+    std::vector<std::pair<double, int>> cand;
+    for (int i = 0; i < B; i++) {
+      ASSERT_EQ(std::isnan(w[i]), std::isnan(gt[i])) << "scope " << s << " slot " << i;
+      if (std::isnan(w[i])) continue;
+      ASSERT_NEAR(gt[i], w[i], 1e-12 * std::max(1.0, std::fabs(w[i]))) << "scope " << s << " slot " << i;
+      if (i >= c.sink) cand.push_back({w[i], i});
+    }
+    ASSERT_EQ(int(cand.size()), c.n - LF_RKV_OBS - std::min(c.sink, c.n)) << "scope " << s;
+    std::sort(cand.begin(), cand.end());
+    for (int h = s * c.heads_per_scope; h < (s + 1) * c.heads_per_scope; h++) {
+      EXPECT_EQ(gs[h], 0) << "head " << h;
+      EXPECT_EQ(since[h], 0) << "head " << h;
+      for (int r = 0; r < c.stage; r++) {
+        const int gotq = gq[size_t(h) * c.stage + r], wantq = queue[size_t(h) * c.stage + r];
+        EXPECT_EQ(wantq, cand[r].second);
+        const bool near_prev = r > 0 && cand[r].first - cand[r - 1].first < 1e-9;
+        const bool near_next = r + 1 < int(cand.size()) && cand[r + 1].first - cand[r].first < 1e-9;
+        if (near_prev || near_next) {
+          ties++;
+          EXPECT_TRUE(std::any_of(cand.begin(), cand.end(), [&](auto &x) { return x.second == gotq; }))
+              << "head " << h << " rank " << r;
+        } else {
+          EXPECT_EQ(gotq, wantq) << "head " << h << " rank " << r;
+        }
+      }
+    }
+  }
+  EXPECT_LT(ties, c.stage) << "near ties should be rare on these pools";
+}
+
+TEST(GpuRkv, SelectionMatchesCpuTwin) {
+  NEED_GPU();
+  const Case cases[] = {
+      {64, 64, 2, 1, 1, 4, 8, 64, LF_KV_BF16, 1},      // full pool, head scope
+      {128, 71, 3, 1, 3, 4, 32, 64, LF_KV_BF16, 2},    // partly filled, group 3
+      {256, 256, 4, 4, 2, 4, 32, 128, LF_KV_BF16, 3},  // layer scope, head_dim 128
+      {300, 300, 3, 3, 3, 0, 17, 64, LF_KV_INT8, 4},   // int8 codes, sink 0, odd stage
+      {1024, 1024, 2, 1, 4, 4, 32, 128, LF_KV_BF16, 5}, // a serving budget
+      {4096, 4096, 1, 1, 1, 4, 64, 64, LF_KV_BF16, 6}, // the largest budget
+  };
+  for (const Case &c : cases) run_case(c);
+}
+
+TEST(GpuRkv, RefusesWhatItCannotRun) {
+  NEED_GPU();
+  lf_rkv_select_args a{};
+  EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);
+  int32_t *d = nullptr;
+  CK(cudaMalloc(&d, 64));
+  a.pool.k = d;
+  a.pool.pos = d;
+  a.pool.acc = (float *)d;
+  a.pool.n = d;
+  a.pool_ids = d;
+  a.queue = d;
+  a.since = d;
+  a.pool.budget = LF_CUDA_RKV_MAX_BUDGET + 1;
+  a.pool.head_dim = 64;
+  a.pool.n_layers = 1;
+  a.pool.n_kv_heads = 2;
+  a.heads_per_scope = 1;
+  a.n_scopes = 1;
+  a.stage = 4;
+  a.group = 1;
+  EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);
+  EXPECT_NE(std::string(lf_last_error()).find("budget"), std::string::npos) << lf_last_error();
+  a.pool.budget = 64;
+  a.heads_per_scope = 3; // does not divide 2 KV heads
+  EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);
+  cudaFree(d);
+}
+
+} // namespace
