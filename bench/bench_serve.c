@@ -5,8 +5,8 @@
  * longflow, streaming, h2o). Each policy gets its own engine, pool count and budget:
  * `full` pools hold P + O slots (nothing is evicted), the others hold B. With --kv-gb every policy
  * gets n_pools = floor(kv_gb * 1e9 * mem_util / pool_bytes) from the same byte figure, where
- * pool_bytes is the per-pool size of the backend that runs (see pool_bytes_for below), so the
- * comparison is at the same KV memory. N defaults to the pool count (one full wave).
+ * pool_bytes is the per-pool size of the backend that runs (the engine sizes the pools:
+ * lf_engine_config.kv_memory_bytes), so the comparison is at the same KV memory. N defaults to the pool count (one full wave).
  *
  * Reported per policy: output tokens/s, TTFT and TPOT p50/p99 (measured here at step
  * boundaries from the events, per request), wall time, pools, memory (device used on cuda,
@@ -42,8 +42,6 @@
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "lfserve.h"
-#include "memory/pool.h"
-#include "parallel/shard.h"
 #include "launch/tp_launch.h"
 
 #ifdef LF_HAVE_CUDA
@@ -197,22 +195,6 @@ static double gpu_util_close(gpu_util *g) {
 #endif
   memset(g, 0, sizeof *g);
   return r;
-}
-
-/* ---- pool sizing -------------------------------------------------------------------------- */
-
-/* Bytes one pool takes on `cuda` or the cpu (memory/pool.h: the formulas the engine uses). The
- * per-item workspaces of the cuda backend (logits, sampling scratch: about 8 * vocab bytes per
- * pool) are not counted: they come out of the memory left beside --kv-gb. */
-static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, lf_policy pol, int budget,
-                               int tp, lf_kv_dtype kv_dtype) {
-  /* KV heads a rank holds, from the engine's own sharding plan (an impossible tp keeps them
-   * all here: the engine's start-up then reports it) */
-  lf_shard sh;
-  const int kv = lf_shard_plan(0, tp, m->n_heads, m->n_kv_heads, m->hidden_dim, m->vocab_size,
-                               &sh) == LF_OK ? sh.n_kv : m->n_kv_heads;
-  lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim, (int)kv_dtype, 0};
-  return cuda ? lf_pool_bytes_device(&ps, pol == LF_POLICY_H2O) : lf_pool_bytes(&ps);
 }
 
 /* ---- options ------------------------------------------------------------------------------ */
@@ -669,22 +651,6 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   r->policy = lf_policy_str(pol);
   r->budget = pol == LF_POLICY_FULL ? (o->full_budget ? o->full_budget : o->prompt + o->output)
                                     : o->budget;
-  r->pool_bytes = pool_bytes_for(cuda, mc, pol, r->budget, lf_comm_size(comm), o->kv_dtype);
-  if (o->n_pools) {
-    r->pools = o->n_pools;
-  } else if (o->kv_gb > 0) {
-    const double n = floor(o->kv_gb * 1e9 * o->mem_util / (double)r->pool_bytes);
-    r->pools = n > 1e6 ? 1000000 : (int)n;
-    if (r->pools < 1) {
-      fprintf(stderr, "lfbench serve: %s: --kv-gb %g x %g holds no pool of %llu bytes\n",
-              r->policy, o->kv_gb, o->mem_util, (unsigned long long)r->pool_bytes);
-      return 1;
-    }
-  } else {
-    r->pools = 8;
-  }
-  r->n_req = o->n_req ? o->n_req : r->pools;
-
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = o->model;
@@ -697,7 +663,14 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   cfg.h2o_recent = o->h2o_recent;
   cfg.evict_scope = o->scope;
   cfg.kv_dtype = o->kv_dtype;
-  cfg.n_pools = r->pools;
+  /* Pools: --pools, else the engine's own sizing from --kv-gb (floor(kv_gb * 1e9 * mem_util /
+   * pool bytes), pool bytes those of the backend's arena for this rank's KV heads), else 8. */
+  cfg.n_pools = o->n_pools ? o->n_pools : o->kv_gb > 0 ? 0 : 8;
+  if (!o->n_pools && o->kv_gb > 0) {
+    cfg.kv_memory_bytes = (uint64_t)(o->kv_gb * 1e9);
+    cfg.mem_util = o->mem_util;
+    cfg.max_pools = 1000000;
+  }
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
 
@@ -721,6 +694,14 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
     return s == LF_OK ? 0 : 1;
   }
   r->mem_init = r->mem_peak = mem_used(cuda);
+  /* what the engine holds: its pool count and the bytes of one pool */
+  lf_resolved_config rcfg;
+  lf_pool_sizing ps;
+  lf_engine_resolved_config(e, &rcfg);
+  lf_engine_pool_sizing(e, &ps);
+  r->pools = rcfg.n_pools;
+  r->pool_bytes = ps.pool_bytes;
+  r->n_req = o->n_req ? o->n_req : r->pools;
 
   /* The workload: seeded prompts and arrival offsets, the same for every policy. */
   rng_s = o->seed;

@@ -372,12 +372,14 @@ int main(int argc, char **argv) {
   }
   lf_model_info mi;
   lf_engine_model_info(e, &mi);
+  lf_resolved_config rc_eng; /* what the engine runs with: the budget with its default resolved */
+  lf_engine_resolved_config(e, &rc_eng);
   fprintf(stderr, "lfgen: %s model%s%s, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
                   "kv %s, budget %d, loaded in %.2f s\n",
           mi.model_type, cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
           cfg.lora_path ? cfg.lora_path : "", mi.n_layers, mi.n_heads, mi.n_kv_heads,
-          mi.vocab_size, lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
-          lf_kv_dtype_str(cfg.kv_dtype), cfg.budget ? cfg.budget : mi.max_seq_len, lf_now_s() - t_load);
+          mi.vocab_size, lf_policy_str(rc_eng.policy), lf_evict_scope_str(rc_eng.evict_scope),
+          lf_kv_dtype_str(rc_eng.kv_dtype), rc_eng.budget, lf_now_s() - t_load);
 
   /* The same limits as the server's: the prompt must fit the context, and --max-tokens what it
    * leaves (the last token is sampled, never stored); the default is cut to that room. */
@@ -442,7 +444,7 @@ int main(int argc, char **argv) {
         if (why == LF_FINISH_ERROR && ev[i].status == LF_ERR_CONTEXT_FULL) {
           /* The engine reports only the status: the figures are ours. The sequence holds the
            * prompt and every sampled token but the last (never fed back). */
-          const int budget = cfg.budget ? cfg.budget : mi.max_seq_len;
+          const int budget = rc_eng.budget;
           const int need = rq.n_prompt + rq.max_tokens - 1;
           fprintf(stderr,
                   "\nlfgen: generation failed: context full: the full policy keeps every token, "
@@ -478,7 +480,7 @@ int main(int argc, char **argv) {
             "all layers and KV heads)%s\n",
             st.prompt_tokens, st.generated_tokens, lf_finish_reason_str(why), st.ttft_seconds,
             st.tpot_seconds > 0 ? 1.0 / st.tpot_seconds : 0.0, st.slots_filled,
-            cfg.budget ? cfg.budget : mi.max_seq_len, (unsigned long long)st.evictions, tp_note);
+            rc_eng.budget, (unsigned long long)st.evictions, tp_note);
   }
   lf_engine_free(e); /* releases the followers */
   lf_tokenizer_free(tok);

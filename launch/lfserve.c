@@ -325,7 +325,9 @@ int main(int argc, char **argv) {
     return 0;
   }
   lf_engine_model_info(S.e, &S.mi);
-  S.budget = cfg.budget ? cfg.budget : S.mi.max_seq_len;
+  lf_resolved_config rc_eng; /* what the engine runs with: the budget with its default resolved */
+  lf_engine_resolved_config(S.e, &rc_eng);
+  S.budget = rc_eng.budget;
   lf_pool_sizing ps;
   if (lf_engine_pool_sizing(S.e, &ps) == LF_OK) {
     char basis[160] = "";
@@ -337,7 +339,7 @@ int main(int argc, char **argv) {
       snprintf(basis, sizeof basis, " (%s)", ps.basis && !strcmp(ps.basis, "n_pools") ? "--pools" : ps.basis ? ps.basis : "?");
     fprintf(stderr, "lfserve: pools: %d of %.1f MiB (%llu bytes) each (budget %d slots, kv %s), "
             "%.2f GiB in all%s\n", ps.n_pools, ps.pool_bytes / 1048576.0,
-            (unsigned long long)ps.pool_bytes, S.budget, lf_kv_dtype_str(cfg.kv_dtype),
+            (unsigned long long)ps.pool_bytes, S.budget, lf_kv_dtype_str(rc_eng.kv_dtype),
             (double)ps.pool_bytes * ps.n_pools / 1073741824.0, basis);
   }
 
@@ -390,7 +392,7 @@ int main(int argc, char **argv) {
   S.mctx.vocab_size = S.mi.vocab_size;
   S.mctx.max_seq_len = S.mi.max_seq_len;
   S.mctx.budget = S.budget;
-  S.mctx.policy = cfg.policy;
+  S.mctx.policy = rc_eng.policy;
   S.mctx.chat_content_special = chat_content_special;
 
   if (pthread_create(&S.engine_thread, NULL, srv_engine_main, NULL)) {
@@ -436,7 +438,7 @@ int main(int argc, char **argv) {
           S.model_name, S.mi.model_type,
           cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
           cfg.lora_path ? cfg.lora_path : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
-          lf_policy_str(cfg.policy), S.budget, lf_kv_dtype_str(cfg.kv_dtype), S.tok ? "yes" : "no", host,
+          lf_policy_str(rc_eng.policy), S.budget, lf_kv_dtype_str(rc_eng.kv_dtype), S.tok ? "yes" : "no", host,
           (unsigned)bound_port, lf_now_s() - t0, (long)getpid(),
           lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state,
           api_key ? "an API key (" : "none: anyone who can reach the port may use it",
