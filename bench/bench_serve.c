@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "bench/bench_util.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "lfserve.h"
@@ -1023,8 +1024,7 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
   char host[128] = "";
   if (gethostname(host, sizeof host) != 0) host[0] = '\0';
   host[sizeof host - 1] = '\0';
-  for (char *c = host; *c; c++)
-    if (*c == '"' || *c == '\\') *c = '_';
+  bench_json_safe(host);
   fprintf(f,
           "{\"bench\": \"serve\", \"model\": \"%s\", \"backend\": \"%s\", \"host\": \"%s\", "
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
@@ -1108,14 +1108,9 @@ int bench_serve(int argc, char **argv) {
     serve_usage(stderr);
     return 2;
   }
-  lf_checkpoint ck;
-  lf_status s = lf_checkpoint_open(o.model, &ck);
-  if (s != LF_OK) {
-    fprintf(stderr, "lfbench serve: %s: %s: %s\n", o.model, lf_status_str(s), lf_last_error());
-    return 1;
-  }
-  const lf_model_config mc = ck.cfg;
-  lf_checkpoint_close(&ck);
+  lf_model_config mc;
+  if (bench_model_config("lfbench serve", o.model, &mc)) return 1;
+  lf_status s;
 
   /* Resolved as lf_backend_create resolves it, so pool sizes use the right layout. */
   const int cuda = lf_backend_resolve(o.backend) == LF_BACKEND_CUDA;
