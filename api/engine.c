@@ -8,6 +8,7 @@
 
 #include "engine/backend.h"
 #include "base/error.h"
+#include "attention/attention.h"
 #include "base/kvq.h"
 #include "memory/pool.h"
 #include "engine/model.h"
@@ -267,6 +268,29 @@ static lf_status follower_call(lf_engine_t e, const char *what) {
 lf_status lf_engine_pool_sizing(lf_engine_t e, lf_pool_sizing *out) {
   if (!e || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_pool_sizing: NULL argument");
   *out = e->sizing;
+  return LF_OK;
+}
+
+lf_status lf_engine_resolved_config(lf_engine_t e, lf_resolved_config *o) {
+  if (!e || !o) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_resolved_config: NULL argument");
+  /* e->cfg holds what lf_engine_init resolved: backend, budget, rkv_stage, n_pools. */
+  const lf_engine_config *c = &e->cfg;
+  memset(o, 0, sizeof *o);
+  o->backend = c->backend;
+  o->policy = c->policy;
+  o->evict_scope = c->evict_scope;
+  o->kv_dtype = c->kv_dtype;
+  o->budget = c->budget;
+  o->sink = c->sink;
+  o->window = c->window;
+  /* the backends' own rule (attention/attention.h), so this is the window they keep */
+  o->h2o_recent = c->policy == LF_POLICY_H2O ? lf_h2o_recent(c->h2o_recent, c->budget) : 0;
+  o->rkv_stage = c->policy == LF_POLICY_RKV ? c->rkv_stage : 0;
+  o->n_pools = e->sizing.n_pools;
+  o->max_batch_tokens = c->max_batch_tokens;
+  o->max_queue = c->max_queue;
+  o->max_seq_len = e->ck.cfg.max_seq_len;
+  o->n_ranks = e->comm ? e->comm->size : 1;
   return LF_OK;
 }
 

@@ -28,7 +28,8 @@ size_t lf_abi_sizeof(const char *type_name) {
       {"lf_event", sizeof(lf_event)},                 {"lf_model_info", sizeof(lf_model_info)},
       {"lf_request_stats", sizeof(lf_request_stats)}, {"lf_sampling", sizeof(lf_sampling)},
       {"lf_chat_message", sizeof(lf_chat_message)},   {"lf_metrics", sizeof(lf_metrics)},
-      {"lf_logit_bias", sizeof(lf_logit_bias)},
+      {"lf_logit_bias", sizeof(lf_logit_bias)},       {"lf_pool_sizing", sizeof(lf_pool_sizing)},
+      {"lf_resolved_config", sizeof(lf_resolved_config)},
   };
   if (!type_name) return 0;
   for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)

@@ -33,6 +33,7 @@
 
 #include "base/clock.h"
 #include "bench/bench_eval.h"
+#include "bench/bench_util.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "lfserve.h"
@@ -414,14 +415,9 @@ int bench_eval(int argc, char **argv) {
     ev_usage(stderr);
     return 2;
   }
-  lf_checkpoint ck;
-  lf_status s = lf_checkpoint_open(o.model, &ck);
-  if (s != LF_OK) {
-    fprintf(stderr, EV_NAME ": %s: %s: %s\n", o.model, lf_status_str(s), lf_last_error());
-    return 1;
-  }
-  const lf_model_config mc = ck.cfg;
-  lf_checkpoint_close(&ck);
+  lf_model_config mc;
+  if (bench_model_config(EV_NAME, o.model, &mc)) return 1;
+  lf_status s;
 
   char tpath[4096];
   if (o.tokenizer)

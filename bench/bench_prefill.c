@@ -490,14 +490,8 @@ int bench_prefill(int argc, char **argv) {
     pf_usage(stderr);
     return 2;
   }
-  lf_checkpoint ck;
-  lf_status s = lf_checkpoint_open(o.model, &ck);
-  if (s != LF_OK) {
-    fprintf(stderr, "lfbench prefill: %s: %s: %s\n", o.model, lf_status_str(s), lf_last_error());
-    return 1;
-  }
-  const lf_model_config mc = ck.cfg;
-  lf_checkpoint_close(&ck);
+  lf_model_config mc;
+  if (bench_model_config("lfbench prefill", o.model, &mc)) return 1;
 
   const lf_backend_kind backend = lf_backend_resolve(o.backend);
   char device[256] = "cpu";
@@ -511,8 +505,7 @@ int bench_prefill(int argc, char **argv) {
       cudaGetLastError();
   }
 #endif
-  for (char *c = device; *c; c++)
-    if (*c == '"' || *c == '\\') *c = '_';
+  bench_json_safe(device);
   if (o.prefill_chunk > 0) {
     char v[32];
     snprintf(v, sizeof v, "%d", o.prefill_chunk);
@@ -521,8 +514,7 @@ int bench_prefill(int argc, char **argv) {
   const char *chunk_env = getenv("LF_CUDA_PREFILL_CHUNK");
   char chunk_s[64];
   snprintf(chunk_s, sizeof chunk_s, "%s", chunk_env ? chunk_env : "unset");
-  for (char *c = chunk_s; *c; c++)
-    if (*c == '"' || *c == '\\') *c = '_';
+  bench_json_safe(chunk_s);
 
   char *peer_text = NULL;
   if (o.peer && !(peer_text = bench_read_file(o.peer))) {

@@ -5,8 +5,8 @@
  * longflow, streaming, h2o). Each policy gets its own engine, pool count and budget:
  * `full` pools hold P + O slots (nothing is evicted), the others hold B. With --kv-gb every policy
  * gets n_pools = floor(kv_gb * 1e9 * mem_util / pool_bytes) from the same byte figure, where
- * pool_bytes is the per-pool size of the backend that runs (see pool_bytes_for below), so the
- * comparison is at the same KV memory. N defaults to the pool count (one full wave).
+ * pool_bytes is the per-pool size of the backend that runs (the engine sizes the pools:
+ * lf_engine_config.kv_memory_bytes), so the comparison is at the same KV memory. N defaults to the pool count (one full wave).
  *
  * Reported per policy: output tokens/s, TTFT and TPOT p50/p99 (measured here at step
  * boundaries from the events, per request), wall time, pools, memory (device used on cuda,
@@ -39,11 +39,10 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "bench/bench_util.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "lfserve.h"
-#include "memory/pool.h"
-#include "parallel/shard.h"
 #include "launch/tp_launch.h"
 
 #ifdef LF_HAVE_CUDA
@@ -197,22 +196,6 @@ static double gpu_util_close(gpu_util *g) {
 #endif
   memset(g, 0, sizeof *g);
   return r;
-}
-
-/* ---- pool sizing -------------------------------------------------------------------------- */
-
-/* Bytes one pool takes on `cuda` or the cpu (memory/pool.h: the formulas the engine uses). The
- * per-item workspaces of the cuda backend (logits, sampling scratch: about 8 * vocab bytes per
- * pool) are not counted: they come out of the memory left beside --kv-gb. */
-static uint64_t pool_bytes_for(int cuda, const lf_model_config *m, lf_policy pol, int budget,
-                               int tp, lf_kv_dtype kv_dtype) {
-  /* KV heads a rank holds, from the engine's own sharding plan (an impossible tp keeps them
-   * all here: the engine's start-up then reports it) */
-  lf_shard sh;
-  const int kv = lf_shard_plan(0, tp, m->n_heads, m->n_kv_heads, m->hidden_dim, m->vocab_size,
-                               &sh) == LF_OK ? sh.n_kv : m->n_kv_heads;
-  lf_pool_shape ps = {1, m->n_layers, kv, budget, m->head_dim, (int)kv_dtype, 0};
-  return cuda ? lf_pool_bytes_device(&ps, pol == LF_POLICY_H2O) : lf_pool_bytes(&ps);
 }
 
 /* ---- options ------------------------------------------------------------------------------ */
@@ -661,30 +644,16 @@ out:
   return rc;
 }
 
-/* One policy's engine and workload. Under TP (comm) every rank calls this with the same
- * arguments; ranks other than 0 only build the engine and follow rank 0's steps. */
-static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, lf_policy pol,
-                      lf_comm_t comm, serve_row *r) {
+/* One policy's engine (r: policy, budget, init time, memory, pools, requests). Under TP (comm)
+ * every rank builds it; a rank other than 0 then follows rank 0's steps until it frees its
+ * engine, and returns with *out NULL. Returns 0, or 1 after a message. */
+static int start_engine(const serve_opts *o, int cuda, lf_policy pol, lf_comm_t comm,
+                        serve_row *r, lf_engine_t *out) {
+  *out = NULL;
   memset(r, 0, sizeof *r);
   r->policy = lf_policy_str(pol);
   r->budget = pol == LF_POLICY_FULL ? (o->full_budget ? o->full_budget : o->prompt + o->output)
                                     : o->budget;
-  r->pool_bytes = pool_bytes_for(cuda, mc, pol, r->budget, lf_comm_size(comm), o->kv_dtype);
-  if (o->n_pools) {
-    r->pools = o->n_pools;
-  } else if (o->kv_gb > 0) {
-    const double n = floor(o->kv_gb * 1e9 * o->mem_util / (double)r->pool_bytes);
-    r->pools = n > 1e6 ? 1000000 : (int)n;
-    if (r->pools < 1) {
-      fprintf(stderr, "lfbench serve: %s: --kv-gb %g x %g holds no pool of %llu bytes\n",
-              r->policy, o->kv_gb, o->mem_util, (unsigned long long)r->pool_bytes);
-      return 1;
-    }
-  } else {
-    r->pools = 8;
-  }
-  r->n_req = o->n_req ? o->n_req : r->pools;
-
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = o->model;
@@ -697,7 +666,14 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
   cfg.h2o_recent = o->h2o_recent;
   cfg.evict_scope = o->scope;
   cfg.kv_dtype = o->kv_dtype;
-  cfg.n_pools = r->pools;
+  /* Pools: --pools, else the engine's own sizing from --kv-gb (floor(kv_gb * 1e9 * mem_util /
+   * pool bytes), pool bytes those of the backend's arena for this rank's KV heads), else 8. */
+  cfg.n_pools = o->n_pools ? o->n_pools : o->kv_gb > 0 ? 0 : 8;
+  if (!o->n_pools && o->kv_gb > 0) {
+    cfg.kv_memory_bytes = (uint64_t)(o->kv_gb * 1e9);
+    cfg.mem_util = o->mem_util;
+    cfg.max_pools = 1000000;
+  }
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
 
@@ -721,8 +697,22 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
     return s == LF_OK ? 0 : 1;
   }
   r->mem_init = r->mem_peak = mem_used(cuda);
+  /* what the engine holds: its pool count and the bytes of one pool */
+  lf_resolved_config rcfg;
+  lf_pool_sizing ps;
+  lf_engine_resolved_config(e, &rcfg);
+  lf_engine_pool_sizing(e, &ps);
+  r->pools = rcfg.n_pools;
+  r->pool_bytes = ps.pool_bytes;
+  r->n_req = o->n_req ? o->n_req : r->pools;
+  *out = e;
+  return 0;
+}
 
-  /* The workload: seeded prompts and arrival offsets, the same for every policy. */
+/* The workload: seeded prompts (*prompts, [n_req][P]) and arrival offsets (*rq), the same for
+ * every policy. Returns 0, or 1 after a message. */
+static int make_workload(const serve_opts *o, const lf_model_config *mc, serve_row *r,
+                         req_state **rq_out, int32_t **prompts_out) {
   rng_s = o->seed;
   const int N = r->n_req, P = o->prompt;
   req_state *rq = calloc((size_t)N, sizeof *rq);
@@ -731,7 +721,6 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
     fprintf(stderr, "lfbench serve: out of memory\n");
     free(rq);
     free(prompts);
-    lf_engine_free(e);
     return 1;
   }
   double at = 0.0;
@@ -747,53 +736,119 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
             "steady-state window is left; ask for more requests\n", o->warmup, N, at);
     free(rq);
     free(prompts);
-    lf_engine_free(e);
     return 1;
   }
+  *rq_out = rq;
+  *prompts_out = prompts;
+  return 0;
+}
 
+/* What the run loop keeps beside the requests and the row. */
+typedef struct run_tally {
+  int N, next_sub, done;
+  int decoding, dec_steps; /* the decode batch: see serve_row */
+  double dec_sum;
+  int no_token; /* submitted, not finished, no token yet */
+  double prompt_step_s, decode_step_s;
+  double t0;
+  double cutoff; /* --duration: the end of the window once reached; -1 before */
+} run_tally;
+
+/* Submits the requests that have arrived by tn (until the queue is full). 0, or 1 after a
+ * message. */
+static int submit_arrived(const serve_opts *o, lf_engine_t e, req_state *rq,
+                          const int32_t *prompts, double tn, run_tally *t) {
+  const int P = o->prompt;
+  while (t->next_sub < t->N && rq[t->next_sub].arrival <= tn - t->t0) {
+    lf_request req = {.prompt = prompts + (size_t)t->next_sub * P,
+                      .n_prompt = P,
+                      .max_tokens = o->output,
+                      .ignore_eos = 1};
+    lf_status s = lf_engine_submit(e, &req, &rq[t->next_sub].id);
+    if (s == LF_ERR_QUEUE_FULL) break;
+    if (s != LF_OK) {
+      fprintf(stderr, "lfbench serve: submit: %s: %s\n", lf_status_str(s), lf_last_error());
+      return 1;
+    }
+    rq[t->next_sub].submit_t = tn;
+    rq[t->next_sub].submitted = 1;
+    t->no_token++;
+    t->next_sub++;
+  }
+  return 0;
+}
+
+/* A step's events into the requests' state; te is the step's end. */
+static void route_events(const lf_event *ev, int n, req_state *rq, double te, run_tally *t) {
+  const int N = t->N;
+  for (int k = 0; k < n; k++) {
+    /* ids are handed out 1, 2, ... in submit order by the scheduler; search from the id's
+     * guess and fall back to a scan. */
+    int i = (int)ev[k].id - 1;
+    if (i < 0 || i >= N || rq[i].id != ev[k].id)
+      for (i = 0; i < N && rq[i].id != ev[k].id; i++) {
+      }
+    if (i >= N) continue;
+    req_state *q = &rq[i];
+    if (ev[k].type == LF_EVENT_TOKEN) {
+      if (t->cutoff >= 0) continue; /* after the window */
+      if (!q->tokens) {
+        t->no_token--;
+        q->first_t = te;
+        q->hash = FNV_OFFSET;
+        q->decoding = 1;
+        t->decoding++;
+      }
+      q->last_t = te;
+      q->tokens++;
+      q->hash = fnv1a(q->hash, (uint64_t)(uint32_t)ev[k].token);
+    } else {
+      if (q->decoding) {
+        q->decoding = 0;
+        t->decoding--;
+      }
+      if (!q->tokens) t->no_token--;
+      q->finished = 1;
+      q->reason = ev[k].reason;
+      q->status = ev[k].status;
+      t->done++;
+    }
+  }
+}
+
+/* Runs the workload through the engine: submits requests as they arrive, steps, routes the
+ * events, samples memory and GPU utilisation, and ends at the last finish (or --duration's
+ * window, cancelling what is still open). Fills r's timing figures. 0, or 1 after a message. */
+static int drive(const serve_opts *o, lf_engine_t e, int cuda, req_state *rq,
+                 const int32_t *prompts, serve_row *r, run_tally *t) {
   gpu_util gu;
   gpu_util_open(&gu, cuda);
   enum { EV_CAP = 4096 };
   static lf_event ev[EV_CAP];
-  int next_sub = 0, done = 0, rc = 0;
-  int decoding = 0, dec_steps = 0; /* the decode batch: see serve_row */
-  double dec_sum = 0.0;
-  int no_token = 0; /* submitted, not finished, no token yet */
-  double prompt_step_s = 0.0, decode_step_s = 0.0;
-  const double t0 = lf_now_s();
+  const int N = t->N;
+  int rc = 0;
+  t->t0 = lf_now_s();
+  t->cutoff = -1.0;
+  const double t0 = t->t0;
   double last_mem = t0, last_util = t0, last_print = t0;
-  double t_end, cutoff = -1.0;
-  while (done < N) {
+  while (t->done < N) {
     double tn = lf_now_s();
-    if (o->duration > 0 && cutoff < 0 && tn - t0 >= o->duration) {
+    if (o->duration > 0 && t->cutoff < 0 && tn - t0 >= o->duration) {
       /* End of the window: cancel everything still open and drain. */
-      cutoff = t0 + o->duration;
-      for (int i = 0; i < next_sub; i++)
+      t->cutoff = t0 + o->duration;
+      for (int i = 0; i < t->next_sub; i++)
         if (!rq[i].finished) lf_engine_cancel(e, rq[i].id);
-      done += N - next_sub; /* never submitted */
-      next_sub = N;
+      t->done += N - t->next_sub; /* never submitted */
+      t->next_sub = N;
     }
     /* Submit what has arrived; wait for the next arrival when idle. */
-    while (next_sub < N && rq[next_sub].arrival <= tn - t0) {
-      lf_request req = {.prompt = prompts + (size_t)next_sub * P,
-                        .n_prompt = P,
-                        .max_tokens = o->output,
-                        .ignore_eos = 1};
-      s = lf_engine_submit(e, &req, &rq[next_sub].id);
-      if (s == LF_ERR_QUEUE_FULL) break;
-      if (s != LF_OK) {
-        fprintf(stderr, "lfbench serve: submit: %s: %s\n", lf_status_str(s), lf_last_error());
-        rc = 1;
-        goto out;
-      }
-      rq[next_sub].submit_t = tn;
-      rq[next_sub].submitted = 1;
-      no_token++;
-      next_sub++;
+    if (submit_arrived(o, e, rq, prompts, tn, t)) {
+      rc = 1;
+      break;
     }
     if (!lf_engine_busy(e)) {
-      if (next_sub < N) {
-        double w = t0 + rq[next_sub].arrival - lf_now_s();
+      if (t->next_sub < N) {
+        double w = t0 + rq[t->next_sub].arrival - lf_now_s();
         if (o->duration > 0 && w > t0 + o->duration - lf_now_s()) w = t0 + o->duration - lf_now_s();
         const double ts = lf_now_s();
         sleep_s(w);
@@ -803,66 +858,34 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       break; /* nothing left: every request ended */
     }
     const int in_window = o->warmup <= 0 || (tn - t0 >= o->warmup && tn - t0 <= r->window_end);
-    if (cutoff < 0 && decoding > 0 && in_window) {
-      dec_sum += decoding;
-      dec_steps++;
-      if (decoding > r->decode_batch_max) r->decode_batch_max = decoding;
+    if (t->cutoff < 0 && t->decoding > 0 && in_window) {
+      t->dec_sum += t->decoding;
+      t->dec_steps++;
+      if (t->decoding > r->decode_batch_max) r->decode_batch_max = t->decoding;
     }
     int n = 0;
     const double ts = lf_now_s();
-    s = lf_engine_step(e, ev, EV_CAP, &n);
+    lf_status s = lf_engine_step(e, ev, EV_CAP, &n);
     const double te = lf_now_s();
-    if (cutoff < 0) { /* steps that drain cancellations after the window are not counted */
+    if (t->cutoff < 0) { /* steps that drain cancellations after the window are not counted */
       const double lim = o->duration > 0 ? t0 + o->duration : te;
       const double dt = (te < lim ? te : lim) - ts;
       r->step_s += dt;
       r->steps++;
-      if (no_token > 0) {
-        prompt_step_s += dt;
+      if (t->no_token > 0) {
+        t->prompt_step_s += dt;
         r->prompt_steps++;
       } else {
-        decode_step_s += dt;
+        t->decode_step_s += dt;
         r->decode_steps++;
       }
     }
     if (s != LF_OK) {
       fprintf(stderr, "lfbench serve: step: %s: %s\n", lf_status_str(s), lf_last_error());
       rc = 1;
-      goto out;
+      break;
     }
-    for (int k = 0; k < n; k++) {
-      /* ids are handed out 1, 2, ... in submit order by the scheduler; search from the id's
-       * guess and fall back to a scan. */
-      int i = (int)ev[k].id - 1;
-      if (i < 0 || i >= N || rq[i].id != ev[k].id)
-        for (i = 0; i < N && rq[i].id != ev[k].id; i++) {
-        }
-      if (i >= N) continue;
-      req_state *q = &rq[i];
-      if (ev[k].type == LF_EVENT_TOKEN) {
-        if (cutoff >= 0) continue; /* after the window */
-        if (!q->tokens) {
-          no_token--;
-          q->first_t = te;
-          q->hash = FNV_OFFSET;
-          q->decoding = 1;
-          decoding++;
-        }
-        q->last_t = te;
-        q->tokens++;
-        q->hash = fnv1a(q->hash, (uint64_t)(uint32_t)ev[k].token);
-      } else {
-        if (q->decoding) {
-          q->decoding = 0;
-          decoding--;
-        }
-        if (!q->tokens) no_token--;
-        q->finished = 1;
-        q->reason = ev[k].reason;
-        q->status = ev[k].status;
-        done++;
-      }
-    }
+    route_events(ev, n, rq, te, t);
     if (te - last_mem > 0.5) {
       const uint64_t m = mem_used(cuda);
       if (m > r->mem_peak) r->mem_peak = m;
@@ -876,66 +899,92 @@ static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, 
       lf_metrics mm;
       if (lf_engine_metrics(e, &mm) == LF_OK)
         fprintf(stderr, "# %s t=%.0fs running %d waiting %d done %d/%d tok/s(10s) %.0f\n",
-                r->policy, te - t0, mm.running, mm.waiting, done, N, mm.tokens_per_s);
+                r->policy, te - t0, mm.running, mm.waiting, t->done, N, mm.tokens_per_s);
       last_print = te;
     }
   }
-  t_end = cutoff >= 0 ? cutoff : lf_now_s();
-
-  r->wall_s = t_end - t0;
-  r->mem_end = mem_used(cuda);
-  if (r->mem_end > r->mem_peak) r->mem_peak = r->mem_end;
-  if (!cuda) {
-    const uint64_t hwm = mem_peak_rss();
-    if (hwm > r->mem_peak) r->mem_peak = hwm;
-  }
-  {
-    double *ttft = malloc(sizeof(double) * (size_t)N), *tpot = malloc(sizeof(double) * (size_t)N);
-    int nt = 0, np = 0;
-    r->tokens_hash = FNV_OFFSET;
-    for (int i = 0; i < N; i++) {
-      const req_state *q = &rq[i];
-      r->output_tokens += (uint64_t)q->tokens;
-      r->tokens_hash = fnv1a(r->tokens_hash, q->tokens ? q->hash : 0);
-      if (q->finished && q->reason == LF_FINISH_LENGTH) r->finished_length++;
-      else if (q->finished && q->reason != LF_FINISH_CANCELLED) r->finished_other++;
-      else r->not_finished++;
-      if (q->finished && q->reason == LF_FINISH_ERROR && r->finished_other == 1)
-        fprintf(stderr, "lfbench serve: %s: request %d ended with an error: %s\n", r->policy, i,
-                lf_status_str(q->status));
-      if (q->arrival < o->warmup) continue; /* warm-up: not in the figures */
-      r->measured++;
-      if (q->tokens >= 1) ttft[nt++] = q->first_t - q->submit_t;
-      if (q->tokens >= 2) tpot[np++] = (q->last_t - q->first_t) / (q->tokens - 1);
+  if (rc == 0) {
+    const double t_end = t->cutoff >= 0 ? t->cutoff : lf_now_s();
+    r->wall_s = t_end - t0;
+    r->mem_end = mem_used(cuda);
+    if (r->mem_end > r->mem_peak) r->mem_peak = r->mem_end;
+    if (!cuda) {
+      const uint64_t hwm = mem_peak_rss();
+      if (hwm > r->mem_peak) r->mem_peak = hwm;
     }
-    r->ttft_p50 = pct(ttft, nt, 50);
-    r->ttft_p99 = pct(ttft, nt, 99);
-    r->tpot_p50 = pct(tpot, np, 50);
-    r->tpot_p99 = pct(tpot, np, 99);
-    free(ttft);
-    free(tpot);
   }
+  const double busy = gpu_util_close(&gu);
+  if (rc == 0) r->gpu_busy = busy;
+  return rc;
+}
+
+/* The row's figures from the requests' state (TTFT / TPOT over the requests arriving from
+ * --warmup on, outcomes, the tokens' hash), the tally and the engine's own metrics. */
+static void summarize(const serve_opts *o, lf_engine_t e, const req_state *rq,
+                      const run_tally *t, serve_row *r) {
+  const int N = t->N;
+  double *ttft = malloc(sizeof(double) * (size_t)N), *tpot = malloc(sizeof(double) * (size_t)N);
+  int nt = 0, np = 0;
+  r->tokens_hash = FNV_OFFSET;
+  for (int i = 0; i < N; i++) {
+    const req_state *q = &rq[i];
+    r->output_tokens += (uint64_t)q->tokens;
+    r->tokens_hash = fnv1a(r->tokens_hash, q->tokens ? q->hash : 0);
+    if (q->finished && q->reason == LF_FINISH_LENGTH) r->finished_length++;
+    else if (q->finished && q->reason != LF_FINISH_CANCELLED) r->finished_other++;
+    else r->not_finished++;
+    if (q->finished && q->reason == LF_FINISH_ERROR && r->finished_other == 1)
+      fprintf(stderr, "lfbench serve: %s: request %d ended with an error: %s\n", r->policy, i,
+              lf_status_str(q->status));
+    if (q->arrival < o->warmup) continue; /* warm-up: not in the figures */
+    r->measured++;
+    if (q->tokens >= 1) ttft[nt++] = q->first_t - q->submit_t;
+    if (q->tokens >= 2) tpot[np++] = (q->last_t - q->first_t) / (q->tokens - 1);
+  }
+  r->ttft_p50 = pct(ttft, nt, 50);
+  r->ttft_p99 = pct(ttft, nt, 99);
+  r->tpot_p50 = pct(tpot, np, 50);
+  r->tpot_p99 = pct(tpot, np, 99);
+  free(ttft);
+  free(tpot);
   r->tokens_per_s = r->wall_s > 0 ? (double)r->output_tokens / r->wall_s : 0.0;
   r->host_s = r->wall_s - r->step_s - r->idle_s;
   if (r->host_s < 0) r->host_s = 0;
   r->mean_step_ms = r->steps ? 1e3 * r->step_s / (double)r->steps : 0.0;
-  r->decode_batch_mean = dec_steps ? dec_sum / dec_steps : 0.0;
-  r->prompt_step_ms = r->prompt_steps ? 1e3 * prompt_step_s / (double)r->prompt_steps : 0.0;
-  r->decode_step_ms = r->decode_steps ? 1e3 * decode_step_s / (double)r->decode_steps : 0.0;
-  r->gpu_busy = gpu_util_close(&gu);
-  {
-    lf_metrics m;
-    if (lf_engine_metrics(e, &m) == LF_OK) {
-      r->evictions = m.evictions;
-      r->eng_ttft_p50 = m.ttft.p50;
-      r->eng_ttft_p99 = m.ttft.p99;
-      r->eng_tpot_p50 = m.tpot.p50;
-      r->eng_tpot_p99 = m.tpot.p99;
-    }
+  r->decode_batch_mean = t->dec_steps ? t->dec_sum / t->dec_steps : 0.0;
+  r->prompt_step_ms = r->prompt_steps ? 1e3 * t->prompt_step_s / (double)r->prompt_steps : 0.0;
+  r->decode_step_ms = r->decode_steps ? 1e3 * t->decode_step_s / (double)r->decode_steps : 0.0;
+  lf_metrics m;
+  if (lf_engine_metrics(e, &m) == LF_OK) {
+    r->evictions = m.evictions;
+    r->eng_ttft_p50 = m.ttft.p50;
+    r->eng_ttft_p99 = m.ttft.p99;
+    r->eng_tpot_p50 = m.tpot.p50;
+    r->eng_tpot_p99 = m.tpot.p99;
   }
-  if (r->finished_other) rc = 3;
-  if (o->decode_ref && rc == 0 && decode_reference(o, mc, e, r)) rc = 1;
-out:
+}
+
+/* One policy's engine and workload. Under TP (comm) every rank calls this with the same
+ * arguments; ranks other than 0 only build the engine and follow rank 0's steps. Returns 0, 1
+ * on a failure, 3 when a request ended other than by its length. */
+static int run_policy(const serve_opts *o, const lf_model_config *mc, int cuda, lf_policy pol,
+                      lf_comm_t comm, serve_row *r) {
+  lf_engine_t e = NULL;
+  int rc = start_engine(o, cuda, pol, comm, r, &e);
+  if (rc || !e) return rc; /* a failure, or a follower that is done */
+  req_state *rq = NULL;
+  int32_t *prompts = NULL;
+  if (make_workload(o, mc, r, &rq, &prompts)) {
+    lf_engine_free(e);
+    return 1;
+  }
+  run_tally t = {.N = r->n_req};
+  rc = drive(o, e, cuda, rq, prompts, r, &t);
+  if (rc == 0) {
+    summarize(o, e, rq, &t, r);
+    if (r->finished_other) rc = 3;
+    if (o->decode_ref && rc == 0 && decode_reference(o, mc, e, r)) rc = 1;
+  }
   lf_engine_free(e);
   free(rq);
   free(prompts);
@@ -975,8 +1024,7 @@ static int write_json(const serve_opts *o, const char *backend, const lf_model_c
   char host[128] = "";
   if (gethostname(host, sizeof host) != 0) host[0] = '\0';
   host[sizeof host - 1] = '\0';
-  for (char *c = host; *c; c++)
-    if (*c == '"' || *c == '\\') *c = '_';
+  bench_json_safe(host);
   fprintf(f,
           "{\"bench\": \"serve\", \"model\": \"%s\", \"backend\": \"%s\", \"host\": \"%s\", "
           "\"n_layers\": %d, \"n_kv_heads\": %d, \"head_dim\": %d,\n \"prompt\": %d, "
@@ -1060,14 +1108,9 @@ int bench_serve(int argc, char **argv) {
     serve_usage(stderr);
     return 2;
   }
-  lf_checkpoint ck;
-  lf_status s = lf_checkpoint_open(o.model, &ck);
-  if (s != LF_OK) {
-    fprintf(stderr, "lfbench serve: %s: %s: %s\n", o.model, lf_status_str(s), lf_last_error());
-    return 1;
-  }
-  const lf_model_config mc = ck.cfg;
-  lf_checkpoint_close(&ck);
+  lf_model_config mc;
+  if (bench_model_config("lfbench serve", o.model, &mc)) return 1;
+  lf_status s;
 
   /* Resolved as lf_backend_create resolves it, so pool sizes use the right layout. */
   const int cuda = lf_backend_resolve(o.backend) == LF_BACKEND_CUDA;

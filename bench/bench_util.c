@@ -83,3 +83,20 @@ uint16_t bench_f2bf(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
 }
+
+int bench_model_config(const char *prog, const char *model, lf_model_config *out) {
+  lf_checkpoint ck;
+  lf_status s = lf_checkpoint_open(model, &ck);
+  if (s != LF_OK) {
+    fprintf(stderr, "%s: %s: %s: %s\n", prog, model, lf_status_str(s), lf_last_error());
+    return 1;
+  }
+  *out = ck.cfg;
+  lf_checkpoint_close(&ck);
+  return 0;
+}
+
+void bench_json_safe(char *s) {
+  for (char *c = s; *c; c++)
+    if (*c == '"' || *c == '\\') *c = '_';
+}

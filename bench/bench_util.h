@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include "engine/model.h"
+
 /* A comma list of positive integers (each at most 1 << 24) into out[cap]: the count, or -1 for
  * a malformed list or one of more than cap items. */
 int bench_int_list(const char *s, int *out, int cap);
@@ -21,6 +23,13 @@ int bench_json_num(const char *s, const char *e, const char *key, double *out);
 /* xorshift64 (state nonzero), and about N(0, 1) from it: four uniforms, centred and scaled. */
 uint64_t bench_rng_next(uint64_t *state);
 float bench_rng_normal(uint64_t *state);
+
+/* The model's config without loading it (the checkpoint is opened, read and closed): 0, or 1
+ * after "<prog>: <model>: <status>: <message>" on stderr. */
+int bench_model_config(const char *prog, const char *model, lf_model_config *out);
+
+/* Replaces '"' and '\\' in s with '_', so that s can be written inside a JSON string as is. */
+void bench_json_safe(char *s);
 
 /* float -> bf16 bits, round to nearest even. */
 uint16_t bench_f2bf(float f);

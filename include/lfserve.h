@@ -183,6 +183,28 @@ typedef struct lf_pool_sizing {
                            memory" (static strings) */
 } lf_pool_sizing;
 
+/* The settings an engine runs with once lf_engine_init has resolved what lf_engine_config left
+ * to it (lf_engine_resolved_config): a program prints and uses these instead of repeating the
+ * defaults. Since 0.2; fields are only ever appended (bindings check its size with
+ * lf_abi_sizeof("lf_resolved_config")). */
+typedef struct lf_resolved_config {
+  lf_backend_kind backend;     /* LF_BACKEND_CPU or LF_BACKEND_CUDA, never AUTO */
+  lf_policy policy;
+  lf_evict_scope evict_scope;
+  lf_kv_dtype kv_dtype;
+  int budget;                  /* KV slots per pool: the model's context when 0 was given */
+  int sink;                    /* as given */
+  int window;                  /* as given (a prompt shorter than it keeps every token) */
+  int h2o_recent;              /* LF_POLICY_H2O: budget / 2 when 0 was given; 0 otherwise */
+  int rkv_stage;               /* LF_POLICY_RKV: LF_RKV_STAGE_DEFAULT when 0 was given; 0
+                                  otherwise */
+  int n_pools;                 /* pools this rank holds (lf_engine_pool_sizing says why) */
+  int max_batch_tokens;        /* prompt tokens per step (the chunk size); 0: unbounded */
+  int max_queue;               /* 0: unbounded */
+  int max_seq_len;             /* the model's context: prompt + output never pass it */
+  int n_ranks;                 /* tensor-parallel ranks (1: a single rank) */
+} lf_resolved_config;
+
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,
  * max_batch_tokens LF_MAX_BATCH_TOKENS_DEFAULT, the rest 0. */
 void lf_engine_config_default(lf_engine_config *cfg);
@@ -413,7 +435,8 @@ lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out);
 
 /* Threading rules (enforced, see scheduler/README.md):
  *  - lf_engine_submit, lf_engine_cancel, lf_engine_metrics, lf_engine_request_stats,
- *    lf_engine_busy and lf_engine_model_info may be called from any thread at any time;
+ *    lf_engine_busy, lf_engine_model_info, lf_engine_pool_sizing and lf_engine_resolved_config
+ *    may be called from any thread at any time;
  *  - lf_engine_step from one thread at a time: a call while another is in progress returns
  *    LF_ERR_STATE at once and changes nothing;
  *  - lf_engine_init and lf_engine_free are not concurrent with anything on that engine.
@@ -438,6 +461,9 @@ void lf_engine_free(lf_engine_t e);
 lf_status lf_engine_model_info(lf_engine_t e, lf_model_info *out);
 /* How many pools this rank's engine holds and why (lf_pool_sizing). */
 lf_status lf_engine_pool_sizing(lf_engine_t e, lf_pool_sizing *out);
+/* The settings this rank's engine runs with, defaults resolved (lf_resolved_config). Any thread,
+ * any rank. */
+lf_status lf_engine_resolved_config(lf_engine_t e, lf_resolved_config *out);
 /* Validates and queues a request (FCFS); *id identifies it in events. LF_ERR_QUEUE_FULL when
  * max_queue requests are already waiting; LF_ERR_INVALID_ARG for a bad request (nothing is
  * queued). A request that can never fit (a `full`-policy prompt longer than the pool) is
@@ -474,8 +500,8 @@ const char *lf_version(void);
 
 /* sizeof of a public struct by its name ("lf_engine_config", "lf_request", "lf_event",
  * "lf_model_info", "lf_request_stats", "lf_sampling", "lf_chat_message", "lf_metrics",
- * "lf_logit_bias"), 0 for
- * another name: lets a binding built without this header (python/lfserve) check its layouts. */
+ * "lf_logit_bias", "lf_pool_sizing", "lf_resolved_config"), 0 for another name: lets a binding
+ * built without this header (python/lfserve) check its layouts. */
 size_t lf_abi_sizeof(const char *type_name);
 
 /* Frees memory the library handed to the caller (lf_tokenize's ids, lf_detokenize's text). */

@@ -389,25 +389,9 @@ static int read_logit_bias(const lfs_model_ctx *m, const cJSON *v, lfs_request *
   return 0;
 }
 
-int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t len,
-                      lfs_request *out, lfs_error *err) {
-  cJSON *root = NULL;
-  lf_token_ids ids = {0};
-  lfs_request r;
-  memset(&r, 0, sizeof r);
-  memset(out, 0, sizeof *out);
-  r.chat = chat;
-  r.sampling.top_p = 1.0f;
-  root = lfs_body_parse(body, len, err);
-  if (!root) goto fail;
-  if (!cJSON_IsObject(root)) {
-    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", NULL,
-                  "the request body must be a JSON object");
-    goto fail;
-  }
-
-  /* Every member is acted on, or listed as harmless: nothing is silently ignored. */
-  /* (a body without its prompt hears that first) */
+/* Every member is acted on, or listed as harmless: nothing is silently ignored. (A body without
+ * its prompt hears that first.) */
+static int check_members(const cJSON *root, int chat, lfs_error *err) {
   for (const cJSON *e = lfs_json_member(root, chat ? "messages" : "prompt") ? root->child : NULL; e;
        e = e->next) {
     const char *k = e->string ? e->string : "";
@@ -418,22 +402,31 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
     lfs_error_set(err, 400, "invalid_request_error", "unsupported_parameter", k,
                   "'%.100s' is not supported by this server (%s); see docs/USAGE.md", k,
                   chat ? "/v1/chat/completions" : "/v1/completions");
-    goto fail;
+    return -1;
   }
+  return 0;
+}
 
+/* "model": absent, or the name this server serves (404 otherwise). */
+static int read_model(const lfs_model_ctx *m, const cJSON *root, lfs_error *err) {
   const cJSON *v = lfs_json_member(root, "model");
-  if (!lfs_json_is_null(v)) {
-    const char *name = lfs_json_string(v, NULL);
-    if (!name) BAD_TYPE("model", "a string");
-    if (strcmp(name, m->model_name)) {
-      lfs_error_set(err, 404, "invalid_request_error", "model_not_found", "model",
-                    "The model '%.200s' does not exist; this server serves '%.100s'", name,
-                    m->model_name);
-      goto fail;
-    }
+  if (lfs_json_is_null(v)) return 0;
+  const char *name = lfs_json_string(v, NULL);
+  if (!name) BAD_TYPE("model", "a string");
+  if (strcmp(name, m->model_name)) {
+    lfs_error_set(err, 404, "invalid_request_error", "model_not_found", "model",
+                  "The model '%.200s' does not exist; this server serves '%.100s'", name,
+                  m->model_name);
+    return -1;
   }
+  return 0;
+fail:
+  return -1;
+}
+
+/* One completion (n, best_of), echo, logprobs / top_logprobs, response_format. */
+static int read_output_shape(const cJSON *root, int chat, lfs_request *r, lfs_error *err) {
   int64_t x;
-  double d;
   switch (lfs_member_int(root, "n", INT64_MIN, INT64_MAX, &x, err)) {
   case -1:
     goto fail;
@@ -446,29 +439,29 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
   case 1:
     if (x != 1) BAD("best_of", "'best_of' must be 1");
   }
-  if (!chat && lfs_member_bool(root, "echo", &r.echo, err) < 0) goto fail;
-  v = lfs_json_member(root, "logprobs");
+  if (!chat && lfs_member_bool(root, "echo", &r->echo, err) < 0) goto fail;
+  const cJSON *v = lfs_json_member(root, "logprobs");
   if (chat) {
-    if (lfs_member_bool(root, "logprobs", &r.logprobs, err) < 0) goto fail;
+    if (lfs_member_bool(root, "logprobs", &r->logprobs, err) < 0) goto fail;
     switch (lfs_member_int(root, "top_logprobs", 0, LF_MAX_TOP_LOGPROBS, &x, err)) {
     case -1:
       goto fail;
     case 1:
-      if (x > 0 && !r.logprobs) BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
-      r.top_logprobs = (int)x;
+      if (x > 0 && !r->logprobs) BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+      r->top_logprobs = (int)x;
     }
   } else if (!lfs_json_is_null(v) && !cJSON_IsFalse(v)) {
     switch (lfs_member_int(root, "logprobs", 0, LFS_MAX_LOGPROBS_COMPLETION, &x, err)) {
     case -1:
       goto fail;
     case 1:
-      r.logprobs = 1;
-      r.top_logprobs = (int)x;
+      r->logprobs = 1;
+      r->top_logprobs = (int)x;
     }
   }
-  r.sampling.logprobs = r.logprobs;
-  r.sampling.top_logprobs = r.top_logprobs;
-  r.sampling.prompt_logprobs = r.echo && r.logprobs;
+  r->sampling.logprobs = r->logprobs;
+  r->sampling.top_logprobs = r->top_logprobs;
+  r->sampling.prompt_logprobs = r->echo && r->logprobs;
   v = lfs_json_member(root, "response_format");
   if (!lfs_json_is_null(v)) {
     const char *t = cJSON_IsObject(v) ? lfs_json_string(lfs_json_member(v, "type"), NULL) : NULL;
@@ -476,62 +469,89 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
       BAD("response_format",
           "'response_format' must be {\"type\": \"text\"}: structured output is not supported");
   }
+  return 0;
+fail:
+  return -1;
+}
+
+/* presence_penalty, frequency_penalty, repetition_penalty, logit_bias. */
+static int read_penalties(const lfs_model_ctx *m, const cJSON *root, lfs_request *r,
+                          lfs_error *err) {
+  double d;
   switch (lfs_member_num(root, "presence_penalty", -2, 2, 0, &d, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
-    r.sampling.presence_penalty = (float)d;
+    r->sampling.presence_penalty = (float)d;
   }
   switch (lfs_member_num(root, "frequency_penalty", -2, 2, 0, &d, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
-    r.sampling.frequency_penalty = (float)d;
+    r->sampling.frequency_penalty = (float)d;
   }
   switch (lfs_member_num(root, "repetition_penalty", 0, 100, 1, &d, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
-    r.sampling.repetition_penalty = (float)d;
+    r->sampling.repetition_penalty = (float)d;
   }
-  v = lfs_json_member(root, "logit_bias");
-  if (!lfs_json_is_null(v) && read_logit_bias(m, v, &r, err)) goto fail;
+  const cJSON *v = lfs_json_member(root, "logit_bias");
+  if (!lfs_json_is_null(v) && read_logit_bias(m, v, r, err)) return -1;
+  return 0;
+}
 
-  if (lfs_member_bool(root, "stream", &r.stream, err) < 0) goto fail;
-  v = lfs_json_member(root, "stream_options");
+/* stream, stream_options, ignore_eos, return_token_ids. */
+static int read_flags(const cJSON *root, lfs_request *r, lfs_error *err) {
+  if (lfs_member_bool(root, "stream", &r->stream, err) < 0) return -1;
+  const cJSON *v = lfs_json_member(root, "stream_options");
   if (!lfs_json_is_null(v)) {
     if (!cJSON_IsObject(v)) BAD_TYPE("stream_options", "an object");
-    if (lfs_member_bool(v, "include_usage", &r.include_usage, err) < 0) goto fail;
+    if (lfs_member_bool(v, "include_usage", &r->include_usage, err) < 0) return -1;
   }
-  if (lfs_member_bool(root, "ignore_eos", &r.ignore_eos, err) < 0) goto fail;
-  if (lfs_member_bool(root, "return_token_ids", &r.return_token_ids, err) < 0) goto fail;
+  if (lfs_member_bool(root, "ignore_eos", &r->ignore_eos, err) < 0) return -1;
+  if (lfs_member_bool(root, "return_token_ids", &r->return_token_ids, err) < 0) return -1;
+  return 0;
+fail:
+  return -1;
+}
 
+/* temperature, top_p, top_k, seed. */
+static int read_sampling(const cJSON *root, lfs_request *r, lfs_error *err) {
+  int64_t x;
+  double d;
   switch (lfs_member_num(root, "temperature", 0, 100, 0, &d, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
-    r.sampling.temperature = (float)d;
+    r->sampling.temperature = (float)d;
   }
   switch (lfs_member_num(root, "top_p", 0, 1, 1, &d, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
-    r.sampling.top_p = (float)d;
+    r->sampling.top_p = (float)d;
   }
   switch (lfs_member_int(root, "top_k", -1, INT32_MAX, &x, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
-    r.sampling.top_k = x < 0 ? 0 : (int)x;
+    r->sampling.top_k = x < 0 ? 0 : (int)x;
   }
   switch (lfs_member_int(root, "seed", INT64_MIN, INT64_MAX, &x, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
-    r.sampling.seed = (uint64_t)x;
+    r->sampling.seed = (uint64_t)x;
   }
+  return 0;
+}
 
-  /* The prompt. */
+/* The prompt (chat: "messages" rendered with the chat template; else "prompt": text or token
+ * ids) into r->prompt, within the model's context. */
+static int read_prompt(const lfs_model_ctx *m, const cJSON *root, int chat, lfs_request *r,
+                       lfs_error *err) {
+  lf_token_ids ids = {0};
   if (chat) {
     if (!lfs_json_member(root, "messages")) {
       lfs_error_set(err, 400, "invalid_request_error", "missing_required_parameter", "messages",
@@ -539,9 +559,9 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
       goto fail;
     }
     /* The rendered template carries its own BOS and special markers. */
-    if (read_messages(m, lfs_json_member(root, "messages"), &ids, err)) goto fail_ids;
+    if (read_messages(m, lfs_json_member(root, "messages"), &ids, err)) goto fail;
   } else {
-    v = lfs_json_member(root, "prompt");
+    const cJSON *v = lfs_json_member(root, "prompt");
     if (!v) {
       lfs_error_set(err, 400, "invalid_request_error", "missing_required_parameter", "prompt",
                     "'prompt' is required");
@@ -556,7 +576,7 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
       size_t n = 0;
       const char *s = lfs_json_string(v, &n);
       if (n == 0) BAD("prompt", "'prompt' must not be empty");
-      if (encode(m, s, n, LF_TOK_ADD_SPECIAL, "prompt", &ids, err)) goto fail_ids;
+      if (encode(m, s, n, LF_TOK_ADD_SPECIAL, "prompt", &ids, err)) goto fail;
     } else if (cJSON_IsArray(v)) {
       if (!is_id_array(v)) BAD_TYPE("prompt", "a string or an array of token ids");
       int32_t *p;
@@ -568,37 +588,43 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
       BAD_TYPE("prompt", "a string or an array of token ids");
     }
   }
-  if (ids.n == 0) {
-    lf_token_ids_free(&ids);
-    BAD(chat ? "messages" : "prompt", "the prompt is empty");
-  }
+  if (ids.n == 0) BAD(chat ? "messages" : "prompt", "the prompt is empty");
   if (ids.n > (size_t)m->max_seq_len) {
     lfs_error_set(
         err, 400, "invalid_request_error", "context_length_exceeded", chat ? "messages" : "prompt",
         "the prompt has %zu tokens; the model's context is %d tokens", ids.n, m->max_seq_len);
-    goto fail_ids;
+    goto fail;
   }
-  r.prompt = ids.ids;
-  r.n_prompt = (int)ids.n;
-  ids.ids = NULL;
+  r->prompt = ids.ids;
+  r->n_prompt = (int)ids.n;
+  return 0;
+fail:
+  lf_token_ids_free(&ids);
+  return -1;
+}
 
-  /* Under `full` nothing is ever evicted: prompt and output must fit the pool. Otherwise the
-   * model's context is the limit (LongFlow's pool holds a bounded window of it). */
+/* max_tokens (chat: or max_completion_tokens) within what the prompt leaves. Under `full`
+ * nothing is ever evicted: prompt and output must fit the pool. Otherwise the model's context is
+ * the limit (LongFlow's pool holds a bounded window of it). Without one: all that is left (chat)
+ * or 16 (completions), as OpenAI's defaults. */
+static int read_max_tokens(const lfs_model_ctx *m, const cJSON *root, int chat, lfs_request *r,
+                           lfs_error *err) {
   const int full = m->policy == LF_POLICY_FULL;
   const int limit = full && m->budget < m->max_seq_len ? m->budget : m->max_seq_len;
-  if (r.n_prompt > limit) {
+  if (r->n_prompt > limit) {
     lfs_error_set(err, 400, "invalid_request_error", "context_length_exceeded",
                   chat ? "messages" : "prompt",
                   "the prompt has %d tokens; at most %d fit (the KV budget under the full policy)",
-                  r.n_prompt, limit);
-    goto fail;
+                  r->n_prompt, limit);
+    return -1;
   }
-  const int room = limit - r.n_prompt + 1; /* the last token is sampled, never stored */
+  const int room = limit - r->n_prompt + 1; /* the last token is sampled, never stored */
   int have = 0;
+  int64_t x;
   const char *mt_key = "max_tokens";
   switch (lfs_member_int(root, "max_tokens", INT64_MIN, INT64_MAX, &x, err)) {
   case -1:
-    goto fail;
+    return -1;
   case 1:
     have = 1;
   }
@@ -606,40 +632,45 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
     mt_key = "max_completion_tokens";
     switch (lfs_member_int(root, mt_key, INT64_MIN, INT64_MAX, &x, err)) {
     case -1:
-      goto fail;
+      return -1;
     case 1:
       have = 1;
     }
   }
-  if (have) {
-    if (x < 1) BAD(mt_key, "'%s' is %lld; it must be at least 1", mt_key, (long long)x);
-    if (x > m->max_seq_len)
-      BAD(mt_key, "'%s' is %lld; the model's context is %d tokens", mt_key, (long long)x,
-          m->max_seq_len);
-    if (x > room) {
-      lfs_error_set(err, 400, "invalid_request_error", "context_length_exceeded", mt_key,
-                    "the prompt (%d tokens) plus %s (%lld) exceed the %s of %d tokens", r.n_prompt,
-                    mt_key, (long long)x,
-                    limit < m->max_seq_len ? "KV budget (full policy)" : "model's context", limit);
-      goto fail;
-    }
-    r.max_tokens = (int)x;
-  } else {
-    r.max_tokens = chat ? room : (room < 16 ? room : 16);
+  if (!have) {
+    r->max_tokens = chat ? room : (room < 16 ? room : 16);
+    return 0;
   }
+  if (x < 1) BAD(mt_key, "'%s' is %lld; it must be at least 1", mt_key, (long long)x);
+  if (x > m->max_seq_len)
+    BAD(mt_key, "'%s' is %lld; the model's context is %d tokens", mt_key, (long long)x,
+        m->max_seq_len);
+  if (x > room) {
+    lfs_error_set(err, 400, "invalid_request_error", "context_length_exceeded", mt_key,
+                  "the prompt (%d tokens) plus %s (%lld) exceed the %s of %d tokens", r->n_prompt,
+                  mt_key, (long long)x,
+                  limit < m->max_seq_len ? "KV budget (full policy)" : "model's context", limit);
+    return -1;
+  }
+  r->max_tokens = (int)x;
+  return 0;
+fail:
+  return -1;
+}
 
-  /* Stops. */
+/* stop (a string or an array of strings / token-id arrays) and stop_token_ids. */
+static int read_stops(const lfs_model_ctx *m, const cJSON *root, lfs_request *r, lfs_error *err) {
   const int max_stop = m->max_stop > 0 ? m->max_stop : 16;
-  v = lfs_json_member(root, "stop");
+  const cJSON *v = lfs_json_member(root, "stop");
   if (!lfs_json_is_null(v)) {
     if (cJSON_IsString(v)) {
-      if (read_stop_entry(m, v, &r, err)) goto fail;
+      if (read_stop_entry(m, v, r, err)) return -1;
     } else if (cJSON_IsArray(v)) {
       if (lfs_json_count(v) > (size_t)max_stop)
         BAD("stop", "'stop' has %zu entries; at most %d are accepted", lfs_json_count(v), max_stop);
       const cJSON *e;
       cJSON_ArrayForEach(e, v) {
-        if (read_stop_entry(m, e, &r, err)) goto fail;
+        if (read_stop_entry(m, e, r, err)) return -1;
       }
     } else {
       BAD_TYPE("stop", "a string or an array");
@@ -651,20 +682,43 @@ int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t
     if (lfs_json_count(v) > 256) BAD("stop_token_ids", "at most 256 stop token ids are accepted");
     int32_t *p;
     int n;
-    if (read_ids(m, v, "stop_token_ids", &p, &n, err)) goto fail;
+    if (read_ids(m, v, "stop_token_ids", &p, &n, err)) return -1;
     for (int i = 0; i < n; i++)
-      if (add_stop_id(&r, p[i])) {
+      if (add_stop_id(r, p[i])) {
         free(p);
         OOM();
       }
     free(p);
   }
+  return 0;
+fail:
+  return -1;
+}
 
+int lfs_request_parse(const lfs_model_ctx *m, int chat, const char *body, size_t len,
+                      lfs_request *out, lfs_error *err) {
+  lfs_request r;
+  memset(&r, 0, sizeof r);
+  memset(out, 0, sizeof *out);
+  r.chat = chat;
+  r.sampling.top_p = 1.0f;
+  cJSON *root = lfs_body_parse(body, len, err);
+  if (!root) goto fail;
+  if (!cJSON_IsObject(root)) {
+    lfs_error_set(err, 400, "invalid_request_error", "invalid_type", NULL,
+                  "the request body must be a JSON object");
+    goto fail;
+  }
+  /* In this order: the first problem of a body is the one reported. */
+  if (check_members(root, chat, err) || read_model(m, root, err) ||
+      read_output_shape(root, chat, &r, err) || read_penalties(m, root, &r, err) ||
+      read_flags(root, &r, err) || read_sampling(root, &r, err) ||
+      read_prompt(m, root, chat, &r, err) || read_max_tokens(m, root, chat, &r, err) ||
+      read_stops(m, root, &r, err))
+    goto fail;
   cJSON_Delete(root);
   *out = r;
   return 0;
-fail_ids:
-  lf_token_ids_free(&ids);
 fail:
   cJSON_Delete(root);
   lfs_request_free(&r);

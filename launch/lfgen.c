@@ -138,27 +138,34 @@ static void *load_progress_main(void *arg) {
   return NULL;
 }
 
-int main(int argc, char **argv) {
+/* What the command line asks for. */
+typedef struct gen_opts {
   lf_engine_config cfg;
-  lf_engine_config_default(&cfg);
   lf_request rq;
-  memset(&rq, 0, sizeof rq);
-  rq.max_tokens = 256;
-  rq.sampling.top_p = 1.0f;
-  int32_t *ids = NULL;
-  const char *prompt_text = NULL, *chat_template = NULL;
-  int chat = 0, print_ids = 0, max_tokens_given = 0;
-  int want_tp = lf_launched_multi_rank();
-  lf_comm_t comm = NULL;
+  int32_t *ids; /* the prompt (malloc'ed; rq.prompt once it is known) */
+  const char *prompt_text, *chat_template;
+  int chat, print_ids, max_tokens_given, want_tp;
+} gen_opts;
+
+enum { GEN_GO = -1 }; /* parse_args: carry on (otherwise it returns main's exit status) */
+
+static int parse_args(int argc, char **argv, gen_opts *o) {
+  lf_engine_config_default(&o->cfg);
+  memset(&o->rq, 0, sizeof o->rq);
+  o->rq.max_tokens = 256;
+  o->rq.sampling.top_p = 1.0f;
+  o->want_tp = lf_launched_multi_rank();
+  lf_engine_config *cfg = &o->cfg;
+  lf_request *rq = &o->rq;
   const lf_cli_int ints[] = {
-      {"--budget", 1, INT_MAX, &cfg.budget},
-      {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},
-      {"--sink", 0, INT_MAX, &cfg.sink},
-      {"--evict-groups", 0, 4096, &cfg.evict_groups},
-      {"--window", 0, INT_MAX, &cfg.window},
-      {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
-      {"--rkv-stage", 0, INT_MAX, &cfg.rkv_stage},
-      {"--top-k", 0, INT_MAX, &rq.sampling.top_k},
+      {"--budget", 1, INT_MAX, &cfg->budget},
+      {"--max-batch-tokens", 0, INT_MAX, &cfg->max_batch_tokens},
+      {"--sink", 0, INT_MAX, &cfg->sink},
+      {"--evict-groups", 0, 4096, &cfg->evict_groups},
+      {"--window", 0, INT_MAX, &cfg->window},
+      {"--h2o-recent", 0, INT_MAX, &cfg->h2o_recent},
+      {"--rkv-stage", 0, INT_MAX, &cfg->rkv_stage},
+      {"--top-k", 0, INT_MAX, &rq->sampling.top_k},
   };
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -179,70 +186,70 @@ int main(int argc, char **argv) {
       if (lf_cli_int_set(io, v)) goto bad;
     } else if (!strcmp(a, "--model")) {
       NEED_VALUE;
-      cfg.model_path = v;
+      cfg->model_path = v;
     } else if (!strcmp(a, "--lora")) {
       NEED_VALUE;
-      cfg.lora_path = v;
+      cfg->lora_path = v;
     } else if (!strcmp(a, "--prompt-ids")) {
       NEED_VALUE;
-      free(ids);
-      ids = NULL;
-      if (parse_ids(v, &ids, &rq.n_prompt)) {
+      free(o->ids);
+      o->ids = NULL;
+      if (parse_ids(v, &o->ids, &rq->n_prompt)) {
         fprintf(stderr, "lfgen: --prompt-ids wants comma-separated non-negative ids, got '%s'\n", v);
         return 2;
       }
     } else if (!strcmp(a, "--prompt")) {
       NEED_VALUE;
-      prompt_text = v;
+      o->prompt_text = v;
     } else if (!strcmp(a, "--max-tokens")) {
       NEED_VALUE;
       long n;
       if (lf_cli_parse_long(v, 1, INT_MAX, &n)) goto bad;
-      rq.max_tokens = (int)n;
-      max_tokens_given = 1;
+      rq->max_tokens = (int)n;
+      o->max_tokens_given = 1;
     } else if (!strcmp(a, "--policy")) {
       NEED_VALUE;
-      if (lf_policy_parse(v, &cfg.policy) != LF_OK) {
+      if (lf_policy_parse(v, &cfg->policy) != LF_OK) {
         fprintf(stderr, "lfgen: %s\n", lf_last_error());
         return 2;
       }
     } else if (!strcmp(a, "--evict-scope")) {
       NEED_VALUE;
-      if (lf_evict_scope_parse(v, &cfg.evict_scope) != LF_OK) {
+      if (lf_evict_scope_parse(v, &cfg->evict_scope) != LF_OK) {
         fprintf(stderr, "lfgen: %s\n", lf_last_error());
         return 2;
       }
     } else if (!strcmp(a, "--kv-dtype")) {
       NEED_VALUE;
-      if (lf_kv_dtype_parse(v, &cfg.kv_dtype) != LF_OK) {
+      if (lf_kv_dtype_parse(v, &cfg->kv_dtype) != LF_OK) {
         fprintf(stderr, "lfgen: %s\n", lf_last_error());
         return 2;
       }
     } else if (!strcmp(a, "--temperature")) {
       NEED_VALUE;
       if (parse_float(v, &d) || d < 0) goto bad;
-      rq.sampling.temperature = (float)d;
+      rq->sampling.temperature = (float)d;
     } else if (!strcmp(a, "--top-p")) {
       NEED_VALUE;
       if (parse_float(v, &d) || d <= 0 || d > 1) goto bad;
-      rq.sampling.top_p = (float)d;
+      rq->sampling.top_p = (float)d;
     } else if (!strcmp(a, "--seed")) {
       NEED_VALUE;
       char *end;
       errno = 0;
-      rq.sampling.seed = strtoull(v, &end, 10);
+      rq->sampling.seed = strtoull(v, &end, 10);
       if (errno || *end || end == v) goto bad;
     } else if (!strcmp(a, "--backend")) {
       NEED_VALUE;
-      if (lf_backend_parse(v, &cfg.backend) != LF_OK) goto bad;
+      if (lf_backend_parse(v, &cfg->backend) != LF_OK) goto bad;
     } else if (!strcmp(a, "--tp")) {
-      want_tp = 1;
+      o->want_tp = 1;
     } else if (!strcmp(a, "--ignore-eos")) {
-      rq.ignore_eos = 1;
+      rq->ignore_eos = 1;
     } else if (!strcmp(a, "--print-ids")) {
-      print_ids = 1;
+      o->print_ids = 1;
     } else if (!strcmp(a, "--chat")) {
-      chat = 1;
+      o->chat = 1;
     } else if (!strcmp(a, "--chat-template")) {
       NEED_VALUE;
       lf_chat_format f;
@@ -250,7 +257,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "lfgen: %s\n", lf_last_error());
         return 2;
       }
-      chat_template = v;
+      o->chat_template = v;
     } else {
       return lf_cli_unknown_option("lfgen", a, usage);
     }
@@ -259,94 +266,83 @@ int main(int argc, char **argv) {
     return lf_cli_bad_value("lfgen", a, v);
 #undef NEED_VALUE
   }
-  if (!cfg.model_path) {
+  if (!cfg->model_path) {
     fprintf(stderr, "lfgen: --model is required\n");
     usage(stderr);
     return 2;
   }
-  /* The model's tokenizer (a HF directory's tokenizer.json or a GGUF file's metadata). */
-  lf_tokenizer *tok = NULL;
-  char no_tok[4200] = "";
-  {
-    lf_status ts = lf_model_tokenizer_open(cfg.model_path, &tok, no_tok, sizeof no_tok);
-    if (ts != LF_OK && prompt_text) {
-      fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(ts), lf_last_error());
-      free(ids);
-      return 1;
-    }
-    if (ts != LF_OK) { /* token ids in and out need no tokenizer: say why there is none */
-      snprintf(no_tok, sizeof no_tok, "%s", lf_last_error());
-      fprintf(stderr, "lfgen: warning: no tokenizer (%s): printing token ids\n", no_tok);
-      tok = NULL;
-    }
-  }
-  if (chat && !prompt_text) {
-    fprintf(stderr, "lfgen: --chat needs --prompt\n");
-    return 2;
-  }
-  if (prompt_text && !ids) {
-    if (!tok) {
-      fprintf(stderr, "lfgen: --prompt needs a tokenizer (%s); use --prompt-ids\n", no_tok);
-      return 2;
-    }
-    lf_tok_text rendered = {0};
-    lf_token_ids enc = {0};
-    lf_status ts = LF_OK;
-    if (chat) {
-      lf_chat_template *tmpl = NULL;
-      ts = lf_model_chat_template_open_as(cfg.model_path, chat_template, &tmpl);
-      if (ts != LF_OK) {
-        fprintf(stderr, "lfgen: --chat: %s; give --chat-template chatml|llama3|deepseek-r1 to "
-                        "choose one, or drop --chat\n", lf_last_error());
-        lf_tokenizer_free(tok);
-        free(ids);
-        return 2;
-      }
-      lf_chat_message msg = {"user", prompt_text};
-      if (ts == LF_OK) ts = lf_chat_template_render(tmpl, &msg, 1, 1, &rendered);
-      lf_chat_template_free(tmpl);
-      /* The rendered template carries its own BOS and markers. */
-      if (ts == LF_OK) ts = lf_tokenizer_encode(tok, rendered.data, rendered.len, 0, &enc);
-    } else {
-      ts = lf_tokenizer_encode(tok, prompt_text, strlen(prompt_text), LF_TOK_ADD_SPECIAL, &enc);
-    }
-    lf_tok_text_free(&rendered);
-    if (ts == LF_OK && enc.n == 0) {
-      fprintf(stderr, "lfgen: the prompt is empty: it encodes to no tokens (this tokenizer adds "
-                      "no BOS); give a non-empty --prompt, or --prompt-ids\n");
-      lf_token_ids_free(&enc);
-      lf_tokenizer_free(tok);
-      return 2;
-    }
-    if (ts != LF_OK || enc.n > INT_MAX) {
-      fprintf(stderr, "lfgen: cannot encode the prompt: %s: %s\n", lf_status_str(ts),
-              ts == LF_OK ? "more than INT_MAX tokens" : lf_last_error());
-      lf_token_ids_free(&enc);
-      lf_tokenizer_free(tok);
-      return 2;
-    }
-    ids = enc.ids; /* malloc'ed: freed with free() like parse_ids' array */
-    rq.n_prompt = (int)enc.n;
-  }
-  if (!ids) {
-    fprintf(stderr, "lfgen: give --prompt-ids\n");
-    return 2;
-  }
-  rq.prompt = ids;
+  return GEN_GO;
+}
 
-  const double t_load = lf_now_s();
-  lf_engine_t e;
-  lf_status s = LF_OK;
-  if (want_tp && (s = lf_tp_start(&argc, &argv, cfg.backend, &comm)) != LF_OK) {
-    fprintf(stderr, "lfgen: --tp: %s: %s\n", lf_status_str(s), lf_last_error());
-    free(ids);
+/* The model's tokenizer (a HF directory's tokenizer.json or a GGUF file's metadata) into *tok,
+ * or NULL with the reason in no_tok: token ids in and out need none. Returns 0, or 1 after a
+ * message when --prompt needs one that cannot be opened. */
+static int open_tokenizer(const gen_opts *o, lf_tokenizer **tok, char *no_tok, size_t cap) {
+  lf_status ts = lf_model_tokenizer_open(o->cfg.model_path, tok, no_tok, cap);
+  if (ts != LF_OK && o->prompt_text) {
+    fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(ts), lf_last_error());
     return 1;
   }
+  if (ts != LF_OK) { /* say why there is none */
+    snprintf(no_tok, cap, "%s", lf_last_error());
+    fprintf(stderr, "lfgen: warning: no tokenizer (%s): printing token ids\n", no_tok);
+    *tok = NULL;
+  }
+  return 0;
+}
+
+/* --prompt (with --chat: as one user message in the chat template) -> o->ids. Returns 0, or 2
+ * after a message. */
+static int encode_prompt(gen_opts *o, const lf_tokenizer *tok, const char *no_tok) {
+  if (!tok) {
+    fprintf(stderr, "lfgen: --prompt needs a tokenizer (%s); use --prompt-ids\n", no_tok);
+    return 2;
+  }
+  lf_tok_text rendered = {0};
+  lf_token_ids enc = {0};
+  lf_status ts = LF_OK;
+  if (o->chat) {
+    lf_chat_template *tmpl = NULL;
+    ts = lf_model_chat_template_open_as(o->cfg.model_path, o->chat_template, &tmpl);
+    if (ts != LF_OK) {
+      fprintf(stderr, "lfgen: --chat: %s; give --chat-template chatml|llama3|deepseek-r1 to "
+                      "choose one, or drop --chat\n", lf_last_error());
+      return 2;
+    }
+    lf_chat_message msg = {"user", o->prompt_text};
+    ts = lf_chat_template_render(tmpl, &msg, 1, 1, &rendered);
+    lf_chat_template_free(tmpl);
+    /* The rendered template carries its own BOS and markers. */
+    if (ts == LF_OK) ts = lf_tokenizer_encode(tok, rendered.data, rendered.len, 0, &enc);
+  } else {
+    ts = lf_tokenizer_encode(tok, o->prompt_text, strlen(o->prompt_text), LF_TOK_ADD_SPECIAL,
+                             &enc);
+  }
+  lf_tok_text_free(&rendered);
+  if (ts == LF_OK && enc.n == 0) {
+    fprintf(stderr, "lfgen: the prompt is empty: it encodes to no tokens (this tokenizer adds "
+                    "no BOS); give a non-empty --prompt, or --prompt-ids\n");
+    lf_token_ids_free(&enc);
+    return 2;
+  }
+  if (ts != LF_OK || enc.n > INT_MAX) {
+    fprintf(stderr, "lfgen: cannot encode the prompt: %s: %s\n", lf_status_str(ts),
+            ts == LF_OK ? "more than INT_MAX tokens" : lf_last_error());
+    lf_token_ids_free(&enc);
+    return 2;
+  }
+  o->ids = enc.ids; /* malloc'ed: freed with free() like parse_ids' array */
+  o->rq.n_prompt = (int)enc.n;
+  return 0;
+}
+
+/* lf_engine_init with a progress line every few seconds on rank 0 (load_progress_main). */
+static lf_status init_engine(const gen_opts *o, lf_comm_t comm, double t_load, lf_engine_t *e) {
   load_progress lp = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, t_load};
   pthread_t lp_thread;
   const int lp_on = lf_comm_rank(comm) == 0 &&
                     pthread_create(&lp_thread, NULL, load_progress_main, &lp) == 0;
-  s = lf_engine_init(&cfg, comm, &e);
+  lf_status s = lf_engine_init(&o->cfg, comm, e);
   if (lp_on) {
     pthread_mutex_lock(&lp.mu);
     lp.done = 1;
@@ -354,80 +350,65 @@ int main(int argc, char **argv) {
     pthread_mutex_unlock(&lp.mu);
     pthread_join(lp_thread, NULL);
   }
-  if (s != LF_OK) {
-    fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
-    free(ids);
-    return 1;
-  }
-  if (lf_comm_rank(comm) != 0) { /* a follower: rank 0 decides and prints */
-    s = lf_engine_follow(e);
-    if (s != LF_OK)
-      fprintf(stderr, "lfgen: rank %d: %s: %s\n", lf_comm_rank(comm), lf_status_str(s),
-              lf_last_error());
-    lf_engine_free(e);
-    free(ids);
-    if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
-    lf_tp_end(comm);
-    return 0;
-  }
-  lf_model_info mi;
-  lf_engine_model_info(e, &mi);
-  fprintf(stderr, "lfgen: %s model%s%s, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
-                  "kv %s, budget %d, loaded in %.2f s\n",
-          mi.model_type, cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
-          cfg.lora_path ? cfg.lora_path : "", mi.n_layers, mi.n_heads, mi.n_kv_heads,
-          mi.vocab_size, lf_policy_str(cfg.policy), lf_evict_scope_str(cfg.evict_scope),
-          lf_kv_dtype_str(cfg.kv_dtype), cfg.budget ? cfg.budget : mi.max_seq_len, lf_now_s() - t_load);
+  return s;
+}
 
-  /* The same limits as the server's: the prompt must fit the context, and --max-tokens what it
-   * leaves (the last token is sampled, never stored); the default is cut to that room. */
-  const int room = mi.max_seq_len - rq.n_prompt + 1;
-  if (rq.n_prompt > mi.max_seq_len || (max_tokens_given && rq.max_tokens > room)) {
-    if (rq.n_prompt > mi.max_seq_len)
+/* A rank other than 0: runs rank 0's steps until it frees its engine. main's exit status. */
+static int follow(lf_engine_t e, lf_comm_t comm) {
+  lf_status s = lf_engine_follow(e);
+  if (s != LF_OK)
+    fprintf(stderr, "lfgen: rank %d: %s: %s\n", lf_comm_rank(comm), lf_status_str(s),
+            lf_last_error());
+  lf_engine_free(e);
+  if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
+  lf_tp_end(comm);
+  return 0;
+}
+
+/* The same limits as the server's: the prompt must fit the context, and --max-tokens what it
+ * leaves (the last token is sampled, never stored); the default is cut to that room. Returns 0,
+ * or 2 after a message. */
+static int fit_context(gen_opts *o, const lf_resolved_config *rc) {
+  lf_request *rq = &o->rq;
+  const int ctx = rc->max_seq_len, room = ctx - rq->n_prompt + 1;
+  if (rq->n_prompt > ctx || (o->max_tokens_given && rq->max_tokens > room)) {
+    if (rq->n_prompt > ctx)
       fprintf(stderr, "lfgen: the prompt has %d tokens; the model's context is %d tokens\n",
-              rq.n_prompt, mi.max_seq_len);
+              rq->n_prompt, ctx);
     else
       fprintf(stderr,
               "lfgen: the prompt (%d tokens) plus --max-tokens %d exceed the model's context of "
               "%d tokens: at most %d can be generated\n",
-              rq.n_prompt, rq.max_tokens, mi.max_seq_len, room);
-    lf_engine_free(e); /* releases the followers */
-    lf_tokenizer_free(tok);
-    free(ids);
-    lf_tp_end(comm);
+              rq->n_prompt, rq->max_tokens, ctx, room);
     return 2;
   }
-  if (rq.max_tokens > room) rq.max_tokens = room;
+  if (rq->max_tokens > room) rq->max_tokens = room;
+  return 0;
+}
 
-  uint64_t id;
-  s = lf_engine_submit(e, &rq, &id);
-  if (s != LF_OK) {
-    fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
-    lf_engine_free(e);
-    free(ids);
-    return 1;
-  }
-  int n_out = 0, rc = 0;
-  lf_finish_reason why = LF_FINISH_NONE;
-  /* Text output (whole UTF-8 characters only) when a tokenizer exists, unless --print-ids. */
-  const int as_text = tok && !print_ids;
+/* Steps the engine until request id finishes, writing its tokens to stdout as they come: text
+ * (whole UTF-8 characters only) when tok is given, else ids, then a newline. *why gets the
+ * finish reason. Returns 0, or 1 after a message. */
+static int run_events(lf_engine_t e, const lf_request *rq, const lf_resolved_config *rc,
+                      const lf_tokenizer *tok, lf_finish_reason *why) {
+  int n_out = 0, rc_exit = 0;
   lf_tok_stream tstream;
   lf_tok_text piece = {0};
-  if (as_text && lf_tok_stream_init(&tstream, tok, LF_TOK_SKIP_SPECIAL) != LF_OK) {
+  if (tok && lf_tok_stream_init(&tstream, tok, LF_TOK_SKIP_SPECIAL) != LF_OK) {
     fprintf(stderr, "lfgen: out of memory\n");
     return 1;
   }
   lf_event ev[16];
   while (lf_engine_busy(e)) {
     int n;
-    s = lf_engine_step(e, ev, 16, &n);
+    lf_status s = lf_engine_step(e, ev, 16, &n);
     if (s != LF_OK) {
       fprintf(stderr, "\nlfgen: step failed: %s: %s\n", lf_status_str(s), lf_last_error());
-      rc = 1;
+      rc_exit = 1;
       break;
     }
     for (int i = 0; i < n; i++) {
-      if (ev[i].type == LF_EVENT_TOKEN && as_text) {
+      if (ev[i].type == LF_EVENT_TOKEN && tok) {
         lf_tok_text_clear(&piece);
         if (lf_tok_stream_put(&tstream, ev[i].token, &piece) == LF_OK)
           fwrite(piece.data, 1, piece.len, stdout);
@@ -438,38 +419,52 @@ int main(int argc, char **argv) {
         fflush(stdout);
         n_out++;
       } else {
-        why = ev[i].reason;
-        if (why == LF_FINISH_ERROR && ev[i].status == LF_ERR_CONTEXT_FULL) {
+        *why = ev[i].reason;
+        if (*why == LF_FINISH_ERROR && ev[i].status == LF_ERR_CONTEXT_FULL) {
           /* The engine reports only the status: the figures are ours. The sequence holds the
            * prompt and every sampled token but the last (never fed back). */
-          const int budget = cfg.budget ? cfg.budget : mi.max_seq_len;
-          const int need = rq.n_prompt + rq.max_tokens - 1;
+          const int need = rq->n_prompt + rq->max_tokens - 1;
           fprintf(stderr,
                   "\nlfgen: generation failed: context full: the full policy keeps every token, "
                   "and the pool of --budget %d slots filled after %d prompt + %d generated "
                   "tokens; %d prompt + --max-tokens %d need --budget %d or more. Give a larger "
                   "--budget, fewer --max-tokens, or an evicting --policy (longflow, streaming, "
                   "h2o)\n",
-                  budget, rq.n_prompt, n_out, rq.n_prompt, rq.max_tokens, need);
-          rc = 1;
-        } else if (why == LF_FINISH_ERROR) {
+                  rc->budget, rq->n_prompt, n_out, rq->n_prompt, rq->max_tokens, need);
+          rc_exit = 1;
+        } else if (*why == LF_FINISH_ERROR) {
           fprintf(stderr, "\nlfgen: generation failed: %s\n", lf_status_str(ev[i].status));
-          rc = 1;
+          rc_exit = 1;
         }
       }
     }
   }
-  if (as_text) {
+  if (tok) {
     lf_tok_text_clear(&piece);
     if (lf_tok_stream_flush(&tstream, &piece) == LF_OK) fwrite(piece.data, 1, piece.len, stdout);
     lf_tok_stream_free(&tstream);
     lf_tok_text_free(&piece);
   }
   printf("\n");
-  char tp_note[48] = "";
-  if (lf_comm_size(comm) > 1)
-    snprintf(tp_note, sizeof tp_note, "; tp %d (tensor parallel over %d ranks)",
-             lf_comm_size(comm), lf_comm_size(comm));
+  return rc_exit;
+}
+
+static void print_loaded(const gen_opts *o, const lf_model_info *mi, const lf_resolved_config *rc,
+                         double load_s) {
+  const char *lora = o->cfg.lora_path;
+  fprintf(stderr, "lfgen: %s model%s%s, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
+                  "kv %s, budget %d, loaded in %.2f s\n",
+          mi->model_type, lora && lora[0] ? " + LoRA adapter " : "", lora ? lora : "",
+          mi->n_layers, mi->n_heads, mi->n_kv_heads, mi->vocab_size, lf_policy_str(rc->policy),
+          lf_evict_scope_str(rc->evict_scope), lf_kv_dtype_str(rc->kv_dtype), rc->budget, load_s);
+}
+
+static void print_stats(lf_engine_t e, uint64_t id, lf_finish_reason why,
+                        const lf_resolved_config *rc) {
+  char tp_note[80] = "";
+  if (rc->n_ranks > 1)
+    snprintf(tp_note, sizeof tp_note, "; tp %d (tensor parallel over %d ranks)", rc->n_ranks,
+             rc->n_ranks);
   lf_request_stats st;
   if (lf_engine_request_stats(e, id, &st) == LF_OK) {
     fprintf(stderr,
@@ -477,12 +472,83 @@ int main(int argc, char **argv) {
             "%.1f tokens/s decode; slots filled %d of %d; evictions %llu (slot overwrites over "
             "all layers and KV heads)%s\n",
             st.prompt_tokens, st.generated_tokens, lf_finish_reason_str(why), st.ttft_seconds,
-            st.tpot_seconds > 0 ? 1.0 / st.tpot_seconds : 0.0, st.slots_filled,
-            cfg.budget ? cfg.budget : mi.max_seq_len, (unsigned long long)st.evictions, tp_note);
+            st.tpot_seconds > 0 ? 1.0 / st.tpot_seconds : 0.0, st.slots_filled, rc->budget,
+            (unsigned long long)st.evictions, tp_note);
   }
+}
+
+int main(int argc, char **argv) {
+  gen_opts o;
+  memset(&o, 0, sizeof o);
+  int rc = parse_args(argc, argv, &o);
+  if (rc != GEN_GO) return rc;
+  lf_tokenizer *tok = NULL;
+  char no_tok[4200] = "";
+  if (open_tokenizer(&o, &tok, no_tok, sizeof no_tok)) {
+    free(o.ids);
+    return 1;
+  }
+  if (o.chat && !o.prompt_text) {
+    fprintf(stderr, "lfgen: --chat needs --prompt\n");
+    return 2;
+  }
+  if (o.prompt_text && !o.ids && (rc = encode_prompt(&o, tok, no_tok)) != 0) {
+    lf_tokenizer_free(tok);
+    free(o.ids);
+    return rc;
+  }
+  if (!o.ids) {
+    fprintf(stderr, "lfgen: give --prompt-ids\n");
+    return 2;
+  }
+  o.rq.prompt = o.ids;
+
+  const double t_load = lf_now_s();
+  lf_comm_t comm = NULL;
+  lf_engine_t e;
+  lf_status s = LF_OK;
+  if (o.want_tp && (s = lf_tp_start(&argc, &argv, o.cfg.backend, &comm)) != LF_OK) {
+    fprintf(stderr, "lfgen: --tp: %s: %s\n", lf_status_str(s), lf_last_error());
+    free(o.ids);
+    return 1;
+  }
+  if ((s = init_engine(&o, comm, t_load, &e)) != LF_OK) {
+    fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
+    free(o.ids);
+    return 1;
+  }
+  if (lf_comm_rank(comm) != 0) { /* a follower: rank 0 decides and prints */
+    free(o.ids);
+    return follow(e, comm);
+  }
+  lf_model_info mi;
+  lf_engine_model_info(e, &mi);
+  lf_resolved_config rc_eng; /* what the engine runs with: the budget with its default resolved */
+  lf_engine_resolved_config(e, &rc_eng);
+  print_loaded(&o, &mi, &rc_eng, lf_now_s() - t_load);
+  if ((rc = fit_context(&o, &rc_eng)) != 0) {
+    lf_engine_free(e); /* releases the followers */
+    lf_tokenizer_free(tok);
+    free(o.ids);
+    lf_tp_end(comm);
+    return rc;
+  }
+
+  uint64_t id;
+  s = lf_engine_submit(e, &o.rq, &id);
+  if (s != LF_OK) {
+    fprintf(stderr, "lfgen: %s: %s\n", lf_status_str(s), lf_last_error());
+    lf_engine_free(e);
+    free(o.ids);
+    return 1;
+  }
+  lf_finish_reason why = LF_FINISH_NONE;
+  /* Text output when a tokenizer exists, unless --print-ids. */
+  rc = run_events(e, &o.rq, &rc_eng, o.print_ids ? NULL : tok, &why);
+  print_stats(e, id, why, &rc_eng);
   lf_engine_free(e); /* releases the followers */
   lf_tokenizer_free(tok);
-  free(ids);
+  free(o.ids);
   if (rc == 0) lf_tp_end(comm);
   return rc;
 }

@@ -133,32 +133,43 @@ static int load_api_key(const char *path, char **key, const char **from) {
   return 0;
 }
 
-int main(int argc, char **argv) {
+/* What the command line asks for. */
+typedef struct serve_opts {
   lf_engine_config cfg;
-  lf_engine_config_default(&cfg);
-  cfg.max_queue = 1024;
+  const char *host, *name, *key_file, *chat_template;
+  int auth_metrics, chat_content_special;
+  double queue_timeout;
+  long port, max_conn, timeout, max_body;
+} serve_opts;
+
+enum { SERVE_GO = -1 }; /* parse_args: carry on (otherwise it returns main's exit status) */
+
+static int parse_args(int argc, char **argv, serve_opts *o) {
+  lf_engine_config *cfg = &o->cfg;
+  lf_engine_config_default(cfg);
+  cfg->max_queue = 1024;
   /* Pools sized from memory by default: on the cpu half of MemAvailable after the weights (the
    * rest is the machine's: other processes, page cache, the activations that grow with the
    * batch), on cuda mem_util (0.9) of the free device memory; at most 256 sequences. */
-  cfg.host_mem_util = 0.5;
-  cfg.max_pools = 256;
-  const char *host = "127.0.0.1", *name = NULL, *key_file = NULL;
-  int auth_metrics = 0;
-  double queue_timeout = 60;
-  long port = 8000, max_conn = 1024, timeout = 30, max_body = 8L << 20;
-  int chat_content_special = 0;
-  const char *chat_template = NULL;
+  cfg->host_mem_util = 0.5;
+  cfg->max_pools = 256;
+  o->host = "127.0.0.1";
+  o->queue_timeout = 60;
+  o->port = 8000;
+  o->max_conn = 1024;
+  o->timeout = 30;
+  o->max_body = 8L << 20;
   const lf_cli_int ints[] = {
-      {"--budget", 1, INT_MAX, &cfg.budget},
-      {"--sink", 0, INT_MAX, &cfg.sink},
-      {"--window", 0, INT_MAX, &cfg.window},
-      {"--h2o-recent", 0, INT_MAX, &cfg.h2o_recent},
-      {"--rkv-stage", 0, INT_MAX, &cfg.rkv_stage},
-      {"--pools", 1, INT_MAX, &cfg.n_pools},
-      {"--max-pools", 1, INT_MAX, &cfg.max_pools},
-      {"--max-queue", 0, INT_MAX, &cfg.max_queue},
-      {"--max-batch-tokens", 0, INT_MAX, &cfg.max_batch_tokens},
-      {"--threads", 0, 4096, &cfg.n_threads},
+      {"--budget", 1, INT_MAX, &cfg->budget},
+      {"--sink", 0, INT_MAX, &cfg->sink},
+      {"--window", 0, INT_MAX, &cfg->window},
+      {"--h2o-recent", 0, INT_MAX, &cfg->h2o_recent},
+      {"--rkv-stage", 0, INT_MAX, &cfg->rkv_stage},
+      {"--pools", 1, INT_MAX, &cfg->n_pools},
+      {"--max-pools", 1, INT_MAX, &cfg->max_pools},
+      {"--max-queue", 0, INT_MAX, &cfg->max_queue},
+      {"--max-batch-tokens", 0, INT_MAX, &cfg->max_batch_tokens},
+      {"--threads", 0, 4096, &cfg->n_threads},
   };
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -167,11 +178,11 @@ int main(int argc, char **argv) {
       return 0;
     }
     if (!strcmp(a, "--chat-content-special")) {
-      chat_content_special = 1;
+      o->chat_content_special = 1;
       continue;
     }
     if (!strcmp(a, "--auth-metrics")) {
-      auth_metrics = 1;
+      o->auth_metrics = 1;
       continue;
     }
     if (!strcmp(a, "--api-key") || !strncmp(a, "--api-key=", 10)) {
@@ -190,54 +201,54 @@ int main(int argc, char **argv) {
     if (io) {
       if (lf_cli_int_set(io, v)) goto bad;
     } else if (!strcmp(a, "--model"))
-      cfg.model_path = v;
+      cfg->model_path = v;
     else if (!strcmp(a, "--lora"))
-      cfg.lora_path = v;
+      cfg->lora_path = v;
     else if (!strcmp(a, "--served-model-name"))
-      name = v;
+      o->name = v;
     else if (!strcmp(a, "--host"))
-      host = v;
+      o->host = v;
     else if (!strcmp(a, "--api-key-file"))
-      key_file = v;
+      o->key_file = v;
     else if (!strcmp(a, "--queue-timeout")) {
       char *end;
-      queue_timeout = strtod(v, &end);
-      if (*end || end == v || !(queue_timeout >= 0 && queue_timeout <= 86400)) goto bad;
+      o->queue_timeout = strtod(v, &end);
+      if (*end || end == v || !(o->queue_timeout >= 0 && o->queue_timeout <= 86400)) goto bad;
     }
     else if (!strcmp(a, "--chat-template")) {
       lf_chat_format f;
       if (lf_chat_format_parse(v, &f) != LF_OK) goto bad;
-      chat_template = v;
+      o->chat_template = v;
     }
     else if (!strcmp(a, "--port")) {
-      if (lf_cli_parse_long(v, 0, 65535, &port)) goto bad;
+      if (lf_cli_parse_long(v, 0, 65535, &o->port)) goto bad;
     } else if (!strcmp(a, "--max-body")) {
-      if (lf_cli_parse_long(v, 1, LONG_MAX, &max_body)) goto bad;
+      if (lf_cli_parse_long(v, 1, LONG_MAX, &o->max_body)) goto bad;
     } else if (!strcmp(a, "--timeout")) {
-      if (lf_cli_parse_long(v, 0, 86400, &timeout)) goto bad;
+      if (lf_cli_parse_long(v, 0, 86400, &o->timeout)) goto bad;
     } else if (!strcmp(a, "--max-connections")) {
-      if (lf_cli_parse_long(v, 1, 1 << 20, &max_conn)) goto bad;
+      if (lf_cli_parse_long(v, 1, 1 << 20, &o->max_conn)) goto bad;
     } else if (!strcmp(a, "--kv-memory-gb")) {
       char *end;
       double g = strtod(v, &end);
       if (*end || end == v || !(g > 0)) goto bad;
-      cfg.kv_memory_bytes = (uint64_t)(g * 1073741824.0);
+      cfg->kv_memory_bytes = (uint64_t)(g * 1073741824.0);
     } else if (!strcmp(a, "--kv-memory-fraction")) {
       char *end;
       double f = strtod(v, &end);
       if (*end || end == v || !(f > 0 && f <= 1)) goto bad;
-      cfg.host_mem_util = cfg.mem_util = f;
+      cfg->host_mem_util = cfg->mem_util = f;
     } else if (!strcmp(a, "--policy")) {
-      if (lf_policy_parse(v, &cfg.policy) != LF_OK) goto bad;
+      if (lf_policy_parse(v, &cfg->policy) != LF_OK) goto bad;
     } else if (!strcmp(a, "--evict-scope")) {
-      if (lf_evict_scope_parse(v, &cfg.evict_scope) != LF_OK) goto bad;
+      if (lf_evict_scope_parse(v, &cfg->evict_scope) != LF_OK) goto bad;
     } else if (!strcmp(a, "--kv-dtype")) {
-      if (lf_kv_dtype_parse(v, &cfg.kv_dtype) != LF_OK) {
+      if (lf_kv_dtype_parse(v, &cfg->kv_dtype) != LF_OK) {
         fprintf(stderr, "lfserve: %s\n", lf_last_error());
         return 2;
       }
     } else if (!strcmp(a, "--backend")) {
-      if (lf_backend_parse(v, &cfg.backend) != LF_OK) goto bad;
+      if (lf_backend_parse(v, &cfg->backend) != LF_OK) goto bad;
     } else {
       return lf_cli_unknown_option("lfserve", a, usage);
     }
@@ -245,229 +256,176 @@ int main(int argc, char **argv) {
   bad:
     return lf_cli_bad_value("lfserve", a, v);
   }
-  if (!cfg.model_path) {
+  if (!cfg->model_path) {
     fprintf(stderr, "lfserve: --model is required\n");
     usage(stderr);
     return 2;
   }
-  char *api_key = NULL;
-  const char *key_from = NULL;
-  if (load_api_key(key_file, &api_key, &key_from)) return 2;
-  if (auth_metrics && !api_key)
-    fprintf(stderr, "lfserve: warning: --auth-metrics without a key (--api-key-file or "
-                    "LFSERVE_API_KEY): nothing is protected\n");
-  S.api_key = api_key;
-  S.api_key_len = api_key ? strlen(api_key) : 0;
-  S.auth_metrics = auth_metrics;
-  S.queue_timeout_s = queue_timeout;
+  return SERVE_GO;
+}
 
-  /* SIGINT / SIGTERM are taken by sigwait in this thread only: every thread started below
-   * (engine, OpenMP, libmicrohttpd) inherits the blocked mask. */
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-  signal(SIGPIPE, SIG_IGN);
+/* The launcher (mpirun / orted) is ending the job when the signal came from it: it signals
+ * every rank, then kills them about a second later, and no longer takes part in MPI_Finalize.
+ * Looks for a pending SIGINT / SIGTERM without waiting. */
+static int launcher_signalled(const sigset_t *sigs, siginfo_t *si) {
+  const struct timespec zero = {0, 0};
+  return sigtimedwait(sigs, si, &zero) > 0 && si->si_pid > 0 && si->si_pid == getppid();
+}
 
-  int rc = 1;
-  struct MHD_Daemon *d = NULL;
-  int lfd = -1; /* the listening socket (serve_accept.c) */
-  pthread_mutex_init(&S.mu, NULL);
-  pthread_cond_init(&S.work_cv, NULL);
-  pthread_mutex_init(&S.cmu, NULL);
-  pthread_mutex_init(&S.logmu, NULL);
-  S.started = time(NULL);
-  S.timeout_s = (unsigned)timeout;
-  S.max_conn = (unsigned)max_conn;
-  S.max_body = (size_t)max_body;
-  S.policy = cfg.policy;
-
-  /* Under mpirun (DESIGN §4): every rank loads its shard; rank 0 serves HTTP and drives the
-   * engine, the others run lf_engine_follow until rank 0 frees the engine. MPI starts here, in
-   * the program, never in the library. */
-  lf_comm_t comm = NULL;
-  int launcher_abort = 0; /* the launcher is ending the job: MPI_Finalize would never return */
+/* A rank other than 0 under mpirun: runs rank 0's steps until it frees its engine, then stops.
+ * main's exit status. */
+static int follow(lf_comm_t comm, const sigset_t *sigs) {
+  lf_status s = lf_engine_follow(S.e);
+  if (s != LF_OK)
+    fprintf(stderr, "lfserve: rank %d: %s: %s\n", lf_comm_rank(comm), lf_status_str(s),
+            lf_last_error());
+  const int rank = lf_comm_rank(comm), size = lf_comm_size(comm);
+  lf_engine_free(S.e);
+  if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
+  lf_comm_free(comm);
+  /* Rank 0 released us. When the launcher is ending the job it has signalled this rank too
+   * (the signal waits, blocked): skip MPI_Finalize then, as rank 0 does. */
   siginfo_t si;
   memset(&si, 0, sizeof si);
-  const double t0 = lf_now_s();
-  lf_status s = LF_OK;
-  if (lf_launched_multi_rank()) {
-    s = lf_tp_start(&argc, &argv, cfg.backend, &comm);
-    if (s != LF_OK) {
-      fprintf(stderr, "lfserve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
-      return 1;
-    }
-  }
-  s = lf_engine_init(&cfg, comm, &S.e);
+  const int launcher_abort = launcher_signalled(sigs, &si);
+#ifdef LF_HAVE_MPI
+  if (!launcher_abort) MPI_Finalize();
+#endif
+  fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
+          launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
+  return 0;
+}
+
+/* One line on the pools the engine holds and where their count came from. */
+static void print_pools(const lf_resolved_config *rc) {
+  lf_pool_sizing ps;
+  if (lf_engine_pool_sizing(S.e, &ps) != LF_OK) return;
+  char basis[160] = "";
+  if (ps.basis_bytes)
+    snprintf(basis, sizeof basis, " from %.2f GiB %s x %g = %.2f GiB%s", ps.basis_bytes / 1073741824.0,
+             ps.basis, ps.util, ps.basis_bytes * ps.util / 1073741824.0,
+             ps.capped ? ", capped by --max-pools" : "");
+  else
+    snprintf(basis, sizeof basis, " (%s)", ps.basis && !strcmp(ps.basis, "n_pools") ? "--pools" : ps.basis ? ps.basis : "?");
+  fprintf(stderr, "lfserve: pools: %d of %.1f MiB (%llu bytes) each (budget %d slots, kv %s), "
+          "%.2f GiB in all%s\n", ps.n_pools, ps.pool_bytes / 1048576.0,
+          (unsigned long long)ps.pool_bytes, rc->budget, lf_kv_dtype_str(rc->kv_dtype),
+          (double)ps.pool_bytes * ps.n_pools / 1073741824.0, basis);
+}
+
+/* The tokenizer and chat template the model carries (HF directory or GGUF metadata) into S.tok
+ * and S.tmpl; chat_state[cap] gets the banner's word on chat. Returns 0, or 1 after a message. */
+static int open_text(const serve_opts *o, char *chat_state, size_t cap) {
+  char why[4200] = "";
+  lf_status s = lf_model_tokenizer_open(o->cfg.model_path, &S.tok, why, sizeof why);
   if (s != LF_OK) {
     fprintf(stderr, "lfserve: %s: %s\n", lf_status_str(s), lf_last_error());
     return 1;
   }
-  if (lf_comm_rank(comm) != 0) {
-    s = lf_engine_follow(S.e);
-    if (s != LF_OK)
-      fprintf(stderr, "lfserve: rank %d: %s: %s\n", lf_comm_rank(comm), lf_status_str(s),
-              lf_last_error());
-    const int rank = lf_comm_rank(comm), size = lf_comm_size(comm);
-    lf_engine_free(S.e);
-    if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
-    lf_comm_free(comm);
-    /* Rank 0 released us. When the launcher is ending the job it has signalled this rank too
-     * (the signal waits, blocked): skip MPI_Finalize then, as rank 0 does. */
-    const struct timespec zero = {0, 0};
-    launcher_abort = sigtimedwait(&sigs, &si, &zero) > 0 && si.si_pid > 0 && si.si_pid == getppid();
-#ifdef LF_HAVE_MPI
-    if (!launcher_abort) MPI_Finalize();
-#endif
-    fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
-            launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
+  if (!S.tok) {
+    snprintf(chat_state, cap, "off (no tokenizer)");
+    fprintf(stderr, "lfserve: %s: token-id prompts only, no text output\n", why);
     return 0;
   }
-  lf_engine_model_info(S.e, &S.mi);
-  S.budget = cfg.budget ? cfg.budget : S.mi.max_seq_len;
-  lf_pool_sizing ps;
-  if (lf_engine_pool_sizing(S.e, &ps) == LF_OK) {
-    char basis[160] = "";
-    if (ps.basis_bytes)
-      snprintf(basis, sizeof basis, " from %.2f GiB %s x %g = %.2f GiB%s", ps.basis_bytes / 1073741824.0,
-               ps.basis, ps.util, ps.basis_bytes * ps.util / 1073741824.0,
-               ps.capped ? ", capped by --max-pools" : "");
-    else
-      snprintf(basis, sizeof basis, " (%s)", ps.basis && !strcmp(ps.basis, "n_pools") ? "--pools" : ps.basis ? ps.basis : "?");
-    fprintf(stderr, "lfserve: pools: %d of %.1f MiB (%llu bytes) each (budget %d slots, kv %s), "
-            "%.2f GiB in all%s\n", ps.n_pools, ps.pool_bytes / 1048576.0,
-            (unsigned long long)ps.pool_bytes, S.budget, lf_kv_dtype_str(cfg.kv_dtype),
-            (double)ps.pool_bytes * ps.n_pools / 1073741824.0, basis);
+  if (lf_tokenizer_vocab_size(S.tok) > S.mi.vocab_size)
+    fprintf(stderr, "lfserve: warning: the tokenizer has %d ids, the model %d\n",
+            lf_tokenizer_vocab_size(S.tok), S.mi.vocab_size);
+  s = lf_model_chat_template_open_as(o->cfg.model_path, o->chat_template, &S.tmpl);
+  if (s != LF_OK && o->chat_template) { /* an explicit choice that cannot be honoured */
+    fprintf(stderr, "lfserve: --chat-template %s: %s\n", o->chat_template, lf_last_error());
+    return 1;
   }
-
-  /* The tokenizer and chat template the model carries (HF directory or GGUF metadata). */
-  char why[4200] = "", chat_state[512] = "";
-  s = lf_model_tokenizer_open(cfg.model_path, &S.tok, why, sizeof why);
   if (s != LF_OK) {
-    fprintf(stderr, "lfserve: %s: %s\n", lf_status_str(s), lf_last_error());
-    goto out;
-  }
-  if (S.tok) {
-    if (lf_tokenizer_vocab_size(S.tok) > S.mi.vocab_size)
-      fprintf(stderr, "lfserve: warning: the tokenizer has %d ids, the model %d\n",
-              lf_tokenizer_vocab_size(S.tok), S.mi.vocab_size);
-    s = lf_model_chat_template_open_as(cfg.model_path, chat_template, &S.tmpl);
-    if (s != LF_OK && chat_template) { /* an explicit choice that cannot be honoured */
-      fprintf(stderr, "lfserve: --chat-template %s: %s\n", chat_template, lf_last_error());
-      goto out;
-    }
-    if (s != LF_OK) {
-      snprintf(chat_state, sizeof chat_state,
-               "off (%s; --chat-template chatml|llama3|deepseek-r1 to choose one)",
-               lf_last_error());
-      S.tmpl = NULL;
-    } else {
-      static const char *const fmt_names[] = {"none", "llama3", "chatml", "deepseek-r1"};
-      const lf_chat_format f = lf_chat_template_format(S.tmpl);
-      snprintf(chat_state, sizeof chat_state, "%s (%s)",
-               (int)f >= 0 && (int)f < 4 ? fmt_names[f] : "?",
-               chat_template ? "--chat-template" : "the model's template");
-    }
+    snprintf(chat_state, cap, "off (%s; --chat-template chatml|llama3|deepseek-r1 to choose one)",
+             lf_last_error());
+    S.tmpl = NULL;
   } else {
-    snprintf(chat_state, sizeof chat_state, "off (no tokenizer)");
-    fprintf(stderr, "lfserve: %s: token-id prompts only, no text output\n", why);
+    static const char *const fmt_names[] = {"none", "llama3", "chatml", "deepseek-r1"};
+    const lf_chat_format f = lf_chat_template_format(S.tmpl);
+    snprintf(chat_state, cap, "%s (%s)", (int)f >= 0 && (int)f < 4 ? fmt_names[f] : "?",
+             o->chat_template ? "--chat-template" : "the model's template");
   }
-  if (name) {
-    snprintf(S.model_name, sizeof S.model_name, "%.255s", name);
-  } else {
-    char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s", cfg.model_path);
-    size_t l = strlen(tmp);
-    while (l > 1 && tmp[l - 1] == '/')
-      tmp[--l] = '\0';
-    const char *base = strrchr(tmp, '/');
-    snprintf(S.model_name, sizeof S.model_name, "%.255s", base ? base + 1 : tmp);
-  }
-  S.mctx.tok = S.tok;
-  S.mctx.tmpl = S.tmpl;
-  S.mctx.model_name = S.model_name;
-  S.mctx.vocab_size = S.mi.vocab_size;
-  S.mctx.max_seq_len = S.mi.max_seq_len;
-  S.mctx.budget = S.budget;
-  S.mctx.policy = cfg.policy;
-  S.mctx.chat_content_special = chat_content_special;
+  return 0;
+}
 
-  if (pthread_create(&S.engine_thread, NULL, srv_engine_main, NULL)) {
-    fprintf(stderr, "lfserve: cannot start the engine thread\n");
-    goto out;
+/* The model id clients use: --served-model-name, else the last part of the model's path. */
+static void set_model_name(const serve_opts *o) {
+  if (o->name) {
+    snprintf(S.model_name, sizeof S.model_name, "%.255s", o->name);
+    return;
   }
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s", o->cfg.model_path);
+  size_t l = strlen(tmp);
+  while (l > 1 && tmp[l - 1] == '/')
+    tmp[--l] = '\0';
+  const char *base = strrchr(tmp, '/');
+  snprintf(S.model_name, sizeof S.model_name, "%.255s", base ? base + 1 : tmp);
+}
 
-  /* The acceptor (serve_accept.c) owns the listening socket and hands connections to
-   * libmicrohttpd while it has room, answering the rest with 503 itself: libmicrohttpd closes
-   * sockets beyond its limit without a word. Its limit is set above the acceptor's so a count
-   * that lags behind a closing socket never reaches it. */
-  int bound_port = 0;
-  lfd = srv_listen(host, port, 1024, &bound_port);
-  if (lfd < 0) goto stop_engine;
-  const unsigned room = (unsigned)max_conn + CONN_RESERVE;
-  d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-                           MHD_USE_POLL | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET |
-                           MHD_USE_ITC,
-                       0, NULL, NULL, srv_on_request, NULL, MHD_OPTION_CONNECTION_TIMEOUT, 0u,
-                       MHD_OPTION_CONNECTION_LIMIT, room + 64u,
-                       MHD_OPTION_NOTIFY_COMPLETED, srv_on_completed, NULL,
-                       MHD_OPTION_NOTIFY_CONNECTION, srv_on_connection, NULL,
-                       MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1u << 20), MHD_OPTION_END);
-  if (!d) {
+/* The acceptor (serve_accept.c) owns the listening socket and hands connections to
+ * libmicrohttpd while it has room, answering the rest with 503 itself: libmicrohttpd closes
+ * sockets beyond its limit without a word. Its limit is set above the acceptor's so a count
+ * that lags behind a closing socket never reaches it. *lfd, *d and *bound_port get what was
+ * started (left -1 / NULL otherwise, for main to stop). Returns 0, or 1 after a message. */
+static int start_http(const serve_opts *o, int *lfd, struct MHD_Daemon **d, int *bound_port) {
+  *lfd = srv_listen(o->host, o->port, 1024, bound_port);
+  if (*lfd < 0) return 1;
+  const unsigned room = (unsigned)o->max_conn + CONN_RESERVE;
+  *d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
+                            MHD_USE_POLL | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET |
+                            MHD_USE_ITC,
+                        0, NULL, NULL, srv_on_request, NULL, MHD_OPTION_CONNECTION_TIMEOUT, 0u,
+                        MHD_OPTION_CONNECTION_LIMIT, room + 64u,
+                        MHD_OPTION_NOTIFY_COMPLETED, srv_on_completed, NULL,
+                        MHD_OPTION_NOTIFY_CONNECTION, srv_on_connection, NULL,
+                        MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1u << 20), MHD_OPTION_END);
+  if (!*d) {
     fprintf(stderr, "lfserve: cannot start the HTTP server: %s\n", strerror(errno));
-    goto stop_engine;
+    return 1;
   }
-  if (srv_acceptor_start(lfd, d, room)) {
+  if (srv_acceptor_start(*lfd, *d, room)) {
     fprintf(stderr, "lfserve: cannot start the acceptor thread\n");
-    goto stop_engine;
+    return 1;
   }
-  /* --timeout is applied by our reaper (serve.h), not libmicrohttpd: its timer starts at accept
-   * and is checked before the socket is read, so under load (300 connections opened at once on
-   * two cores) it closed connections whose requests had arrived, unread and unanswered. */
-  const int reaper = timeout > 0 && pthread_create(&S.reaper, NULL, srv_reaper_main, NULL) == 0;
-  if (timeout > 0 && !reaper)
-    fprintf(stderr, "lfserve: warning: cannot start the idle-connection reaper: --timeout is off\n");
+  return 0;
+}
+
+/* The start-up banner: what is served where, chat and authentication. */
+static void print_banner(const serve_opts *o, const lf_resolved_config *rc, int bound_port,
+                         double load_s, const char *chat_state, const char *key_from) {
+  const char *lora = o->cfg.lora_path;
   fprintf(stderr,
           "lfserve: serving '%s' (%s%s%s, %d layers, vocab %d, context %d; policy %s, budget %d, kv %s; "
           "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n"
           "lfserve: chat: %s\n"
           "lfserve: auth: %s%s%s\n",
-          S.model_name, S.mi.model_type,
-          cfg.lora_path && cfg.lora_path[0] ? " + LoRA adapter " : "",
-          cfg.lora_path ? cfg.lora_path : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
-          lf_policy_str(cfg.policy), S.budget, lf_kv_dtype_str(cfg.kv_dtype), S.tok ? "yes" : "no", host,
-          (unsigned)bound_port, lf_now_s() - t0, (long)getpid(),
-          lf_comm_size(comm), lf_comm_size(comm) > 1 ? "s" : "", chat_state,
-          api_key ? "an API key (" : "none: anyone who can reach the port may use it",
-          api_key ? key_from : "",
-          !api_key ? "" : auth_metrics ? ") on every endpoint" : ") on /v1/*; /health and /metrics open");
+          S.model_name, S.mi.model_type, lora && lora[0] ? " + LoRA adapter " : "",
+          lora ? lora : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
+          lf_policy_str(rc->policy), rc->budget, lf_kv_dtype_str(rc->kv_dtype),
+          S.tok ? "yes" : "no", o->host, (unsigned)bound_port, load_s, (long)getpid(),
+          rc->n_ranks, rc->n_ranks > 1 ? "s" : "", chat_state,
+          S.api_key ? "an API key (" : "none: anyone who can reach the port may use it",
+          S.api_key ? key_from : "",
+          !S.api_key ? "" : o->auth_metrics ? ") on every endpoint" : ") on /v1/*; /health and /metrics open");
   struct in_addr bound_addr;
-  if (!api_key && (inet_pton(AF_INET, host, &bound_addr) != 1 ||
-                   (ntohl(bound_addr.s_addr) >> 24) != 127))
+  if (!S.api_key && (inet_pton(AF_INET, o->host, &bound_addr) != 1 ||
+                     (ntohl(bound_addr.s_addr) >> 24) != 127))
     fprintf(stderr, "lfserve: warning: listening on %s, beyond this machine, without an API key "
-                    "(--api-key-file or LFSERVE_API_KEY)\n", host);
+                    "(--api-key-file or LFSERVE_API_KEY)\n", o->host);
   fflush(stderr);
+}
 
-  int sig;
-  while ((sig = sigwaitinfo(&sigs, &si)) < 0) {
-  }
-  /* mpirun / orted turn a SIGTERM or SIGINT they receive into a job abort: they signal every
-   * rank, then kill them about a second later, and no longer take part in MPI_Finalize. */
-  launcher_abort = comm && si.si_pid > 0 && si.si_pid == getppid();
-  fprintf(stderr, "lfserve: signal %d%s, stopping\n", sig,
-          launcher_abort ? " from the MPI launcher (it is ending the job)" : "");
-
-  /* Stop: refuse new requests, cancel the ones in flight, let the engine finish them (their
-   * connections end), then stop the HTTP server and the engine thread. */
+/* Stopping: refuses new requests and cancels the ones in flight. The engine ends the cancelled
+ * requests at its next step. When it cannot (a rank died and the engine waits on it; the
+ * launcher, ending the job, kills this process about a second after its signal), the
+ * connections end them themselves: an error event and [DONE] for a stream, a 503 for the
+ * others, while the process still can. */
+static void drain_requests(int launcher_abort) {
   pthread_mutex_lock(&S.mu);
   S.stopping = 1;
   srv_jobs_cancel_all();
   pthread_mutex_unlock(&S.mu);
-  /* The engine ends the cancelled requests at its next step. When it cannot (a rank died and
-   * the engine waits on it; the launcher, ending the job, kills this process about a second
-   * after its signal), the connections end them themselves: an error event and [DONE] for a
-   * stream, a 503 for the others, while the process still can. */
   const double t_stop = lf_now_s(), grace = launcher_abort ? 0.2 : 1.0;
   int aborted = 0;
   for (;;) {
@@ -485,6 +443,112 @@ int main(int argc, char **argv) {
     usleep(10000);
   }
   if (aborted) fprintf(stderr, "lfserve: the engine did not end the requests: ended them here\n");
+}
+
+int main(int argc, char **argv) {
+  serve_opts o;
+  memset(&o, 0, sizeof o);
+  int rc = parse_args(argc, argv, &o);
+  if (rc != SERVE_GO) return rc;
+  char *api_key = NULL;
+  const char *key_from = NULL;
+  if (load_api_key(o.key_file, &api_key, &key_from)) return 2;
+  if (o.auth_metrics && !api_key)
+    fprintf(stderr, "lfserve: warning: --auth-metrics without a key (--api-key-file or "
+                    "LFSERVE_API_KEY): nothing is protected\n");
+  S.api_key = api_key;
+  S.api_key_len = api_key ? strlen(api_key) : 0;
+  S.auth_metrics = o.auth_metrics;
+  S.queue_timeout_s = o.queue_timeout;
+
+  /* SIGINT / SIGTERM are taken by sigwait in this thread only: every thread started below
+   * (engine, OpenMP, libmicrohttpd) inherits the blocked mask. */
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+  signal(SIGPIPE, SIG_IGN);
+
+  rc = 1;
+  struct MHD_Daemon *d = NULL;
+  int lfd = -1; /* the listening socket (serve_accept.c) */
+  pthread_mutex_init(&S.mu, NULL);
+  pthread_cond_init(&S.work_cv, NULL);
+  pthread_mutex_init(&S.cmu, NULL);
+  pthread_mutex_init(&S.logmu, NULL);
+  S.started = time(NULL);
+  S.timeout_s = (unsigned)o.timeout;
+  S.max_conn = (unsigned)o.max_conn;
+  S.max_body = (size_t)o.max_body;
+
+  /* Under mpirun (DESIGN §4): every rank loads its shard; rank 0 serves HTTP and drives the
+   * engine, the others run lf_engine_follow until rank 0 frees the engine. MPI starts here, in
+   * the program, never in the library. */
+  lf_comm_t comm = NULL;
+  int launcher_abort = 0; /* the launcher is ending the job: MPI_Finalize would never return */
+  siginfo_t si;
+  memset(&si, 0, sizeof si);
+  const double t0 = lf_now_s();
+  lf_status s = LF_OK;
+  if (lf_launched_multi_rank()) {
+    s = lf_tp_start(&argc, &argv, o.cfg.backend, &comm);
+    if (s != LF_OK) {
+      fprintf(stderr, "lfserve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
+      return 1;
+    }
+  }
+  s = lf_engine_init(&o.cfg, comm, &S.e);
+  if (s != LF_OK) {
+    fprintf(stderr, "lfserve: %s: %s\n", lf_status_str(s), lf_last_error());
+    return 1;
+  }
+  if (lf_comm_rank(comm) != 0) return follow(comm, &sigs);
+  lf_engine_model_info(S.e, &S.mi);
+  lf_resolved_config rc_eng; /* what the engine runs with: the budget with its default resolved */
+  lf_engine_resolved_config(S.e, &rc_eng);
+  S.policy = rc_eng.policy;
+  S.budget = rc_eng.budget;
+  print_pools(&rc_eng);
+
+  char chat_state[512] = "";
+  if (open_text(&o, chat_state, sizeof chat_state)) goto out;
+  set_model_name(&o);
+  S.mctx.tok = S.tok;
+  S.mctx.tmpl = S.tmpl;
+  S.mctx.model_name = S.model_name;
+  S.mctx.vocab_size = S.mi.vocab_size;
+  S.mctx.max_seq_len = S.mi.max_seq_len;
+  S.mctx.budget = S.budget;
+  S.mctx.policy = S.policy;
+  S.mctx.chat_content_special = o.chat_content_special;
+
+  if (pthread_create(&S.engine_thread, NULL, srv_engine_main, NULL)) {
+    fprintf(stderr, "lfserve: cannot start the engine thread\n");
+    goto out;
+  }
+  int bound_port = 0;
+  if (start_http(&o, &lfd, &d, &bound_port)) goto stop_engine;
+  /* --timeout is applied by our reaper (serve.h), not libmicrohttpd: its timer starts at accept
+   * and is checked before the socket is read, so under load (300 connections opened at once on
+   * two cores) it closed connections whose requests had arrived, unread and unanswered. */
+  const int reaper = o.timeout > 0 && pthread_create(&S.reaper, NULL, srv_reaper_main, NULL) == 0;
+  if (o.timeout > 0 && !reaper)
+    fprintf(stderr, "lfserve: warning: cannot start the idle-connection reaper: --timeout is off\n");
+  print_banner(&o, &rc_eng, bound_port, lf_now_s() - t0, chat_state, key_from);
+
+  int sig;
+  while ((sig = sigwaitinfo(&sigs, &si)) < 0) {
+  }
+  /* mpirun / orted turn a SIGTERM or SIGINT they receive into a job abort: they signal every
+   * rank, then kill them about a second later, and no longer take part in MPI_Finalize. */
+  launcher_abort = comm && si.si_pid > 0 && si.si_pid == getppid();
+  fprintf(stderr, "lfserve: signal %d%s, stopping\n", sig,
+          launcher_abort ? " from the MPI launcher (it is ending the job)" : "");
+
+  /* Stop: refuse new requests, cancel the ones in flight, let the engine finish them (their
+   * connections end), then stop the HTTP server and the engine thread. */
+  drain_requests(launcher_abort);
   srv_acceptor_stop();
   MHD_stop_daemon(d);
   d = NULL;
@@ -517,10 +581,7 @@ out:
   if (comm) {
     /* A first signal from elsewhere (a terminal's ^C) may have been followed by the launcher's
      * own: look once more. */
-    const struct timespec zero = {0, 0};
-    if (!launcher_abort)
-      launcher_abort =
-          sigtimedwait(&sigs, &si, &zero) > 0 && si.si_pid > 0 && si.si_pid == getppid();
+    if (!launcher_abort) launcher_abort = launcher_signalled(&sigs, &si);
     lf_comm_free(comm);
 #ifdef LF_HAVE_MPI
     if (!launcher_abort) MPI_Finalize();

@@ -168,6 +168,20 @@ class Engine:
         return out
 
     @property
+    def resolved_config(self) -> Dict[str, object]:
+        """The settings the engine runs with, defaults resolved (lf_engine_resolved_config):
+        backend, policy, evict_scope, kv_dtype (names), budget (the model's context when 0 was
+        given), sink, window, h2o_recent, rkv_stage, n_pools, max_batch_tokens, max_queue,
+        max_seq_len, n_ranks."""
+        rc = _lib.ResolvedConfig()
+        _check(self._lib.lf_engine_resolved_config(self._live(), ctypes.byref(rc)),
+               "resolved_config")
+        out: Dict[str, object] = {name: getattr(rc, name) for name, _ in rc._fields_}
+        for name in ("backend", "policy", "evict_scope", "kv_dtype"):
+            out[name] = getattr(self._lib, f"lf_{name}_str")(getattr(rc, name)).decode()
+        return out
+
+    @property
     def has_tokenizer(self) -> bool:
         """Whether the model carries a tokenizer (text prompts and text output)."""
         return bool(self._tok)

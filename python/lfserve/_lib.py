@@ -47,6 +47,16 @@ class ModelInfo(ctypes.Structure):
     ]
 
 
+class ResolvedConfig(ctypes.Structure):
+    _fields_ = [
+        ("backend", ctypes.c_int), ("policy", ctypes.c_int), ("evict_scope", ctypes.c_int),
+        ("kv_dtype", ctypes.c_int), ("budget", ctypes.c_int), ("sink", ctypes.c_int),
+        ("window", ctypes.c_int), ("h2o_recent", ctypes.c_int), ("rkv_stage", ctypes.c_int),
+        ("n_pools", ctypes.c_int), ("max_batch_tokens", ctypes.c_int),
+        ("max_queue", ctypes.c_int), ("max_seq_len", ctypes.c_int), ("n_ranks", ctypes.c_int),
+    ]
+
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -98,7 +108,7 @@ class ChatMessage(ctypes.Structure):
 _LAYOUTS = {"lf_engine_config": EngineConfig, "lf_model_info": ModelInfo,
             "lf_sampling": Sampling, "lf_request": Request, "lf_event": Event,
             "lf_request_stats": RequestStats, "lf_chat_message": ChatMessage,
-            "lf_logit_bias": LogitBias}
+            "lf_logit_bias": LogitBias, "lf_resolved_config": ResolvedConfig}
 
 _P = ctypes.c_void_p
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -114,10 +124,15 @@ _PROTOTYPES = {
     "lf_evict_scope_parse": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]),
     "lf_kv_dtype_parse": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]),
     "lf_finish_reason_str": (ctypes.c_char_p, [ctypes.c_int]),
+    "lf_backend_str": (ctypes.c_char_p, [ctypes.c_int]),
+    "lf_policy_str": (ctypes.c_char_p, [ctypes.c_int]),
+    "lf_evict_scope_str": (ctypes.c_char_p, [ctypes.c_int]),
+    "lf_kv_dtype_str": (ctypes.c_char_p, [ctypes.c_int]),
     "lf_engine_config_default": (None, [ctypes.POINTER(EngineConfig)]),
     "lf_engine_init": (ctypes.c_int, [ctypes.POINTER(EngineConfig), _P, ctypes.POINTER(_P)]),
     "lf_engine_free": (None, [_P]),
     "lf_engine_model_info": (ctypes.c_int, [_P, ctypes.POINTER(ModelInfo)]),
+    "lf_engine_resolved_config": (ctypes.c_int, [_P, ctypes.POINTER(ResolvedConfig)]),
     "lf_engine_submit": (ctypes.c_int, [_P, ctypes.POINTER(Request), ctypes.POINTER(ctypes.c_uint64)]),
     "lf_engine_step": (ctypes.c_int, [_P, ctypes.POINTER(Event), ctypes.c_int, ctypes.POINTER(ctypes.c_int)]),
     "lf_engine_busy": (ctypes.c_int, [_P]),

@@ -95,6 +95,9 @@ def test_tokenize_round_trip_and_stats() -> None:
         assert eng.tokenize(PROMPT)[0] == eng.model_info["bos_id"]
         info = eng.model_info
         assert info["model_type"] == "llama" and info["n_layers"] == 6
+        rc = eng.resolved_config
+        assert rc["backend"] == "cpu" and rc["policy"] == "longflow" and rc["budget"] == 64
+        assert rc["max_seq_len"] == info["max_seq_len"] and rc["n_pools"] >= 1
         rid = eng.submit(PROMPT, max_tokens=80, ignore_eos=True)
         text = "".join(eng.stream_request(rid))
         st = eng.request_stats(rid)

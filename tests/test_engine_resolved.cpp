@@ -1,0 +1,122 @@
+// lf_engine_resolved_config: the settings the engine reports are the ones it runs with, defaults
+// resolved (a budget of 0 is the model's context, h2o_recent 0 is B/2, rkv_stage 0 is
+// LF_RKV_STAGE_DEFAULT, the pool count comes from kv_memory_bytes), and where the engine's
+// behaviour shows a setting (pools held, prompt chunks) it agrees with the report.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "lfserve.h"
+#include "sched_util.h"
+
+namespace {
+
+lf_resolved_config resolved(const lf_engine_config &cfg) {
+  lf_engine_t e = nullptr;
+  lf_resolved_config r{};
+  EXPECT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+  if (!e) return r;
+  EXPECT_EQ(lf_engine_resolved_config(e, &r), LF_OK) << lf_last_error();
+  lf_engine_free(e);
+  return r;
+}
+
+TEST(EngineResolved, DefaultsResolve) {
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_LONGFLOW, 0, 2, 0);
+  cfg.backend = LF_BACKEND_AUTO;
+  const lf_resolved_config r = resolved(cfg);
+  EXPECT_EQ(r.backend, LF_BACKEND_CPU); // a build without CUDA
+  EXPECT_EQ(r.policy, LF_POLICY_LONGFLOW);
+  EXPECT_EQ(r.evict_scope, LF_EVICT_LAYER);
+  EXPECT_EQ(r.kv_dtype, LF_KV_BF16);
+  EXPECT_EQ(r.max_seq_len, 512); // tests/data/hf_tiny/llama: max_position_embeddings
+  EXPECT_EQ(r.budget, 512) << "budget 0 is the model's context";
+  EXPECT_EQ(r.sink, 4);
+  EXPECT_EQ(r.window, 32);
+  EXPECT_EQ(r.h2o_recent, 0) << "not h2o";
+  EXPECT_EQ(r.rkv_stage, 0) << "not rkv";
+  EXPECT_EQ(r.n_pools, 2);
+  EXPECT_EQ(r.max_batch_tokens, 0);
+  EXPECT_EQ(r.n_ranks, 1);
+}
+
+TEST(EngineResolved, H2oRecentDefaultsToHalfTheBudget) {
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_H2O, 64, 1, 16);
+  EXPECT_EQ(resolved(cfg).h2o_recent, 32);
+  cfg.budget = 65;
+  EXPECT_EQ(resolved(cfg).h2o_recent, 32);
+  cfg.h2o_recent = 10;
+  EXPECT_EQ(resolved(cfg).h2o_recent, 10);
+}
+
+TEST(EngineResolved, RkvStageDefault) {
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 64, 1, 16);
+  EXPECT_EQ(resolved(cfg).rkv_stage, LF_RKV_STAGE_DEFAULT);
+  EXPECT_EQ(LF_RKV_STAGE_DEFAULT, 32);
+  cfg.rkv_stage = 8;
+  EXPECT_EQ(resolved(cfg).rkv_stage, 8);
+}
+
+TEST(EngineResolved, PoolsFromKvMemoryAreThePoolsHeld) {
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_LONGFLOW, 48, 1, 16);
+  lf_engine_t e = nullptr;
+  ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+  lf_pool_sizing ps{};
+  ASSERT_EQ(lf_engine_pool_sizing(e, &ps), LF_OK);
+  lf_engine_free(e);
+  ASSERT_GT(ps.pool_bytes, 0u);
+
+  cfg.n_pools = 0;
+  cfg.kv_memory_bytes = ps.pool_bytes * 5 + ps.pool_bytes / 2;
+  cfg.mem_util = 1.0;
+  ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+  lf_resolved_config r{};
+  ASSERT_EQ(lf_engine_resolved_config(e, &r), LF_OK);
+  EXPECT_EQ(r.n_pools, 5);
+  lf_metrics m{};
+  ASSERT_EQ(lf_engine_metrics(e, &m), LF_OK);
+  EXPECT_EQ(m.pools_total, r.n_pools);
+  lf_engine_free(e);
+
+  cfg.max_pools = 3; // a cap on a count sized from memory
+  EXPECT_EQ(resolved(cfg).n_pools, 3);
+}
+
+TEST(EngineResolved, ChunkSizeIsTheOneThePromptRunsIn) {
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_LONGFLOW, 0, 1,
+                                     LF_MAX_BATCH_TOKENS_DEFAULT);
+  cfg.max_batch_tokens = 16;
+  lf_engine_t e = nullptr;
+  ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
+  lf_resolved_config r{};
+  ASSERT_EQ(lf_engine_resolved_config(e, &r), LF_OK);
+  ASSERT_EQ(r.max_batch_tokens, 16);
+  std::vector<int32_t> prompt(40);
+  for (size_t i = 0; i < prompt.size(); i++)
+    prompt[i] = int32_t(3 + i % 200);
+  lf_request rq{};
+  rq.prompt = prompt.data();
+  rq.n_prompt = int(prompt.size());
+  rq.max_tokens = 2;
+  rq.ignore_eos = 1;
+  uint64_t id = 0;
+  ASSERT_EQ(lf_engine_submit(e, &rq, &id), LF_OK) << lf_last_error();
+  lf_event ev[16];
+  while (lf_engine_busy(e)) {
+    int n = 0;
+    ASSERT_EQ(lf_engine_step(e, ev, 16, &n), LF_OK) << lf_last_error();
+  }
+  lf_request_stats st{};
+  ASSERT_EQ(lf_engine_request_stats(e, id, &st), LF_OK);
+  EXPECT_EQ(st.prefill_chunks, (rq.n_prompt + r.max_batch_tokens - 1) / r.max_batch_tokens);
+  lf_engine_free(e);
+}
+
+TEST(EngineResolved, NullArgumentsAndAbiSize) {
+  lf_resolved_config r{};
+  EXPECT_EQ(lf_engine_resolved_config(nullptr, &r), LF_ERR_INVALID_ARG);
+  EXPECT_EQ(lf_abi_sizeof("lf_resolved_config"), sizeof(lf_resolved_config));
+  EXPECT_EQ(lf_abi_sizeof("lf_pool_sizing"), sizeof(lf_pool_sizing));
+}
+
+} // namespace
