@@ -115,6 +115,12 @@ int main(int argc, char **argv) {
   lf_engine_model_info(e, &mi);
   fprintf(stderr, "generate: lfserve %s, %s model, %d layers, vocab %d\n", lf_version(),
           mi.model_type, mi.n_layers, mi.vocab_size);
+  /* what the engine made of the config: a budget of 0 is the model's context, and so on */
+  lf_resolved_config rc_cfg;
+  if (lf_engine_resolved_config(e, &rc_cfg) == LF_OK)
+    fprintf(stderr, "generate: %s backend, policy %s, %d KV slots per pool, %d pools, kv %s\n",
+            rc_cfg.backend == LF_BACKEND_CUDA ? "cuda" : "cpu", lf_policy_str(rc_cfg.policy),
+            rc_cfg.budget, rc_cfg.n_pools, lf_kv_dtype_str(rc_cfg.kv_dtype));
 
   int rc = 0;
   uint64_t ids[N_REQ];
