@@ -235,15 +235,9 @@ void ev_print_table(const ev_ctx *c, int *fe) {
   }
 }
 
-int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
-  const ev_opts *o = c->o;
-  char tmp[4096];
-  snprintf(tmp, sizeof tmp, "%s.tmp", o->json);
-  FILE *f = fopen(tmp, "w");
-  if (!f) {
-    fprintf(stderr, EV_NAME ": cannot write %s: %s\n", tmp, strerror(errno));
-    return 1;
-  }
+/* The opening object: model, problems file, backend, engine settings and the grid (fractions,
+ * scopes, policies), up to the "problems" array's bracket. */
+static void json_write_header(FILE *f, const ev_opts *o, const char *backend, double wall) {
   char path[PATH_MAX];
   const char *model = realpath(o->model, path) ? path : o->model;
   fprintf(f, "{\"task\": \"trace\", \"runner\": \"lfbench\", \"model\": ");
@@ -277,6 +271,10 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
         fprintf(f, "%s\"%s\"", k++ ? ", " : "", lf_policy_str(order[i]));
   }
   fprintf(f, "], \"margin\": %d, \"wall_s\": %.3f,\n \"problems\": [\n", o->margin, wall);
+}
+
+/* The "problems" array's rows: id, prompt and output lengths, lookback. */
+static void json_write_problems(FILE *f, const ev_ctx *c) {
   for (int i = 0; i < c->n_probs; i++) {
     const ev_problem *p = &c->probs[i];
     fprintf(f, "  {\"id\": ");
@@ -286,11 +284,14 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
     json_value(f, lf_json_get(p->doc, "lookback"));
     fprintf(f, "}%s\n", i + 1 < c->n_probs ? "," : "");
   }
-  fprintf(f, " ],\n \"groups\": [\n");
+}
+
+/* The "groups" array's rows: one per (series, fraction) engine, with its timings and tokens. */
+static void json_write_groups(FILE *f, const ev_ctx *c) {
   for (int i = 0; i < c->n_groups; i++) {
     const ev_group *g = &c->groups[i];
     fprintf(f, "  {\"series\": \"%s\", \"fraction\": ", c->series[g->series].name);
-    json_fraction(f, o, g->fi);
+    json_fraction(f, c->o, g->fi);
     fprintf(f,
             ", \"budget\": %d, \"runs\": %d, \"pools\": %d, \"start_s\": %.3f, \"init_s\": "
             "%.3f, \"wall_s\": %.3f, \"tokens\": %llu, \"tokens_per_s\": %.1f, \"errors\": %d}%s\n",
@@ -298,7 +299,12 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
             (unsigned long long)g->tokens, g->wall_s > 0 ? (double)g->tokens / g->wall_s : 0.0,
             g->errors, i + 1 < c->n_groups ? "," : "");
   }
-  fprintf(f, " ],\n \"summary\": {");
+}
+
+/* The "summary" object's members: per series, one object keyed by fraction (eval.py's
+ * str(fraction); "all" for full KV) of the summarize() figures. */
+static void json_write_summary(FILE *f, const ev_ctx *c, int *fe) {
+  const ev_opts *o = c->o;
   int first_series = 1;
   for (int s = 0; s < c->n_series; s++) {
     const int full = c->series[s].policy == LF_POLICY_FULL;
@@ -329,68 +335,93 @@ int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
     }
     if (!first_row) fputc('}', f);
   }
+}
+
+/* One row of the "runs" array, without its trailing comma and newline. */
+static void json_write_run(FILE *f, const ev_ctx *c, const ev_run *r) {
+  const ev_opts *o = c->o;
+  const ev_problem *p = &c->probs[r->problem];
+  const ev_series *se = &c->series[r->series];
+  fprintf(f, "  {\"problem\": ");
+  json_cstr(f, p->id);
+  fprintf(f, ", \"policy\": \"%s\", \"scope\": \"%s\", \"fraction\": ", lf_policy_str(se->policy),
+          lf_evict_scope_str(se->scope));
+  json_fraction(f, o, r->fi);
+  fprintf(f,
+          ", \"budget\": %d, \"prompt_tokens\": %d, \"output_tokens\": %d, \"max_tokens\": "
+          "%d, \"rc\": %d, \"finish\": ",
+          r->budget, p->prompt_tokens, p->output_tokens, r->max_tokens, r->rc);
+  if (r->finished && r->reason != LF_FINISH_NONE)
+    fprintf(f, "\"%s\"", lf_finish_reason_str(r->reason));
+  else
+    fputs("null", f);
+  fprintf(f, ", \"evictions\": ");
+  if (r->have_stats)
+    fprintf(f, "%llu", (unsigned long long)r->evictions);
+  else
+    fputs("null", f);
+  fprintf(f, ", \"tokens_per_s\": ");
+  if (r->have_stats)
+    json_num(f, round(r->tokens_per_s * 10) / 10);
+  else
+    fputs("null", f);
+  fprintf(f, ", \"seconds\": ");
+  if (r->have_stats)
+    json_num(f, round(r->seconds * 1000) / 1000);
+  else
+    fputs("null", f);
+  fprintf(f, ", \"group\": %d, \"answer_ok\": %s, \"trace_ok\": %s, \"first_error\": ", r->group,
+          r->answer_ok ? "true" : "false", r->trace_ok ? "true" : "false");
+  if (r->first_error >= 0)
+    fprintf(f, "%d", r->first_error);
+  else
+    fputs("null", f);
+  fprintf(f, ", \"answer\": ");
+  json_cstr(f, r->answer);
+  fprintf(f, ", \"stopped\": %s, \"generated\": %d", r->stopped ? "true" : "false", r->n_ids);
+  if (o->teacher_forced) { /* positions of the expected output whose greedy token differs */
+    fprintf(f, ", \"tf_wrong\": %d, \"tf_wrong_at\": [", r->tf_wrong);
+    for (int j = 0, k = 0; j < p->n_want; j++)
+      if (ev_wrong_at(p, r, j)) fprintf(f, k++ ? ",%d" : "%d", j);
+    fputc(']', f);
+  }
+  if (r->error) {
+    fprintf(f, ", \"stderr\": ");
+    json_cstr(f, r->error);
+  }
+  if (o->ids) {
+    fprintf(f, ",\n   \"prompt_ids\": [");
+    for (int j = 0; j < p->n_prompt; j++)
+      fprintf(f, j ? ",%d" : "%d", p->prompt[j]);
+    fprintf(f, "],\n   \"ids\": [");
+    for (int j = 0; j < r->n_ids; j++)
+      fprintf(f, j ? ",%d" : "%d", r->ids[j]);
+    fputc(']', f);
+  }
+  fputc('}', f);
+}
+
+/* The JSON in eval.py's schema, written to o->json's .tmp and renamed over it when whole:
+ * header, problems, groups, summary, runs. */
+int ev_write_json(const ev_ctx *c, const char *backend, double wall, int *fe) {
+  const ev_opts *o = c->o;
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s.tmp", o->json);
+  FILE *f = fopen(tmp, "w");
+  if (!f) {
+    fprintf(stderr, EV_NAME ": cannot write %s: %s\n", tmp, strerror(errno));
+    return 1;
+  }
+  json_write_header(f, o, backend, wall);
+  json_write_problems(f, c);
+  fprintf(f, " ],\n \"groups\": [\n");
+  json_write_groups(f, c);
+  fprintf(f, " ],\n \"summary\": {");
+  json_write_summary(f, c, fe);
   fprintf(f, "},\n \"runs\": [\n");
   for (int i = 0; i < c->n_runs; i++) {
-    const ev_run *r = &c->runs[i];
-    const ev_problem *p = &c->probs[r->problem];
-    const ev_series *se = &c->series[r->series];
-    fprintf(f, "  {\"problem\": ");
-    json_cstr(f, p->id);
-    fprintf(f, ", \"policy\": \"%s\", \"scope\": \"%s\", \"fraction\": ", lf_policy_str(se->policy),
-            lf_evict_scope_str(se->scope));
-    json_fraction(f, o, r->fi);
-    fprintf(f,
-            ", \"budget\": %d, \"prompt_tokens\": %d, \"output_tokens\": %d, \"max_tokens\": "
-            "%d, \"rc\": %d, \"finish\": ",
-            r->budget, p->prompt_tokens, p->output_tokens, r->max_tokens, r->rc);
-    if (r->finished && r->reason != LF_FINISH_NONE)
-      fprintf(f, "\"%s\"", lf_finish_reason_str(r->reason));
-    else
-      fputs("null", f);
-    fprintf(f, ", \"evictions\": ");
-    if (r->have_stats)
-      fprintf(f, "%llu", (unsigned long long)r->evictions);
-    else
-      fputs("null", f);
-    fprintf(f, ", \"tokens_per_s\": ");
-    if (r->have_stats)
-      json_num(f, round(r->tokens_per_s * 10) / 10);
-    else
-      fputs("null", f);
-    fprintf(f, ", \"seconds\": ");
-    if (r->have_stats)
-      json_num(f, round(r->seconds * 1000) / 1000);
-    else
-      fputs("null", f);
-    fprintf(f, ", \"group\": %d, \"answer_ok\": %s, \"trace_ok\": %s, \"first_error\": ", r->group,
-            r->answer_ok ? "true" : "false", r->trace_ok ? "true" : "false");
-    if (r->first_error >= 0)
-      fprintf(f, "%d", r->first_error);
-    else
-      fputs("null", f);
-    fprintf(f, ", \"answer\": ");
-    json_cstr(f, r->answer);
-    fprintf(f, ", \"stopped\": %s, \"generated\": %d", r->stopped ? "true" : "false", r->n_ids);
-    if (o->teacher_forced) { /* positions of the expected output whose greedy token differs */
-      fprintf(f, ", \"tf_wrong\": %d, \"tf_wrong_at\": [", r->tf_wrong);
-      for (int j = 0, k = 0; j < p->n_want; j++)
-        if (ev_wrong_at(p, r, j)) fprintf(f, k++ ? ",%d" : "%d", j);
-      fputc(']', f);
-    }
-    if (r->error) {
-      fprintf(f, ", \"stderr\": ");
-      json_cstr(f, r->error);
-    }
-    if (o->ids) {
-      fprintf(f, ",\n   \"prompt_ids\": [");
-      for (int j = 0; j < p->n_prompt; j++)
-        fprintf(f, j ? ",%d" : "%d", p->prompt[j]);
-      fprintf(f, "],\n   \"ids\": [");
-      for (int j = 0; j < r->n_ids; j++)
-        fprintf(f, j ? ",%d" : "%d", r->ids[j]);
-      fputc(']', f);
-    }
-    fprintf(f, "}%s\n", i + 1 < c->n_runs ? "," : "");
+    json_write_run(f, c, &c->runs[i]);
+    fprintf(f, "%s\n", i + 1 < c->n_runs ? "," : "");
   }
   fprintf(f, " ]}\n");
   const int bad = ferror(f);
