@@ -523,159 +523,198 @@ static void stream_free(void *cls) {
   srv_conn_unref(cls);
 }
 
-/* A whole (non-streaming) completion: waits for the end, then one JSON body. */
-static MHD_Result_t complete_blocking(conn *c) {
-  int32_t *all = NULL;
-  lf_event *all_lp = NULL; /* [cap_all] with logprobs */
-  int n_all = 0, cap_all = 0;
-  /* With stop strings the text is decoded as the tokens arrive, so a match ends the request at
-   * once; without, it is decoded in one go at the end. */
-  const int incremental = S.tok && c->rq.n_stop_strs > 0;
-  lfs_buf txt = {0};
+/* What a whole (non-streaming) completion gathers before its body is written: the generated
+ * tokens (and their logprobs when asked for) and, with stop strings, the text decoded so far. */
+typedef struct blocking_out {
+  int32_t *all;
+  lf_event *all_lp; /* [cap_all] with logprobs */
+  int n_all, cap_all;
+  lfs_buf txt;
+} blocking_out;
+
+static void blocking_out_free(blocking_out *k) {
+  free(k->all);
+  free(k->all_lp);
+  lfs_buf_free(&k->txt);
+}
+
+enum { COLLECT_DONE = 0, COLLECT_SHUTDOWN, COLLECT_CLOSED, COLLECT_OOM };
+
+/* Takes the job's tokens as they arrive until it finishes or (incremental) a stop string
+ * completes. COLLECT_SHUTDOWN: the engine stopped; COLLECT_CLOSED: the connection went;
+ * COLLECT_OOM: out of memory. */
+static int collect_tokens(conn *c, int incremental, blocking_out *k) {
   for (;;) {
     pthread_mutex_lock(&S.mu);
     const int gone = wait_job(c);
     if (gone) {
       pthread_mutex_unlock(&S.mu);
-      free(all);
-      free(all_lp);
-      lfs_buf_free(&txt);
-      if (gone > 0)
-        return srv_reply_error(c->mc, 503, "server_error", "shutting_down",
-                               "the server is shutting down (the engine stopped)");
-      return MHD_NO; /* closes the connection; srv_conn_unref cancels the request */
+      return gone > 0 ? COLLECT_SHUTDOWN : COLLECT_CLOSED;
     }
     job *j = c->j;
-    if (n_all + j->n_toks > cap_all) {
-      int cap = cap_all ? cap_all : 64;
-      while (cap < n_all + j->n_toks)
+    if (k->n_all + j->n_toks > k->cap_all) {
+      int cap = k->cap_all ? k->cap_all : 64;
+      while (cap < k->n_all + j->n_toks)
         cap *= 2;
-      int32_t *p = realloc(all, sizeof *p * (size_t)cap);
-      if (p) all = p;
-      lf_event *q = j->want_lp ? realloc(all_lp, sizeof *q * (size_t)cap) : NULL;
-      if (q) all_lp = q;
+      int32_t *p = realloc(k->all, sizeof *p * (size_t)cap);
+      if (p) k->all = p;
+      lf_event *q = j->want_lp ? realloc(k->all_lp, sizeof *q * (size_t)cap) : NULL;
+      if (q) k->all_lp = q;
       if (!p || (j->want_lp && !q)) {
         pthread_mutex_unlock(&S.mu);
-        free(all);
-        free(all_lp);
-        lfs_buf_free(&txt);
-        return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
+        return COLLECT_OOM;
       }
-      cap_all = cap;
+      k->cap_all = cap;
     }
-    if (j->n_toks) memcpy(all + n_all, j->toks, sizeof(int32_t) * (size_t)j->n_toks);
+    if (j->n_toks) memcpy(k->all + k->n_all, j->toks, sizeof(int32_t) * (size_t)j->n_toks);
     if (j->n_toks && j->want_lp)
-      memcpy(all_lp + n_all, j->lps, sizeof(lf_event) * (size_t)j->n_toks);
-    const int from = n_all;
-    n_all += j->n_toks;
+      memcpy(k->all_lp + k->n_all, j->lps, sizeof(lf_event) * (size_t)j->n_toks);
+    const int from = k->n_all;
+    k->n_all += j->n_toks;
     j->n_toks = 0;
     const int finished = j->finished;
     pthread_mutex_unlock(&S.mu);
     if (incremental) {
-      for (int i = from; i < n_all; i++) {
-        const int stopped = text_of(c, all[i]);
-        lfs_buf_put(&txt, c->emit.data, c->emit.len);
+      for (int i = from; i < k->n_all; i++) {
+        const int stopped = text_of(c, k->all[i]);
+        lfs_buf_put(&k->txt, c->emit.data, c->emit.len);
         if (stopped) {
-          n_all = i + 1; /* tokens past the one that completed the stop string are dropped */
+          k->n_all = i + 1; /* tokens past the one that completed the stop string are dropped */
           break;
         }
       }
-      if (c->text_stopped) break;
+      if (c->text_stopped) return COLLECT_DONE;
     }
-    if (finished) break;
+    if (finished) return COLLECT_DONE;
+  }
+}
+
+/* The completion's text: with stop strings, what was decoded as the tokens came (plus the
+ * decoder's and the stopper's last bytes); without, all tokens decoded in one go. Nonzero: out
+ * of memory. */
+static int final_text(conn *c, int incremental, blocking_out *k, lf_tok_text *text) {
+  if (incremental) {
+    if (!c->text_stopped) {
+      text_of(c, -1); /* the decoder's last bytes may still complete a stop string */
+      lfs_buf_put(&k->txt, c->emit.data, c->emit.len);
+      lfs_buf_clear(&c->emit);
+      lfs_stopper_flush(&c->stop, &c->emit);
+      lfs_buf_put(&k->txt, c->emit.data, c->emit.len);
+    }
+    if (k->txt.oom ||
+        lf_tok_text_append(text, k->txt.data ? k->txt.data : "", k->txt.len) != LF_OK)
+      return 1;
+    lfs_buf_free(&k->txt);
+  } else if (S.tok && lf_tokenizer_decode(S.tok, k->all, (size_t)k->n_all, LF_TOK_SKIP_SPECIAL,
+                                          text) != LF_OK) {
+    lf_tok_text_clear(text);
+  }
+  return 0;
+}
+
+/* The choice's "message" (chat) or "text" (with the prompt's text first when echoed, and its
+ * ids where token ids are returned). */
+static void put_choice_text(lfs_buf *b, conn *c, const lf_tok_text *text) {
+  if (c->chat) {
+    lfs_buf_puts(b, "\"message\":{\"role\":\"assistant\",\"content\":");
+    lfs_buf_json_str(b, text->data ? text->data : "", text->len);
+    lfs_buf_puts(b, "}");
+    return;
+  }
+  lfs_buf_puts(b, "\"text\":");
+  lf_tok_text pt = {0};
+  if (c->rq.echo) {
+    if (prompt_text(c, &pt)) b->oom = 1;
+    if (pt.len) lf_tok_text_append(&pt, "", 0);
+    lfs_buf *e = &c->emit; /* scratch: prompt then completion text */
+    lfs_buf_clear(e);
+    lfs_buf_put(e, pt.data ? pt.data : "", pt.len);
+    lfs_buf_put(e, text->data ? text->data : "", text->len);
+    if (e->oom) b->oom = 1;
+    lfs_buf_json_str(b, e->data ? e->data : "", e->len);
+  } else {
+    lfs_buf_json_str(b, text->data ? text->data : "", text->len);
+  }
+  lf_tok_text_free(&pt);
+  if (c->rq.echo && (c->rq.return_token_ids || !S.tok)) {
+    lfs_buf_puts(b, ",\"prompt_token_ids\":");
+    put_ids(b, c->rq.prompt, c->rq.n_prompt);
+  }
+}
+
+/* The choice's "logprobs" value: null when not asked for; chat's {"content": [...]}; the
+ * completions columns (the prompt's first when echoed). */
+static void put_blocking_logprobs(lfs_buf *b, conn *c, const job *j, const blocking_out *k) {
+  if (!c->rq.logprobs || !k->all_lp) {
+    if (c->rq.logprobs && c->rq.echo && !c->chat) { /* echo with nothing generated */
+      lp_cols a = {0};
+      long long off = 0;
+      lp_cols_prompt(&a, c, j, &off, &c->text);
+      lp_cols_put(b, &a);
+      lp_cols_free(&a);
+    } else if (c->rq.logprobs && c->chat) {
+      lfs_buf_puts(b, "{\"content\":[]}");
+    } else {
+      lfs_buf_puts(b, "null");
+    }
+  } else if (c->chat) {
+    lfs_buf_puts(b, "{\"content\":[");
+    for (int i = 0; i < k->n_all; i++) {
+      if (i) lfs_buf_puts(b, ",");
+      put_chat_lp(b, &k->all_lp[i], &c->text);
+    }
+    lfs_buf_puts(b, "]}");
+  } else {
+    lp_cols a = {0};
+    long long off = 0;
+    if (c->rq.echo) lp_cols_prompt(&a, c, j, &off, &c->text);
+    for (int i = 0; i < k->n_all; i++) lp_cols_add(&a, k->all[i], &k->all_lp[i], &off, &c->text);
+    lp_cols_put(b, &a);
+    lp_cols_free(&a);
+  }
+}
+
+/* A whole (non-streaming) completion: waits for the end, then one JSON body. */
+static MHD_Result_t complete_blocking(conn *c) {
+  /* With stop strings the text is decoded as the tokens arrive, so a match ends the request at
+   * once; without, it is decoded in one go at the end. */
+  const int incremental = S.tok && c->rq.n_stop_strs > 0;
+  blocking_out k = {0};
+  const int st = collect_tokens(c, incremental, &k);
+  if (st != COLLECT_DONE) {
+    blocking_out_free(&k);
+    if (st == COLLECT_OOM)
+      return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
+    if (st == COLLECT_SHUTDOWN)
+      return srv_reply_error(c->mc, 503, "server_error", "shutting_down",
+                             "the server is shutting down (the engine stopped)");
+    return MHD_NO; /* closes the connection; srv_conn_unref cancels the request */
   }
   const job *j = c->j;
-  c->n_out = n_all;
+  c->n_out = k.n_all;
   /* After a stop string the job may still be running: its fields are not read then. */
   if (!c->text_stopped && (j->reason == LF_FINISH_ERROR || j->reason == LF_FINISH_CANCELLED)) {
-    free(all);
-    free(all_lp);
-    lfs_buf_free(&txt);
+    blocking_out_free(&k);
     lfs_error e;
     finish_error(j, &e);
     return srv_send_error(c->mc, &e, NULL);
   }
   lf_tok_text text = {0};
-  if (incremental) {
-    if (!c->text_stopped) {
-      text_of(c, -1); /* the decoder's last bytes may still complete a stop string */
-      lfs_buf_put(&txt, c->emit.data, c->emit.len);
-      lfs_buf_clear(&c->emit);
-      lfs_stopper_flush(&c->stop, &c->emit);
-      lfs_buf_put(&txt, c->emit.data, c->emit.len);
-    }
-    if (txt.oom || lf_tok_text_append(&text, txt.data ? txt.data : "", txt.len) != LF_OK) {
-      free(all);
-      free(all_lp);
-      lfs_buf_free(&txt);
-      lf_tok_text_free(&text);
-      return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
-    }
-    lfs_buf_free(&txt);
-  } else if (S.tok &&
-             lf_tokenizer_decode(S.tok, all, (size_t)n_all, LF_TOK_SKIP_SPECIAL, &text) != LF_OK) {
-    lf_tok_text_clear(&text);
+  if (final_text(c, incremental, &k, &text)) {
+    blocking_out_free(&k);
+    lf_tok_text_free(&text);
+    return srv_reply_error(c->mc, 500, "server_error", "out_of_memory", "out of memory");
   }
   lfs_buf b = {0};
   put_head(&b, c, 0);
   lfs_buf_puts(&b, ",\"choices\":[{\"index\":0,");
-  if (c->chat) {
-    lfs_buf_puts(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
-    lfs_buf_json_str(&b, text.data ? text.data : "", text.len);
-    lfs_buf_puts(&b, "}");
-  } else {
-    lfs_buf_puts(&b, "\"text\":");
-    lf_tok_text pt = {0};
-    if (c->rq.echo) {
-      if (prompt_text(c, &pt)) b.oom = 1;
-      if (pt.len) lf_tok_text_append(&pt, "", 0);
-      lfs_buf *e = &c->emit; /* scratch: prompt then completion text */
-      lfs_buf_clear(e);
-      lfs_buf_put(e, pt.data ? pt.data : "", pt.len);
-      lfs_buf_put(e, text.data ? text.data : "", text.len);
-      if (e->oom) b.oom = 1;
-      lfs_buf_json_str(&b, e->data ? e->data : "", e->len);
-    } else {
-      lfs_buf_json_str(&b, text.data ? text.data : "", text.len);
-    }
-    lf_tok_text_free(&pt);
-    if (c->rq.echo && (c->rq.return_token_ids || !S.tok)) {
-      lfs_buf_puts(&b, ",\"prompt_token_ids\":");
-      put_ids(&b, c->rq.prompt, c->rq.n_prompt);
-    }
-  }
+  put_choice_text(&b, c, &text);
   if (c->rq.return_token_ids || !S.tok) {
     lfs_buf_puts(&b, ",\"token_ids\":");
-    put_ids(&b, all, n_all);
+    put_ids(&b, k.all, k.n_all);
   }
   lfs_buf_puts(&b, ",\"logprobs\":");
-  if (!c->rq.logprobs || !all_lp) {
-    if (c->rq.logprobs && c->rq.echo && !c->chat) { /* echo with nothing generated */
-      lp_cols a = {0};
-      long long off = 0;
-      lp_cols_prompt(&a, c, j, &off, &c->text);
-      lp_cols_put(&b, &a);
-      lp_cols_free(&a);
-    } else if (c->rq.logprobs && c->chat) {
-      lfs_buf_puts(&b, "{\"content\":[]}");
-    } else {
-      lfs_buf_puts(&b, "null");
-    }
-  } else if (c->chat) {
-    lfs_buf_puts(&b, "{\"content\":[");
-    for (int i = 0; i < n_all; i++) {
-      if (i) lfs_buf_puts(&b, ",");
-      put_chat_lp(&b, &all_lp[i], &c->text);
-    }
-    lfs_buf_puts(&b, "]}");
-  } else {
-    lp_cols a = {0};
-    long long off = 0;
-    if (c->rq.echo) lp_cols_prompt(&a, c, j, &off, &c->text);
-    for (int i = 0; i < n_all; i++) lp_cols_add(&a, all[i], &all_lp[i], &off, &c->text);
-    lp_cols_put(&b, &a);
-    lp_cols_free(&a);
-  }
+  put_blocking_logprobs(&b, c, j, &k);
   lfs_buf_puts(&b, ",\"finish_reason\":");
   lfs_buf_json_cstr(&b, c->text_stopped ? "stop" : finish_str(j->reason));
   lfs_buf_puts(&b, "}],\"usage\":");
@@ -684,8 +723,7 @@ static MHD_Result_t complete_blocking(conn *c) {
   MHD_Result_t r = srv_send_buf(c->mc, 200, "application/json", &b, NULL);
   lfs_buf_free(&b);
   lf_tok_text_free(&text);
-  free(all);
-  free(all_lp);
+  blocking_out_free(&k);
   return r;
 }
 
