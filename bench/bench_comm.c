@@ -14,6 +14,7 @@
  * bandwidth-optimal all-reduce's per-link traffic (nccl-tests' definition). Printed on rank 0.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,20 +65,44 @@ static long long count_wrong(const void *host, size_t n, lf_comm_dtype t, float 
   return bad;
 }
 
+/* Prints "lfbench comm: rank R: <what>: <lf_last_error()>"; returns 1. */
+static int comm_fail(int rank, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int comm_fail(int rank, const char *fmt, ...) {
+  fprintf(stderr, "lfbench comm: rank %d: ", rank);
+  va_list ap;
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, ": %s\n", lf_last_error());
+  return 1;
+}
+
 #define COMM_FAIL(...)                                                                             \
   do {                                                                                             \
-    fprintf(stderr, "lfbench comm: rank %d: ", rank);                                              \
-    fprintf(stderr, __VA_ARGS__);                                                                  \
-    fprintf(stderr, ": %s\n", lf_last_error());                                                    \
-    rc = 1;                                                                                        \
+    rc = comm_fail(rank, __VA_ARGS__);                                                             \
     goto done;                                                                                     \
   } while (0)
 
-int bench_comm(int argc, char **argv) {
-  const char *kind = NULL, *json_path = NULL;
-  lf_comm_dtype type = LF_COMM_F32;
-  size_t min_b = 8 << 10, max_b = (size_t)64 << 20;
-  int iters = 20, warmup = 5;
+/* The options, then the communicator and buffers of one run. */
+typedef struct comm_bench {
+  const char *kind, *json_path;
+  lf_comm_dtype type;
+  size_t min_b, max_b, es;
+  int iters, warmup, nccl, env;
+  int rank, T;
+  lf_comm_t comm;
+  void *host;
+  FILE *json;
+#ifdef LF_HAVE_NCCL
+  void *dbuf;
+  cudaStream_t st;
+  cudaEvent_t e0, e1;
+#endif
+} comm_bench;
+
+/* The command line into b (kind defaulted, nccl and env set). -1: go on; else the exit code
+ * (0 after --help, 2 for a bad option). */
+static int comm_parse(int argc, char **argv, comm_bench *b) {
   for (int i = 1; i < argc; i++) {
     const char *o = argv[i];
     if (!strcmp(o, "-h") || !strcmp(o, "--help")) {
@@ -92,197 +117,250 @@ int bench_comm(int argc, char **argv) {
       return 2;
     }
     const char *v = argv[++i];
-    if (!strcmp(o, "--comm")) kind = v;
+    if (!strcmp(o, "--comm")) b->kind = v;
     else if (!strcmp(o, "--type")) {
-      if (!strcmp(v, "f32")) type = LF_COMM_F32;
-      else if (!strcmp(v, "bf16")) type = LF_COMM_BF16;
+      if (!strcmp(v, "f32")) b->type = LF_COMM_F32;
+      else if (!strcmp(v, "bf16")) b->type = LF_COMM_BF16;
       else {
         fprintf(stderr, "lfbench comm: --type f32|bf16\n");
         return 2;
       }
-    } else if (!strcmp(o, "--min")) min_b = (size_t)strtoull(v, NULL, 10);
-    else if (!strcmp(o, "--max")) max_b = (size_t)strtoull(v, NULL, 10);
-    else if (!strcmp(o, "--iters")) iters = atoi(v);
-    else if (!strcmp(o, "--warmup")) warmup = atoi(v);
-    else if (!strcmp(o, "--json")) json_path = v;
+    } else if (!strcmp(o, "--min")) b->min_b = (size_t)strtoull(v, NULL, 10);
+    else if (!strcmp(o, "--max")) b->max_b = (size_t)strtoull(v, NULL, 10);
+    else if (!strcmp(o, "--iters")) b->iters = atoi(v);
+    else if (!strcmp(o, "--warmup")) b->warmup = atoi(v);
+    else if (!strcmp(o, "--json")) b->json_path = v;
     else {
       fprintf(stderr, "lfbench comm: unknown option %s\n", o);
       return 2;
     }
   }
-  if (iters < 1 || warmup < 0 || min_b < 4 || max_b < min_b) {
+  if (b->iters < 1 || b->warmup < 0 || b->min_b < 4 || b->max_b < b->min_b) {
     fprintf(stderr, "lfbench comm: iters >= 1, warmup >= 0, 4 <= min <= max\n");
     return 2;
   }
 #ifdef LF_HAVE_NCCL
-  if (!kind) kind = "nccl";
+  if (!b->kind) b->kind = "nccl";
 #else
-  if (!kind) kind = "mpi";
+  if (!b->kind) b->kind = "mpi";
 #endif
-  const int nccl = !strcmp(kind, "nccl");
-  if (!nccl && strcmp(kind, "mpi")) {
+  b->nccl = !strcmp(b->kind, "nccl");
+  if (!b->nccl && strcmp(b->kind, "mpi")) {
     fprintf(stderr, "lfbench comm: --comm nccl|mpi\n");
     return 2;
   }
-  const int env = getenv("LF_TP_RANK") != NULL; /* tests/tp_run.sh: no MPI */
-  if (env && !nccl) {
+  b->env = getenv("LF_TP_RANK") != NULL; /* tests/tp_run.sh: no MPI */
+  if (b->env && !b->nccl) {
     fprintf(stderr, "lfbench comm: --comm mpi runs under mpirun\n");
     return 2;
   }
-  int rank = env ? atoi(getenv("LF_TP_RANK")) : 0, rc = 0, dev = -1;
-  if (!env) {
+  return -1;
+}
+
+/* This process's rank: LF_TP_RANK's, else MPI's (MPI_Init here when not yet). 0 or the exit
+ * code. */
+static int comm_rank(int *argc, char ***argv, comm_bench *b) {
+  b->rank = b->env ? atoi(getenv("LF_TP_RANK")) : 0;
+  if (!b->env) {
 #ifdef LF_HAVE_MPI
     int inited = 0;
     MPI_Initialized(&inited);
-    if (!inited && MPI_Init(&argc, &argv) != MPI_SUCCESS) {
+    if (!inited && MPI_Init(argc, argv) != MPI_SUCCESS) {
       fprintf(stderr, "lfbench comm: MPI_Init failed\n");
       return 1;
     }
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_rank(MPI_COMM_WORLD, &b->rank);
 #else
+    (void)argc;
+    (void)argv;
     fprintf(stderr, "lfbench comm: no MPI in this build: launch with tests/tp_run.sh\n");
     return 1;
 #endif
   }
-  lf_comm_t comm = NULL;
-  void *host = NULL;
-  FILE *json = NULL;
+  return 0;
+}
+
+/* Rank 0: the JSON file opened and its head written, the table's two header lines. */
+static int comm_header(comm_bench *b) {
+  if (b->json_path && !(b->json = fopen(b->json_path, "w")))
+    return comm_fail(b->rank, "cannot write %s", b->json_path);
+  printf("# lfbench comm: %s all-reduce (sum, in place), %d ranks%s; %d iters after %d warm-up\n",
+         b->kind, b->T, b->nccl ? ", device time per call (CUDA events)" : ", host time per call",
+         b->iters, b->warmup);
+  printf("# %12s %12s %6s %6s %10s %10s %10s %8s\n", "size(B)", "count", "type", "redop",
+         "time(us)", "algbw", "busbw", "#wrong");
+  if (b->json)
+    fprintf(b->json, "{\n  \"bench\": \"comm\", \"comm\": \"%s\", \"ranks\": %d, \"type\": \"%s\", "
+                     "\"iters\": %d, \"warmup\": %d,\n  \"rows\": [",
+            b->kind, b->T, b->type == LF_COMM_BF16 ? "bf16" : "float", b->iters, b->warmup);
+  return 0;
+}
+
+/* The correctness run: one all-reduce of known values; *wrong: this rank's elements that
+ * differ. */
+static int comm_check(comm_bench *b, size_t bytes, size_t n, long long *wrong) {
+  fill(b->host, n, b->type, (float)(b->rank + 1));
+  void *buf = b->host;
 #ifdef LF_HAVE_NCCL
-  void *dbuf = NULL;
-  cudaStream_t st = NULL;
-  cudaEvent_t e0 = NULL, e1 = NULL;
+  const size_t es = b->es;
+  if (b->nccl) {
+    /* on st: a plain cudaMemcpy from pageable memory returns before its DMA ends, and st (a
+     * non-blocking stream) would not wait for it; the first versions of the IPC all-reduce,
+     * whose first kernel starts at once, read half-uploaded inputs and were counted wrong */
+    if (cudaMemcpyAsync(b->dbuf, b->host, n * es, cudaMemcpyHostToDevice, b->st) != cudaSuccess)
+      return comm_fail(b->rank, "upload");
+    buf = b->dbuf;
+  }
+  void *stream = b->nccl ? (void *)b->st : NULL;
+#else
+  void *stream = NULL;
 #endif
-  lf_status s = env    ? lf_comm_init_nccl_env(0.0, &dev, &comm)
-                : nccl ? lf_comm_init_nccl_mpi(0.0, &dev, &comm)
-                       : lf_comm_init_mpi(&comm);
-  if (s != LF_OK) COMM_FAIL("%s communicator", kind);
-  const int T = comm->size;
-  const size_t es = lf_comm_dtype_size(type);
-  host = malloc(max_b + es);
-  if (!host) COMM_FAIL("host buffer");
+  if (b->comm->allreduce_sum(b->comm, buf, n, b->type, stream) != LF_OK ||
+      lf_comm_sync(b->comm, stream) != LF_OK)
+    return comm_fail(b->rank, "all-reduce of %zu bytes", bytes);
 #ifdef LF_HAVE_NCCL
-  if (nccl) {
-    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess ||
-        cudaMalloc(&dbuf, max_b + es) != cudaSuccess)
+  if (b->nccl && cudaMemcpy(b->host, b->dbuf, n * es, cudaMemcpyDeviceToHost) != cudaSuccess)
+    return comm_fail(b->rank, "download");
+#endif
+  *wrong = count_wrong(b->host, n, b->type, (float)b->T * (float)(b->T + 1) / 2.0f);
+  return 0;
+}
+
+/* warmup then iters timed in-place all-reduces of zeros (repeated in-place sums of data would
+ * overflow); *t_us: the time per call on this rank. */
+static int comm_time(comm_bench *b, size_t n, double *t_us) {
+  const size_t es = b->es;
+  lf_comm_t comm = b->comm;
+#ifdef LF_HAVE_NCCL
+  if (b->nccl) {
+    cudaMemsetAsync(b->dbuf, 0, n * es, b->st);
+    for (int i = 0; i < b->warmup; i++)
+      if (comm->allreduce_sum(comm, b->dbuf, n, b->type, b->st) != LF_OK)
+        return comm_fail(b->rank, "warm-up");
+    cudaEventRecord(b->e0, b->st);
+    for (int i = 0; i < b->iters; i++)
+      if (comm->allreduce_sum(comm, b->dbuf, n, b->type, b->st) != LF_OK)
+        return comm_fail(b->rank, "timed run");
+    cudaEventRecord(b->e1, b->st);
+    if (lf_comm_sync(comm, b->st) != LF_OK) return comm_fail(b->rank, "sync");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, b->e0, b->e1);
+    *t_us = 1e3 * (double)ms / b->iters;
+    return 0;
+  }
+#endif
+  memset(b->host, 0, n * es);
+  for (int i = 0; i < b->warmup; i++)
+    if (comm->allreduce_sum(comm, b->host, n, b->type, NULL) != LF_OK)
+      return comm_fail(b->rank, "warm-up");
+  if (comm->barrier(comm) != LF_OK) return comm_fail(b->rank, "barrier");
+  const double t0 = lf_now_s();
+  for (int i = 0; i < b->iters; i++)
+    if (comm->allreduce_sum(comm, b->host, n, b->type, NULL) != LF_OK)
+      return comm_fail(b->rank, "timed run");
+  *t_us = 1e6 * (lf_now_s() - t0) / b->iters;
+  return 0;
+}
+
+/* The slowest rank's time, as nccl-tests reports, and every rank's wrong count: one host-path
+ * gather of (time, wrong) through the communicator itself. */
+static int comm_gather(comm_bench *b, double t_us, long long wrong, double *t_max,
+                       long long *all_wrong) {
+  const int T = b->T;
+  float mine[2] = {(float)t_us, (float)wrong}, *every = calloc(2 * (size_t)T, sizeof(float));
+  if (!every || b->comm->allgather(b->comm, mine, every, 2, LF_COMM_F32, NULL) != LF_OK) {
+    free(every);
+    return comm_fail(b->rank, "gathering the results");
+  }
+  *t_max = 0;
+  *all_wrong = 0;
+  for (int r = 0; r < T; r++) {
+    if (every[2 * r] > *t_max) *t_max = every[2 * r];
+    *all_wrong += (long long)every[2 * r + 1];
+  }
+  free(every);
+  return 0;
+}
+
+/* Rank 0: one size's table row and JSON row. */
+static void comm_print_row(comm_bench *b, size_t n, double t_max, long long all_wrong,
+                           int *first) {
+  const size_t es = b->es;
+  const double algbw = (double)(n * es) / (t_max * 1e-6) / 1e9;
+  const double busbw = algbw * 2.0 * (b->T - 1) / b->T;
+  printf("  %12zu %12zu %6s %6s %10.2f %10.2f %10.2f %8lld\n", n * es, n,
+         b->type == LF_COMM_BF16 ? "bf16" : "float", "sum", t_max, algbw, busbw, all_wrong);
+  if (b->json) {
+    fprintf(b->json,
+            "%s\n    {\"bytes\": %zu, \"count\": %zu, \"time_us\": %.3f, \"algbw_gbs\": %.3f, "
+            "\"busbw_gbs\": %.3f, \"wrong\": %lld}",
+            *first ? "" : ",", n * es, n, t_max, algbw, busbw, all_wrong);
+    *first = 0;
+  }
+  fflush(stdout);
+}
+
+int bench_comm(int argc, char **argv) {
+  comm_bench b = {.type = LF_COMM_F32, .min_b = 8 << 10, .max_b = (size_t)64 << 20,
+                  .iters = 20, .warmup = 5};
+  int rc = comm_parse(argc, argv, &b);
+  if (rc >= 0) return rc;
+  rc = comm_rank(&argc, &argv, &b);
+  if (rc) return rc;
+  const int rank = b.rank;
+  int dev = -1;
+  lf_status s = b.env    ? lf_comm_init_nccl_env(0.0, &dev, &b.comm)
+                : b.nccl ? lf_comm_init_nccl_mpi(0.0, &dev, &b.comm)
+                         : lf_comm_init_mpi(&b.comm);
+  if (s != LF_OK) COMM_FAIL("%s communicator", b.kind);
+  b.T = b.comm->size;
+  b.es = lf_comm_dtype_size(b.type);
+  b.host = malloc(b.max_b + b.es);
+  if (!b.host) COMM_FAIL("host buffer");
+#ifdef LF_HAVE_NCCL
+  if (b.nccl) {
+    if (cudaStreamCreateWithFlags(&b.st, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreate(&b.e0) != cudaSuccess || cudaEventCreate(&b.e1) != cudaSuccess ||
+        cudaMalloc(&b.dbuf, b.max_b + b.es) != cudaSuccess)
       COMM_FAIL("CUDA setup: %s", cudaGetErrorString(cudaGetLastError()));
   }
 #endif
-  if (rank == 0) {
-    if (json_path && !(json = fopen(json_path, "w"))) COMM_FAIL("cannot write %s", json_path);
-    printf("# lfbench comm: %s all-reduce (sum, in place), %d ranks%s; %d iters after %d warm-up\n",
-           kind, T, nccl ? ", device time per call (CUDA events)" : ", host time per call", iters,
-           warmup);
-    printf("# %12s %12s %6s %6s %10s %10s %10s %8s\n", "size(B)", "count", "type", "redop",
-           "time(us)", "algbw", "busbw", "#wrong");
-    if (json)
-      fprintf(json, "{\n  \"bench\": \"comm\", \"comm\": \"%s\", \"ranks\": %d, \"type\": \"%s\", "
-                    "\"iters\": %d, \"warmup\": %d,\n  \"rows\": [",
-              kind, T, type == LF_COMM_BF16 ? "bf16" : "float", iters, warmup);
+  if (rank == 0 && comm_header(&b)) {
+    rc = 1;
+    goto done;
   }
   int first = 1;
-  for (size_t bytes = min_b; bytes <= max_b; bytes *= 2) {
-    const size_t n = bytes / es;
-    /* correctness: one all-reduce of known values */
-    fill(host, n, type, (float)(rank + 1));
-    void *buf = host;
-#ifdef LF_HAVE_NCCL
-    if (nccl) {
-      /* on st: a plain cudaMemcpy from pageable memory returns before its DMA ends, and st (a
-       * non-blocking stream) would not wait for it; the first versions of the IPC all-reduce,
-       * whose first kernel starts at once, read half-uploaded inputs and were counted wrong */
-      if (cudaMemcpyAsync(dbuf, host, n * es, cudaMemcpyHostToDevice, st) != cudaSuccess)
-        COMM_FAIL("upload");
-      buf = dbuf;
+  for (size_t bytes = b.min_b; bytes <= b.max_b; bytes *= 2) {
+    const size_t n = bytes / b.es;
+    long long wrong = 0, all_wrong = 0;
+    double t_us = 0, t_max = 0;
+    if (comm_check(&b, bytes, n, &wrong) || comm_time(&b, n, &t_us) ||
+        comm_gather(&b, t_us, wrong, &t_max, &all_wrong)) {
+      rc = 1;
+      goto done;
     }
-    void *stream = nccl ? (void *)st : NULL;
-#else
-    void *stream = NULL;
-#endif
-    if (comm->allreduce_sum(comm, buf, n, type, stream) != LF_OK ||
-        lf_comm_sync(comm, stream) != LF_OK)
-      COMM_FAIL("all-reduce of %zu bytes", bytes);
-#ifdef LF_HAVE_NCCL
-    if (nccl && cudaMemcpy(host, dbuf, n * es, cudaMemcpyDeviceToHost) != cudaSuccess)
-      COMM_FAIL("download");
-#endif
-    const long long wrong = count_wrong(host, n, type, (float)T * (float)(T + 1) / 2.0f);
-    /* timing (zeros: repeated in-place sums of data would overflow) */
-    double t_us = 0;
-#ifdef LF_HAVE_NCCL
-    if (nccl) {
-      cudaMemsetAsync(dbuf, 0, n * es, st);
-      for (int i = 0; i < warmup; i++)
-        if (comm->allreduce_sum(comm, dbuf, n, type, st) != LF_OK) COMM_FAIL("warm-up");
-      cudaEventRecord(e0, st);
-      for (int i = 0; i < iters; i++)
-        if (comm->allreduce_sum(comm, dbuf, n, type, st) != LF_OK) COMM_FAIL("timed run");
-      cudaEventRecord(e1, st);
-      if (lf_comm_sync(comm, st) != LF_OK) COMM_FAIL("sync");
-      float ms = 0;
-      cudaEventElapsedTime(&ms, e0, e1);
-      t_us = 1e3 * (double)ms / iters;
-    } else
-#endif
-    {
-      memset(host, 0, n * es);
-      for (int i = 0; i < warmup; i++)
-        if (comm->allreduce_sum(comm, host, n, type, NULL) != LF_OK) COMM_FAIL("warm-up");
-      if (comm->barrier(comm) != LF_OK) COMM_FAIL("barrier");
-      const double t0 = lf_now_s();
-      for (int i = 0; i < iters; i++)
-        if (comm->allreduce_sum(comm, host, n, type, NULL) != LF_OK) COMM_FAIL("timed run");
-      t_us = 1e6 * (lf_now_s() - t0) / iters;
-    }
-    /* the slowest rank's time, as nccl-tests reports, and every rank's wrong count: one
-     * host-path gather of (time, wrong) through the communicator itself */
-    float mine[2] = {(float)t_us, (float)wrong}, *every = calloc(2 * (size_t)T, sizeof(float));
-    if (!every || comm->allgather(comm, mine, every, 2, LF_COMM_F32, NULL) != LF_OK) {
-      free(every);
-      COMM_FAIL("gathering the results");
-    }
-    double t_max = 0;
-    long long all_wrong = 0;
-    for (int r = 0; r < T; r++) {
-      if (every[2 * r] > t_max) t_max = every[2 * r];
-      all_wrong += (long long)every[2 * r + 1];
-    }
-    free(every);
-    const double algbw = (double)(n * es) / (t_max * 1e-6) / 1e9;
-    const double busbw = algbw * 2.0 * (T - 1) / T;
-    if (rank == 0) {
-      printf("  %12zu %12zu %6s %6s %10.2f %10.2f %10.2f %8lld\n", n * es, n,
-             type == LF_COMM_BF16 ? "bf16" : "float", "sum", t_max, algbw, busbw, all_wrong);
-      if (json) {
-        fprintf(json,
-                "%s\n    {\"bytes\": %zu, \"count\": %zu, \"time_us\": %.3f, \"algbw_gbs\": %.3f, "
-                "\"busbw_gbs\": %.3f, \"wrong\": %lld}",
-                first ? "" : ",", n * es, n, t_max, algbw, busbw, all_wrong);
-        first = 0;
-      }
-      fflush(stdout);
-    }
+    if (rank == 0) comm_print_row(&b, n, t_max, all_wrong, &first);
     if (all_wrong) rc = 1;
   }
-  if (json) fprintf(json, "\n  ]\n}\n");
+  if (b.json) fprintf(b.json, "\n  ]\n}\n");
 done:
-  if (json) fclose(json);
+  if (b.json) fclose(b.json);
 #ifdef LF_HAVE_NCCL
-  if (dbuf) cudaFree(dbuf);
-  if (e0) cudaEventDestroy(e0);
-  if (e1) cudaEventDestroy(e1);
-  if (st) cudaStreamDestroy(st);
+  if (b.dbuf) cudaFree(b.dbuf);
+  if (b.e0) cudaEventDestroy(b.e0);
+  if (b.e1) cudaEventDestroy(b.e1);
+  if (b.st) cudaStreamDestroy(b.st);
 #endif
-  free(host);
+  free(b.host);
   (void)dev;
   if (rc) {
     /* a failed communicator may leave peers in a collective: let the launcher end the job */
     fprintf(stderr, "lfbench comm: rank %d failed\n", rank);
     return rc;
   }
-  lf_comm_free(comm);
+  lf_comm_free(b.comm);
 #ifdef LF_HAVE_MPI
-  if (!env) MPI_Finalize();
+  if (!b.env) MPI_Finalize();
 #endif
   return 0;
 }
