@@ -366,10 +366,11 @@ static void set_model_name(const serve_opts *o) {
 /* The acceptor (serve_accept.c) owns the listening socket and hands connections to
  * libmicrohttpd while it has room, answering the rest with 503 itself: libmicrohttpd closes
  * sockets beyond its limit without a word. Its limit is set above the acceptor's so a count
- * that lags behind a closing socket never reaches it. *lfd, *d and *bound_port get what was
+ * that lags behind a closing socket never reaches it. *lfd, *d, *bound_port and *loopback get what was
  * started (left -1 / NULL otherwise, for main to stop). Returns 0, or 1 after a message. */
-static int start_http(const serve_opts *o, int *lfd, struct MHD_Daemon **d, int *bound_port) {
-  *lfd = srv_listen(o->host, o->port, 1024, bound_port);
+static int start_http(const serve_opts *o, int *lfd, struct MHD_Daemon **d, int *bound_port,
+                      int *loopback) {
+  *lfd = srv_listen(o->host, o->port, 1024, bound_port, loopback);
   if (*lfd < 0) return 1;
   const unsigned room = (unsigned)o->max_conn + CONN_RESERVE;
   *d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
@@ -392,7 +393,7 @@ static int start_http(const serve_opts *o, int *lfd, struct MHD_Daemon **d, int 
 }
 
 /* The start-up banner: what is served where, chat and authentication. */
-static void print_banner(const serve_opts *o, const lf_resolved_config *rc, int bound_port,
+static void print_banner(const serve_opts *o, const lf_resolved_config *rc, int bound_port, int loopback,
                          double load_s, const char *chat_state, const char *key_from) {
   const char *lora = o->cfg.lora_path;
   fprintf(stderr,
@@ -408,9 +409,7 @@ static void print_banner(const serve_opts *o, const lf_resolved_config *rc, int 
           S.api_key ? "an API key (" : "none: anyone who can reach the port may use it",
           S.api_key ? key_from : "",
           !S.api_key ? "" : o->auth_metrics ? ") on every endpoint" : ") on /v1/*; /health and /metrics open");
-  struct in_addr bound_addr;
-  if (!S.api_key && (inet_pton(AF_INET, o->host, &bound_addr) != 1 ||
-                     (ntohl(bound_addr.s_addr) >> 24) != 127))
+  if (!S.api_key && !loopback)
     fprintf(stderr, "lfserve: warning: listening on %s, beyond this machine, without an API key "
                     "(--api-key-file or LFSERVE_API_KEY)\n", o->host);
   fflush(stderr);
@@ -527,15 +526,15 @@ int main(int argc, char **argv) {
     fprintf(stderr, "lfserve: cannot start the engine thread\n");
     goto out;
   }
-  int bound_port = 0;
-  if (start_http(&o, &lfd, &d, &bound_port)) goto stop_engine;
+  int bound_port = 0, loopback = 0;
+  if (start_http(&o, &lfd, &d, &bound_port, &loopback)) goto stop_engine;
   /* --timeout is applied by our reaper (serve.h), not libmicrohttpd: its timer starts at accept
    * and is checked before the socket is read, so under load (300 connections opened at once on
    * two cores) it closed connections whose requests had arrived, unread and unanswered. */
   const int reaper = o.timeout > 0 && pthread_create(&S.reaper, NULL, srv_reaper_main, NULL) == 0;
   if (o.timeout > 0 && !reaper)
     fprintf(stderr, "lfserve: warning: cannot start the idle-connection reaper: --timeout is off\n");
-  print_banner(&o, &rc_eng, bound_port, lf_now_s() - t0, chat_state, key_from);
+  print_banner(&o, &rc_eng, bound_port, loopback, lf_now_s() - t0, chat_state, key_from);
 
   int sig;
   while ((sig = sigwaitinfo(&sigs, &si)) < 0) {

@@ -232,8 +232,8 @@ void srv_refusal_count(int reason);
 /* ---- the listening socket (serve_accept.c) ------------------------------------------------ */
 
 /* Binds host:port (IPv4; port 0: any free one) and listens; returns the socket, or -1 after
- * saying why on stderr. *bound_port: the port it got. */
-int srv_listen(const char *host, long port, int backlog, int *bound_port);
+ * saying why on stderr. *bound_port: the port it got; *loopback: 1 for a 127.x.x.x address. */
+int srv_listen(const char *host, long port, int backlog, int *bound_port, int *loopback);
 /* Starts the acceptor thread: it accepts every connection on lfd and hands it to d while d holds
  * fewer than room sockets; beyond, it answers 503 + Retry-After itself (counted as a refusal,
  * reason too_many_connections) and closes the socket once the client has closed its end. */

@@ -35,7 +35,7 @@ static struct {
   int n_over;
 } A = {.lfd = -1, .wake = {-1, -1}};
 
-int srv_listen(const char *host, long port, int backlog, int *bound_port) {
+int srv_listen(const char *host, long port, int backlog, int *bound_port, int *loopback) {
   struct sockaddr_in sa;
   memset(&sa, 0, sizeof sa);
   sa.sin_family = AF_INET;
@@ -58,6 +58,7 @@ int srv_listen(const char *host, long port, int backlog, int *bound_port) {
   }
   socklen_t len = sizeof sa;
   *bound_port = getsockname(fd, (struct sockaddr *)&sa, &len) ? (int)port : ntohs(sa.sin_port);
+  *loopback = (ntohl(sa.sin_addr.s_addr) >> 24) == 127;
   return fd;
 }
 
