@@ -99,6 +99,12 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   constexpr bool I4 = Q == DA_INT4;                 /* 4-bit codes, (step, floor) per 32 dims */
   constexpr int RB = Q8 ? D : I4 ? D / 2 : 2 * D;   /* bytes per K/V row */
   constexpr int NG = D / 32;                        /* int4 groups per row */
+  /* 8-bit K: 16-byte loads, thread t holding dims 64jj + 16t .. + 15 (jj < NJ / 2), so that a
+   * load moves as many bytes as bf16's; q takes the same order (the dot product does not care).
+   * V at D 128 (8-bit and int4): one contiguous run of dims 16g .. 16g + 15 per thread and slot
+   * (16 or 8 bytes), its accumulators mapped back by store_acc<D, true>. */
+  constexpr bool K16 = Q8;
+  constexpr bool V16 = (Q8 || I4) && NC == 2;
   const __nv_bfloat16 *K = (const __nv_bfloat16 *)p.k + (hidx * B) * D;
   const __nv_bfloat16 *V = (const __nv_bfloat16 *)p.v + (hidx * B) * D;
   const uint8_t *K8 = (const uint8_t *)p.k + (hidx * B) * D;
@@ -130,9 +136,11 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   uint4 qf[NJ];
   {
     const uint4 *qp = (const uint4 *)(p.q + seq * p.q_stride + (size_t)(kvh * G + g) * D) + t;
+    /* (K16: qp + t + qi = 8 (j >> 1) + 2t + (j & 1): dims 64 (j >> 1) + 16t + 8 (j & 1)) */
 #pragma unroll
     for (int j = 0; j < NJ; j++) {
-      qf[j] = g < G ? qp[4 * j] : make_uint4(0, 0, 0, 0);
+      const int qi = K16 ? 8 * (j >> 1) + t + (j & 1) : 4 * j; /* qp starts at t (K16: 2t) */
+      qf[j] = g < G ? qp[qi] : make_uint4(0, 0, 0, 0);
       if (F8)
         qf[j] = make_uint4(bf16x2_scale(qf[j].x, DA_F8_QUP), bf16x2_scale(qf[j].y, DA_F8_QUP),
                            bf16x2_scale(qf[j].z, DA_F8_QUP), bf16x2_scale(qf[j].w, DA_F8_QUP));
@@ -165,7 +173,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
     if (Q == DA_BF16 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 kr[DA_UNR][2][NJ];
-    uint2 kr8[DA_UNR][2][NJ];
+    uint4 kr8[DA_UNR][2][NJ / 2];
     uint32_t kr4[DA_UNR][2][NJ], km4[DA_UNR][2][NJ];
     float ksc[DA_UNR][2];
 #pragma unroll
@@ -174,10 +182,10 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       for (int r = 0; r < 2; r++) {
         const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + g + 8 * r;
         if (Q8) {
-          const uint2 *src = (const uint2 *)(K8 + (size_t)slot * D) + t;
+          const uint4 *src = (const uint4 *)(K8 + (size_t)slot * D) + t;
 #pragma unroll
-          for (int j = 0; j < NJ; j++)
-            kr8[u][r][j] = slot < s1 ? ld_stream(src + 4 * j) : make_uint2(0, 0);
+          for (int jj = 0; jj < NJ / 2; jj++)
+            kr8[u][r][jj] = slot < s1 ? ld_stream(src + 4 * jj) : make_uint4(0, 0, 0, 0);
           ksc[u][r] = slot < s1 ? ksc_row[slot] * kmul : 0.0f;
         } else if (I4) {
           const uint32_t *src = K4 + (size_t)slot * (D / 8) + t;
@@ -203,8 +211,12 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < NJ; j++) {
-        const uint4 k0 = Q8 ? q8x8_bf16x8<Q>(kr8[u][0][j]) : I4 ? i4x8_img(kr4[u][0][j]) : kr[u][0][j];
-        const uint4 k1 = Q8 ? q8x8_bf16x8<Q>(kr8[u][1][j]) : I4 ? i4x8_img(kr4[u][1][j]) : kr[u][1][j];
+        const uint4 k0 = Q8   ? q8x8_bf16x8<Q>(u4_half(kr8[u][0][j >> 1], j & 1))
+                         : I4 ? i4x8_img(kr4[u][0][j])
+                              : kr[u][0][j];
+        const uint4 k1 = Q8   ? q8x8_bf16x8<Q>(u4_half(kr8[u][1][j >> 1], j & 1))
+                         : I4 ? i4x8_img(kr4[u][1][j])
+                              : kr[u][1][j];
         if (I4) { /* group j alone, then its step and floor: s * q.(128 + c) + (m - 128 s) sum q */
           float cj[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -274,6 +286,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     if (Q == DA_BF16 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 vr[DA_UNR][4][NC];
     uint2 vr8[DA_UNR][4][NC];
+    uint4 v16[DA_UNR][4]; /* V16: 8-bit codes of dims 16g .. 16g + 15, or int4's in .x, .y */
     uint32_t vr4[DA_UNR][4][NC], vm4[DA_UNR][4][NC];
     float vsc[DA_UNR][4];
 #pragma unroll
@@ -281,7 +294,16 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
 #pragma unroll
       for (int r = 0; r < 4; r++) {
         const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + 2 * t + (r & 1) + 8 * (r >> 1);
-        if (Q8) {
+        if (V16 && Q8) {
+          v16[u][r] = slot < s1 ? ld_stream((const uint4 *)(V8 + (size_t)slot * D) + g)
+                                : make_uint4(0, 0, 0, 0);
+          vsc[u][r] = slot < s1 ? vsc_row[slot] * vmul : 0.0f;
+        } else if (V16) { /* int4: code words 2g and 2g + 1, group g / 2 */
+          const uint2 w = slot < s1 ? ld_stream((const uint2 *)(V4 + (size_t)slot * (D / 8)) + g)
+                                    : make_uint2(0, 0);
+          v16[u][r] = make_uint4(w.x, w.y, 0, 0);
+          vm4[u][r][0] = slot < s1 ? vmeta[(size_t)slot * NG + (g >> 1)] : 0u;
+        } else if (Q8) {
           const uint2 *src = (const uint2 *)(V8 + (size_t)slot * D) + g;
 #pragma unroll
           for (int c = 0; c < NC; c++)
@@ -322,7 +344,9 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       for (int r = 0; r < 4; r++)
 #pragma unroll
         for (int c = 0; c < NC; c++)
-          vx[r][c] = Q8   ? q8x8_bf16x8<Q>(vr8[u][r][c])
+          vx[r][c] = V16 && Q8 ? q8x8_bf16x8<Q>(u4_half(v16[u][r], c))
+                     : V16     ? i4x8_bf16x8(u4_get(v16[u][r], c), vm4[u][r][0])
+                     : Q8      ? q8x8_bf16x8<Q>(vr8[u][r][c])
                      : I4 ? i4x8_bf16x8(vr4[u][r][c], vm4[u][r][c])
                           : vr[u][r][c];
 #pragma unroll
@@ -354,7 +378,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     /* every warp into its own buffer at once (warp 0: o_s), one barrier, then the sum in the
      * order of the loop below, ((0 + o0) + o1) + o2) + o3: the same bits, two barriers not four */
     float *ox = cw + ((S * G + 1) & ~1) + 2 * S * G; /* [DA_NW - 1][G][D] after cw */
-    store_acc<D>(warp == 0 ? o_s : ox + (size_t)(warp - 1) * G * D, oacc, G, g, t,
+    store_acc<D, V16>(warp == 0 ? o_s : ox + (size_t)(warp - 1) * G * D, oacc, G, g, t,
                  warp == 0 ? ACC_FIRST : ACC_SET);
     __syncthreads();
     for (int i = tid; i < G * D; i += DA_NT) {
@@ -367,7 +391,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   } else {
     /* one warp at a time into one buffer (shared memory is what limits blocks per SM) */
     for (int ww = 0; ww < DA_NW; ww++) {
-      if (warp == ww) store_acc<D>(o_s, oacc, G, g, t, ww ? ACC_ADD : ACC_FIRST);
+      if (warp == ww) store_acc<D, V16>(o_s, oacc, G, g, t, ww ? ACC_ADD : ACC_FIRST);
       __syncthreads();
     }
   }

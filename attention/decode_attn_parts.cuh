@@ -148,6 +148,11 @@ static __device__ __forceinline__ uint32_t u4_get(const uint4 &x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
+/* The low (h == 0) or high 8 bytes of x. */
+static __device__ __forceinline__ uint2 u4_half(const uint4 &x, int h) {
+  return h ? make_uint2(x.z, x.w) : make_uint2(x.x, x.y);
+}
+
 /* (x.lo, y.lo) for hi == 0, (x.hi, y.hi) otherwise: the register transpose of two bf16 pairs. */
 static __device__ __forceinline__ uint32_t bf16_interleave(uint32_t x, uint32_t y, int hi) {
   return __byte_perm(x, y, hi ? 0x7632 : 0x5410);
@@ -294,10 +299,11 @@ static __device__ __forceinline__ void combine_weights_reg(const float2 (&x)[SM]
 }
 
 /* A warp's P.V accumulators into dst [G][D]: accumulator (mt, 0/1) is the dim of e0 = mt,
- * heads 2t / 2t+1; (mt, 2/3) the dim of e1 = mt + NMT; dim d = 64 (e >> 3) + 8 g + (e & 7).
+ * heads 2t / 2t+1; (mt, 2/3) the dim of e1 = mt + NMT; dim d = 64 (e >> 3) + 8 g + (e & 7), or
+ * d = 16 g + e when V came in as one contiguous run of 16 dims per thread (V16).
  * ACC_FIRST stores 0 + x (the first add of a running sum), ACC_ADD adds x, ACC_SET stores x. */
 enum { ACC_FIRST, ACC_ADD, ACC_SET };
-template <int D>
+template <int D, bool V16>
 static __device__ __forceinline__ void store_acc(float *dst, const float (&oacc)[D / 16][4], int G,
                                                  int g, int t, int mode) {
   constexpr int NMT = D / 16;
@@ -306,7 +312,7 @@ static __device__ __forceinline__ void store_acc(float *dst, const float (&oacc)
 #pragma unroll
     for (int r = 0; r < 4; r++) {
       const int h = 2 * t + (r & 1), e = (r < 2) ? mt : mt + NMT;
-      const int d = 64 * (e >> 3) + 8 * g + (e & 7);
+      const int d = V16 ? 16 * g + e : 64 * (e >> 3) + 8 * g + (e & 7);
       if (h < G) {
         float *o = dst + h * D + d;
         *o = mode == ACC_ADD ? *o + oacc[mt][r] : mode == ACC_FIRST ? 0.0f + oacc[mt][r] : oacc[mt][r];
