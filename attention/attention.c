@@ -434,16 +434,27 @@ static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
         if (t >= 0 && t < M && imp[t] > mx) mx = imp[t];
       pooled[j] = mx;
     }
-    /* each pair once; a row's look-alikes are met in increasing index order (those before it
-     * as the pair's second member, then those after it as the first), so the last one
-     * recorded is its most recent */
-    for (int i = 0; i < M; i++)
-      for (int j = i + 1; j < M; j++) {
-        const double c = dot_f64(kn + (size_t)i * D, kn + (size_t)j * D, D);
-        csum[i] += c;
-        csum[j] += c;
-        if (c > LF_RKV_SIM_THRESHOLD) lastv[i] = lastv[j] = c;
+    /* a row's cosines with all the others sum to its dot with the sum of the unit keys, less
+     * its own square (O(M D)); its most recent look-alike is the first met scanning the
+     * others from the newest down (the whole row only when it has none) */
+    double *ksum = ws->row; /* [D]; the step's attention is done with it */
+    for (int d = 0; d < D; d++)
+      ksum[d] = 0.0;
+    for (int j = 0; j < M; j++)
+      for (int d = 0; d < D; d++)
+        ksum[d] += kn[(size_t)j * D + d];
+    for (int i = 0; i < M; i++) {
+      const double *ri = kn + (size_t)i * D;
+      csum[i] = dot_f64(ri, ksum, D) - dot_f64(ri, ri, D);
+      for (int j = M - 1; j >= 0; j--) {
+        if (j == i) continue;
+        const double c = dot_f64(ri, kn + (size_t)j * D, D);
+        if (c > LF_RKV_SIM_THRESHOLD) {
+          lastv[i] = c;
+          break;
+        }
       }
+    }
     double mmax = -INFINITY, z = 0.0;
     for (int j = 0; j < M; j++) {
       red[j] = (csum[j] - lastv[j]) / (double)M;

@@ -79,7 +79,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   __nv_bfloat16 *out = p.out + (pair * G) * D; /* [G][D] of this (seq, kv head) */
   float *scores_row = p.scores ? p.scores + pair * B : nullptr;
   /* h2o's window, unless layer scope (scores), where lf_cuda_layer_argmin applies it */
-  const bool window = H2O && !p.scores;
+  const bool window = H2O && p.policy == LF_POLICY_H2O && !p.scores;
   const int32_t *posh = p.pos + hidx * B;
 
   if (n <= 0) { /* nothing to attend: zero output, no candidate */
@@ -415,7 +415,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     const int rfrom = window ? h2o_window<DA_NT>(posh, n, wslot, p.recent, red_i) : INT_MAX;
     const unsigned long long best =
         score_key<false, H2O>(p, hidx, 0, n, wslot, lg_s, fin_m, fin_il, rfrom, red_key, scores_row);
-    if (tid == 0) p.next[hidx] = key_slot(best);
+    if (tid == 0) finish_head<H2O>(p, hidx, best);
     return;
   }
 
@@ -498,7 +498,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       unsigned long long k = cl_key[0];
       for (int s = 1; s < S; s++)
         k = cl_key[s] < k ? cl_key[s] : k;
-      p.next[hidx] = key_slot(k);
+      finish_head<H2O>(p, hidx, k);
     }
     return;
   }
@@ -549,7 +549,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   const unsigned long long best =
       score_key<true, H2O>(p, hidx, 0, n, wslot, p.lg + pair * B * G, fin_m, fin_il, rfrom, red_key,
                       scores_row);
-  if (tid == 0) p.next[hidx] = key_slot(best);
+  if (tid == 0) finish_head<H2O>(p, hidx, best);
 }
 
 /* Workspace layout; every array starts on a 256-byte boundary. */
@@ -699,7 +699,7 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
 
 template <int D, int MINB, int Q>
 static lf_status launch_dtype(const attn_params &p, dim3 grid, int cl, cudaStream_t stream) {
-  if (p.policy == LF_POLICY_H2O)
+  if (p.policy == LF_POLICY_H2O || p.policy == LF_POLICY_RKV) /* accumulators */
     return cl ? launch<D, MINB, true, true, Q>(p, grid, stream)
               : launch<D, MINB, false, true, Q>(p, grid, stream);
   return cl ? launch<D, MINB, true, false, Q>(p, grid, stream)
@@ -726,7 +726,8 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   if (a->group < 1 || a->group > DA_GMAX)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: group %d (1..%d)", a->group, DA_GMAX);
   if (a->policy != LF_POLICY_LONGFLOW && a->policy != LF_POLICY_FULL &&
-      a->policy != LF_POLICY_STREAMING && a->policy != LF_POLICY_H2O)
+      a->policy != LF_POLICY_STREAMING && a->policy != LF_POLICY_H2O &&
+      a->policy != LF_POLICY_RKV)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
                     (int)a->policy);
   if (!lf_kvq_known(pv->kv_dtype))
@@ -739,6 +740,11 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_decode_attn: h2o needs the pool's acc and a window >= 0 (got %d)",
                     a->recent);
+  if (a->policy == LF_POLICY_RKV &&
+      (!pv->acc || !pv->queue || !pv->since || pv->stage < 1 || !pv->pos))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_decode_attn: rkv needs the pool's acc, queue, since and pos and a "
+                    "stage >= 1 (got %d)", pv->stage);
   if (a->n_seq < 0 || a->n_seq > 65535 || pv->n_kv_heads < 1 || pv->n_kv_heads > 65535 ||
       pv->budget < 1 || pv->n_layers < 1 || a->layer < 0 || a->layer >= pv->n_layers ||
       a->sink < 0 || !(a->scale > 0.0f))
@@ -797,8 +803,11 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.po = S > 1 && !cl ? (float *)(ws + wl.po) : NULL;
   p.lg = S > 1 && !cl ? (float *)(ws + wl.lg) : NULL;
   p.scores = a->policy == LF_POLICY_LONGFLOW || a->policy == LF_POLICY_H2O ? a->scores : NULL;
-  p.acc = a->policy == LF_POLICY_H2O ? pv->acc : NULL;
+  p.acc = a->policy == LF_POLICY_H2O || a->policy == LF_POLICY_RKV ? pv->acc : NULL;
   p.recent = a->recent;
+  p.since = a->policy == LF_POLICY_RKV ? pv->since : NULL;
+  p.queue = a->policy == LF_POLICY_RKV ? pv->queue : NULL;
+  p.stage = a->policy == LF_POLICY_RKV ? pv->stage : 0;
 
   const dim3 grid(S, pv->n_kv_heads, a->n_seq);
   const int qd = pv->kv_dtype == LF_KV_FP8    ? DA_FP8

@@ -11,7 +11,10 @@
  * Same semantics as lf_attn_decode_ref (attention.h) for the policies longflow, full (next = -1),
  * streaming (next = the evictable slot with the smallest position) and h2o (acc[i] += sum_h
  * alpha_h,i, acc[w] starting from 0; next = argmin acc outside the `recent` most recent slots by
- * position; the window in attention/h2o_window.cuh).
+ * position; the window in attention/h2o_window.cuh), and rkv's decode step: the mass added to
+ * acc inside its observation window, since advanced and next = queue[since]; when a selection is
+ * due (since reaches the stage, or the pool just filled) next is left -1 and
+ * lf_cuda_rkv_select's due pass (attention/rkv_select.cuh), launched after this, chooses.
  *
  * Includable from C: bf16 buffers are `void *` (__nv_bfloat16 on the device, raw bf16 bits on the
  * host), the stream is a cudaStream_t (struct CUstream_st *). Every pointer is device memory.
@@ -34,7 +37,8 @@ struct CUstream_st;
 typedef struct lf_decode_attn_args {
   /* The rank's pool arena (docs/DESIGN.md §3 layout; head_dim 64 or 128): K, V, vnorm and n
    * read (n counts this step's token), pos read by streaming and h2o, acc read and written by
-   * h2o only, next written (the slot the next token takes). */
+   * h2o and rkv, rkv's since read and written and its queue read, next written (the slot the
+   * next token takes). */
   lf_cuda_pool_view pool;
   int layer; /* the layer attended */
   /* The batch. */
@@ -47,7 +51,7 @@ typedef struct lf_decode_attn_args {
   void *out;               /* bf16 [n_seq][n_kv_heads * group][head_dim] attention output */
   int group;               /* query heads per KV head, 1..8; query head h uses KV head h/group */
   int sink;                /* slots 0..sink-1 are never evicted */
-  lf_policy policy;        /* longflow, full, streaming or h2o */
+  lf_policy policy;        /* longflow, full, streaming, h2o or rkv */
   int recent;              /* h2o: its protected window, the `recent` most recent slots by
                             * position (docs/DESIGN.md §3); >= 0, ignored by the others */
   float scale;             /* softmax scale, 1/sqrt(head_dim) */

@@ -7,6 +7,7 @@
 #include <float.h>
 #include <limits.h>
 
+#include "attention/attention.h"
 #include "attention/h2o_window.cuh"
 #include "attention/pool_row.cuh"
 #include "base/cuda_check.h"
@@ -94,6 +95,25 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
     return;
   }
   const int ws = w[(size_t)s * hkv + g];
+  if (policy == LF_POLICY_RKV) { /* as the fused kernel's score_key and finish_head */
+    const int so = p.since[hidx];
+    const int sn = so < 0 ? -1 : so + 1, kl = so < 0 ? B - n : p.stage - sn;
+    if (kl < LF_RKV_OBS) {
+      const bool reset = kl == LF_RKV_OBS - 1 || (sn == 1 && kl < LF_RKV_OBS - 1);
+      float *acc = p.acc + hidx * B;
+      for (int i = threadIdx.x; i < n; i += DEC_NT) {
+        float mass = 0.0f;
+        for (int h = 0; h < G; h++) mass += lg[(size_t)h * B + i] / lh[h];
+        acc[i] = (reset || i == ws ? 0.0f : acc[i]) + mass;
+      }
+    }
+    __syncthreads(); /* every thread has read since */
+    if (threadIdx.x == 0) {
+      p.since[hidx] = sn;
+      p.next[hidx] = sn >= 0 && sn < p.stage ? p.queue[hidx * p.stage + sn] : -1;
+    }
+    return;
+  }
   if (policy == LF_POLICY_H2O) {
     /* the mass accumulates from the write on: the slot just written starts from this step's */
     float *acc = p.acc + hidx * B;
@@ -147,8 +167,12 @@ extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int
       n_seq < 0 || n_seq > 65535)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: bad arguments");
   if (policy != LF_POLICY_LONGFLOW && policy != LF_POLICY_FULL && policy != LF_POLICY_STREAMING &&
-      policy != LF_POLICY_H2O)
+      policy != LF_POLICY_H2O && policy != LF_POLICY_RKV)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn_simple: policy %d", (int)policy);
+  if (policy == LF_POLICY_RKV && (!pv->acc || !pv->queue || !pv->since || pv->stage < 1))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_decode_attn_simple: rkv needs the pool's acc, queue and since and a "
+                    "stage >= 1 (got %d)", pv->stage);
   if (policy == LF_POLICY_H2O && !pv->acc)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: h2o needs the pool's acc");
   if (!lf_kvq_fits(pv->kv_dtype, pv->head_dim) ||

@@ -23,7 +23,9 @@ struct CUstream_st;
  * of step 1: for each (sequence s, KV head g) attends the group over the n filled slots, writes
  * out, and sets next (longflow: argmin of ||v||_1 * sum_h alpha; streaming: smallest position;
  * h2o: acc[i] += sum_h alpha (acc[w] starts from 0), argmin of acc outside the `recent` most
- * recent slots by position; full: -1) over slots >= sink except w[s][g], lowest slot on ties.
+ * recent slots by position; full: -1) over slots >= sink except w[s][g], lowest slot on ties;
+ * rkv: the fused kernel's step (decode_attn.cuh: acc inside the observation window, since and
+ * next = queue[since]; lf_cuda_rkv_select's due pass chooses after it).
  *   q, out: bf16 [n_seq][n_heads][head_dim]; w: [n_seq][n_kv_heads];
  *   scratch: fp32 >= lf_cuda_decode_attn_simple_scratch(n_seq, ...) floats; scores: NULL, or (layer
  *   scope, longflow or h2o) fp32 [n_seq][n_kv_heads][budget], every candidate's score

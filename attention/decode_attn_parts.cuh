@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "attention/attention.h"
 #include "attention/decode_attn.cuh"
 #include "base/cuda_ptx.cuh"
 
@@ -54,8 +55,11 @@ typedef struct attn_params {
   float2 *ml;
   float *po, *lg;
   float *scores; /* NULL, or [n_seq][n_kv][budget]: every candidate's score (layer scope) */
-  float *acc;    /* h2o: the pool's accumulators, [pool][layer][kv head][budget] */
+  float *acc;    /* h2o and rkv: the pool's accumulators, [pool][layer][kv head][budget] */
   int recent;    /* h2o: the protected recent window */
+  int32_t *since;         /* rkv: steps since each head's selection, [pool][layer][kv head] */
+  const int32_t *queue;   /* rkv: each head's overwrite order, [pool][layer][kv head][stage] */
+  int stage;              /* rkv: the queue's length */
 } attn_params;
 
 /* fp8 pools (the F8 kernel). Two e4m3 codes (bytes of w picked by sel: 0x1404 bytes 0 and 1,
@@ -198,10 +202,42 @@ static __device__ __forceinline__ float slot_mass(const float *li, int G, const 
   return mass;
 }
 
+static __device__ __forceinline__ int32_t key_slot(unsigned long long best) {
+  return best == ~0ull ? -1 : (int32_t)(best & 0xffffffffu);
+}
+
+/* rkv's step count after this step: since + 1, or -1 before the first selection (its
+ * lf_attn_decode twin, attention.c); *k_left gets the steps left before the next selection. */
+static __device__ __forceinline__ int rkv_since_after(const attn_params &p, size_t hidx,
+                                                      int *k_left) {
+  const int so = p.since[hidx];
+  *k_left = so < 0 ? p.budget - p.n[hidx] : p.stage - (so + 1);
+  return so < 0 ? -1 : so + 1;
+}
+
+/* The end of a head's step, in one thread once every thread of every split has scored: next from
+ * the argmin key; rkv instead advances since and takes next from its queue (-1 when a selection
+ * is due: lf_cuda_rkv_select's due pass, launched after this kernel, sets it). */
+template <bool H2O>
+static __device__ __forceinline__ void finish_head(const attn_params &p, size_t hidx,
+                                                   unsigned long long best) {
+  if (H2O && p.policy == LF_POLICY_RKV) {
+    int kl;
+    const int sn = rkv_since_after(p, hidx, &kl);
+    p.since[hidx] = sn;
+    p.next[hidx] = sn >= 0 && sn < p.stage ? p.queue[hidx * p.stage + sn] : -1;
+    return;
+  }
+  p.next[hidx] = key_slot(best);
+}
+
 /* Scores of slots [lo, hi) from logits lg [hi - lo][G]; returns, in thread 0, the smallest key
  * (score bits << 32 | slot) over the evictable ones (~0 when there is none). h2o adds this
  * step's mass to the accumulators of every slot of the range (the slot written starts from 0)
- * and scores by them; slots with pos >= rfrom are its protected window. */
+ * and scores by them; slots with pos >= rfrom are its protected window. rkv (the H2O
+ * instantiation) adds the mass only inside its observation window (k_left < LF_RKV_OBS; the
+ * window's first step, or the first after a selection when the stage is shorter, starts every
+ * slot from 0) and chooses nothing here: its queue does (finish_head). */
 template <bool GLOBAL_LG, bool H2O>
 static __device__ unsigned long long score_key(const attn_params &p, size_t hidx, int lo, int hi,
                                                int wslot, const float *lg, const float *fin_m,
@@ -209,6 +245,20 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
                                                unsigned long long *red_key, float *sc) {
   const int G = p.group, B = p.budget;
   unsigned long long best = ~0ull;
+  if (H2O && p.policy == LF_POLICY_RKV) {
+    int kl;
+    const int sn = rkv_since_after(p, hidx, &kl);
+    if (kl < LF_RKV_OBS) {
+      const bool reset = kl == LF_RKV_OBS - 1 || (sn == 1 && kl < LF_RKV_OBS - 1);
+      for (int i = lo + (int)threadIdx.x; i < hi; i += DA_NT) {
+        float *a = p.acc + hidx * B + i;
+        *a = (reset || i == wslot ? 0.0f : *a) +
+             slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
+      }
+    }
+    __syncthreads(); /* every thread has read since before finish_head writes it */
+    return best;
+  }
   if (H2O) /* the sinks' accumulators (never candidates) */
     for (int i = lo + (int)threadIdx.x; i < min(p.sink, hi); i += DA_NT)
       p.acc[hidx * B + i] = (i == wslot ? 0.0f : p.acc[hidx * B + i]) +
@@ -249,10 +299,6 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
     for (int i = 1; i < DA_NW; i++)
       best = red_key[i] < best ? red_key[i] : best;
   return best;
-}
-
-static __device__ __forceinline__ int32_t key_slot(unsigned long long best) {
-  return best == ~0ull ? -1 : (int32_t)(best & 0xffffffffu);
 }
 
 /* Head h's final max M and 1 / L from every split's (m, l) (ml(s) gives split s's), and the

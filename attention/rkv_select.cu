@@ -10,7 +10,9 @@
 #include "base/error.h"
 
 #define RK_NT 256
-#define RK_DMAX 128
+#define RK_NW (RK_NT / 32)
+#define RK_UNR 4 /* rows scanned at once for a look-alike */
+#define RK_DMAX LF_CUDA_RKV_MAX_HEAD_DIM
 
 static __device__ double rk_block_max(double v, double *red) {
   for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -20,6 +22,12 @@ static __device__ double rk_block_max(double v, double *red) {
   v = red[0];
   for (int w = 1; w < RK_NT / 32; w++) v = fmax(v, red[w]);
   return v;
+}
+
+/* The warp's sum, the same value in every lane (lane 0's, broadcast). */
+static __device__ __forceinline__ double rk_warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return __shfl_sync(0xffffffffu, v, 0);
 }
 
 static __device__ double rk_block_sum(double v, double *red) {
@@ -53,11 +61,16 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ double red[RK_NT / 32];
   __shared__ int red_s[RK_NT / 32], red_j[RK_NT / 32];
+  __shared__ double ksum[RK_DMAX]; /* the sum of the unit keys */
   const int B = a.pool.budget, D = a.pool.head_dim, nkv = a.pool.n_kv_heads;
   const int per_seq = nkv / a.heads_per_scope, tid = (int)threadIdx.x;
   const int seq = (int)blockIdx.x / per_seq, h0 = ((int)blockIdx.x % per_seq) * a.heads_per_scope;
   const size_t hidx0 = ((size_t)a.pool_ids[seq] * a.pool.n_layers + a.layer) * nkv + h0;
   const int n = a.pool.n[hidx0];
+  if (a.due_only) { /* block-uniform: every thread reads the same count */
+    const int so = a.since[hidx0];
+    if (!((so < 0 && n == B) || so >= a.stage)) return;
+  }
   int P = 1;
   while (P < n) P <<= 1;
   long long *key = (long long *)smem;
@@ -89,20 +102,24 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
   __syncthreads();
 
   const int M = n - LF_RKV_OBS, half = LF_RKV_POOL_KERNEL / 2;
+  const int warp = tid >> 5, lane = tid & 31, NDL = (D + 31) / 32; /* dims per lane */
   for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
-  float kx[RK_DMAX];
   for (int g = 0; g < a.heads_per_scope; g++) {
     const size_t hidx = hidx0 + g;
     const float *acc = a.pool.acc + hidx * B;
-    for (int j = tid; j < M; j += RK_NT) {
+    /* importance, and each row's norm (a warp per row, lanes over dims) */
+    for (int j = warp; j < M; j += RK_NW) {
       const int s = slot_of[j];
-      imp[j] = (double)acc[s] / ((double)a.group * LF_RKV_OBS);
       double ss = 0.0;
-      for (int d = 0; d < D; d++) {
+      for (int d = lane; d < D; d += 32) {
         const double v = pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, s, d);
         ss += v * v;
       }
-      nrm[j] = sqrt(ss) + 1e-8;
+      ss = rk_warp_sum(ss);
+      if (lane == 0) {
+        nrm[j] = sqrt(ss) + 1e-8;
+        imp[j] = (double)acc[s] / ((double)a.group * LF_RKV_OBS);
+      }
     }
     __syncthreads();
     for (int j = tid; j < M; j += RK_NT) { /* max-pool over the neighbours that exist */
@@ -111,24 +128,67 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
         if (t >= 0 && t < M && imp[t] > mx) mx = imp[t];
       pooled[j] = mx;
     }
-    /* each row's cosines with every other, in increasing partner order (as the twin adds
-     * them); the last look-alike met is the most recent */
-    for (int x = tid; x < M; x += RK_NT) {
+    /* the sum of the unit keys, dim by dim in rank order (as the twin adds it) */
+    for (int d = tid; d < D; d += RK_NT) {
+      double t = 0.0;
+      for (int j = 0; j < M; j++)
+        t += pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, slot_of[j], d) / nrm[j];
+      ksum[d] = t;
+    }
+    __syncthreads();
+    /* a warp per row x: its cosines' sum is its dot with ksum less its own square; its most
+     * recent look-alike the first met scanning the others from the newest down, RK_UNR rows at
+     * a time (every lane holds the same reduced dots, so the warp leaves together) */
+    for (int x = warp; x < M; x += RK_NW) {
       const int sx = slot_of[x];
-      for (int d = 0; d < D; d++) kx[d] = pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, sx, d);
-      double cs = 0.0, lv = 0.0;
-      for (int y = 0; y < M; y++) {
-        if (y == x) continue;
-        const int sy = slot_of[y];
-        double dt = 0.0;
-        for (int d = 0; d < D; d++)
-          dt += (double)kx[d] * (double)pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, sy, d);
-        const double c = dt / (nrm[x] * nrm[y]);
-        cs += c;
-        if (c > LF_RKV_SIM_THRESHOLD) lv = c;
+      double kx[RK_DMAX / 32], cs = 0.0, self = 0.0;
+#pragma unroll
+      for (int i = 0; i < RK_DMAX / 32; i++) {
+        const int d = lane + 32 * i;
+        kx[i] = i < NDL && d < D ? pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, sx, d) / nrm[x]
+                                 : 0.0;
+        if (i < NDL && d < D) {
+          cs += kx[i] * ksum[d];
+          self += kx[i] * kx[i];
+        }
       }
-      csum[x] = cs;
-      lastv[x] = lv;
+      cs = rk_warp_sum(cs);
+      self = rk_warp_sum(self);
+      double lv = 0.0;
+      bool found = false;
+      for (int y0 = M - 1; y0 >= 0 && !found; y0 -= RK_UNR) {
+        double dt[RK_UNR];
+#pragma unroll
+        for (int u = 0; u < RK_UNR; u++) {
+          const int y = y0 - u;
+          dt[u] = 0.0;
+          if (y >= 0) {
+            const int sy = slot_of[y];
+#pragma unroll
+            for (int i = 0; i < RK_DMAX / 32; i++) {
+              const int d = lane + 32 * i;
+              if (i < NDL && d < D)
+                dt[u] += kx[i] * (double)pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, sy, d);
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < RK_UNR; u++) dt[u] = rk_warp_sum(dt[u]);
+#pragma unroll
+        for (int u = 0; u < RK_UNR; u++) {
+          const int y = y0 - u;
+          if (found || y < 0 || y == x) continue;
+          const double c = dt[u] / nrm[y];
+          if (c > LF_RKV_SIM_THRESHOLD) {
+            lv = c;
+            found = true;
+          }
+        }
+      }
+      if (lane == 0) {
+        csum[x] = cs - self;
+        lastv[x] = lv;
+      }
     }
     __syncthreads();
     double m = -INFINITY;
@@ -179,7 +239,10 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
     }
     __syncthreads();
   }
-  if (tid < a.heads_per_scope) a.since[hidx0 + tid] = 0;
+  if (tid < a.heads_per_scope) {
+    a.since[hidx0 + tid] = 0;
+    if (a.due_only) a.pool.next[hidx0 + tid] = a.queue[(hidx0 + tid) * a.stage];
+  }
 }
 
 extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUstream_st *stream) {

@@ -8,13 +8,16 @@
  * neighbours in position order, minus (1 - LF_RKV_LAMBDA) x the softmax of each key's mean
  * cosine similarity to the others (its most recent look-alike above LF_RKV_SIM_THRESHOLD left
  * out). The rkv_stage lowest scores among non-sink slots (ties to the lower slot) become every
- * head's queue, in that order, and each head's since becomes 0. In fp64 throughout: the
- * cosines are dot(k_x, k_y) / (|k_x| |k_y|) (the CPU twin divides the rows first), so totals
+ * head's queue, in that order, and each head's since becomes 0. As the twin computes it: a
+ * key's cosines with the others sum to its dot with the sum of the unit keys less its own
+ * square, and its most recent look-alike is the first met scanning the others from the newest
+ * down. In fp64 throughout (the twin divides the rows first, the kernel the dots), so totals
  * agree with the twin to ~1e-15 relative and the queues wherever no two totals are that close.
  *
- * One block per scope, O(n^2 x head_dim) fp64 work per head; n <= 4096 (the ranks and six
- * fp64 arrays live in shared memory). K is read as attention reads it (pool_val: bf16, or a
- * quantized dtype's values). Includable from C. Every pointer is device memory.
+ * One block per scope, a warp per key: O(n x head_dim) for the sums, plus each key's scan,
+ * which stops at its first look-alike (all n keys only for a key without one); n <= 4096 (the
+ * ranks and six fp64 arrays live in shared memory). K is read as attention reads it (pool_val:
+ * bf16, or a quantized dtype's values). Includable from C. Every pointer is device memory.
  */
 #ifndef LF_RKV_SELECT_CUH
 #define LF_RKV_SELECT_CUH
@@ -30,8 +33,9 @@ extern "C" {
 
 struct CUstream_st;
 
-/* The largest budget the kernel takes. */
+/* The largest budget and head_dim the kernel takes. */
 #define LF_CUDA_RKV_MAX_BUDGET 4096
+#define LF_CUDA_RKV_MAX_HEAD_DIM 128
 
 typedef struct lf_rkv_select_args {
   lf_cuda_pool_view pool; /* K, pos, acc and n read */
@@ -46,6 +50,10 @@ typedef struct lf_rkv_select_args {
   int32_t *since;           /* [n_pools][n_layers][n_kv_heads] set to 0 */
   double *totals;           /* NULL, or [n_scopes][budget]: each slot's total (NaN outside the
                                candidates), for tests */
+  int due_only;             /* 1: only the scopes whose selection is due after a decode step
+                               (since == -1 with a full pool, or since >= stage: the count the
+                               decode kernel left); they also set next = queue[0]. The others'
+                               blocks return at once. 0: every scope. */
 } lf_rkv_select_args;
 
 /* Launches the selection on stream; asynchronous. Argument errors (a budget over

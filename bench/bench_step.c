@@ -103,7 +103,7 @@ static double weight_bytes(const lf_model_config *m) {
 /* One model: create, fill the pools, time each batch size; rows appended to json. */
 static int run_model(const char *model, const int *batches, int nb, int budget, int steps,
                      int warmup, double copy_gbs, FILE *json, int *first_row, lf_comm_t comm,
-                     lf_kv_dtype kv_dtype) {
+                     lf_kv_dtype kv_dtype, lf_policy policy, int rkv_stage) {
   int rc = 0, max_b = 0;
   for (int i = 0; i < nb; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
   lf_checkpoint ck;
@@ -119,8 +119,9 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
     return 1;
   }
   const lf_model_config *m = &ck.cfg;
-  lf_backend_params p = {.policy = LF_POLICY_LONGFLOW, .budget = budget, .sink = 4, .window = 32,
-                         .n_pools = max_b, .comm = comm, .kv_dtype = kv_dtype};
+  lf_backend_params p = {.policy = policy, .budget = budget, .sink = 4, .window = 32,
+                         .n_pools = max_b, .comm = comm, .kv_dtype = kv_dtype,
+                         .rkv_stage = policy == LF_POLICY_RKV ? rkv_stage : 0};
   const int tp = comm ? comm->size : 1;
   double t0 = lf_now_s();
   if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);
@@ -191,24 +192,27 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
       }
       pos++;
     }
+    double mean = 0.0; /* rkv's selections run every rkv_stage steps: the mean counts them */
+    for (int k = 0; k < steps; k++) mean += t[k] / steps;
     const double med = bench_median(t, steps);
     /* every pool holds `budget` slots once its first decode token is in */
     const double slot_kv = kv_dtype == LF_KV_BF16 ? m->head_dim * 2.0 * 2.0   /* K, V bf16 */
                                                   : (m->head_dim + 4.0) * 2.0; /* codes, scale */
     const double kv = (double)bs * m->n_layers * m->n_kv_heads * budget * slot_kv;
     const double floor_s = (wb + kv) / tp / (copy_gbs * 1e9); /* per GPU */
-    printf("%-18s %6d %7d %10.3f %10.3f %10.3f %8.2f %8.2f %9.3f %8.1f%%\n", model, bs, budget,
-           med * 1e3, best * 1e3, floor_s * 1e3, wb / 1e9, kv / 1e9, med / floor_s,
-           100.0 * floor_s / med);
+    printf("%-18s %6d %7d %10.3f %10.3f %10.3f %10.3f %8.2f %8.2f %9.3f %8.1f%%\n", model, bs,
+           budget, med * 1e3, mean * 1e3, best * 1e3, floor_s * 1e3, wb / 1e9, kv / 1e9,
+           med / floor_s, 100.0 * floor_s / med);
     if (json) {
       fprintf(json,
               "%s\n    {\"model\": \"%s\", \"batch\": %d, \"budget\": %d, \"steps\": %d, "
-              "\"step_ms_median\": %.4f, \"step_ms_min\": %.4f, \"floor_ms\": %.4f, "
+              "\"step_ms_median\": %.4f, \"step_ms_mean\": %.4f, \"step_ms_min\": %.4f, "
+              "\"floor_ms\": %.4f, \"policy\": \"%s\", \"rkv_stage\": %d, "
               "\"weight_bytes\": %.0f, \"kv_bytes\": %.0f, \"ratio\": %.4f, "
               "\"roofline_fraction\": %.4f, \"create_s\": %.2f, \"fill_s\": %.2f, \"tp\": %d, "
               "\"kv_dtype\": \"%s\"}",
-              *first_row ? "" : ",", model, bs, budget, steps, med * 1e3, best * 1e3,
-              floor_s * 1e3, wb, kv, med / floor_s, floor_s / med, t_create, t_fill, tp,
+              *first_row ? "" : ",", model, bs, budget, steps, med * 1e3, mean * 1e3, best * 1e3,
+              floor_s * 1e3, lf_policy_str(policy), p.rkv_stage, wb, kv, med / floor_s, floor_s / med, t_create, t_fill, tp,
               lf_kv_dtype_str(kv_dtype));
       *first_row = 0;
     }
@@ -231,6 +235,8 @@ int bench_step(int argc, char **argv) {
   const char *json_path = NULL;
   int batches[STEP_MAX_LIST] = {1, 64}, nb = 2, budget = 1024, steps = 50, warmup = 5, tp = 0;
   lf_kv_dtype kv_dtype = LF_KV_BF16;
+  lf_policy policy = LF_POLICY_LONGFLOW;
+  int rkv_stage = 0;
   for (int i = 1; i < argc; i++) {
     const char *o = argv[i];
     if (!strcmp(o, "--tp")) {
@@ -239,11 +245,13 @@ int bench_step(int argc, char **argv) {
     }
     if (!strcmp(o, "-h") || !strcmp(o, "--help")) {
       printf("usage: lfbench step [--models LIST] [--batches LIST] [--budget N] [--steps N] "
-             "[--warmup N] [--kv-dtype T] [--json FILE] [--tp]\n"
+             "[--warmup N] [--kv-dtype T] [--policy P] [--rkv-stage S] [--json FILE] [--tp]\n"
              "  one decode step of the cuda backend (pools filled to the budget) against the\n"
              "  weights + KV bytes / copy-bandwidth floor; defaults: random:llama3-8b,\n"
              "  random:qwen3-8b; batches 1,64; budget 1024; 50 timed steps after 5\n"
              "  --kv-dtype bf16 | fp8 | int8 | int4: the pools' K/V storage (default bf16)\n"
+             "  --policy P: the eviction policy (default longflow; h2o keeps budget / 2 recent)\n"
+             "  --rkv-stage S: rkv's stage (default 0: LF_RKV_STAGE_DEFAULT)\n"
              "  --tp: tensor parallel over the ranks of mpirun -np T (NCCL, one GPU each)\n");
       return 0;
     }
@@ -264,6 +272,13 @@ int bench_step(int argc, char **argv) {
       warmup = atoi(v);
     } else if (!strcmp(o, "--json")) {
       json_path = v;
+    } else if (!strcmp(o, "--policy")) {
+      if (lf_policy_parse(v, &policy) != LF_OK) {
+        fprintf(stderr, "lfbench step: %s\n", lf_last_error());
+        return 2;
+      }
+    } else if (!strcmp(o, "--rkv-stage")) {
+      rkv_stage = atoi(v);
     } else if (!strcmp(o, "--kv-dtype")) {
       if (lf_kv_dtype_parse(v, &kv_dtype) != LF_OK) {
         fprintf(stderr, "lfbench step: %s\n", lf_last_error());
@@ -274,6 +289,7 @@ int bench_step(int argc, char **argv) {
       return 2;
     }
   }
+  if (rkv_stage <= 0) rkv_stage = LF_RKV_STAGE_DEFAULT;
   if (budget < 2 || steps < 1 || warmup < 0) {
     fprintf(stderr, "lfbench step: budget >= 2, steps >= 1, warmup >= 0\n");
     return 2;
@@ -317,8 +333,10 @@ int bench_step(int argc, char **argv) {
          "timed: host clock around forward(), median of %d after %d; tp %d\n",
          prop.name, copy_gbs, graphs_on ? "on" : "off", steps, warmup, comm ? comm->size : 1);
   if (lead)
-  printf("# %-16s %6s %7s %10s %10s %10s %8s %8s %9s %9s\n", "model", "batch", "budget",
-         "step_ms", "min_ms", "floor_ms", "w_GB", "kv_GB", "ratio", "roofline");
+  printf("# policy %s (rkv stage %d); ratio and roofline from the median\n# %-16s %6s %7s %10s %10s %10s "
+         "%10s %8s %8s %9s %9s\n", lf_policy_str(policy), policy == LF_POLICY_RKV ? rkv_stage : 0,
+         "model", "batch", "budget", "step_ms", "mean_ms", "min_ms", "floor_ms", "w_GB", "kv_GB",
+         "ratio", "roofline");
   FILE *json = NULL;
   if (lead && json_path && !(json = fopen(json_path, "w"))) {
     fprintf(stderr, "lfbench step: cannot write %s\n", json_path);
@@ -334,7 +352,7 @@ int bench_step(int argc, char **argv) {
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))
     rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first, comm,
-                    kv_dtype);
+                    kv_dtype, policy, rkv_stage);
   if (json) {
     fprintf(json, "\n  ]\n}\n");
     fclose(json);

@@ -168,8 +168,8 @@ typedef struct lf_engine_config {
                              is never capped */
   int rkv_stage;          /* LF_POLICY_RKV: steps between selections, each of which chooses the
                              next rkv_stage slots to overwrite; 0 (default): LF_RKV_STAGE_DEFAULT.
-                             budget >= sink + 8 (its observation window) + rkv_stage + 1. CPU
-                             backend only for now */
+                             budget >= sink + 8 (its observation window) + rkv_stage + 1; the
+                             CUDA backend takes budgets up to 4096 and head_dim up to 128 */
 } lf_engine_config;
 
 /* How the engine's pool count was reached (lf_engine_pool_sizing). */

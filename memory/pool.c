@@ -45,11 +45,12 @@ uint64_t lf_pool_bytes(const lf_pool_shape *s) {
 }
 
 /* The CUDA backend's device arena (engine/cuda/): K and V (bf16, or e4m3 bytes and an fp32 scale
- * per row under fp8 and int8), fp32 ||v||_1 and int32 position per slot (and h2o's fp32 accumulator when
- * h2o); int32 n and next per (pool, layer, head). 0 as lf_pool_bytes, and for an unknown dtype.
+ * per row under fp8 and int8), fp32 ||v||_1 and int32 position per slot (and an fp32 accumulator
+ * when acc: h2o and rkv); int32 n and next per (pool, layer, head), and rkv's queue of s->stage
+ * slots and its step count when s->stage > 0. 0 as lf_pool_bytes, and for an unknown dtype.
  * The fp8 / int8 scratch a chunk's attention reads (one layer's slots of one pool) is a workspace, not
  * pool memory. */
-uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int h2o) {
+uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int acc) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
   const uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
   uint64_t kv_bytes;
@@ -68,8 +69,9 @@ uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int h2o) {
   default:
     return 0;
   }
-  const uint64_t slot_bytes = kv_bytes + 4u + 4u + (h2o ? 4u : 0u);
-  const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t);
+  const uint64_t slot_bytes = kv_bytes + 4u + 4u + (acc ? 4u : 0u);
+  const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t) +
+                              (s->stage > 0 ? ((uint64_t)s->stage + 1u) * sizeof(int32_t) : 0u);
   if (head_bytes > UINT64_MAX / heads) return 0;
   return heads * head_bytes;
 }

@@ -92,8 +92,14 @@ typedef struct lf_cuda_pool_view {
   float *vnorm;      /* [n_pools][n_layers][n_kv_heads][budget] ||v||_1 of the bf16 v */
   int32_t *pos;      /* [n_pools][n_layers][n_kv_heads][budget] */
   int32_t *n, *next; /* [n_pools][n_layers][n_kv_heads] */
-  float *acc;        /* h2o only (else NULL): [n_pools][n_layers][n_kv_heads][budget] attention
-                        mass accumulated since the slot was written */
+  float *acc;        /* h2o and rkv (else NULL): [n_pools][n_layers][n_kv_heads][budget] attention
+                        mass accumulated since the slot was written (rkv: over its observation
+                        window) */
+  int32_t *queue;    /* rkv (else NULL): [n_pools][n_layers][n_kv_heads][stage] the slots its
+                        last selection chose, in overwrite order */
+  int32_t *since;    /* rkv: [n_pools][n_layers][n_kv_heads] decode steps since that selection
+                        (-1: none yet) */
+  int stage;         /* rkv: the queue's length (0 otherwise) */
   int n_layers, n_kv_heads, budget, head_dim;
   int kv_dtype;      /* lf_kv_dtype */
   float *k_scale, *v_scale; /* quantized dtypes (else NULL): [n_pools][n_layers][n_kv_heads][budget]
@@ -106,11 +112,12 @@ typedef struct lf_cuda_pool_view {
 
 /* Bytes one pool needs in this arena (K, V and per-slot metadata). */
 uint64_t lf_pool_bytes(const lf_pool_shape *s);
-/* Bytes one pool needs in the CUDA backend's device arena (K/V in s->kv_dtype and its metadata; h2o: 1
- * when it holds h2o's per-slot accumulators, policy h2o). These two are the only pool-size
+/* Bytes one pool needs in the CUDA backend's device arena (K/V in s->kv_dtype and its metadata; acc: 1
+ * when it holds per-slot accumulators, policies h2o and rkv; rkv's queue and step count from
+ * s->stage). These two are the only pool-size
  * formulas: the engine (kv_memory_bytes), the CUDA backend (sizing from free memory) and lfbench
  * all call them. */
-uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int h2o);
+uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int acc);
 /* Pools of pool_bytes each that fit in floor(bytes * util) bytes, util in (0, 1] (0 otherwise,
  * and 0 for pool_bytes 0); at most INT_MAX. The one rule behind kv_memory_bytes and the CUDA
  * backend's sizing from free device memory (docs/DESIGN.md §5). */

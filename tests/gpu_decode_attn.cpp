@@ -32,6 +32,7 @@
 #include "attention/attention.h"
 #include "attention/decode_attn.cuh"
 #include "attention/kv_write.cuh"
+#include "attention/rkv_select.cuh"
 #include "base/error.h"
 #include "base/kvq.h"
 #include "memory/pool.h"
@@ -94,7 +95,7 @@ struct Case {
   int sink;
   int n_splits; /* 0: auto */
   int steps;
-  int recent; /* h2o's window (0 for the other policies) */
+  int recent; /* h2o's window; rkv's stage (0 for the other policies) */
 };
 
 std::string case_name(const Case &c) {
@@ -104,10 +105,13 @@ std::string case_name(const Case &c) {
                 c.policy == LF_POLICY_LONGFLOW ? "longflow"
                 : c.policy == LF_POLICY_FULL   ? "full"
                 : c.policy == LF_POLICY_H2O    ? "h2o"
+                : c.policy == LF_POLICY_RKV    ? "rkv"
                                                : "streaming",
                 c.sink, c.n_splits, c.steps);
   if (c.policy == LF_POLICY_H2O)
     std::snprintf(b + std::strlen(b), sizeof b - std::strlen(b), "_recent%d", c.recent);
+  if (c.policy == LF_POLICY_RKV)
+    std::snprintf(b + std::strlen(b), sizeof b - std::strlen(b), "_stage%d", c.recent);
   return b;
 }
 
@@ -122,8 +126,10 @@ void run_case(const Case &c, int kv_dtype) {
   const int D = c.head_dim, G = c.group, B = c.budget, H = c.n_kv, NS = c.n_seq;
   const int HQ = H * G, L = 2, layer = 1, NP = NS + 3;
   const size_t n_heads_all = (size_t)NP * L * H, n_slots_all = n_heads_all * B;
+  const bool rkv = c.policy == LF_POLICY_RKV, acc_pol = rkv || c.policy == LF_POLICY_H2O;
+  const int stage = rkv ? c.recent : 0;
 
-  lf_pool_shape shape = {NP, L, H, B, D, kv_dtype, 0};
+  lf_pool_shape shape = {NP, L, H, B, D, kv_dtype, stage};
   lf_kv_arena cpu;
   LF_OK_(lf_kv_arena_init(&cpu, &shape));
   struct arena_guard {
@@ -157,7 +163,11 @@ void run_case(const Case &c, int kv_dtype) {
         if (c.policy == LF_POLICY_FULL) fill = 0; /* full never holds a full pool here */
         /* < B: room for this token; full never outgrows its pool during the steps */
         const int room = c.policy == LF_POLICY_FULL ? c.steps : 0;
-        const int n0 = fill ? B : (int)(rng() % (uint64_t)(B - room));
+        /* rkv: a partly filled pool fills within the first half of the steps, so its first
+         * selection runs */
+        const int n0 = fill ? B
+                       : rkv ? std::max(0, B - 1 - (int)(rng() % (uint64_t)std::max(1, c.steps / 2)))
+                             : (int)(rng() % (uint64_t)(B - room));
         /* positions: sinks first, the rest distinct and shuffled */
         std::vector<int32_t> pos(n0);
         for (int i = 0; i < n0; i++)
@@ -189,6 +199,16 @@ void run_case(const Case &c, int kv_dtype) {
         }
         *kh.n = n0;
         *kh.next = fill ? c.sink + (int)(rng() % (uint64_t)(B - c.sink)) : -1;
+        if (rkv && fill) { /* mid-stage: a queue of distinct non-sink slots, since in [0, S) */
+          std::vector<int32_t> cand(B - c.sink);
+          std::iota(cand.begin(), cand.end(), c.sink);
+          std::shuffle(cand.begin(), cand.end(), rng);
+          std::copy(cand.begin(), cand.begin() + stage, kh.queue);
+          *kh.since = (int)(rng() % (uint64_t)stage);
+          *kh.next = kh.queue[*kh.since];
+        } else if (rkv) {
+          *kh.since = -1; /* no selection yet */
+        }
         for (int i = 0; i < n0 && !f8; i++)
           for (int d = 0; d < D; d++) {
             hk[(slot0 + i) * D + d] = f2bf(kh.k[(size_t)i * D + d]);
@@ -201,7 +221,7 @@ void run_case(const Case &c, int kv_dtype) {
   dev_buf<uint8_t> dk8, dv8;
   dev_buf<float> dvnorm, dqkv, dinv, dacc;
   dev_buf<uint32_t> dks, dvs;
-  dev_buf<int32_t> dpos, dn, dnext, dpool, dw, dposnew;
+  dev_buf<int32_t> dpos, dn, dnext, dpool, dw, dposnew, dqueue, dsince;
   dev_buf<char> dws;
   CUDA_OK(dk.alloc(hk.size()));
   CUDA_OK(dv.alloc(hv.size()));
@@ -229,6 +249,12 @@ void run_case(const Case &c, int kv_dtype) {
   CUDA_OK(cudaMemcpy(dnext.p, cpu.next, n_heads_all * 4, cudaMemcpyHostToDevice));
   CUDA_OK(dpool.alloc(NS));
   CUDA_OK(dpool.put(pool_ids));
+  if (rkv) {
+    CUDA_OK(dqueue.alloc(n_heads_all * stage));
+    CUDA_OK(dsince.alloc(n_heads_all));
+    CUDA_OK(cudaMemcpy(dqueue.p, cpu.queue, n_heads_all * stage * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsince.p, cpu.since, n_heads_all * 4, cudaMemcpyHostToDevice));
+  }
   CUDA_OK(dw.alloc((size_t)NS * H));
   CUDA_OK(dposnew.alloc(NS));
   CUDA_OK(dq.alloc((size_t)NS * HQ * D));
@@ -246,12 +272,13 @@ void run_case(const Case &c, int kv_dtype) {
   prm.policy = c.policy;
   prm.sink = c.sink;
   prm.window = 32;
-  prm.h2o_recent = c.recent;
+  prm.h2o_recent = c.policy == LF_POLICY_H2O ? c.recent : 0;
+  prm.rkv_stage = stage;
   prm.group = G;
   prm.head_dim = D;
   prm.scale = 1.0f / std::sqrt((float)D);
 
-  int near_ties = 0, next_checked = 0;
+  int near_ties = 0, next_checked = 0, selections = 0;
   double worst_rel = 0.0;
   for (int step = 0; step < c.steps; step++) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -293,7 +320,10 @@ void run_case(const Case &c, int kv_dtype) {
     pv.n_kv_heads = H;
     pv.budget = B;
     pv.head_dim = D;
-    pv.acc = c.policy == LF_POLICY_H2O ? dacc.p : nullptr;
+    pv.acc = acc_pol ? dacc.p : nullptr;
+    pv.queue = rkv ? dqueue.p : nullptr;
+    pv.since = rkv ? dsince.p : nullptr;
+    pv.stage = stage;
     lf_qkv_rope_args wa = {};
     wa.qkv = dqkv.p;
     wa.qkv_stride = qkv_dim;
@@ -336,10 +366,29 @@ void run_case(const Case &c, int kv_dtype) {
     aa.workspace = dws.p;
     aa.workspace_bytes = ws_bytes;
     LF_OK_(lf_cuda_decode_attn(&aa, nullptr));
+    if (rkv) { /* the selections due after this step, as the engine launches them */
+      lf_rkv_select_args ra{};
+      ra.pool = pv;
+      ra.layer = layer;
+      ra.n_scopes = NS * H;
+      ra.pool_ids = dpool.p;
+      ra.heads_per_scope = 1;
+      ra.group = G;
+      ra.sink = c.sink;
+      ra.stage = stage;
+      ra.queue = dqueue.p;
+      ra.since = dsince.p;
+      ra.due_only = 1;
+      LF_OK_(lf_cuda_rkv_select(&ra, nullptr));
+    }
     CUDA_OK(cudaDeviceSynchronize());
 
     std::vector<uint16_t> gout;
-    std::vector<int32_t> gn, gw;
+    std::vector<int32_t> gn, gw, gqueue, gsince;
+    if (rkv) {
+      CUDA_OK(dqueue.get(gqueue));
+      CUDA_OK(dsince.get(gsince));
+    }
     std::vector<float> gacc;
     CUDA_OK(dout.get(gout));
     CUDA_OK(dacc.get(gacc));
@@ -357,6 +406,8 @@ void run_case(const Case &c, int kv_dtype) {
         int ev = 0;
         std::fill(scores.begin(), scores.end(), NAN);
         const std::vector<float> acc_before(kh.acc, kh.acc + B);
+        /* rkv: whether this step's selection is due (attention.h: k_left reaches 0) */
+        const bool due = rkv && (*kh.since < 0 ? *kh.n + (*kh.n < B) == B : *kh.since + 1 >= stage);
         LF_OK_(lf_attn_decode_ref(&prm, &kh, &q[((size_t)s * HQ + h * G) * D],
                                   &kn[((size_t)s * H + h) * D], &vn[((size_t)s * H + h) * D],
                                   posnew[s], cout_.data(), &ev, scores.data()));
@@ -377,6 +428,43 @@ void run_case(const Case &c, int kv_dtype) {
         EXPECT_LT(rel, 1.2e-2) << "output, seq " << s << " head " << h;
         /* h2o: every filled slot's accumulator (fp32 sums of the kernel's weights, against the
          * CPU's of exact weights), then the GPU's values carried over so errors do not pile up */
+        if (rkv) {
+          /* rkv: the window's accumulators (a sum of at most LF_RKV_OBS steps' fp32 masses;
+           * a lost, doubled or unreset step is a share of the whole), carried over as h2o's */
+          for (int i = 0; i < *kh.n; i++) {
+            ASSERT_NEAR(gacc[hidx * B + i], kh.acc[i], 2e-3f * kh.acc[i] + 1e-9f)
+                << "rkv acc, seq " << s << " head " << h << " slot " << i;
+            kh.acc[i] = gacc[hidx * B + i];
+          }
+          ASSERT_EQ(gsince[hidx], *kh.since) << "since, seq " << s << " head " << h;
+          if (due) {
+            /* the CPU's selection again, now from the GPU's accumulators: the queues must
+             * agree except at near-ties of the twin's totals (then the GPU's is followed) */
+            selections++;
+            std::vector<double> tot(B);
+            LF_OK_(lf_attn_rkv_select_ref(&prm, &kh, 1, tot.data()));
+            std::vector<std::pair<double, int>> cand;
+            for (int i = c.sink; i < B; i++)
+              if (!std::isnan(tot[i])) cand.push_back({tot[i], i});
+            std::sort(cand.begin(), cand.end());
+            for (int r = 0; r < stage; r++) {
+              const int gq = gqueue[hidx * stage + r];
+              if (gq == kh.queue[r]) continue;
+              const auto it = std::find_if(cand.begin(), cand.end(),
+                                           [&](const std::pair<double, int> &x) { return x.second == gq; });
+              ASSERT_TRUE(it != cand.end()) << "queue " << r << ": slot " << gq
+                                            << " is not a candidate, seq " << s << " head " << h;
+              ASSERT_LE(it->first - cand[r].first, 1e-9 * std::max(1.0, std::fabs(cand[r].first)))
+                  << "queue " << r << ": slot " << gq << " vs cpu " << kh.queue[r];
+              near_ties++;
+              kh.queue[r] = gq;
+            }
+            *kh.next = kh.queue[0];
+          }
+          ASSERT_EQ(gnext[hidx], *kh.next) << "rkv next, seq " << s << " head " << h;
+          next_checked++;
+          continue;
+        }
         if (c.policy == LF_POLICY_H2O)
           for (int i = 0; i < *kh.n; i++) {
             /* the tolerance scales with this step's mass, so a lost or doubled one fails */
@@ -448,8 +536,22 @@ void run_case(const Case &c, int kv_dtype) {
         }
       }
     }
-  std::printf("[ %s %s ] worst output rel err %.2e, next: %d checked, %d near-ties\n",
-              case_name(c).c_str(), lf_kv_dtype_str(lf_kv_dtype(kv_dtype)), worst_rel, next_checked, near_ties);
+  if (rkv) { /* every head's queue and step count at the end */
+    std::vector<int32_t> gqueue, gsince;
+    CUDA_OK(dqueue.get(gqueue));
+    CUDA_OK(dsince.get(gsince));
+    for (int s = 0; s < NS; s++)
+      for (int h = 0; h < H; h++) {
+        lf_kv_head kh = lf_kv_arena_head(&cpu, pool_ids[s], layer, h);
+        const size_t hidx = ((size_t)pool_ids[s] * L + layer) * H + h;
+        ASSERT_EQ(gsince[hidx], *kh.since);
+        for (int r = 0; r < stage && *kh.since >= 0; r++) ASSERT_EQ(gqueue[hidx * stage + r], kh.queue[r]);
+      }
+    EXPECT_GT(selections, 0) << "no selection ran: the case does not test it";
+  }
+  std::printf("[ %s %s ] worst output rel err %.2e, next: %d checked, %d near-ties, %d rkv selections\n",
+              case_name(c).c_str(), lf_kv_dtype_str(lf_kv_dtype(kv_dtype)), worst_rel, next_checked,
+              near_ties, selections);
 }
 
 class DecodeAttn : public ::testing::TestWithParam<Case> {};
@@ -534,6 +636,17 @@ std::vector<Case> cases() {
   v.push_back({128, 4, 200, 2, 2, 1, H2, 4, 5, 30, 100});
   v.push_back({64, 4, 1000, 4, 8, 2, H2, 0, 0, 3, 500});
   v.push_back({128, 2, 77, 3, 5, 1, H2, 4, 2, 50, 1});
+  /* rkv (stage in `recent`): one split, a cluster, the ticket past it; stages longer than, equal
+   * to and shorter than the observation window (the window then opens right after a selection),
+   * down to a selection every step; sink 0 */
+  const lf_policy RK = LF_POLICY_RKV;
+  v.push_back({64, 3, 100, 3, 3, 2, RK, 4, 0, 40, 8}); /* SmolLM2's group and head_dim */
+  v.push_back({128, 4, 64, 2, 4, 1, RK, 4, 3, 40, 5});
+  v.push_back({64, 8, 1024, 2, 3, 2, RK, 4, 8, 12, 4});
+  v.push_back({128, 4, 1024, 4, 1, 1, RK, 4, 16, 8, 3});
+  v.push_back({128, 2, 77, 3, 5, 1, RK, 4, 2, 30, 1});
+  v.push_back({64, 4, 300, 4, 8, 2, RK, 0, 0, 30, 17});
+  v.push_back({128, 4, 200, 2, 2, 0, RK, 4, 5, 40, 12});
   return v;
 }
 

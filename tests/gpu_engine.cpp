@@ -80,6 +80,7 @@ std::vector<Run> generate(lf_backend_kind kind, const lf_checkpoint &ck, lf_poli
   const int vocab = ck.cfg.vocab_size;
   lf_backend_params p = lf_test_backend_params(policy, budget, ns + 1);
   p.scope = scope;
+  p.rkv_stage = policy == LF_POLICY_RKV ? 8 : 0; // a selection every 8 steps
   p.no_graphs = no_graphs;
   lf_backend *b = nullptr;
   std::vector<Run> out(static_cast<size_t>(ns));
@@ -241,6 +242,12 @@ void e2e_model(const std::string &path) {
   m.check(LF_POLICY_H2O, 48, {prompt_of(9, V, 5), prompt_of(30, V, 6)}, n_gen, 200);
   m.check(LF_POLICY_H2O, 64, {prompt_of(100, V, 7)}, std::min(n_gen, ctx - 110), 100);
   m.check(LF_POLICY_H2O, 48, {prompt_of(9, V, 5), prompt_of(30, V, 6)}, n_gen, 200,
+          LF_EVICT_LAYER);
+  // rkv (stage 8: the generic decode kernel's window and queue, then the selection kernel's
+  // due pass): per head and per layer, appended and compressed prompts
+  m.check(LF_POLICY_RKV, 48, {prompt_of(9, V, 5), prompt_of(30, V, 6)}, n_gen, 200);
+  m.check(LF_POLICY_RKV, 64, {prompt_of(100, V, 7)}, std::min(n_gen, ctx - 110), 100);
+  m.check(LF_POLICY_RKV, 48, {prompt_of(9, V, 5), prompt_of(30, V, 6)}, n_gen, 200,
           LF_EVICT_LAYER);
   // full policy outgrowing its pool: LF_ERR_CONTEXT_FULL on both
   m.check(LF_POLICY_FULL, 16, {prompt_of(6, V, 8)}, 20, 10);

@@ -425,6 +425,9 @@ TEST(Fp8Pool, DeviceBytesCountCodesAndScales) {
   EXPECT_EQ(lf_pool_bytes_device(&i4, 0), 0u);
   s.kv_dtype = 7;
   EXPECT_EQ(lf_pool_bytes_device(&s, 0), 0u);
+  /* rkv (stage 5): the accumulators, and per head a queue of 5 slots and its step count */
+  lf_pool_shape r{3, 2, 4, 16, 8, LF_KV_FP8, 5};
+  EXPECT_EQ(lf_pool_bytes_device(&r, 1), slots * (2 * (8 + 4) + 4 + 4 + 4) + heads * (2 + 5 + 1) * 4);
 }
 
 /* int4 rows need whole groups of 32 dims: any other head_dim is refused with a clear error. */

@@ -8,6 +8,7 @@
 
 #include "attention/decode_attn.cuh"
 #include "attention/decode_attn_generic.cuh"
+#include "attention/rkv_select.cuh"
 #include "base/cuda_launch.cuh"
 #include "base/kvq.h"
 #include "base/tuning.h"
@@ -81,6 +82,8 @@ static void free_device_side_locked(cuda_backend *c) {
   cudaFree(c->pv.deq_v);
   cudaFree(c->pv.vnorm);
   cudaFree(c->pv.acc);
+  cudaFree(c->pv.queue);
+  cudaFree(c->pv.since);
   cudaFree(c->h2o_cs);
   cudaFree(c->pv.pos);
   cudaFree(c->pv.n);
@@ -143,9 +146,10 @@ static void cuda_free(lf_backend *b) {
 static lf_status size_pools(cuda_backend *c) {
   const lf_model_config *m = &c->cfg;
   const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
+  const int rkv = c->p.policy == LF_POLICY_RKV;
   const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim,
-                            (int)c->p.kv_dtype, 0};
-  const uint64_t arena = lf_pool_bytes_device(&ps, c->p.policy == LF_POLICY_H2O);
+                            (int)c->p.kv_dtype, rkv ? c->p.rkv_stage : 0};
+  const uint64_t arena = lf_pool_bytes_device(&ps, c->p.policy == LF_POLICY_H2O || rkv);
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
   /* logits [V], probs (the gather of max_vocab slices under TP), own slice and its padded copy,
@@ -290,6 +294,17 @@ static lf_status create(cuda_backend *c) {
     LF_CUDA_CHECK(cudaMemset(c->pv.acc, 0, slots * 4));
     CB_ALLOC(c->h2o_cs, (size_t)hkv * ((size_t)p->budget + (size_t)c->max_chunk) * 4);
   }
+  if (p->policy == LF_POLICY_RKV) {
+    /* rkv: the observation window's accumulators, and per (pool, layer, head) the staged
+     * overwrite order and the steps since its selection (cb_pool_take resets both) */
+    CB_ALLOC(c->pv.acc, slots * 4);
+    LF_CUDA_CHECK(cudaMemset(c->pv.acc, 0, slots * 4));
+    CB_ALLOC(c->pv.queue, heads * (size_t)p->rkv_stage * 4);
+    LF_CUDA_CHECK(cudaMemset(c->pv.queue, 0xff, heads * (size_t)p->rkv_stage * 4));
+    CB_ALLOC(c->pv.since, heads * 4);
+    LF_CUDA_CHECK(cudaMemset(c->pv.since, 0xff, heads * 4));
+    c->pv.stage = p->rkv_stage;
+  }
 
   /* Workspaces. */
   /* a mixed pass carries a whole prefill chunk and every decode item (forward.cu) */
@@ -331,6 +346,10 @@ static lf_status create(cuda_backend *c) {
 
   /* else the generic kernel, for the shapes the fused one does not take */
   c->use_fused = (D == 64 || D == 128) && c->group <= 8;
+  if (p->policy == LF_POLICY_RKV && D > LF_CUDA_RKV_MAX_HEAD_DIM)
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "cuda backend: policy rkv takes head_dim up to %d (this model: %d)",
+                    LF_CUDA_RKV_MAX_HEAD_DIM, D);
   if (c->use_fused) {
     /* Split counts fall as the batch grows and are at their minimum once a batch fills the
      * SMs: the sizes up to a few hundred, and the largest, cover every batch. */
@@ -385,10 +404,11 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
                                             lf_backend **out) {
   if (!ck || !p || !out) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: NULL argument");
   *out = NULL;
-  if (p->policy == LF_POLICY_RKV)
+  if (p->policy == LF_POLICY_RKV && (p->budget > LF_CUDA_RKV_MAX_BUDGET || p->rkv_stage < 1))
     return lf_error(LF_ERR_UNSUPPORTED,
-                    "cuda backend: policy rkv runs on the cpu backend only for now (--backend "
-                    "cpu); its selection kernel is not written yet");
+                    "cuda backend: policy rkv takes budgets up to %d slots and rkv_stage >= 1 "
+                    "(budget %d, rkv_stage %d; the cpu backend takes any)",
+                    LF_CUDA_RKV_MAX_BUDGET, p->budget, p->rkv_stage);
   const lf_model_config *m = &ck->cfg;
   const lf_comm_t comm = p->comm && p->comm->size > 1 ? p->comm : NULL;
   lf_shard sh;
@@ -421,6 +441,7 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->ap.sink = p->sink;
   c->ap.window = p->window;
   c->ap.h2o_recent = lf_h2o_recent(p->h2o_recent, p->budget);
+  c->ap.rkv_stage = p->policy == LF_POLICY_RKV ? p->rkv_stage : 0;
   c->ap.group = c->group;
   c->ap.head_dim = m->head_dim;
   c->ap.scale = 1.0f / sqrtf((float)m->head_dim);

@@ -7,6 +7,7 @@
 #include "attention/decode_attn_generic.cuh"
 #include "attention/kv_write.cuh"
 #include "attention/prefill_attn.cuh"
+#include "attention/rkv_select.cuh"
 #include "base/cuda_launch.cuh"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/sample.h"
@@ -130,6 +131,35 @@ static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, b
   return lf_cuda_decode_attn(&d, st);
 }
 
+/* rkv: the selection of every eviction scope whose step count the kernel just brought to the
+ * stage (or whose pool just filled); the others' blocks return at once (attention/rkv_select.cuh). */
+static lf_status rkv_due(cuda_backend *c, int l, int nd, cudaStream_t st) {
+  lf_rkv_select_args a;
+  memset(&a, 0, sizeof a);
+  a.pool = c->pv;
+  a.layer = l;
+  a.heads_per_scope = c->evict_per;
+  a.n_scopes = nd * (c->cfg.n_kv_heads / c->evict_per);
+  a.pool_ids = c->d_step.pool;
+  a.group = c->group;
+  a.sink = c->p.sink;
+  a.stage = c->p.rkv_stage;
+  a.queue = c->pv.queue;
+  a.since = c->pv.since;
+  a.due_only = 1;
+  return lf_cuda_rkv_select(&a, st);
+}
+
+/* rkv after a prompt chunk: no selection yet and an empty observation window for the pool's
+ * heads of layer l, as the cpu prefill leaves them (attention.h). */
+static lf_status rkv_prefilled(cuda_backend *c, int l, int pool) {
+  const size_t hkv = (size_t)c->cfg.n_kv_heads, h0 = ((size_t)pool * c->cfg.n_layers + l) * hkv;
+  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.since + h0, 0xff, hkv * sizeof(int32_t), c->stream));
+  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.acc + h0 * c->p.budget, 0,
+                                hkv * c->p.budget * sizeof(float), c->stream));
+  return LF_OK;
+}
+
 /* LongFlow decode attention of the nd decode rows at row offset Tp, on stream st. */
 static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd, cudaStream_t st) {
   const bf16 *q = c->qb + (size_t)Tp * c->qd;
@@ -141,6 +171,7 @@ static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd, cudaSt
   } else {
     LF_TRY(decode_attention_fused(c, l, q, out, nd, st));
   }
+  if (c->p.policy == LF_POLICY_RKV) return rkv_due(c, l, nd, st);
   /* layer scope: one slot per group of KV heads, from the scores the kernel left */
   if (!c->scores) return LF_OK;
   return lf_cuda_layer_argmin(&c->pv, l, nd, c->d_step.pool, c->w, c->p.sink,
@@ -174,6 +205,7 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
   LF_TRY(lf_cuda_prefill_attn(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, v, c->ap.scale,
                               c->att + (size_t)s->row0 * c->qd,
                               s->compress || h2o ? c->ml : NULL, c->stream));
+  if (c->p.policy == LF_POLICY_RKV) LF_TRY(rkv_prefilled(c, l, s->pool));
   if (!s->compress) {
     /* h2o's column sums read the pool's n0 slots (8-bit: the copy the attention made), which
      * the append leaves alone */

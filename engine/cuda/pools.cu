@@ -9,11 +9,17 @@ lf_status cb_pool_take(lf_backend *b, int *pool) {
   LF_CUDA_CHECK(cudaSetDevice(c->device));
   LF_TRY(lf_pool_list_take(&c->pools, &p));
   const size_t heads = (size_t)c->cfg.n_layers * c->cfg.n_kv_heads;
-  /* metadata only (n = 0, next = -1, pos = -1); K/V keep stale values below n */
+  /* metadata only (n = 0, next = -1, pos = -1; rkv: since = -1, acc = 0); K/V keep stale values
+   * below n */
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.n + p * heads, 0, heads * sizeof(int32_t), c->stream));
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.next + p * heads, 0xff, heads * sizeof(int32_t), c->stream));
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.pos + p * heads * c->p.budget, 0xff,
                                 heads * c->p.budget * sizeof(int32_t), c->stream));
+  if (c->pv.since) { /* rkv: no selection yet, an empty observation window */
+    LF_CUDA_CHECK(cudaMemsetAsync(c->pv.since + p * heads, 0xff, heads * sizeof(int32_t), c->stream));
+    LF_CUDA_CHECK(cudaMemsetAsync(c->pv.acc + p * heads * c->p.budget, 0,
+                                  heads * c->p.budget * sizeof(float), c->stream));
+  }
   c->host_n[p] = 0;
   *pool = p;
   return LF_OK;
