@@ -264,11 +264,15 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
                     "scopes, stage %d, group %d, sink %d, layer %d)",
                     a->heads_per_scope, nkv, a->n_scopes, a->stage, a->group, a->sink, a->layer);
   const size_t smem = rk_smem_bytes(B, rk_pow2(B));
+  /* The limit is the largest budget's, set the same by every caller: engines in other threads
+   * launch with other budgets, and a limit set per launch could fall under one of theirs
+   * between its set and its launch. Per device, as the attribute is. */
+  const size_t smem_max = rk_smem_bytes(LF_CUDA_RKV_MAX_BUDGET, rk_pow2(LF_CUDA_RKV_MAX_BUDGET));
   if (cudaFuncSetAttribute(rkv_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           (int)smem) != cudaSuccess) {
+                           (int)smem_max) != cudaSuccess) {
     const cudaError_t e = cudaGetLastError();
-    return lf_error(LF_ERR_BACKEND, "lf_cuda_rkv_select: %zu bytes of shared memory: %s", smem,
-                    cudaGetErrorString(e));
+    return lf_error(LF_ERR_BACKEND, "lf_cuda_rkv_select: %zu bytes of shared memory: %s",
+                    smem_max, cudaGetErrorString(e));
   }
   rkv_select_kernel<<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
   const cudaError_t e = cudaGetLastError();

@@ -11,9 +11,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "attention/attention.h"
@@ -216,6 +218,83 @@ TEST(GpuRkv, SelectionMatchesCpuTwin) {
       {4096, 4096, 1, 1, 1, 4, 64, 64, LF_KV_BF16, 6}, // the largest budget
   };
   for (const Case &c : cases) run_case(c);
+}
+
+// Engines in other threads launch the selection with other budgets at the same time (lfbench
+// eval --jobs runs one engine per thread): no launch may fail for another's shared-memory limit.
+TEST(GpuRkv, ConcurrentLaunchesWithOtherBudgets) {
+  NEED_GPU();
+  struct Side {
+    int B;
+    void *k = nullptr;
+    float *acc = nullptr;
+    int32_t *pos = nullptr, *n = nullptr, *next = nullptr, *q = nullptr, *since = nullptr,
+            *ids = nullptr;
+    cudaStream_t st = nullptr;
+  };
+  Side sides[2];
+  sides[0].B = 96;
+  sides[1].B = 3000;
+  const int D = 64, S = 8;
+  for (Side &sd : sides) {
+    std::vector<uint16_t> k(size_t(sd.B) * D);
+    std::mt19937_64 g(uint64_t(sd.B));
+    for (auto &x : k) x = uint16_t(0x3c00 + g() % 512); // bf16 values in [0.008, 0.03) and signs +
+    std::vector<int32_t> pos(sd.B);
+    for (int i = 0; i < sd.B; i++) pos[i] = i;
+    CK(cudaMalloc(&sd.k, k.size() * 2));
+    CK(cudaMemcpy(sd.k, k.data(), k.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&sd.acc, size_t(sd.B) * 4));
+    CK(cudaMemset(sd.acc, 0, size_t(sd.B) * 4));
+    CK(cudaMalloc(&sd.pos, size_t(sd.B) * 4));
+    CK(cudaMemcpy(sd.pos, pos.data(), size_t(sd.B) * 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&sd.n, 4));
+    CK(cudaMemcpy(sd.n, &sd.B, 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&sd.next, 4));
+    CK(cudaMalloc(&sd.q, S * 4));
+    CK(cudaMalloc(&sd.since, 4));
+    CK(cudaMalloc(&sd.ids, 4));
+    CK(cudaMemset(sd.ids, 0, 4));
+    CK(cudaStreamCreate(&sd.st));
+  }
+  std::atomic<int> failures{0};
+  auto work = [&](Side &sd) {
+    lf_rkv_select_args a{};
+    a.pool.k = sd.k;
+    a.pool.pos = sd.pos;
+    a.pool.acc = sd.acc;
+    a.pool.n = sd.n;
+    a.pool.next = sd.next;
+    a.pool.n_layers = 1;
+    a.pool.n_kv_heads = 1;
+    a.pool.budget = sd.B;
+    a.pool.head_dim = D;
+    a.pool.kv_dtype = LF_KV_BF16;
+    a.n_scopes = 1;
+    a.pool_ids = sd.ids;
+    a.heads_per_scope = 1;
+    a.group = 1;
+    a.sink = 4;
+    a.stage = S;
+    a.queue = sd.q;
+    a.since = sd.since;
+    for (int r = 0; r < 200; r++)
+      if (lf_cuda_rkv_select(&a, sd.st) != LF_OK) failures++;
+    if (cudaStreamSynchronize(sd.st) != cudaSuccess) failures++;
+  };
+  std::thread t0(work, std::ref(sides[0])), t1(work, std::ref(sides[1]));
+  t0.join();
+  t1.join();
+  EXPECT_EQ(failures.load(), 0) << lf_last_error();
+  for (Side &sd : sides) {
+    int32_t since = -1;
+    CK(cudaMemcpy(&since, sd.since, 4, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(since, 0);
+    for (void *ptr : {sd.k, (void *)sd.acc, (void *)sd.pos, (void *)sd.n, (void *)sd.next,
+                      (void *)sd.q, (void *)sd.since, (void *)sd.ids})
+      cudaFree(ptr);
+    cudaStreamDestroy(sd.st);
+  }
 }
 
 TEST(GpuRkv, RefusesWhatItCannotRun) {
