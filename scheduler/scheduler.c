@@ -406,9 +406,9 @@ void lf_sched_free(lf_sched *s) {
 
 /* ---- submit / cancel ----------------------------------------------------------------------- */
 
-lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
-  if (!s || !rq || !id) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_submit: NULL argument");
-  const lf_sched_config *c = &s->cfg;
+/* lf_sched_submit's checks of a request against the engine (c); *seq_total gets the stop
+ * sequences' total length. */
+static lf_status submit_check(const lf_sched_config *c, const lf_request *rq, int *seq_total_out) {
   if (rq->n_prompt < 1 || !rq->prompt) return lf_error(LF_ERR_INVALID_ARG, "empty prompt");
   if (rq->max_tokens < 1)
     return lf_error(LF_ERR_INVALID_ARG, "max_tokens %d must be >= 1", rq->max_tokens);
@@ -466,6 +466,16 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
     return lf_error(LF_ERR_INVALID_ARG,
                     "sampling: logprobs and prompt_logprobs are 0 or 1, top_logprobs in [0, %d]",
                     LF_MAX_TOP_LOGPROBS);
+  *seq_total_out = seq_total;
+  return LF_OK;
+}
+
+/* The scheduler's copy of a checked request: token buffer (prompt, then the output or the forced
+ * tokens), stop lists, the logit-adjustment table (logit_bias, and the tokens seen when a
+ * penalty needs them), logprob slots. */
+static lf_status req_build(const lf_sched_config *c, const lf_request *rq, int seq_total,
+                           lf_sreq **out) {
+  const lf_sampling *sp = &rq->sampling;
   const float rep_pen = sp->repetition_penalty;
   const int track_prompt = rep_pen > 0.0f && rep_pen != 1.0f;
   const int track_out =
@@ -540,6 +550,17 @@ lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
   r->ignore_eos = rq->ignore_eos;
   r->pool = -1;
   r->t_submit = lf_now_s();
+  *out = r;
+  return LF_OK;
+}
+
+lf_status lf_sched_submit(lf_sched *s, const lf_request *rq, uint64_t *id) {
+  if (!s || !rq || !id) return lf_error(LF_ERR_INVALID_ARG, "lf_engine_submit: NULL argument");
+  const lf_sched_config *c = &s->cfg;
+  int seq_total = 0;
+  LF_TRY(submit_check(c, rq, &seq_total));
+  lf_sreq *r = NULL;
+  LF_TRY(req_build(c, rq, seq_total, &r));
   /* The `full` policy holds exactly `budget` tokens: a longer prompt can never run. It is
    * accepted (the caller gets an id) and finished at once with a clear status. */
   const int never_fits = c->policy == LF_POLICY_FULL && rq->n_prompt > c->budget;

@@ -85,28 +85,9 @@ static int added_cmp(const void *a, const void *b) {
   return x->id < y->id ? -1 : x->id > y->id;
 }
 
-static lf_status load_model(lf_tokenizer *t, const lf_json *m, const lf_json *added) {
-  const char *ty = tok_type_of(m);
-  if (ty && strcmp(ty, "BPE") != 0)
-    return lf_error(LF_ERR_UNSUPPORTED,
-                    "tokenizer.json: model type \"%s\" not supported (only BPE)", ty);
-  const lf_json *vocab = lf_json_get(m, "vocab"), *merges = lf_json_get(m, "merges");
-  if (lf_json_typeof(vocab) != LF_JSON_OBJECT)
-    return lf_error(LF_ERR_FORMAT, "tokenizer.json: model has no vocab object");
-  if (!ty && lf_json_typeof(merges) != LF_JSON_ARRAY)
-    return lf_error(LF_ERR_UNSUPPORTED, "tokenizer.json: model without a type is not BPE");
-  if (lf_json_typeof(merges) != LF_JSON_ARRAY)
-    return lf_error(LF_ERR_FORMAT, "tokenizer.json: BPE model has no merges array");
-  const char *s;
-  if ((s = lf_json_str(lf_json_get(m, "continuing_subword_prefix"), NULL)) && *s)
-    return lf_error(LF_ERR_UNSUPPORTED, "tokenizer.json: continuing_subword_prefix not supported");
-  if ((s = lf_json_str(lf_json_get(m, "end_of_word_suffix"), NULL)) && *s)
-    return lf_error(LF_ERR_UNSUPPORTED, "tokenizer.json: end_of_word_suffix not supported");
-  lf_json_bool(lf_json_get(m, "ignore_merges"), &t->ignore_merges);
-  lf_json_bool(lf_json_get(m, "byte_fallback"), &t->byte_fallback);
-  lf_json_bool(lf_json_get(m, "fuse_unk"), &t->fuse_unk);
-
-  /* Ids: the largest of vocab and added tokens. */
+/* The id space (the largest id of vocab and added tokens), the per-id tables and the vocab's
+ * hash table. */
+static lf_status load_vocab(lf_tokenizer *t, const lf_json *vocab, const lf_json *added) {
   int64_t max_id = -1, id;
   size_t nv = lf_json_len(vocab);
   for (size_t i = 0; i < nv; i++) {
@@ -153,6 +134,11 @@ static lf_status load_model(lf_tokenizer *t, const lf_json *m, const lf_json *ad
     t->vocab_tab[h] = (int32_t)id;
   }
 
+  return LF_OK;
+}
+
+/* The merges' hash table: (left id, right id) -> rank (its position) and the merged id. */
+static lf_status load_merges(lf_tokenizer *t, const lf_json *merges) {
   /* Merges: rank = position. Each is "a b" (older files) or ["a", "b"]. */
   size_t nm = lf_json_len(merges);
   t->merge_mask = pow2_at_least(nm * 2) - 1;
@@ -217,19 +203,12 @@ static lf_status load_model(lf_tokenizer *t, const lf_json *m, const lf_json *ad
     t->merge_new[h] = in;
   }
   free(cat);
-  LF_TRY(st);
+  return st;
+}
 
-  t->unk_id = -1;
-  size_t ul;
-  const char *unk = lf_json_str(lf_json_get(m, "unk_token"), &ul);
-  if (unk) t->unk_id = tok_vocab_find(t, unk, ul);
-  for (int b = 0; b < 256; b++) {
-    char nm8[8];
-    snprintf(nm8, sizeof nm8, "<0x%02X>", b);
-    t->byte_id[b] = tok_vocab_find(t, nm8, 6);
-  }
-
-  /* Added tokens. */
+/* Added tokens, sorted for the matcher, with the first index per leading byte. */
+static lf_status load_added(lf_tokenizer *t, const lf_json *added) {
+  int64_t id;
   size_t na = lf_json_len(added);
   t->added = calloc(na ? na : 1, sizeof *t->added);
   if (!t->added) return lf_error(LF_ERR_OUT_OF_MEMORY, "out of memory");
@@ -259,6 +238,42 @@ static lf_status load_model(lf_tokenizer *t, const lf_json *m, const lf_json *ad
     t->added_first[c] = (uint32_t)j;
   }
   return LF_OK;
+}
+
+static lf_status load_model(lf_tokenizer *t, const lf_json *m, const lf_json *added) {
+  const char *ty = tok_type_of(m);
+  if (ty && strcmp(ty, "BPE") != 0)
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "tokenizer.json: model type \"%s\" not supported (only BPE)", ty);
+  const lf_json *vocab = lf_json_get(m, "vocab"), *merges = lf_json_get(m, "merges");
+  if (lf_json_typeof(vocab) != LF_JSON_OBJECT)
+    return lf_error(LF_ERR_FORMAT, "tokenizer.json: model has no vocab object");
+  if (!ty && lf_json_typeof(merges) != LF_JSON_ARRAY)
+    return lf_error(LF_ERR_UNSUPPORTED, "tokenizer.json: model without a type is not BPE");
+  if (lf_json_typeof(merges) != LF_JSON_ARRAY)
+    return lf_error(LF_ERR_FORMAT, "tokenizer.json: BPE model has no merges array");
+  const char *s;
+  if ((s = lf_json_str(lf_json_get(m, "continuing_subword_prefix"), NULL)) && *s)
+    return lf_error(LF_ERR_UNSUPPORTED, "tokenizer.json: continuing_subword_prefix not supported");
+  if ((s = lf_json_str(lf_json_get(m, "end_of_word_suffix"), NULL)) && *s)
+    return lf_error(LF_ERR_UNSUPPORTED, "tokenizer.json: end_of_word_suffix not supported");
+  lf_json_bool(lf_json_get(m, "ignore_merges"), &t->ignore_merges);
+  lf_json_bool(lf_json_get(m, "byte_fallback"), &t->byte_fallback);
+  lf_json_bool(lf_json_get(m, "fuse_unk"), &t->fuse_unk);
+
+  LF_TRY(load_vocab(t, vocab, added));
+  LF_TRY(load_merges(t, merges));
+  t->unk_id = -1;
+  size_t ul;
+  const char *unk = lf_json_str(lf_json_get(m, "unk_token"), &ul);
+  if (unk) t->unk_id = tok_vocab_find(t, unk, ul);
+  for (int b = 0; b < 256; b++) {
+    char nm8[8];
+    snprintf(nm8, sizeof nm8, "<0x%02X>", b);
+    t->byte_id[b] = tok_vocab_find(t, nm8, 6);
+  }
+
+  return load_added(t, added);
 }
 
 /* Per-id decoded bytes, so decode is a table walk. */
