@@ -37,6 +37,8 @@ static void usage(FILE *f) {
              "           (bench/sdpa_prefill_peer.py) (lfbench attn --help)\n"
              "  comm     all-reduce latency / bus bandwidth under mpirun (lfbench comm --help)\n"
              "  eval     trace-task accuracy against KV budget per policy (lfbench eval --help)\n"
+             "  natural  KL and top-1 against full KV on the model's own long answers\n"
+             "           (lfbench natural --help)\n"
              "kernel options:\n"
              "  --batches LIST    comma list (default 1,8,32,128)\n"
              "  --budgets LIST    comma list (default 1024,2048,3200)\n"
@@ -627,6 +629,7 @@ int main(int argc, char **argv) {
   if (!strcmp(argv[1], "attn")) { int bench_attn(int, char **); return bench_attn(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "comm")) { int bench_comm(int, char **); return bench_comm(argc - 1, argv + 1); }
   if (!strcmp(argv[1], "eval")) { int bench_eval(int, char **); return bench_eval(argc - 1, argv + 1); }
+  if (!strcmp(argv[1], "natural")) { int bench_natural(int, char **); return bench_natural(argc - 1, argv + 1); }
   fprintf(stderr, "lfbench: unknown subcommand '%s'\n", argv[1]);
   usage(stderr);
   return 2;
