@@ -438,45 +438,51 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   return 0;
 }
 
-static int bench_kernel(int argc, char **argv) {
-  int batches[16] = {1, 8, 32, 128}, n_batches = 4;
-  int budgets[16] = {1024, 2048, 3200}, n_budgets = 3;
-  int n_heads = 32, n_kv = 8, D = 128, iters = 300, warmup = 30, splits = 0;
-  const char *peer = NULL, *json = NULL;
-  int no_flush = 0;
-  lf_kv_dtype kv_dtype = LF_KV_BF16;
+/* lfbench kernel's options. */
+typedef struct kernel_opts {
+  int batches[16], n_batches, budgets[16], n_budgets;
+  int n_heads, n_kv, D, iters, warmup, splits, no_flush;
+  const char *peer, *json;
+  lf_kv_dtype kv_dtype;
+} kernel_opts;
+
+/* The options into *o: 0, or the exit status (2 after the usage). */
+static int kernel_parse(int argc, char **argv, kernel_opts *o) {
+  *o = (kernel_opts){.batches = {1, 8, 32, 128}, .n_batches = 4, .budgets = {1024, 2048, 3200},
+                     .n_budgets = 3, .n_heads = 32, .n_kv = 8, .D = 128, .iters = 300,
+                     .warmup = 30, .kv_dtype = LF_KV_BF16};
   for (int i = 1; i < argc; i++) {
-    const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(o, "--no-flush")) {
-      no_flush = 1;
+    const char *opt = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(opt, "--no-flush")) {
+      o->no_flush = 1;
       continue;
     }
     if (!v) {
       usage(stderr);
       return 2;
     }
-    if (!strcmp(o, "--batches"))
-      n_batches = bench_int_list(v, batches, 16);
-    else if (!strcmp(o, "--budgets"))
-      n_budgets = bench_int_list(v, budgets, 16);
-    else if (!strcmp(o, "--heads"))
-      n_heads = atoi(v);
-    else if (!strcmp(o, "--kv-heads"))
-      n_kv = atoi(v);
-    else if (!strcmp(o, "--head-dim"))
-      D = atoi(v);
-    else if (!strcmp(o, "--iters"))
-      iters = atoi(v);
-    else if (!strcmp(o, "--warmup"))
-      warmup = atoi(v);
-    else if (!strcmp(o, "--splits"))
-      splits = atoi(v);
-    else if (!strcmp(o, "--peer"))
-      peer = v;
-    else if (!strcmp(o, "--json"))
-      json = v;
-    else if (!strcmp(o, "--kv-dtype")) {
-      if (lf_kv_dtype_parse(v, &kv_dtype) != LF_OK) {
+    if (!strcmp(opt, "--batches"))
+      o->n_batches = bench_int_list(v, o->batches, 16);
+    else if (!strcmp(opt, "--budgets"))
+      o->n_budgets = bench_int_list(v, o->budgets, 16);
+    else if (!strcmp(opt, "--heads"))
+      o->n_heads = atoi(v);
+    else if (!strcmp(opt, "--kv-heads"))
+      o->n_kv = atoi(v);
+    else if (!strcmp(opt, "--head-dim"))
+      o->D = atoi(v);
+    else if (!strcmp(opt, "--iters"))
+      o->iters = atoi(v);
+    else if (!strcmp(opt, "--warmup"))
+      o->warmup = atoi(v);
+    else if (!strcmp(opt, "--splits"))
+      o->splits = atoi(v);
+    else if (!strcmp(opt, "--peer"))
+      o->peer = v;
+    else if (!strcmp(opt, "--json"))
+      o->json = v;
+    else if (!strcmp(opt, "--kv-dtype")) {
+      if (lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK) {
         fprintf(stderr, "lfbench kernel: %s\n", lf_last_error());
         return 2;
       }
@@ -486,29 +492,18 @@ static int bench_kernel(int argc, char **argv) {
     }
     i++;
   }
-  if (n_batches < 1 || n_budgets < 1 || n_kv < 1 || n_heads % n_kv || iters < 1 || warmup < 0) {
+  if (o->n_batches < 1 || o->n_budgets < 1 || o->n_kv < 1 || o->n_heads % o->n_kv ||
+      o->iters < 1 || o->warmup < 0) {
     usage(stderr);
     return 2;
   }
-  char *peer_text = NULL;
-  if (peer && !(peer_text = bench_read_file(peer))) {
-    fprintf(stderr, "lfbench: cannot read peer file %s\n", peer);
-    return 1;
-  }
+  return 0;
+}
 
-  int dev = 0;
-  struct cudaDeviceProp prop;
-  BENCH_CUDA(cudaGetDevice(&dev));
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, dev));
-  double copy_gbs = 0.0;
-  if (copy_bandwidth(&copy_gbs)) return 1;
-
-  const size_t flush_bytes = (size_t)256 << 20; /* > 4x L2 */
-  void *flush = NULL;
-  if (!no_flush) BENCH_CUDA(cudaMalloc(&flush, flush_bytes));
-
-  /* random bf16 seed: 32 Mi values */
-  const size_t seed_elems = (size_t)32 << 20;
+/* The random bf16 seed the pools are cut from (32 Mi values), and under a quantized dtype its
+ * rows of D as the pools store them (*seed8 codes, *seed_sc metadata): 0, or the exit status. */
+static int kernel_seed(lf_kv_dtype kv_dtype, int D, size_t seed_elems, uint16_t **seed_out,
+                       uint8_t **seed8_out, uint32_t **seed_sc_out) {
   uint16_t *seed = malloc(seed_elems * 2);
   if (!seed) return 1;
   for (size_t i = 0; i < seed_elems; i++)
@@ -533,6 +528,72 @@ static int bench_kernel(int argc, char **argv) {
     }
     free(row);
   }
+  *seed_out = seed;
+  *seed8_out = seed8;
+  *seed_sc_out = seed_sc;
+  return 0;
+}
+
+/* The rows as JSON into json. 0, or 1 when it cannot be written. */
+static int kernel_json(const char *json, const struct cudaDeviceProp *prop, double copy_gbs,
+                       const kernel_opts *o, const kernel_row *rows, int n_rows) {
+  FILE *f = fopen(json, "w");
+  if (!f) {
+    fprintf(stderr, "lfbench: cannot write %s\n", json);
+    return 1;
+  }
+  fprintf(f,
+          "{\"bench\": \"kernel\", \"device\": \"%s\", \"n_sm\": %d, \"copy_bw_GBs\": %.1f, "
+          "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"kv_dtype\": \"%s\", "
+          "\"iters\": %d,\n \"rows\": [\n",
+          prop->name, prop->multiProcessorCount, copy_gbs, o->n_heads, o->n_kv, o->D,
+          lf_kv_dtype_str(o->kv_dtype), o->iters);
+  for (int i = 0; i < n_rows; i++) {
+    const kernel_row *r = &rows[i];
+    char ratio_s[32] = "null";
+    if (r->sdpa_ratio > 0) snprintf(ratio_s, sizeof ratio_s, "%.4f", r->sdpa_ratio);
+    fprintf(f,
+            "  {\"batch\": %d, \"budget\": %d, \"kv_bytes\": %.0f, \"time_us\": %.3f, "
+            "\"GBs\": %.1f, \"bw_fraction\": %.4f, \"sdpa_ratio\": %s, \"splits\": %d, "
+            "\"rel_err\": %.3e, \"next_gpu\": %d, \"next_cpu\": %d, \"check\": %s}%s\n",
+            r->batch, r->budget, r->kv_bytes, r->time_us, r->gbs, r->bw_fraction, ratio_s,
+            r->splits, r->max_rel_err, r->next_gpu, r->next_cpu, r->check_ok ? "true" : "false",
+            i + 1 < n_rows ? "," : "");
+  }
+  fprintf(f, "]}\n");
+  fclose(f);
+  return 0;
+}
+
+static int bench_kernel(int argc, char **argv) {
+  kernel_opts o;
+  const int pr = kernel_parse(argc, argv, &o);
+  if (pr) return pr;
+  const int n_heads = o.n_heads, n_kv = o.n_kv, D = o.D, iters = o.iters, warmup = o.warmup;
+  const lf_kv_dtype kv_dtype = o.kv_dtype;
+  char *peer_text = NULL;
+  if (o.peer && !(peer_text = bench_read_file(o.peer))) {
+    fprintf(stderr, "lfbench: cannot read peer file %s\n", o.peer);
+    return 1;
+  }
+
+  int dev = 0;
+  struct cudaDeviceProp prop;
+  BENCH_CUDA(cudaGetDevice(&dev));
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, dev));
+  double copy_gbs = 0.0;
+  if (copy_bandwidth(&copy_gbs)) return 1;
+
+  const size_t flush_bytes = (size_t)256 << 20; /* > 4x L2 */
+  void *flush = NULL;
+  if (!o.no_flush) BENCH_CUDA(cudaMalloc(&flush, flush_bytes));
+
+  const size_t seed_elems = (size_t)32 << 20;
+  uint16_t *seed = NULL;
+  uint8_t *seed8 = NULL;
+  uint32_t *seed_sc = NULL;
+  const int sr = kernel_seed(kv_dtype, D, seed_elems, &seed, &seed8, &seed_sc);
+  if (sr) return sr;
 
   printf("# lfbench kernel: fused LongFlow decode attention, %d query heads, %d KV heads, "
          "head_dim %d, %s pools, all full, sink 4\n",
@@ -545,11 +606,11 @@ static int bench_kernel(int argc, char **argv) {
          "GB/s", "bw_frac", "sdpa_ratio", "splits", "rel_err", "check");
   kernel_row rows[256];
   int n_rows = 0, all_ok = 1;
-  for (int bi = 0; bi < n_budgets; bi++)
-    for (int ba = 0; ba < n_batches && n_rows < 256; ba++) {
+  for (int bi = 0; bi < o.n_budgets; bi++)
+    for (int ba = 0; ba < o.n_batches && n_rows < 256; ba++) {
       kernel_row *r = &rows[n_rows];
       memset(r, 0, sizeof *r);
-      if (kernel_one(batches[ba], budgets[bi], n_heads, n_kv, D, iters, warmup, splits, seed,
+      if (kernel_one(o.batches[ba], o.budgets[bi], n_heads, n_kv, D, iters, warmup, o.splits, seed,
                      seed8, seed_sc, kv_dtype, seed_elems, (size_t)prop.l2CacheSize, flush,
                      flush_bytes, r))
         return 1;
@@ -570,33 +631,7 @@ static int bench_kernel(int argc, char **argv) {
     }
   printf("# %s\n", all_ok ? "all rows checked OK" : "SOME ROWS FAILED THE CHECK");
 
-  if (json) {
-    FILE *f = fopen(json, "w");
-    if (!f) {
-      fprintf(stderr, "lfbench: cannot write %s\n", json);
-      return 1;
-    }
-    fprintf(f,
-            "{\"bench\": \"kernel\", \"device\": \"%s\", \"n_sm\": %d, \"copy_bw_GBs\": %.1f, "
-            "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"kv_dtype\": \"%s\", "
-            "\"iters\": %d,\n \"rows\": [\n",
-            prop.name, prop.multiProcessorCount, copy_gbs, n_heads, n_kv, D,
-            lf_kv_dtype_str(kv_dtype), iters);
-    for (int i = 0; i < n_rows; i++) {
-      const kernel_row *r = &rows[i];
-      char ratio_s[32] = "null";
-      if (r->sdpa_ratio > 0) snprintf(ratio_s, sizeof ratio_s, "%.4f", r->sdpa_ratio);
-      fprintf(f,
-              "  {\"batch\": %d, \"budget\": %d, \"kv_bytes\": %.0f, \"time_us\": %.3f, "
-              "\"GBs\": %.1f, \"bw_fraction\": %.4f, \"sdpa_ratio\": %s, \"splits\": %d, "
-              "\"rel_err\": %.3e, \"next_gpu\": %d, \"next_cpu\": %d, \"check\": %s}%s\n",
-              r->batch, r->budget, r->kv_bytes, r->time_us, r->gbs, r->bw_fraction, ratio_s,
-              r->splits, r->max_rel_err, r->next_gpu, r->next_cpu, r->check_ok ? "true" : "false",
-              i + 1 < n_rows ? "," : "");
-    }
-    fprintf(f, "]}\n");
-    fclose(f);
-  }
+  if (o.json && kernel_json(o.json, &prop, copy_gbs, &o, rows, n_rows)) return 1;
   free(seed);
   free(seed8);
   free(seed_sc);
