@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention/rkv_step.h"
 #include "base/error.h"
 #include "base/kvq.h"
 
@@ -538,15 +539,8 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
     total[i] = 0.0;
   /* rkv: the steps left before its next selection */
   const int rkv = p->policy == LF_POLICY_RKV;
-  int since = rkv ? *hs[0].since : -1, k_left = 0;
-  if (rkv) {
-    if (since < 0) {
-      k_left = B - n;
-    } else {
-      since++;
-      k_left = p->rkv_stage - since;
-    }
-  }
+  const int since = rkv ? lf_rkv_advance(*hs[0].since) : -1;
+  const int k_left = rkv ? lf_rkv_k_left(since, n, B, p->rkv_stage) : 0;
 
   for (int g = 0; g < n_kv; g++) {
     lf_kv_head *h = &hs[g];
@@ -560,7 +554,7 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
     if (p->policy == LF_POLICY_H2O || (rkv && k_left < LF_RKV_OBS)) {
       /* rkv: the observation window opens LF_RKV_OBS steps before the selection, or at the
        * first step after the last one when the stage is shorter */
-      if (rkv && (k_left == LF_RKV_OBS - 1 || (since == 1 && k_left < LF_RKV_OBS - 1)))
+      if (rkv && lf_rkv_window_reset(since, k_left))
         for (int i = 0; i < n; i++)
           h->acc[i] = 0.0f;
       h->acc[w] = 0.0f;
@@ -591,7 +585,7 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
     if (k_left <= 0) rkv_select(p, hs, n_kv, n, &ws, NULL);
     const int s = *hs[0].since;
     for (int g = 0; g < n_kv; g++)
-      *hs[g].next = s >= 0 ? hs[g].queue[s] : -1;
+      *hs[g].next = lf_rkv_next(hs[g].queue, s, p->rkv_stage);
     if (evicted) *evicted = was_full ? n_kv : 0;
     lf_attn_scratch_free(&local);
     return LF_OK;

@@ -7,9 +7,9 @@
 #include <float.h>
 #include <limits.h>
 
-#include "attention/attention.h"
 #include "attention/h2o_window.cuh"
 #include "attention/pool_row.cuh"
+#include "attention/rkv_step.h"
 #include "base/cuda_check.h"
 
 #define DEC_NT 128
@@ -96,10 +96,9 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
   }
   const int ws = w[(size_t)s * hkv + g];
   if (policy == LF_POLICY_RKV) { /* as the fused kernel's score_key and finish_head */
-    const int so = p.since[hidx];
-    const int sn = so < 0 ? -1 : so + 1, kl = so < 0 ? B - n : p.stage - sn;
+    const int sn = lf_rkv_advance(p.since[hidx]), kl = lf_rkv_k_left(sn, n, B, p.stage);
     if (kl < LF_RKV_OBS) {
-      const bool reset = kl == LF_RKV_OBS - 1 || (sn == 1 && kl < LF_RKV_OBS - 1);
+      const bool reset = lf_rkv_window_reset(sn, kl);
       float *acc = p.acc + hidx * B;
       for (int i = threadIdx.x; i < n; i += DEC_NT) {
         float mass = 0.0f;
@@ -110,7 +109,7 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
     __syncthreads(); /* every thread has read since */
     if (threadIdx.x == 0) {
       p.since[hidx] = sn;
-      p.next[hidx] = sn >= 0 && sn < p.stage ? p.queue[hidx * p.stage + sn] : -1;
+      p.next[hidx] = lf_rkv_next(p.queue + hidx * p.stage, sn, p.stage);
     }
     return;
   }

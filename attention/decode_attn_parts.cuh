@@ -12,8 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "attention/attention.h"
 #include "attention/decode_attn.cuh"
+#include "attention/rkv_step.h"
 #include "base/cuda_ptx.cuh"
 
 #define DA_NW 4                    /* warps per block */
@@ -206,15 +206,6 @@ static __device__ __forceinline__ int32_t key_slot(unsigned long long best) {
   return best == ~0ull ? -1 : (int32_t)(best & 0xffffffffu);
 }
 
-/* rkv's step count after this step: since + 1, or -1 before the first selection (its
- * lf_attn_decode twin, attention.c); *k_left gets the steps left before the next selection. */
-static __device__ __forceinline__ int rkv_since_after(const attn_params &p, size_t hidx,
-                                                      int *k_left) {
-  const int so = p.since[hidx];
-  *k_left = so < 0 ? p.budget - p.n[hidx] : p.stage - (so + 1);
-  return so < 0 ? -1 : so + 1;
-}
-
 /* The end of a head's step, in one thread once every thread of every split has scored: next from
  * the argmin key; rkv instead advances since and takes next from its queue (-1 when a selection
  * is due: lf_cuda_rkv_select's due pass, launched after this kernel, sets it). */
@@ -222,10 +213,9 @@ template <bool H2O>
 static __device__ __forceinline__ void finish_head(const attn_params &p, size_t hidx,
                                                    unsigned long long best) {
   if (H2O && p.policy == LF_POLICY_RKV) {
-    int kl;
-    const int sn = rkv_since_after(p, hidx, &kl);
+    const int sn = lf_rkv_advance(p.since[hidx]);
     p.since[hidx] = sn;
-    p.next[hidx] = sn >= 0 && sn < p.stage ? p.queue[hidx * p.stage + sn] : -1;
+    p.next[hidx] = lf_rkv_next(p.queue + hidx * p.stage, sn, p.stage);
     return;
   }
   p.next[hidx] = key_slot(best);
@@ -246,10 +236,9 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
   const int G = p.group, B = p.budget;
   unsigned long long best = ~0ull;
   if (H2O && p.policy == LF_POLICY_RKV) {
-    int kl;
-    const int sn = rkv_since_after(p, hidx, &kl);
+    const int sn = lf_rkv_advance(p.since[hidx]), kl = lf_rkv_k_left(sn, p.n[hidx], B, p.stage);
     if (kl < LF_RKV_OBS) {
-      const bool reset = kl == LF_RKV_OBS - 1 || (sn == 1 && kl < LF_RKV_OBS - 1);
+      const bool reset = lf_rkv_window_reset(sn, kl);
       for (int i = lo + (int)threadIdx.x; i < hi; i += DA_NT) {
         float *a = p.acc + hidx * B + i;
         *a = (reset || i == wslot ? 0.0f : *a) +

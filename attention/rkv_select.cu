@@ -7,6 +7,7 @@
 
 #include "attention/attention.h"
 #include "attention/pool_row.cuh"
+#include "attention/rkv_step.h"
 #include "base/error.h"
 
 #define RK_NT 256
@@ -67,10 +68,8 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
   const int seq = (int)blockIdx.x / per_seq, h0 = ((int)blockIdx.x % per_seq) * a.heads_per_scope;
   const size_t hidx0 = ((size_t)a.pool_ids[seq] * a.pool.n_layers + a.layer) * nkv + h0;
   const int n = a.pool.n[hidx0];
-  if (a.due_only) { /* block-uniform: every thread reads the same count */
-    const int so = a.since[hidx0];
-    if (!((so < 0 && n == B) || so >= a.stage)) return;
-  }
+  /* due only: since is the count the decode kernel just left (block-uniform) */
+  if (a.due_only && lf_rkv_k_left(a.pool.since[hidx0], n, B, a.pool.stage) > 0) return;
   int P = 1;
   while (P < n) P <<= 1;
   long long *key = (long long *)smem;
@@ -218,7 +217,7 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
     if (slot_of[j] < a.sink) total[j] = INFINITY;
   __syncthreads();
   /* the stage: stage rounds of a block-wide argmin over (total, slot) */
-  for (int r = 0; r < a.stage; r++) {
+  for (int r = 0; r < a.pool.stage; r++) {
     double bt = INFINITY;
     int bs = INT_MAX, bj = -1;
     for (int j = tid; j < M; j += RK_NT)
@@ -234,20 +233,20 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
       for (int w = 1; w < RK_NT / 32; w++)
         if (rk_before(red[w], red_s[w], bt, bs)) bt = red[w], bs = red_s[w], bj = red_j[w];
       for (int g = 0; g < a.heads_per_scope; g++)
-        a.queue[(hidx0 + g) * a.stage + r] = bs;
+        a.pool.queue[(hidx0 + g) * a.pool.stage + r] = bs;
       if (bj >= 0) total[bj] = INFINITY;
     }
     __syncthreads();
   }
   if (tid < a.heads_per_scope) {
-    a.since[hidx0 + tid] = 0;
-    if (a.due_only) a.pool.next[hidx0 + tid] = a.queue[(hidx0 + tid) * a.stage];
+    a.pool.since[hidx0 + tid] = 0;
+    if (a.due_only) a.pool.next[hidx0 + tid] = a.pool.queue[(hidx0 + tid) * a.pool.stage];
   }
 }
 
 extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUstream_st *stream) {
-  if (!a || !a->pool.k || !a->pool.pos || !a->pool.acc || !a->pool.n || !a->pool_ids || !a->queue ||
-      !a->since)
+  if (!a || !a->pool.k || !a->pool.pos || !a->pool.acc || !a->pool.n || !a->pool_ids ||
+      !a->pool.queue || !a->pool.since)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_rkv_select: NULL argument");
   const int B = a->pool.budget, nkv = a->pool.n_kv_heads;
   if (B < 1 || B > LF_CUDA_RKV_MAX_BUDGET)
@@ -257,12 +256,12 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
   if (a->pool.head_dim < 1 || a->pool.head_dim > RK_DMAX)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_rkv_select: head_dim %d outside [1, %d]",
                     a->pool.head_dim, RK_DMAX);
-  if (a->heads_per_scope < 1 || nkv % a->heads_per_scope || a->n_scopes < 1 || a->stage < 1 ||
+  if (a->heads_per_scope < 1 || nkv % a->heads_per_scope || a->n_scopes < 1 || a->pool.stage < 1 ||
       a->group < 1 || a->sink < 0 || a->layer < 0 || a->layer >= a->pool.n_layers)
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_rkv_select: bad shape (heads_per_scope %d of %d KV heads, %d "
                     "scopes, stage %d, group %d, sink %d, layer %d)",
-                    a->heads_per_scope, nkv, a->n_scopes, a->stage, a->group, a->sink, a->layer);
+                    a->heads_per_scope, nkv, a->n_scopes, a->pool.stage, a->group, a->sink, a->layer);
   const size_t smem = rk_smem_bytes(B, rk_pow2(B));
   /* The limit is the largest budget's, set the same by every caller: engines in other threads
    * launch with other budgets, and a limit set per launch could fall under one of theirs

@@ -38,16 +38,14 @@ struct CUstream_st;
 #define LF_CUDA_RKV_MAX_HEAD_DIM 128
 
 typedef struct lf_rkv_select_args {
-  lf_cuda_pool_view pool; /* K, pos, acc and n read */
+  lf_cuda_pool_view pool; /* K, pos, acc and n read; its queue ([n_pools][n_layers][n_kv_heads]
+                             [stage]) written, its since set to 0 */
   int layer;
   int n_scopes;             /* scopes = sequences x (n_kv_heads / heads_per_scope) */
   const int32_t *pool_ids;  /* [n_scopes / (n_kv_heads / heads_per_scope)] each sequence's pool */
   int heads_per_scope;      /* 1 (head scope) or n_kv_heads (layer scope) */
   int group;                /* query heads per KV head */
   int sink;
-  int stage;                /* rkv_stage: slots chosen */
-  int32_t *queue;           /* [n_pools][n_layers][n_kv_heads][stage] written */
-  int32_t *since;           /* [n_pools][n_layers][n_kv_heads] set to 0 */
   double *totals;           /* NULL, or [n_scopes][budget]: each slot's total (NaN outside the
                                candidates), for tests */
   int due_only;             /* 1: only the scopes whose selection is due after a decode step

@@ -375,9 +375,6 @@ void run_case(const Case &c, int kv_dtype) {
       ra.heads_per_scope = 1;
       ra.group = G;
       ra.sink = c.sink;
-      ra.stage = stage;
-      ra.queue = dqueue.p;
-      ra.since = dsince.p;
       ra.due_only = 1;
       LF_OK_(lf_cuda_rkv_select(&ra, nullptr));
     }

@@ -159,9 +159,9 @@ void run_case(const Case &c) {
   a.heads_per_scope = c.heads_per_scope;
   a.group = c.group;
   a.sink = c.sink;
-  a.stage = c.stage;
-  a.queue = dq;
-  a.since = dsince;
+  a.pool.stage = c.stage;
+  a.pool.queue = dq;
+  a.pool.since = dsince;
   a.totals = dtot;
   ASSERT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_OK) << lf_last_error();
   CK(cudaDeviceSynchronize());
@@ -275,9 +275,9 @@ TEST(GpuRkv, ConcurrentLaunchesWithOtherBudgets) {
     a.heads_per_scope = 1;
     a.group = 1;
     a.sink = 4;
-    a.stage = S;
-    a.queue = sd.q;
-    a.since = sd.since;
+    a.pool.stage = S;
+    a.pool.queue = sd.q;
+    a.pool.since = sd.since;
     for (int r = 0; r < 200; r++)
       if (lf_cuda_rkv_select(&a, sd.st) != LF_OK) failures++;
     if (cudaStreamSynchronize(sd.st) != cudaSuccess) failures++;
@@ -308,15 +308,15 @@ TEST(GpuRkv, RefusesWhatItCannotRun) {
   a.pool.acc = (float *)d;
   a.pool.n = d;
   a.pool_ids = d;
-  a.queue = d;
-  a.since = d;
+  a.pool.queue = d;
+  a.pool.since = d;
   a.pool.budget = LF_CUDA_RKV_MAX_BUDGET + 1;
   a.pool.head_dim = 64;
   a.pool.n_layers = 1;
   a.pool.n_kv_heads = 2;
   a.heads_per_scope = 1;
   a.n_scopes = 1;
-  a.stage = 4;
+  a.pool.stage = 4;
   a.group = 1;
   EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);
   EXPECT_NE(std::string(lf_last_error()).find("budget"), std::string::npos) << lf_last_error();

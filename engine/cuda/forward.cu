@@ -143,9 +143,6 @@ static lf_status rkv_due(cuda_backend *c, int l, int nd, cudaStream_t st) {
   a.pool_ids = c->d_step.pool;
   a.group = c->group;
   a.sink = c->p.sink;
-  a.stage = c->p.rkv_stage;
-  a.queue = c->pv.queue;
-  a.since = c->pv.since;
   a.due_only = 1;
   return lf_cuda_rkv_select(&a, st);
 }
