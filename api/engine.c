@@ -67,8 +67,7 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc,
   lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim, (int)cfg->kv_dtype,
                       cfg->policy == LF_POLICY_RKV ? cfg->rkv_stage : 0};
   const uint64_t pool_bytes = cfg->backend == LF_BACKEND_CUDA
-                                  ? lf_pool_bytes_device(&ps, cfg->policy == LF_POLICY_H2O ||
-                                                                  cfg->policy == LF_POLICY_RKV)
+                                  ? lf_pool_bytes_device(&ps, lf_policy_accumulates(cfg->policy))
                                   : lf_pool_bytes(&ps);
   *sz = (lf_pool_sizing){.n_pools = cfg->n_pools, .pool_bytes = pool_bytes, .basis = "n_pools"};
   if (cfg->n_pools > 0) return LF_OK;

@@ -38,6 +38,8 @@ static int policy_evicts(lf_policy p) {
 
 int lf_h2o_recent(int requested, int budget) { return requested > 0 ? requested : budget / 2; }
 
+int lf_policy_accumulates(lf_policy p) { return p == LF_POLICY_H2O || p == LF_POLICY_RKV; }
+
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
   if (!p) return lf_error(LF_ERR_INVALID_ARG, "attention params are NULL");
   if ((int)p->policy < (int)LF_POLICY_LONGFLOW || (int)p->policy > (int)LF_POLICY_RKV)

@@ -70,6 +70,9 @@ void lf_attn_scratch_free(lf_attn_scratch *s);
  * else budget / 2. Every backend resolves it here. */
 int lf_h2o_recent(int requested, int budget);
 
+/* Whether the policy keeps a per-slot accumulator (the pools' acc): h2o and rkv. */
+int lf_policy_accumulates(lf_policy p);
+
 /* Checks a policy/budget/sink/window combination; names the problem on failure. */
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget);
 

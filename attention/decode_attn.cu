@@ -699,7 +699,7 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
 
 template <int D, int MINB, int Q>
 static lf_status launch_dtype(const attn_params &p, dim3 grid, int cl, cudaStream_t stream) {
-  if (p.policy == LF_POLICY_H2O || p.policy == LF_POLICY_RKV) /* accumulators */
+  if (lf_policy_accumulates((lf_policy)p.policy))
     return cl ? launch<D, MINB, true, true, Q>(p, grid, stream)
               : launch<D, MINB, false, true, Q>(p, grid, stream);
   return cl ? launch<D, MINB, true, false, Q>(p, grid, stream)
@@ -803,7 +803,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.po = S > 1 && !cl ? (float *)(ws + wl.po) : NULL;
   p.lg = S > 1 && !cl ? (float *)(ws + wl.lg) : NULL;
   p.scores = a->policy == LF_POLICY_LONGFLOW || a->policy == LF_POLICY_H2O ? a->scores : NULL;
-  p.acc = a->policy == LF_POLICY_H2O || a->policy == LF_POLICY_RKV ? pv->acc : NULL;
+  p.acc = lf_policy_accumulates(a->policy) ? pv->acc : NULL;
   p.recent = a->recent;
   p.since = a->policy == LF_POLICY_RKV ? pv->since : NULL;
   p.queue = a->policy == LF_POLICY_RKV ? pv->queue : NULL;

@@ -146,10 +146,10 @@ static void cuda_free(lf_backend *b) {
 static lf_status size_pools(cuda_backend *c) {
   const lf_model_config *m = &c->cfg;
   const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
-  const int rkv = c->p.policy == LF_POLICY_RKV;
   const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim,
-                            (int)c->p.kv_dtype, rkv ? c->p.rkv_stage : 0};
-  const uint64_t arena = lf_pool_bytes_device(&ps, c->p.policy == LF_POLICY_H2O || rkv);
+                            (int)c->p.kv_dtype,
+                            c->p.policy == LF_POLICY_RKV ? c->p.rkv_stage : 0};
+  const uint64_t arena = lf_pool_bytes_device(&ps, lf_policy_accumulates(c->p.policy));
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
   /* logits [V], probs (the gather of max_vocab slices under TP), own slice and its padded copy,
@@ -287,18 +287,16 @@ static lf_status create(cuda_backend *c) {
   LF_CUDA_CHECK(cudaMemset(c->pv.next, 0xff, heads * 4));
   LF_CUDA_CHECK(cudaMemset(c->pv.pos, 0xff, slots * 4));
   LF_CUDA_CHECK(cudaMemset(c->pv.vnorm, 0, slots * 4));
-  if (p->policy == LF_POLICY_H2O) {
-    /* h2o: the accumulators, and the prefill column sums of one chunk over the pool's slots
-     * and the chunk ([n_kv_heads][budget + max_chunk]) */
+  if (lf_policy_accumulates(p->policy)) { /* h2o's and rkv's per-slot accumulators */
     CB_ALLOC(c->pv.acc, slots * 4);
     LF_CUDA_CHECK(cudaMemset(c->pv.acc, 0, slots * 4));
-    CB_ALLOC(c->h2o_cs, (size_t)hkv * ((size_t)p->budget + (size_t)c->max_chunk) * 4);
   }
+  if (p->policy == LF_POLICY_H2O) /* the prefill column sums of one chunk over the pool's slots
+                                   * and the chunk ([n_kv_heads][budget + max_chunk]) */
+    CB_ALLOC(c->h2o_cs, (size_t)hkv * ((size_t)p->budget + (size_t)c->max_chunk) * 4);
   if (p->policy == LF_POLICY_RKV) {
-    /* rkv: the observation window's accumulators, and per (pool, layer, head) the staged
-     * overwrite order and the steps since its selection (cb_pool_take resets both) */
-    CB_ALLOC(c->pv.acc, slots * 4);
-    LF_CUDA_CHECK(cudaMemset(c->pv.acc, 0, slots * 4));
+    /* rkv: per (pool, layer, head) the staged overwrite order and the steps since its
+     * selection (cb_pool_take resets both) */
     CB_ALLOC(c->pv.queue, heads * (size_t)p->rkv_stage * 4);
     LF_CUDA_CHECK(cudaMemset(c->pv.queue, 0xff, heads * (size_t)p->rkv_stage * 4));
     CB_ALLOC(c->pv.since, heads * 4);

@@ -253,6 +253,9 @@ enum {
 
 /* pools.cu: the vtable's pool functions */
 lf_status cb_pool_take(lf_backend *b, int *pool);
+/* rkv: n_heads (pool, layer, KV head) entries from h0 on back to no selection and an empty
+ * observation window (since -1, acc 0), on c->stream. */
+lf_status cb_rkv_reset(cuda_backend *c, size_t h0, size_t n_heads);
 lf_status cb_pool_give(lf_backend *b, int pool);
 int cb_pools_free(lf_backend *b);
 int cb_pool_slots_filled(lf_backend *b, int pool);

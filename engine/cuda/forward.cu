@@ -147,16 +147,6 @@ static lf_status rkv_due(cuda_backend *c, int l, int nd, cudaStream_t st) {
   return lf_cuda_rkv_select(&a, st);
 }
 
-/* rkv after a prompt chunk: no selection yet and an empty observation window for the pool's
- * heads of layer l, as the cpu prefill leaves them (attention.h). */
-static lf_status rkv_prefilled(cuda_backend *c, int l, int pool) {
-  const size_t hkv = (size_t)c->cfg.n_kv_heads, h0 = ((size_t)pool * c->cfg.n_layers + l) * hkv;
-  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.since + h0, 0xff, hkv * sizeof(int32_t), c->stream));
-  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.acc + h0 * c->p.budget, 0,
-                                hkv * c->p.budget * sizeof(float), c->stream));
-  return LF_OK;
-}
-
 /* LongFlow decode attention of the nd decode rows at row offset Tp, on stream st. */
 static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd, cudaStream_t st) {
   const bf16 *q = c->qb + (size_t)Tp * c->qd;
@@ -202,7 +192,12 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
   LF_TRY(lf_cuda_prefill_attn(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, v, c->ap.scale,
                               c->att + (size_t)s->row0 * c->qd,
                               s->compress || h2o ? c->ml : NULL, c->stream));
-  if (c->p.policy == LF_POLICY_RKV) LF_TRY(rkv_prefilled(c, l, s->pool));
+  /* rkv after a prompt chunk: no selection yet and an empty observation window for the pool's
+   * heads of layer l, as the cpu prefill leaves them (attention.h) */
+  if (c->p.policy == LF_POLICY_RKV) {
+    const size_t hkv = (size_t)m->n_kv_heads;
+    LF_TRY(cb_rkv_reset(c, ((size_t)s->pool * m->n_layers + l) * hkv, hkv));
+  }
   if (!s->compress) {
     /* h2o's column sums read the pool's n0 slots (8-bit: the copy the attention made), which
      * the append leaves alone */

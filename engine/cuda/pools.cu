@@ -2,6 +2,13 @@
  * (the device arena's metadata is reset on take), so admission never reads the device. */
 #include "engine/cuda/cuda_backend.h"
 
+lf_status cb_rkv_reset(cuda_backend *c, size_t h0, size_t n_heads) {
+  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.since + h0, 0xff, n_heads * sizeof(int32_t), c->stream));
+  LF_CUDA_CHECK(cudaMemsetAsync(c->pv.acc + h0 * c->p.budget, 0,
+                                n_heads * c->p.budget * sizeof(float), c->stream));
+  return LF_OK;
+}
+
 lf_status cb_pool_take(lf_backend *b, int *pool) {
   cuda_backend *c = (cuda_backend *)b;
   int p;
@@ -15,11 +22,7 @@ lf_status cb_pool_take(lf_backend *b, int *pool) {
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.next + p * heads, 0xff, heads * sizeof(int32_t), c->stream));
   LF_CUDA_CHECK(cudaMemsetAsync(c->pv.pos + p * heads * c->p.budget, 0xff,
                                 heads * c->p.budget * sizeof(int32_t), c->stream));
-  if (c->pv.since) { /* rkv: no selection yet, an empty observation window */
-    LF_CUDA_CHECK(cudaMemsetAsync(c->pv.since + p * heads, 0xff, heads * sizeof(int32_t), c->stream));
-    LF_CUDA_CHECK(cudaMemsetAsync(c->pv.acc + p * heads * c->p.budget, 0,
-                                  heads * c->p.budget * sizeof(float), c->stream));
-  }
+  if (c->pv.since) LF_TRY(cb_rkv_reset(c, p * heads, heads));
   c->host_n[p] = 0;
   *pool = p;
   return LF_OK;
