@@ -154,16 +154,11 @@ static int nat_parse(int argc, char **argv, nat_opts *o) {
     } else if (!strcmp(a, "--budgets")) {
       bad = (o->n_budgets = bench_int_list(v, o->budgets, NAT_MAX_LIST)) < 1;
     } else if (!strcmp(a, "--scope")) {
-      bad = !strcmp(v, "head") ? (o->scope = LF_EVICT_HEAD, 0)
-            : !strcmp(v, "layer") ? (o->scope = LF_EVICT_LAYER, 0)
-                                  : 1;
+      bad = lf_evict_scope_parse(v, &o->scope) != LF_OK;
     } else if (!strcmp(a, "--kv-dtype")) {
       bad = lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK;
     } else if (!strcmp(a, "--backend")) {
-      bad = !strcmp(v, "auto") ? (o->backend = LF_BACKEND_AUTO, 0)
-            : !strcmp(v, "cpu") ? (o->backend = LF_BACKEND_CPU, 0)
-            : !strcmp(v, "cuda") ? (o->backend = LF_BACKEND_CUDA, 0)
-                                 : 1;
+      bad = lf_backend_parse(v, &o->backend) != LF_OK;
     } else {
       fprintf(stderr, "lfbench natural: unknown option %s\n", a);
       return 2;
