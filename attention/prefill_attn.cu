@@ -69,16 +69,6 @@ template <int N> static __device__ __forceinline__ void fl_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-static __device__ __forceinline__ void fl_ldsm(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-static __device__ __forceinline__ void fl_ldsm_t(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 /* 2^x, one MUFU op (flushes subnormal results to 0: a weight below 2^-126 of the row max's
  * is 0 either way once rounded to bf16 for the P V MMA) */
@@ -113,7 +103,7 @@ static __device__ __forceinline__ void fl_load_kv(__nv_bfloat16 *tile, const __n
 template <int D>
 static __device__ __forceinline__ void fl_load_qa(uint32_t r[4], const __nv_bfloat16 *sq,
                                                   int row0, int ks, int lane) {
-  fl_ldsm(r, fl_smem(sq + fl_sw<D>(row0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * ks + lane / 16)));
+  ldsm_x4(r, fl_smem(sq + fl_sw<D>(row0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * ks + lane / 16)));
 }
 
 template <int D, int MT>
@@ -203,7 +193,7 @@ static __global__ void __launch_bounds__(FL_WARPS * 32, fl_tile<MT>::MIN_BLOCKS)
 #pragma unroll
       for (int n2 = 0; n2 < FL_N / 16; n2++) {
         uint32_t r[4];
-        fl_ldsm(r, fl_smem(tk + fl_sw<D>(n2 * 16 + (lane % 8) + 8 * (lane / 16),
+        ldsm_x4(r, fl_smem(tk + fl_sw<D>(n2 * 16 + (lane % 8) + 8 * (lane / 16),
                                          2 * ks + (lane / 8) % 2)));
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
@@ -280,7 +270,7 @@ static __global__ void __launch_bounds__(FL_WARPS * 32, fl_tile<MT>::MIN_BLOCKS)
 #pragma unroll
       for (int d2 = 0; d2 < D / 16; d2++) {
         uint32_t r[4];
-        fl_ldsm_t(r, fl_smem(tv + fl_sw<D>(kt * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
+        ldsm_x4_t(r, fl_smem(tv + fl_sw<D>(kt * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
                                            2 * d2 + lane / 16)));
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {

@@ -29,6 +29,19 @@ static __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4],
   mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
+/* Four 8x8 bf16 matrices from shared memory (ldmatrix .x4): lanes 8i..8i+7 give matrix i's row
+ * addresses (16-byte aligned), r[i] its fragment; _t transposed. */
+static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+static __device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 /* A 16-byte load of data read once per launch (K/V slots, weights): through the non-coherent
  * path without allocating in L1, so it does not displace what is reused. */
 static __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
