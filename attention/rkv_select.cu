@@ -1,6 +1,7 @@
 /* rkv's selection on the GPU (rkv_select.cuh). */
 #include "attention/rkv_select.cuh"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
 #include <math.h>
@@ -8,12 +9,24 @@
 #include "attention/attention.h"
 #include "attention/pool_row.cuh"
 #include "attention/rkv_step.h"
+#include "base/cuda_ptx.cuh"
 #include "base/error.h"
+#include "base/kvq.h"
 
 #define RK_NT 256
 #define RK_NW (RK_NT / 32)
-#define RK_UNR 4 /* rows scanned at once for a look-alike */
 #define RK_DMAX LF_CUDA_RKV_MAX_HEAD_DIM
+#define RK_ROWS 4                 /* rows a warp reads at once in the row passes */
+#define RK_XT (RK_NW * 16)        /* x rows per tile of the look-alike scan: 16 per warp */
+#define RK_YT 64                  /* y rows per tile: 8 mma columns of 8 */
+#define RK_NJ 4                   /* mma columns computed at once */
+#define RK_Q 64                   /* a warp's queue of pairs in the band, per tile */
+#define RK_KS_MAX (RK_DMAX / 16)  /* k steps of 16 dims */
+#define RK_LDW (RK_KS_MAX * 8 + 4) /* 32-bit words per tile row: the pad staggers the banks */
+/* The scan's cosines come from fp32 sums of exact bf16 products (under int4, of a two-term bf16
+ * split), at most ~1e-5 from the fp64 value; one within RK_BAND of the threshold is decided
+ * again in fp64 as the twin computes it. */
+#define RK_BAND 5e-4f
 
 static __device__ double rk_block_max(double v, double *red) {
   for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -21,7 +34,7 @@ static __device__ double rk_block_max(double v, double *red) {
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   v = red[0];
-  for (int w = 1; w < RK_NT / 32; w++) v = fmax(v, red[w]);
+  for (int w = 1; w < RK_NW; w++) v = fmax(v, red[w]);
   return v;
 }
 
@@ -37,7 +50,7 @@ static __device__ double rk_block_sum(double v, double *red) {
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   v = 0.0;
-  for (int w = 0; w < RK_NT / 32; w++) v += red[w];
+  for (int w = 0; w < RK_NW; w++) v += red[w];
   return v;
 }
 
@@ -46,22 +59,301 @@ static __device__ __forceinline__ bool rk_before(double t, int s, double bt, int
   return t < bt || (t == bt && s < bs);
 }
 
+/* Dims 2w and 2w + 1 of a key row as the scan multiplies them (zero past head_dim), packed as
+ * two bf16: bf16 pools their values; fp8 and int8 their codes' values, exact in bf16 (the row's
+ * scale is folded into the norm); int4 (SPLIT) its value's bf16 rounding in hi and the rest's in
+ * lo. */
+template <bool SPLIT>
+static __device__ __forceinline__ void rk_pair(const lf_cuda_pool_view &p, size_t hidx, int slot,
+                                               int w, uint32_t &hi, uint32_t &lo) {
+  const int d = 2 * w, D = p.head_dim;
+  lo = 0;
+  if (d >= D) {
+    hi = 0;
+    return;
+  }
+  if (SPLIT) {
+    const float v0 = pool_val(p, p.k, p.k_scale, hidx, slot, d);
+    const float v1 = d + 1 < D ? pool_val(p, p.k, p.k_scale, hidx, slot, d + 1) : 0.f;
+    hi = bf16_pack(v0, v1);
+    const __nv_bfloat162 h = *(const __nv_bfloat162 *)&hi;
+    lo = bf16_pack(v0 - __low2float(h), v1 - __high2float(h));
+  } else if (p.kv_dtype == LF_KV_BF16) {
+    const __nv_bfloat16 *r = pool_row(p, p.k, hidx, slot);
+    if (!(D & 1)) {
+      hi = *(const uint32_t *)(r + d);
+    } else {
+      const uint32_t a = *(const uint16_t *)(r + d), b = d + 1 < D ? *(const uint16_t *)(r + d + 1) : 0u;
+      hi = a | b << 16;
+    }
+  } else {
+    const uint8_t *c = (const uint8_t *)p.k + (hidx * p.budget + slot) * (size_t)D;
+    hi = bf16_pack(lf_kvq_value(p.kv_dtype, c[d], 1.f),
+                 d + 1 < D ? lf_kvq_value(p.kv_dtype, c[d + 1], 1.f) : 0.f);
+  }
+}
+
+/* The factor from a row's scan values to its values: the row's scale under fp8 and int8. */
+static __device__ __forceinline__ double rk_row_factor(const lf_cuda_pool_view &p, size_t hidx,
+                                                       int slot) {
+  return p.kv_dtype == LF_KV_INT8 || p.kv_dtype == LF_KV_FP8
+             ? (double)p.k_scale[hidx * p.budget + slot]
+             : 1.0;
+}
+
+/* Dims 4 lane .. 4 lane + 3 of a row as attention reads it (pool_val; zero past head_dim): one
+ * 8-byte load for bf16 rows of whole groups of 4. */
+static __device__ __forceinline__ void rk_row4(const lf_cuda_pool_view &p, size_t hidx, int slot,
+                                               int lane, float v[4]) {
+  const int d0 = 4 * lane, D = p.head_dim;
+  if (p.kv_dtype == LF_KV_BF16 && !(D & 3)) {
+    if (d0 < D) {
+      const uint2 u = *(const uint2 *)(pool_row(p, p.k, hidx, slot) + d0);
+      v[0] = __uint_as_float(u.x << 16), v[1] = __uint_as_float(u.x & 0xffff0000u);
+      v[2] = __uint_as_float(u.y << 16), v[3] = __uint_as_float(u.y & 0xffff0000u);
+    } else {
+      v[0] = v[1] = v[2] = v[3] = 0.f;
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i++) v[i] = d0 + i < D ? pool_val(p, p.k, p.k_scale, hidx, slot, d0 + i) : 0.f;
+}
+
+/* The cosine of two rows in fp64 as the twin computes it: row x over its norm, dotted with row y,
+ * over y's norm. */
+static __device__ __forceinline__ double rk_cos(const lf_cuda_pool_view &p, size_t hidx, int sx, int sy, double nx,
+                                double ny) {
+  double s = 0.0;
+  for (int d = 0; d < p.head_dim; d++)
+    s += (double)pool_val(p, p.k, p.k_scale, hidx, sx, d) / nx *
+         (double)pool_val(p, p.k, p.k_scale, hidx, sy, d);
+  return s / ny;
+}
+
+/* rk_cos by the whole warp (lanes over 4 dims each), in every lane. */
+static __device__ __forceinline__ double rk_cos_warp(const lf_cuda_pool_view &p, size_t hidx,
+                                                     int sx, int sy, double nx, double ny, int lane) {
+  float vx[4], vy[4];
+  rk_row4(p, hidx, sx, lane, vx);
+  rk_row4(p, hidx, sy, lane, vy);
+  double s = 0.0;
+#pragma unroll
+  for (int i = 0; i < 4; i++) s += (double)vx[i] / nx * (double)vy[i];
+  return rk_warp_sum(s) / ny;
+}
+
 static size_t rk_pow2(int n) {
   size_t p = 1;
   while (p < (size_t)n) p <<= 1;
   return p;
 }
 
-/* Shared bytes for n filled slots: the ranks' keys (later the pooled importance), the slots in
- * position order, and five fp64 arrays. */
-static __host__ __device__ size_t rk_smem_bytes(int n, size_t pow2) {
-  return 8 * pow2 + 8 * (size_t)((n + 1) / 2) + 5 * 8 * (size_t)n;
+/* Where the scratch area starts: 16-byte aligned, as the scan's asynchronous copies need. */
+static __host__ __device__ size_t rk_scratch_at(int n, size_t pow2) {
+  return (8 * pow2 + 8 * (size_t)((n + 1) / 2) + 3 * 8 * (size_t)n + 8 * (size_t)n + 15) & ~(size_t)15;
 }
 
-static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_args a) {
+/* Shared bytes for n filled slots: the ranks' keys (later the pooled importance), the slots in
+ * position order, three fp64 arrays (norms, redundancy, totals), the look-alikes and the scan's
+ * inverse norms, and a scratch area (the unit keys' partial sums, then the scan's y tile, two
+ * under SPLIT). */
+static __host__ __device__ size_t rk_smem_bytes(int n, size_t pow2, bool two_tiles) {
+  const size_t tile = (two_tiles ? 2 : 1) * (size_t)RK_YT * RK_LDW * 4, sums = (size_t)RK_NW * RK_DMAX * 8;
+  return rk_scratch_at(n, pow2) + (tile > sums ? tile : sums);
+}
+
+/* The y tile whose first row is rank ybase (rows outside the ranks zero) into tile (and its lo
+ * halves into yl under SPLIT). CP (bf16 rows of whole 16-byte chunks): asynchronous copies the
+ * caller waits for (rk_wait); otherwise read, converted and stored here. */
+template <bool CP, bool SPLIT>
+static __device__ __forceinline__ void rk_load_tile(const lf_cuda_pool_view &p, size_t hidx,
+                                                    const int *slot_of, int ybase, int wpr,
+                                                    uint32_t *tile, uint32_t *yl) {
+  if (CP) {
+    const int cpr = wpr / 4, D = p.head_dim; /* 16-byte chunks per row */
+    for (int q = (int)threadIdx.x; q < RK_YT * cpr; q += RK_NT) {
+      const int r = q / cpr, c = q % cpr, y = ybase + r;
+      const bool in = y >= 0 && 8 * c < D;
+      const __nv_bfloat16 *src = in ? pool_row(p, p.k, hidx, slot_of[y]) + 8 * c
+                                    : (const __nv_bfloat16 *)p.k;
+      const unsigned dst = (unsigned)__cvta_generic_to_shared(tile + r * RK_LDW + 4 * c);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                   "r"(in ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  } else {
+#pragma unroll 4
+    for (int q = (int)threadIdx.x; q < RK_YT * wpr; q += RK_NT) {
+      const int r = q / wpr, w = q % wpr, y = ybase + r;
+      uint32_t hi = 0, lo = 0;
+      if (y >= 0) rk_pair<SPLIT>(p, hidx, slot_of[y], w, hi, lo);
+      tile[r * RK_LDW + w] = hi;
+      if (SPLIT) yl[r * RK_LDW + w] = lo;
+    }
+  }
+}
+
+static __device__ __forceinline__ void rk_wait() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+/* The look-alike scan of one head: lastidx[x] = the newest rank y != x whose cosine with x is
+ * over the threshold, or -1. Tiles of RK_XT x rows against RK_YT y rows from the newest down,
+ * on the tensor cores; a tile of x rows stops once every row has found one. tile: CP two y
+ * tiles (the next one's copies fly while this one is scanned), else one (two under SPLIT: hi
+ * and lo). */
+template <bool CP, bool SPLIT>
+static __device__ void rk_scan(const lf_cuda_pool_view &p, size_t hidx, int M, const int *slot_of,
+                               const double *nrm, const float *ninv, int *lastidx,
+                               uint32_t *tile) {
+  const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int KS = (p.head_dim + 15) / 16, WPR = KS * 8; /* words per row */
+  uint32_t *yl = tile + RK_YT * RK_LDW;                 /* CP: the second buffer; SPLIT: lo */
+  const float thr = (float)LF_RKV_SIM_THRESHOLD;
+  /* per warp: its rows' newest look-alike in the tile, and the pairs in the band */
+  __shared__ int tb_all[RK_NW][16], nq_all[RK_NW];
+  __shared__ int2 rq_all[RK_NW][RK_Q];
+  int *tb = tb_all[warp], *nq = &nq_all[warp];
+  int2 *rq = rq_all[warp];
+  if (lane < 16) tb[lane] = -1;
+  if (lane == 0) *nq = 0;
+  __syncwarp();
+  for (int x0 = 0; x0 < M; x0 += RK_XT) {
+    const int xa = x0 + warp * 16 + g, xb = xa + 8; /* this lane's two rows */
+    uint32_t ah[RK_KS_MAX][4], al[RK_KS_MAX][4];
+#pragma unroll
+    for (int kk = 0; kk < RK_KS_MAX; kk++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        const int x = q & 1 ? xb : xa, w = kk * 8 + t + (q & 2 ? 4 : 0);
+        ah[kk][q] = al[kk][q] = 0;
+        if (kk < KS && x < M) rk_pair<SPLIT>(p, hidx, slot_of[x], w, ah[kk][q], al[kk][q]);
+      }
+    const float nia = xa < M ? ninv[xa] : 0.f, nib = xb < M ? ninv[xb] : 0.f;
+    /* a dot over its row's bar may be over the band's floor */
+    const float bara = xa < M && nia > 0.f ? (thr - RK_BAND) / nia : INFINITY;
+    const float barb = xb < M && nib > 0.f ? (thr - RK_BAND) / nib : INFINITY;
+    int besta = -1, bestb = -1;
+    bool done = __all_sync(0xffffffffu, (xa >= M) && (xb >= M));
+    int ybase = M - RK_YT, buf = 0;
+    if (CP) rk_load_tile<CP, SPLIT>(p, hidx, slot_of, ybase, WPR, tile, yl);
+    for (;;) {
+      const uint32_t tb_sh = (uint32_t)__cvta_generic_to_shared(CP && buf ? yl : tile),
+                     lb_sh = (uint32_t)__cvta_generic_to_shared(yl);
+      if (CP) rk_wait();
+      else rk_load_tile<CP, SPLIT>(p, hidx, slot_of, ybase, WPR, tile, yl);
+      __syncthreads();
+      const int cur = ybase;
+      const bool more = cur > 0;
+      if (CP && more) /* the next tile's copies fly while this one is scanned */
+        rk_load_tile<CP, SPLIT>(p, hidx, slot_of, cur - RK_YT, WPR, buf ? tile : yl, nullptr);
+      if (!done) {
+        /* the newest look-alike in this tile of each of the warp's 16 rows: tb */
+#pragma unroll 1
+        for (int j0 = 0; j0 < RK_YT / 8; j0 += RK_NJ) {
+          float c[RK_NJ][4];
+#pragma unroll
+          for (int jj = 0; jj < RK_NJ; jj++) c[jj][0] = c[jj][1] = c[jj][2] = c[jj][3] = 0.f;
+          /* B fragments by ldmatrix: lanes 8i..8i+7 address rows j * 8.. of k half i (two k
+           * steps per load) */
+#pragma unroll
+          for (int kk = 0; kk < RK_KS_MAX; kk += 2) {
+            if (kk < KS) {
+#pragma unroll
+              for (int jj = 0; jj < RK_NJ; jj++) { /* RK_NJ independent chains */
+                const uint32_t off =
+                    4u * (uint32_t)(((j0 + jj) * 8 + (lane & 7)) * RK_LDW + kk * 8 + (lane >> 3) * 4);
+                uint32_t b[4];
+                ldsm_x4(b, tb_sh + off);
+                mma_bf16(c[jj], ah[kk], b[0], b[1]);
+                if (kk + 1 < KS) mma_bf16(c[jj], ah[kk + 1], b[2], b[3]);
+                if (SPLIT) {
+                  uint32_t bl[4];
+                  ldsm_x4(bl, lb_sh + off);
+                  mma_bf16(c[jj], al[kk], b[0], b[1]);
+                  mma_bf16(c[jj], ah[kk], bl[0], bl[1]);
+                  if (kk + 1 < KS) {
+                    mma_bf16(c[jj], al[kk + 1], b[2], b[3]);
+                    mma_bf16(c[jj], ah[kk + 1], bl[2], bl[3]);
+                  }
+                }
+              }
+            }
+          }
+          /* the cosine over the threshold's band, as c x ninv[y] > the row's bar: rare (rows
+           * past M and y below 0 have zero products; the diagonal and look-alikes pass) */
+          bool hit = false;
+#pragma unroll
+          for (int jj = 0; jj < RK_NJ; jj++) {
+            const int y0 = cur + (j0 + jj) * 8 + 2 * t;
+            const float n0 = ninv[max(y0, 0)], n1 = ninv[max(y0 + 1, 0)];
+            hit |= c[jj][0] * n0 > bara || c[jj][1] * n1 > bara || c[jj][2] * n0 > barb ||
+                   c[jj][3] * n1 > barb;
+          }
+          if (hit) {
+#pragma unroll
+            for (int jj = 0; jj < RK_NJ; jj++)
+#pragma unroll
+              for (int e = 0; e < 4; e++) {
+                const int x = e < 2 ? xa : xb, y = cur + (j0 + jj) * 8 + 2 * t + (e & 1);
+                if (y < 0 || y == x || x >= M || (e < 2 ? besta : bestb) >= 0) continue;
+                const float cs = c[jj][e] * (e < 2 ? nia : nib) * ninv[y];
+                const int row = e < 2 ? g : g + 8;
+                if (cs > thr + RK_BAND) {
+                  atomicMax(&tb[row], y);
+                } else if (cs > thr - RK_BAND) { /* for the warp's fp64 check below */
+                  const int q = atomicAdd(nq, 1);
+                  if (q < RK_Q) rq[q] = make_int2(row, y);
+                  else if (rk_cos(p, hidx, slot_of[x], slot_of[y], nrm[x], nrm[y]) > LF_RKV_SIM_THRESHOLD)
+                    atomicMax(&tb[row], y);
+                }
+              }
+          }
+        }
+        __syncwarp();
+        /* the band's pairs, each by the whole warp in fp64 (those under a row's newest so far
+         * cannot change it) */
+        const int nqw = min(*nq, RK_Q);
+        for (int q = 0; q < nqw; q++) {
+          const int2 r = rq[q];
+          if (r.y < tb[r.x]) continue;
+          const int x = x0 + warp * 16 + r.x;
+          if (rk_cos_warp(p, hidx, slot_of[x], slot_of[r.y], nrm[x], nrm[r.y], lane) >
+              LF_RKV_SIM_THRESHOLD && lane == 0)
+            tb[r.x] = max(tb[r.x], r.y);
+          __syncwarp();
+        }
+        const int na = tb[g], nb = tb[g + 8];
+        __syncwarp();
+        if (lane < 16) tb[lane] = -1;
+        if (lane == 0) *nq = 0;
+        __syncwarp();
+        if (besta < 0) besta = na;
+        if (bestb < 0) bestb = nb;
+        done = __all_sync(0xffffffffu, (xa >= M || besta >= 0) && (xb >= M || bestb >= 0));
+      }
+      const int all_done = __syncthreads_and(done);
+      if (all_done || !more) {
+        if (CP) rk_wait(); /* copies in flight must land before the tile is reused */
+        break;
+      }
+      ybase = cur - RK_YT;
+      buf ^= 1;
+    }
+    if (t == 0) {
+      if (xa < M) lastidx[xa] = besta;
+      if (xb < M) lastidx[xb] = bestb;
+    }
+  }
+  __syncthreads();
+}
+
+template <bool CP, bool SPLIT>
+static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_select_args a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ double red[RK_NT / 32];
-  __shared__ int red_s[RK_NT / 32], red_j[RK_NT / 32];
+  __shared__ double red[RK_NW];
+  __shared__ int red_s[RK_NW], red_j[RK_NW];
   __shared__ double ksum[RK_DMAX]; /* the sum of the unit keys */
   const int B = a.pool.budget, D = a.pool.head_dim, nkv = a.pool.n_kv_heads;
   const int per_seq = nkv / a.heads_per_scope, tid = (int)threadIdx.x;
@@ -76,7 +368,11 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
   double *pooled = (double *)smem; /* the keys' room, once the slots are ranked */
   int *slot_of = (int *)(smem + 8 * (size_t)P);
   double *nrm = (double *)(smem + 8 * (size_t)P + 8 * (size_t)((n + 1) / 2));
-  double *imp = nrm + n, *csum = imp + n, *lastv = csum + n, *total = lastv + n;
+  double *csum = nrm + n, *total = csum + n;
+  int *lastidx = (int *)(total + n);
+  float *ninv = (float *)(lastidx + n);
+  unsigned char *scratch = smem + rk_scratch_at(n, (size_t)P);
+  double *part = (double *)scratch; /* [RK_NW][RK_DMAX] each warp's sums of unit keys */
 
   /* rank the filled slots by (position, slot): a bitonic sort of P keys */
   const int32_t *pos = a.pool.pos + hidx0 * B;
@@ -101,100 +397,94 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
   __syncthreads();
 
   const int M = n - LF_RKV_OBS, half = LF_RKV_POOL_KERNEL / 2;
-  const int warp = tid >> 5, lane = tid & 31, NDL = (D + 31) / 32; /* dims per lane */
+  const int warp = tid >> 5, lane = tid & 31;
   for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
   for (int g = 0; g < a.heads_per_scope; g++) {
     const size_t hidx = hidx0 + g;
     const float *acc = a.pool.acc + hidx * B;
-    /* importance, and each row's norm (a warp per row, lanes over dims) */
-    for (int j = warp; j < M; j += RK_NW) {
-      const int s = slot_of[j];
-      double ss = 0.0;
-      for (int d = lane; d < D; d += 32) {
-        const double v = pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, s, d);
-        ss += v * v;
+    /* each row's norm, its importance (in csum for now), and each warp's sum of unit keys:
+     * a warp per row, each lane over 4 dims, RK_ROWS rows at once */
+    double ks[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int j0 = warp * RK_ROWS; j0 < M; j0 += RK_NW * RK_ROWS) {
+      float v[RK_ROWS][4];
+      double ss[RK_ROWS];
+#pragma unroll
+      for (int u = 0; u < RK_ROWS; u++) {
+        const int j = j0 + u;
+        if (j < M) rk_row4(a.pool, hidx, slot_of[j], lane, v[u]);
+        else v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.f;
+        ss[u] = 0.0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) ss[u] += (double)v[u][i] * v[u][i];
       }
-      ss = rk_warp_sum(ss);
-      if (lane == 0) {
-        nrm[j] = sqrt(ss) + 1e-8;
-        imp[j] = (double)acc[s] / ((double)a.group * LF_RKV_OBS);
+#pragma unroll
+      for (int u = 0; u < RK_ROWS; u++) {
+        const int j = j0 + u;
+        if (j >= M) break;
+        const double nr = sqrt(rk_warp_sum(ss[u])) + 1e-8, inr = 1.0 / nr;
+#pragma unroll
+        for (int i = 0; i < 4; i++) ks[i] += (double)v[u][i] * inr;
+        if (lane == 0) {
+          const int s = slot_of[j];
+          nrm[j] = nr;
+          ninv[j] = (float)(rk_row_factor(a.pool, hidx, s) / nr);
+          csum[j] = (double)acc[s] / ((double)a.group * LF_RKV_OBS);
+        }
       }
     }
+#pragma unroll
+    for (int i = 0; i < 4; i++) part[warp * RK_DMAX + 4 * lane + i] = ks[i];
     __syncthreads();
+    for (int d = tid; d < D; d += RK_NT) {
+      double s = 0.0;
+      for (int w = 0; w < RK_NW; w++) s += part[w * RK_DMAX + d];
+      ksum[d] = s;
+    }
     for (int j = tid; j < M; j += RK_NT) { /* max-pool over the neighbours that exist */
-      double mx = imp[j];
+      double mx = csum[j];
       for (int t = j - half; t <= j + half; t++)
-        if (t >= 0 && t < M && imp[t] > mx) mx = imp[t];
+        if (t >= 0 && t < M && csum[t] > mx) mx = csum[t];
       pooled[j] = mx;
     }
-    /* the sum of the unit keys, dim by dim in rank order (as the twin adds it) */
-    for (int d = tid; d < D; d += RK_NT) {
-      double t = 0.0;
-      for (int j = 0; j < M; j++)
-        t += pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, slot_of[j], d) / nrm[j];
-      ksum[d] = t;
-    }
     __syncthreads();
-    /* a warp per row x: its cosines' sum is its dot with ksum less its own square; its most
-     * recent look-alike the first met scanning the others from the newest down, RK_UNR rows at
-     * a time (every lane holds the same reduced dots, so the warp leaves together) */
-    for (int x = warp; x < M; x += RK_NW) {
-      const int sx = slot_of[x];
-      double kx[RK_DMAX / 32], cs = 0.0, self = 0.0;
+    rk_scan<CP, SPLIT>(a.pool, hidx, M, slot_of, nrm, ninv, lastidx, (uint32_t *)scratch);
+    /* a warp per row x (RK_ROWS at once): its cosines' sum is its dot with ksum less its own
+     * square, less the cosine with its look-alike; (that) / M in csum */
+    const double inv_m = 1.0 / (double)M;
+    for (int x0r = warp * RK_ROWS; x0r < M; x0r += RK_NW * RK_ROWS) {
+      float vx[RK_ROWS][4], vy[RK_ROWS][4];
+      int yr[RK_ROWS];
 #pragma unroll
-      for (int i = 0; i < RK_DMAX / 32; i++) {
-        const int d = lane + 32 * i;
-        kx[i] = i < NDL && d < D ? pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, sx, d) / nrm[x]
-                                 : 0.0;
-        if (i < NDL && d < D) {
-          cs += kx[i] * ksum[d];
-          self += kx[i] * kx[i];
-        }
+      for (int u = 0; u < RK_ROWS; u++) {
+        const int x = min(x0r + u, M - 1); /* rows past M repeat the last; not written */
+        yr[u] = lastidx[x];
+        rk_row4(a.pool, hidx, slot_of[x], lane, vx[u]);
+        rk_row4(a.pool, hidx, slot_of[yr[u] >= 0 ? yr[u] : x], lane, vy[u]);
       }
-      cs = rk_warp_sum(cs);
-      self = rk_warp_sum(self);
-      double lv = 0.0;
-      bool found = false;
-      for (int y0 = M - 1; y0 >= 0 && !found; y0 -= RK_UNR) {
-        double dt[RK_UNR];
 #pragma unroll
-        for (int u = 0; u < RK_UNR; u++) {
-          const int y = y0 - u;
-          dt[u] = 0.0;
-          if (y >= 0) {
-            const int sy = slot_of[y];
+      for (int u = 0; u < RK_ROWS; u++) {
+        const int x = x0r + u;
+        if (x >= M) break;
+        double cs = 0.0, self = 0.0, lv = 0.0;
+        const double inx = 1.0 / nrm[x];
 #pragma unroll
-            for (int i = 0; i < RK_DMAX / 32; i++) {
-              const int d = lane + 32 * i;
-              if (i < NDL && d < D)
-                dt[u] += kx[i] * (double)pool_val(a.pool, a.pool.k, a.pool.k_scale, hidx, sy, d);
-            }
-          }
+        for (int i = 0; i < 4; i++) {
+          const double kx = vx[u][i] * inx;
+          cs += kx * (4 * lane + i < D ? ksum[4 * lane + i] : 0.0);
+          self += kx * kx;
+          lv += kx * (double)vy[u][i];
         }
-#pragma unroll
-        for (int u = 0; u < RK_UNR; u++) dt[u] = rk_warp_sum(dt[u]);
-#pragma unroll
-        for (int u = 0; u < RK_UNR; u++) {
-          const int y = y0 - u;
-          if (found || y < 0 || y == x) continue;
-          const double c = dt[u] / nrm[y];
-          if (c > LF_RKV_SIM_THRESHOLD) {
-            lv = c;
-            found = true;
-          }
+        for (int o = 16; o > 0; o >>= 1) {
+          cs += __shfl_xor_sync(0xffffffffu, cs, o);
+          self += __shfl_xor_sync(0xffffffffu, self, o);
+          lv += __shfl_xor_sync(0xffffffffu, lv, o);
         }
-      }
-      if (lane == 0) {
-        csum[x] = cs - self;
-        lastv[x] = lv;
+        if (lane == 0) csum[x] = ((cs - self) - (yr[u] >= 0 ? lv / nrm[yr[u]] : 0.0)) * inv_m;
       }
     }
     __syncthreads();
     double m = -INFINITY;
-    for (int j = tid; j < M; j += RK_NT) {
-      csum[j] = (csum[j] - lastv[j]) / (double)M;
-      m = fmax(m, csum[j]);
-    }
+    for (int j = tid; j < M; j += RK_NT) m = fmax(m, csum[j]);
     const double mmax = rk_block_max(m, red);
     double zl = 0.0;
     for (int j = tid; j < M; j += RK_NT) {
@@ -230,7 +520,7 @@ static __global__ void __launch_bounds__(RK_NT) rkv_select_kernel(lf_rkv_select_
     if ((tid & 31) == 0) red[tid >> 5] = bt, red_s[tid >> 5] = bs, red_j[tid >> 5] = bj;
     __syncthreads();
     if (tid == 0) {
-      for (int w = 1; w < RK_NT / 32; w++)
+      for (int w = 1; w < RK_NW; w++)
         if (rk_before(red[w], red_s[w], bt, bs)) bt = red[w], bs = red_s[w], bj = red_j[w];
       for (int g = 0; g < a.heads_per_scope; g++)
         a.pool.queue[(hidx0 + g) * a.pool.stage + r] = bs;
@@ -262,18 +552,29 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
                     "lf_cuda_rkv_select: bad shape (heads_per_scope %d of %d KV heads, %d "
                     "scopes, stage %d, group %d, sink %d, layer %d)",
                     a->heads_per_scope, nkv, a->n_scopes, a->pool.stage, a->group, a->sink, a->layer);
-  const size_t smem = rk_smem_bytes(B, rk_pow2(B));
+  const bool split = a->pool.kv_dtype == LF_KV_INT4;
+  const bool cp = a->pool.kv_dtype == LF_KV_BF16 && a->pool.head_dim % 8 == 0;
+  const size_t smem = rk_smem_bytes(B, rk_pow2(B), split || cp);
   /* The limit is the largest budget's, set the same by every caller: engines in other threads
    * launch with other budgets, and a limit set per launch could fall under one of theirs
    * between its set and its launch. Per device, as the attribute is. */
-  const size_t smem_max = rk_smem_bytes(LF_CUDA_RKV_MAX_BUDGET, rk_pow2(LF_CUDA_RKV_MAX_BUDGET));
-  if (cudaFuncSetAttribute(rkv_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           (int)smem_max) != cudaSuccess) {
+  const size_t smem_max =
+      rk_smem_bytes(LF_CUDA_RKV_MAX_BUDGET, rk_pow2(LF_CUDA_RKV_MAX_BUDGET), true);
+  const void *fn = split ? (const void *)rkv_select_kernel<false, true>
+                   : cp  ? (const void *)rkv_select_kernel<true, false>
+                         : (const void *)rkv_select_kernel<false, false>;
+  if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_max) !=
+      cudaSuccess) {
     const cudaError_t e = cudaGetLastError();
     return lf_error(LF_ERR_BACKEND, "lf_cuda_rkv_select: %zu bytes of shared memory: %s",
                     smem_max, cudaGetErrorString(e));
   }
-  rkv_select_kernel<<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
+  if (split)
+    rkv_select_kernel<false, true><<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
+  else if (cp)
+    rkv_select_kernel<true, false><<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
+  else
+    rkv_select_kernel<false, false><<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return lf_error(LF_ERR_BACKEND, "lf_cuda_rkv_select: launch failed: %s", cudaGetErrorString(e));

@@ -11,13 +11,19 @@
  * head's queue, in that order, and each head's since becomes 0. As the twin computes it: a
  * key's cosines with the others sum to its dot with the sum of the unit keys less its own
  * square, and its most recent look-alike is the first met scanning the others from the newest
- * down. In fp64 throughout (the twin divides the rows first, the kernel the dots), so totals
+ * down. The scores are in fp64 (the twin divides the rows first, the kernel the dots), so totals
  * agree with the twin to ~1e-15 relative and the queues wherever no two totals are that close.
  *
- * One block per scope, a warp per key: O(n x head_dim) for the sums, plus each key's scan,
- * which stops at its first look-alike (all n keys only for a key without one); n <= 4096 (the
- * ranks and six fp64 arrays live in shared memory). K is read as attention reads it (pool_val:
- * bf16, or a quantized dtype's values). Includable from C. Every pointer is device memory.
+ * One block per scope. The look-alike scan runs on the tensor cores: tiles of 128 keys against
+ * tiles of 64 others from the newest down (mma.sync m16n8k16, bf16 operands exact for bf16 pools
+ * and for fp8 / int8 codes, whose row scale goes into the norm; int4 values as a two-term bf16
+ * split), fp32 sums; a tile of keys stops once each has found one. A cosine within 5e-4 of the
+ * threshold (the fp32 sums are within ~1e-5) is decided again in fp64 by the whole warp, so the
+ * choice of look-alike is the fp64 one; its cosine, the sums and the scores are fp64. The sort,
+ * the norms and the sums are O(n x head_dim); the scan O(n^2 x head_dim) for keys without a
+ * look-alike, less for those with a recent one. n <= 4096 (the ranks and the fp64 arrays live
+ * in shared memory). K is read as attention reads it (pool_val: bf16, or a quantized dtype's
+ * values). Includable from C. Every pointer is device memory.
  */
 #ifndef LF_RKV_SELECT_CUH
 #define LF_RKV_SELECT_CUH

@@ -1,7 +1,9 @@
 // rkv's selection kernel (attention/rkv_select.cu, lf_cuda_rkv_select) against its CPU twin
 // (lf_attn_rkv_select_ref): pools with look-alike keys (a quarter of the keys near copies of an
-// earlier or later one, so the most-recent-look-alike rule matters), sharp and flat attention
-// mass, positions out of slot order, head and layer scope, bf16 and int8 pools. Every
+// earlier or later one, so the most-recent-look-alike rule matters; in the `near` cases at a
+// cosine within 2e-3 of the threshold, where the kernel's tensor-core scan must hand the pair to
+// its fp64 check), sharp and flat attention mass, positions out of slot order, head and layer
+// scope, every KV dtype, head_dims that are not multiples of 16 or 8. Every
 // candidate's total must agree to 1e-12 (relative; the kernel divides the dot by the norms, the
 // twin normalizes the rows first), the non-candidates must be NaN on both, and each queue entry
 // must be the twin's wherever the twin's totals around it are not within 1e-9 of each other
@@ -30,6 +32,7 @@ struct Case {
   int budget, n, n_kv, heads_per_scope, group, sink, stage, head_dim;
   lf_kv_dtype dtype;
   uint64_t seed;
+  bool near = false; // look-alikes at a cosine of 0.5 +- 2e-3 before rounding
 };
 
 void run_case(const Case &c) {
@@ -46,25 +49,38 @@ void run_case(const Case &c) {
   std::shuffle(order.begin(), order.end(), g);
   std::vector<int32_t> pos(size_t(H) * B, -1);
   std::vector<float> k(size_t(H) * B * D, 0.f), acc(size_t(H) * B, 0.f);
-  // the values the pool reads back: bf16-rounded, or an int8 row's codes under its scale
+  // the values the pool reads back: bf16-rounded, or a quantized row's codes under its meta
+  const bool quant = c.dtype != LF_KV_BF16;
+  const size_t cb = quant ? size_t(lf_kvq_code_bytes(c.dtype, D)) : 0,
+               mw = quant ? size_t(lf_kvq_meta_words(c.dtype, D)) : 0;
   std::vector<uint16_t> kb(size_t(H) * B * D, 0);
-  std::vector<uint8_t> kq(size_t(H) * B * D, 0);
-  std::vector<float> ks(size_t(H) * B, 0.f);
+  std::vector<uint8_t> kq(size_t(H) * B * cb, 0);
+  std::vector<uint32_t> ks(size_t(H) * B * mw, 0);
   for (int h = 0; h < H; h++)
     for (int i = 0; i < c.n; i++) {
       pos[size_t(h) * B + i] = order[i];
       float *r = &k[(size_t(h) * B + i) * D];
       const int like = i > 4 && g() % 4 == 0 ? int(g() % uint64_t(i)) : -1;
-      for (int d = 0; d < D; d++)
-        r[d] = like >= 0 ? k[(size_t(h) * B + like) * D + d] + 0.3f * nd(g) : nd(g) * (d % 7 ? 1.f : 4.f);
+      if (like >= 0 && c.near) { // cos(theta) u + sin(theta) w, w a unit vector normal to u
+        const float *u = &k[(size_t(h) * B + like) * D];
+        double uu = 0, uw = 0, ww = 0;
+        std::vector<double> w(D);
+        for (int d = 0; d < D; d++) w[d] = nd(g), uu += double(u[d]) * u[d], uw += double(u[d]) * w[d];
+        for (int d = 0; d < D; d++) w[d] -= uw / uu * u[d], ww += w[d] * w[d];
+        const double ct = 0.5 + 4e-3 * (ud(g) - 0.5), st = std::sqrt(1 - ct * ct);
+        for (int d = 0; d < D; d++) r[d] = float(ct * u[d] + st * std::sqrt(uu / ww) * w[d]);
+      } else {
+        for (int d = 0; d < D; d++)
+          r[d] = like >= 0 ? k[(size_t(h) * B + like) * D + d] + 0.3f * nd(g) : nd(g) * (d % 7 ? 1.f : 4.f);
+      }
       // a few slots take most of the mass (sharp), the rest a little
       acc[size_t(h) * B + i] = g() % 10 == 0 ? 2.f + 3.f * ud(g) : 0.05f * ud(g);
     }
   for (size_t row = 0; row < size_t(H) * B; row++) {
     float *r = &k[row * D];
-    if (c.dtype == LF_KV_INT8) {
-      ks[row] = lf_kvq_quantize_row(LF_KV_INT8, r, D, &kq[row * D]);
-      for (int d = 0; d < D; d++) r[d] = lf_kvq_value(LF_KV_INT8, kq[row * D + d], ks[row]);
+    if (quant) {
+      lf_kvq_encode_row(c.dtype, r, D, &kq[row * cb], &ks[row * mw]);
+      for (int d = 0; d < D; d++) r[d] = lf_kvq_row_value(c.dtype, &kq[row * cb], &ks[row * mw], d);
     } else {
       for (int d = 0; d < D; d++) {
         r[d] = bfr(r[d]);
@@ -117,11 +133,11 @@ void run_case(const Case &c) {
   int32_t *dpos = nullptr, *dn = nullptr, *dnext = nullptr, *dq = nullptr, *dsince = nullptr,
           *dids = nullptr;
   double *dtot = nullptr;
-  const size_t kbytes = c.dtype == LF_KV_INT8 ? kq.size() : kb.size() * 2;
+  const size_t kbytes = quant ? kq.size() : kb.size() * 2;
   CK(cudaMalloc(&dk, kbytes));
-  CK(cudaMemcpy(dk, c.dtype == LF_KV_INT8 ? (const void *)kq.data() : (const void *)kb.data(),
-                kbytes, cudaMemcpyHostToDevice));
-  if (c.dtype == LF_KV_INT8) {
+  CK(cudaMemcpy(dk, quant ? (const void *)kq.data() : (const void *)kb.data(), kbytes,
+                cudaMemcpyHostToDevice));
+  if (quant) {
     CK(cudaMalloc(&dscale, ks.size() * 4));
     CK(cudaMemcpy(dscale, ks.data(), ks.size() * 4, cudaMemcpyHostToDevice));
   }
@@ -216,6 +232,14 @@ TEST(GpuRkv, SelectionMatchesCpuTwin) {
       {300, 300, 3, 3, 3, 0, 17, 64, LF_KV_INT8, 4},   // int8 codes, sink 0, odd stage
       {1024, 1024, 2, 1, 4, 4, 32, 128, LF_KV_BF16, 5}, // a serving budget
       {4096, 4096, 1, 1, 1, 4, 64, 64, LF_KV_BF16, 6}, // the largest budget
+      {1024, 1024, 2, 1, 4, 4, 32, 128, LF_KV_BF16, 7, true}, // cosines at the threshold
+      {512, 512, 2, 2, 2, 4, 32, 128, LF_KV_FP8, 8},   // fp8 codes, layer scope
+      {300, 300, 2, 1, 2, 4, 16, 64, LF_KV_INT8, 9, true},  // int8 at the threshold
+      {256, 250, 2, 1, 2, 4, 16, 64, LF_KV_INT4, 10},  // int4: the two-term bf16 split
+      {384, 384, 2, 1, 2, 4, 16, 128, LF_KV_INT4, 11, true}, // int4 at the threshold
+      {200, 200, 2, 1, 1, 4, 16, 8, LF_KV_BF16, 12},   // head_dim 8 (stories260K)
+      {300, 297, 1, 1, 1, 4, 8, 72, LF_KV_BF16, 13, true}, // head_dim 72: not whole k steps
+      {128, 128, 2, 1, 1, 4, 8, 36, LF_KV_BF16, 14},   // head_dim 36: not whole 16-byte chunks
   };
   for (const Case &c : cases) run_case(c);
 }
