@@ -266,6 +266,86 @@ static void nat_json(const nat_opts *o, const char *model_name, int P, const int
   fclose(f);
 }
 
+/* Run r = policy r / nb at budget r % nb: its backend and P pools, its logits and sums. 1 on an
+ * error (said on stderr). */
+static int nat_runs_create(const nat_opts *o, lf_checkpoint *ck, int P, int T, nat_run *runs,
+                           int nb) {
+  const int V = ck->cfg.vocab_size;
+  for (int pi = 0; pi < o->n_policies; pi++)
+    for (int fi = 0; fi < nb; fi++) {
+      nat_run *x = &runs[pi * nb + fi];
+      x->policy = o->policies[pi];
+      x->budget = o->n_budgets ? o->budgets[fi] : (int)ceil(o->fractions[fi] * T);
+      x->fraction = (double)x->budget / T;
+      x->pools = calloc((size_t)P, sizeof *x->pools);
+      x->logits = malloc(sizeof(float) * (size_t)P * V);
+      x->kl = calloc((size_t)P, sizeof *x->kl);
+      x->agree = calloc((size_t)P, sizeof *x->agree);
+      if (!x->pools || !x->logits || !x->kl || !x->agree) {
+        fprintf(stderr, "lfbench natural: out of host memory\n");
+        return 1;
+      }
+      if (nat_backend(o, ck, x->policy, x->budget, P, &x->b, x->pools) != LF_OK) {
+        fprintf(stderr, "lfbench natural: %s at budget %d: %s\n", lf_policy_str(x->policy),
+                x->budget, lf_last_error());
+        return 1;
+      }
+    }
+  return 0;
+}
+
+/* Run x's step t on the full run's inputs, its logits against the full run's flog: KL and top-1
+ * added per prompt (lpf, lpr: [V] scratch). A failure stops the run (said on stderr). */
+static void nat_compare(nat_run *x, const lf_batch_item *items, int P, int t, const float *flog,
+                        int V, double *lpf, double *lpr) {
+  if (x->status != LF_OK) return;
+  lf_batch_item its[NAT_MAX_PROMPTS];
+  lf_batch_result rs[NAT_MAX_PROMPTS];
+  for (int i = 0; i < P; i++) {
+    its[i] = items[i];
+    its[i].pool = x->pools[i];
+  }
+  lf_status s = x->b->forward(x->b, its, P, rs, x->logits);
+  for (int i = 0; i < P && s == LF_OK; i++) s = rs[i].status;
+  if (s != LF_OK) {
+    x->status = s;
+    fprintf(stderr, "lfbench natural: %s at budget %d, step %d: %s (run stopped)\n",
+            lf_policy_str(x->policy), x->budget, t, lf_last_error());
+    return;
+  }
+  for (int i = 0; i < P; i++) {
+    x->evictions += rs[i].evictions;
+    const int af = nat_logsoftmax(flog + (size_t)i * V, V, lpf);
+    const int ar = nat_logsoftmax(x->logits + (size_t)i * V, V, lpr);
+    double kl = 0.0;
+    for (int v = 0; v < V; v++) kl += exp(lpf[v]) * (lpf[v] - lpr[v]);
+    x->kl[i] += kl;
+    x->agree[i] += af == ar;
+  }
+}
+
+/* The table of every run's mean KL and top-1 agreement, and the JSON file when asked. */
+static void nat_report(const nat_opts *o, const nat_run *runs, int R, int P, const int *plen,
+                       int T, const char *backend, double wall) {
+  printf("\npolicy       fraction  budget   KL (nats)   top-1   evictions\n");
+  for (int r = 0; r < R; r++) {
+    const nat_run *x = &runs[r];
+    double kl = 0.0, ag = 0.0;
+    for (int i = 0; i < P; i++) kl += x->kl[i], ag += x->agree[i];
+    printf("%-12s %8.2f %7d %11.5f %7.4f %11llu%s\n", lf_policy_str(x->policy), x->fraction,
+           x->budget, kl / ((double)P * T), ag / ((double)P * T),
+           (unsigned long long)x->evictions, x->status == LF_OK ? "" : "  (stopped)");
+  }
+  printf("%d prompts x %d answer tokens in %.1f s\n", P, T, wall);
+  if (o->json) {
+    char name[512];
+    snprintf(name, sizeof name, "%s", o->model);
+    bench_json_safe(name);
+    nat_json(o, name, P, plen, T, runs, R, backend, wall);
+    printf("wrote %s\n", o->json);
+  }
+}
+
 int bench_natural(int argc, char **argv) {
   nat_opts o;
   const int pr = nat_parse(argc, argv, &o);
@@ -327,28 +407,10 @@ int bench_natural(int argc, char **argv) {
     rc = 1;
     goto done;
   }
-  for (int pi = 0; pi < o.n_policies; pi++)
-    for (int fi = 0; fi < nb; fi++) {
-      nat_run *x = &runs[pi * nb + fi];
-      x->policy = o.policies[pi];
-      x->budget = o.n_budgets ? o.budgets[fi] : (int)ceil(o.fractions[fi] * T);
-      x->fraction = (double)x->budget / T;
-      x->pools = calloc((size_t)P, sizeof *x->pools);
-      x->logits = malloc(sizeof(float) * (size_t)P * V);
-      x->kl = calloc((size_t)P, sizeof *x->kl);
-      x->agree = calloc((size_t)P, sizeof *x->agree);
-      if (!x->pools || !x->logits || !x->kl || !x->agree) {
-        fprintf(stderr, "lfbench natural: out of host memory\n");
-        rc = 1;
-        goto done;
-      }
-      if (nat_backend(&o, &ck, x->policy, x->budget, P, &x->b, x->pools) != LF_OK) {
-        fprintf(stderr, "lfbench natural: %s at budget %d: %s\n", lf_policy_str(x->policy),
-                x->budget, lf_last_error());
-        rc = 1;
-        goto done;
-      }
-    }
+  if (nat_runs_create(&o, &ck, P, T, runs, nb)) {
+    rc = 1;
+    goto done;
+  }
   if (!o.quiet)
     printf("# %d prompts (%d..%d tokens), answers of %d tokens; %d runs on %s\n", P,
            plen[0], maxp, T, R, full->name);
@@ -375,33 +437,7 @@ int bench_natural(int argc, char **argv) {
                 lf_status_str(res[i].status));
         rc = 1;
       }
-    for (int r = 0; r < R && !rc; r++) {
-      nat_run *x = &runs[r];
-      if (x->status != LF_OK) continue;
-      lf_batch_item its[NAT_MAX_PROMPTS];
-      lf_batch_result rs[NAT_MAX_PROMPTS];
-      for (int i = 0; i < P; i++) {
-        its[i] = items[i];
-        its[i].pool = x->pools[i];
-      }
-      lf_status s = x->b->forward(x->b, its, P, rs, x->logits);
-      for (int i = 0; i < P && s == LF_OK; i++) s = rs[i].status;
-      if (s != LF_OK) {
-        x->status = s;
-        fprintf(stderr, "lfbench natural: %s at budget %d, step %d: %s (run stopped)\n",
-                lf_policy_str(x->policy), x->budget, t, lf_last_error());
-        continue;
-      }
-      for (int i = 0; i < P; i++) {
-        x->evictions += rs[i].evictions;
-        const int af = nat_logsoftmax(flog + (size_t)i * V, V, lpf);
-        const int ar = nat_logsoftmax(x->logits + (size_t)i * V, V, lpr);
-        double kl = 0.0;
-        for (int v = 0; v < V; v++) kl += exp(lpf[v]) * (lpf[v] - lpr[v]);
-        x->kl[i] += kl;
-        x->agree[i] += af == ar;
-      }
-    }
+    for (int r = 0; r < R && !rc; r++) nat_compare(&runs[r], items, P, t, flog, V, lpf, lpr);
     for (int i = 0; i < P; i++) next[i] = res[i].token; /* greedy, EOS ignored */
     if (!o.quiet && (t + 1) % 256 == 0) {
       printf("[%6.0fs] position %d/%d:", lf_now_s() - t0, t + 1, T);
@@ -415,26 +451,7 @@ int bench_natural(int argc, char **argv) {
       fflush(stdout);
     }
   }
-  if (!rc) {
-    const double wall = lf_now_s() - t0;
-    printf("\npolicy       fraction  budget   KL (nats)   top-1   evictions\n");
-    for (int r = 0; r < R; r++) {
-      const nat_run *x = &runs[r];
-      double kl = 0.0, ag = 0.0;
-      for (int i = 0; i < P; i++) kl += x->kl[i], ag += x->agree[i];
-      printf("%-12s %8.2f %7d %11.5f %7.4f %11llu%s\n", lf_policy_str(x->policy), x->fraction,
-             x->budget, kl / ((double)P * T), ag / ((double)P * T),
-             (unsigned long long)x->evictions, x->status == LF_OK ? "" : "  (stopped)");
-    }
-    printf("%d prompts x %d answer tokens in %.1f s\n", P, T, wall);
-    if (o.json) {
-      char name[512];
-      snprintf(name, sizeof name, "%s", o.model);
-      bench_json_safe(name);
-      nat_json(&o, name, P, plen, T, runs, R, full->name, wall);
-      printf("wrote %s\n", o.json);
-    }
-  }
+  if (!rc) nat_report(&o, runs, R, P, plen, T, full->name, lf_now_s() - t0);
 done:
   for (int r = 0; r < R && runs; r++) {
     if (runs[r].b) runs[r].b->free(runs[r].b);
