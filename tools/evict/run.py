@@ -142,14 +142,6 @@ def make_specs(sim, a, budgets, n_kv):
                 specs.append(sim.Spec("streaming", B, sink=a.sink, name="streaming/B%d" % B))
             elif p == "h2o-half":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=B // 2, name="h2o-recent-half/B%d" % B))
-            elif re.fullmatch(r"h2o-half-d[0-9.]+(-t[0-9.]+)?", p):
-                # experiment: h2o-half with slots that have a newer look-alike key (cosine over
-                # t, default 0.5) scaled by d
-                parts = p[len("h2o-half-"):].split("-")
-                kw = {"dedup": float(parts[0][1:])}
-                if len(parts) > 1:
-                    kw["dedup_thr"] = float(parts[1][1:])
-                specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=B // 2, name="%s/B%d" % (p, B), **kw))
             elif p == "h2o-32":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=32, name="h2o-recent-32/B%d" % B))
             elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o[0-9]+)?", p):

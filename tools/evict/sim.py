@@ -68,7 +68,7 @@ class Spec:
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
                  tau=None, name=None, gamma=0.0, recent=None, stage=32, obs=8, lam=0.1,
-                 sim_thr=0.5, pool_kernel=7, dedup=None, dedup_thr=0.5):
+                 sim_thr=0.5, pool_kernel=7):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
@@ -90,12 +90,6 @@ class Spec:
         # score = lam * importance - (1 - lam) * redundancy; the `obs` newest are kept
         self.stage, self.obs, self.lam = int(stage), int(obs), float(lam)
         self.sim_thr, self.pool_kernel = float(sim_thr), int(pool_kernel)
-        # h2o, an experiment (not served): a slot whose key has a newer look-alike (cosine over
-        # dedup_thr with a key written after it) has its score scaled by `dedup`; None: off
-        self.dedup = None if dedup is None else float(dedup)
-        self.dedup_thr = float(dedup_thr)
-        if self.dedup is not None and policy != "h2o":
-            raise ValueError("%s: dedup is an h2o variant" % (name or policy))
         self.name = name or "%s/%s/B%d" % (policy, scope, budget)
         if policy != "full" and self.budget < self.sink + 2:
             raise ValueError("%s: budget %d < sink %d + 2" % (self.name, self.budget, self.sink))
@@ -204,11 +198,6 @@ class Sim:
         # accumulating, and the slots chosen to be overwritten next, in order
         self.rk_since = np.full((L, R), -1, np.int64)
         self.rk_obs_on = np.zeros((L, R), dtype=bool)
-        # h2o's dedup experiment: per slot the largest cosine of its key with a newer one
-        self.dd_runs = np.array([r for r, sp in enumerate(self.specs) if sp.dedup is not None], np.int64)
-        self.dd_beta = np.array([1.0 if sp.dedup is None else sp.dedup for sp in self.specs])
-        self.dd_thr = np.array([sp.dedup_thr for sp in self.specs])
-        self.nsim = np.zeros((L, R, H, C), np.float32) if len(self.dd_runs) else None
         S = max([sp.stage for sp in self.specs if sp.policy == "rkv"] or [1])
         self.rk_queue = np.full((L, R, H, S), -1, np.int64)
         self.last_scores = [None] * L  # per layer: [R][H][C] the combined score the argmin saw
@@ -277,8 +266,6 @@ class Sim:
             self.end[ti][l, ri, gi, w] = off[gi, t + 1] if t < u.T else len(st) - 1
         n = np.where(was_full, B, n0 + 1)
         self.n[l, sel] = n
-        if self.nsim is not None:
-            self._dedup_write(l, runs, w, n, k)
 
         # 2. attend
         Kl = self.K[l] if all_runs else self.K[l, runs]   # [R'][H][C][D]
@@ -351,9 +338,6 @@ class Sim:
                 s = self.vnorm[l, ra].astype(np.float64)
             elif policy == "h2o":
                 s = self.acc[l, ra].astype(np.float64)
-                if self.nsim is not None:
-                    dup = self.nsim[l, ra] > self.dd_thr[ra][:, None, None]
-                    s = s * np.where(dup, self.dd_beta[ra][:, None, None], 1.0)
             elif policy == "streaming":
                 s = self.pos[l, ra].astype(np.float64)
             elif policy == "random":
@@ -466,41 +450,6 @@ class Sim:
         return sp.lam * imp - (1.0 - sp.lam) * red
 
     # ------------------------------------------------------------------------ prefill
-
-    def _dedup_write(self, l, runs, w, n, k):
-        """h2o's dedup experiment after a decode write at slot w (per head) of the runs `runs`:
-        every other filled slot's newest-look-alike cosine takes the new key's, the new slot's
-        starts at 0."""
-        runs = np.asarray(runs)
-        mine = np.isin(runs, self.dd_runs)
-        if not mine.any():
-            return
-        idx = np.nonzero(mine)[0]
-        ra = runs[idx]
-        Kl = self.K[l, ra].astype(np.float64)                      # [r][H][C][D]
-        kn = k[idx].astype(np.float64)                             # [r][H][D]
-        dots = np.einsum("rhcd,rhd->rhc", Kl, kn)
-        cos = dots / (np.sqrt((Kl * Kl).sum(-1)) * np.sqrt((kn * kn).sum(-1))[..., None] + 1e-8)
-        C = self.C
-        valid = np.arange(C)[None, None, :] < n[idx][:, None, None]
-        wi = w[idx]                                                # [r][H]
-        cur = self.nsim[l, ra]
-        upd = np.where(valid, np.maximum(cur, cos.astype(np.float32)), cur)
-        upd[np.arange(len(ra))[:, None], np.arange(self.H)[None, :], wi] = 0.0
-        self.nsim[l, ra] = upd
-
-    def _dedup_prefill(self, l, r, g, n_after):
-        """After a prefill of run r, head g: each filled slot's largest cosine with a key at a
-        later position."""
-        if self.nsim is None or self.specs[r].dedup is None:
-            return
-        Kg = self.K[l, r, g, :n_after].astype(np.float64)
-        nr = np.sqrt((Kg * Kg).sum(-1))
-        cos = (Kg @ Kg.T) / (nr[:, None] * nr[None, :] + 1e-8)
-        p = self.pos[l, r, g, :n_after]
-        later = p[None, :] > p[:, None]
-        self.nsim[l, r, g, :] = 0.0
-        self.nsim[l, r, g, :n_after] = np.where(later, cos, -np.inf).max(1).clip(min=0.0)
 
     def feed(self, tokens):
         """A chunk of tokens: one decode step for a single token, else a prefill chunk. Returns
@@ -625,7 +574,6 @@ class Sim:
                     self.ptr[ti][l, r, g, new_slots[ok]] = p
                     self.end[ti][l, r, g, new_slots[ok]] = e
             self.next[l, r, g] = -1
-            self._dedup_prefill(l, r, g, n_after)
             if s.policy == "rkv":  # no selection yet; the observation window counts decode steps
                 self.acc[l, r, g, :n_after] = 0.0
                 self.rk_since[l, r] = -1
