@@ -47,7 +47,7 @@ static void usage(FILE *f) {
           "  --sink S            never-evicted first slots (default 4)\n"
           "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
           "  --h2o-recent R      h2o: the R newest slots are never evicted (default 0: budget/2)\n"
-          "  --rkv-stage S       rkv: slots chosen per selection, every S steps (default 0: 32;\n"
+          "  --rkv-stage S       rkv: slots chosen per selection, every S steps (default 0: 64;\n"
           "                      cpu backend only)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts that fit the pool are "
           "chunked (default 512; 0 = whole prompt)\n"

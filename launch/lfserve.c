@@ -46,7 +46,7 @@ static void usage(FILE *f) {
           "  --policy P              longflow | full | streaming | h2o | rkv (default longflow)\n"
           "  --sink S  --window W    eviction sinks / prefill window (defaults 4, 32)\n"
           "  --h2o-recent R          h2o: the R newest slots never evicted (default 0: budget/2)\n"
-          "  --rkv-stage S           rkv: slots chosen per selection, every S steps (default 0: 32;\n"
+          "  --rkv-stage S           rkv: slots chosen per selection, every S steps (default 0: 64;\n"
           "                          cpu backend only)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T            bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"

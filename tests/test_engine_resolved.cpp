@@ -50,9 +50,9 @@ TEST(EngineResolved, H2oRecentDefaultsToHalfTheBudget) {
 }
 
 TEST(EngineResolved, RkvStageDefault) {
-  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 64, 1, 16);
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 128, 1, 16);
   EXPECT_EQ(resolved(cfg).rkv_stage, LF_RKV_STAGE_DEFAULT);
-  EXPECT_EQ(LF_RKV_STAGE_DEFAULT, 32);
+  EXPECT_EQ(LF_RKV_STAGE_DEFAULT, 64);
   cfg.rkv_stage = 8;
   EXPECT_EQ(resolved(cfg).rkv_stage, 8);
 }
