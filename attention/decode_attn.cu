@@ -39,8 +39,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#include <atomic>
-#include <mutex>
 
 #include "attention/decode_attn_parts.cuh"
 #include "base/kvq.h"
@@ -49,7 +47,6 @@
 #include "base/cuda_launch.cuh"
 #include "base/cuda_ptx.cuh"
 
-#define DA_MAX_DEVICES 64 /* devices one process launches on */
 
 /* H2O: the h2o instantiation (accumulators and window); the others are compiled without it.
  * Q: the pools' storage (DA_BF16, DA_FP8, DA_INT8). 8-bit codes come in with 8-byte loads (the
@@ -669,28 +666,10 @@ static lf_status launch(const attn_params &p, dim3 grid, cudaStream_t stream) {
       (size_t)p.group * D * sizeof(float) +
       (S > 1 ? (size_t)(((S * p.group + 1) & ~1) + 2 * S * p.group) * sizeof(float) : 0) +
       (CL && p.fast_tail ? (size_t)(DA_NW - 1) * p.group * D * sizeof(float) : 0);
-  /* Raise the dynamic shared-memory limit to the largest size seen on this device. Under a lock,
-   * so that it only rises: engines in other host threads launch with other sizes, and a smaller
-   * limit set after a larger one would fail their launch. The carveout is left to the driver on
-   * purpose: streaming loads are staged in L1 while in flight, so the L1 left beside shared
-   * memory bounds the bytes in flight per SM (forcing the largest shared carveout cuts the
-   * bandwidth). */
-  if (smem > 48 * 1024) {
-    static std::atomic<size_t> smem_set[DA_MAX_DEVICES];
-    static std::mutex smem_mu;
-    int dev = 0;
-    LF_CUDA_CHECK(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= DA_MAX_DEVICES)
-      return lf_error(LF_ERR_BACKEND, "decode attention: device %d over %d", dev, DA_MAX_DEVICES);
-    if (smem > smem_set[dev].load()) {
-      std::lock_guard<std::mutex> hold(smem_mu);
-      if (smem > smem_set[dev].load()) {
-        LF_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<D, MINB, CL, H2O, Q>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        smem_set[dev].store(smem);
-      }
-    }
-  }
+  /* The carveout is left to the driver on purpose: streaming loads are staged in L1 while in
+   * flight, so the L1 left beside shared memory bounds the bytes in flight per SM (forcing the
+   * largest shared carveout cuts the bandwidth). */
+  if (smem > 48 * 1024) LF_CUDA_CHECK((lf_smem_optin<decode_attn_kernel<D, MINB, CL, H2O, Q>>()));
   if (CL) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;

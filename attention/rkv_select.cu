@@ -9,6 +9,7 @@
 #include "attention/attention.h"
 #include "attention/pool_row.cuh"
 #include "attention/rkv_step.h"
+#include "base/cuda_launch.cuh"
 #include "base/cuda_ptx.cuh"
 #include "base/error.h"
 #include "base/kvq.h"
@@ -555,19 +556,13 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
   const bool split = a->pool.kv_dtype == LF_KV_INT4;
   const bool cp = a->pool.kv_dtype == LF_KV_BF16 && a->pool.head_dim % 8 == 0;
   const size_t smem = rk_smem_bytes(B, rk_pow2(B), split || cp);
-  /* The limit is the largest budget's, set the same by every caller: engines in other threads
-   * launch with other budgets, and a limit set per launch could fall under one of theirs
-   * between its set and its launch. Per device, as the attribute is. */
-  const size_t smem_max =
-      rk_smem_bytes(LF_CUDA_RKV_MAX_BUDGET, rk_pow2(LF_CUDA_RKV_MAX_BUDGET), true);
-  const void *fn = split ? (const void *)rkv_select_kernel<false, true>
-                   : cp  ? (const void *)rkv_select_kernel<true, false>
-                         : (const void *)rkv_select_kernel<false, false>;
-  if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_max) !=
-      cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return lf_error(LF_ERR_BACKEND, "lf_cuda_rkv_select: %zu bytes of shared memory: %s",
-                    smem_max, cudaGetErrorString(e));
+  const cudaError_t lim = split ? lf_smem_optin<rkv_select_kernel<false, true>>()
+                          : cp  ? lf_smem_optin<rkv_select_kernel<true, false>>()
+                                : lf_smem_optin<rkv_select_kernel<false, false>>();
+  if (lim != cudaSuccess) {
+    cudaGetLastError();
+    return lf_error(LF_ERR_BACKEND, "lf_cuda_rkv_select: %zu bytes of shared memory: %s", smem,
+                    cudaGetErrorString(lim));
   }
   if (split)
     rkv_select_kernel<false, true><<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);

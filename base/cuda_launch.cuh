@@ -16,6 +16,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 /* Nonzero when the current device has compute capability 9.0 or newer. */
 static inline int lf_device_sm90(void) {
   int dev = 0, major = 0;
@@ -46,6 +48,28 @@ extern thread_local int lf_pdl_pass_off;
 
 /* PDL for the launch being made now. */
 static inline int lf_pdl_now(void) { return lf_pdl_enabled() && !lf_pdl_pass_off; }
+
+/* Lets kernel Fn's blocks take all the dynamic shared memory the current device lets a block opt
+ * in to (less Fn's static shared memory). The value is the same from every caller on a device,
+ * so engines in other host threads, launching Fn with other sizes, can never lower one another's
+ * limit between a set and a launch. Set once per device (a racing second set writes the same
+ * value). The carveout is not touched: it stays the driver's choice per launch. */
+template <auto Fn> static cudaError_t lf_smem_optin(void) {
+  static std::atomic<unsigned long long> done{0}; /* a bit per device set so far */
+  int dev = 0, optin = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const unsigned long long bit = dev < 64 ? 1ull << dev : 0;
+  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+  cudaFuncAttributes fa;
+  if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&fa, Fn)) != cudaSuccess ||
+      (e = cudaFuncSetAttribute(Fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                optin - (int)fa.sharedSizeBytes)) != cudaSuccess)
+    return e;
+  done.fetch_or(bit, std::memory_order_relaxed);
+  return cudaSuccess;
+}
 
 /* kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled. */
 template <typename... KArgs, typename... Args>
