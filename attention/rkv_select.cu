@@ -350,33 +350,10 @@ static __device__ void rk_scan(const lf_cuda_pool_view &p, size_t hidx, int M, c
   __syncthreads();
 }
 
-template <bool CP, bool SPLIT>
-static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_select_args a) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ double red[RK_NW];
-  __shared__ int red_s[RK_NW], red_j[RK_NW];
-  __shared__ double ksum[RK_DMAX]; /* the sum of the unit keys */
-  const int B = a.pool.budget, D = a.pool.head_dim, nkv = a.pool.n_kv_heads;
-  const int per_seq = nkv / a.heads_per_scope, tid = (int)threadIdx.x;
-  const int seq = (int)blockIdx.x / per_seq, h0 = ((int)blockIdx.x % per_seq) * a.heads_per_scope;
-  const size_t hidx0 = ((size_t)a.pool_ids[seq] * a.pool.n_layers + a.layer) * nkv + h0;
-  const int n = a.pool.n[hidx0];
-  /* due only: since is the count the decode kernel just left (block-uniform) */
-  if (a.due_only && lf_rkv_k_left(a.pool.since[hidx0], n, B, a.pool.stage) > 0) return;
-  int P = 1;
-  while (P < n) P <<= 1;
-  long long *key = (long long *)smem;
-  double *pooled = (double *)smem; /* the keys' room, once the slots are ranked */
-  int *slot_of = (int *)(smem + 8 * (size_t)P);
-  double *nrm = (double *)(smem + 8 * (size_t)P + 8 * (size_t)((n + 1) / 2));
-  double *csum = nrm + n, *total = csum + n;
-  int *lastidx = (int *)(total + n);
-  float *ninv = (float *)(lastidx + n);
-  unsigned char *scratch = smem + rk_scratch_at(n, (size_t)P);
-  double *part = (double *)scratch; /* [RK_NW][RK_DMAX] each warp's sums of unit keys */
-
-  /* rank the filled slots by (position, slot): a bitonic sort of P keys */
-  const int32_t *pos = a.pool.pos + hidx0 * B;
+/* The filled slots ranked by (position, slot): a bitonic sort of P (a power of two >= n) keys;
+ * slot_of[rank] is the slot. */
+static __device__ void rk_rank(const int32_t *pos, int n, int P, long long *key, int *slot_of) {
+  const int tid = (int)threadIdx.x;
   for (int i = tid; i < P; i += RK_NT)
     key[i] = i < n ? (long long)pos[i] * (1LL << 32) + i : LLONG_MAX;
   __syncthreads();
@@ -396,119 +373,135 @@ static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_sele
     }
   for (int i = tid; i < n; i += RK_NT) slot_of[i] = (int)(key[i] & 0xffffffffLL);
   __syncthreads();
+}
 
-  const int M = n - LF_RKV_OBS, half = LF_RKV_POOL_KERNEL / 2;
-  const int warp = tid >> 5, lane = tid & 31;
-  for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
-  for (int g = 0; g < a.heads_per_scope; g++) {
-    const size_t hidx = hidx0 + g;
-    const float *acc = a.pool.acc + hidx * B;
-    /* each row's norm, its importance (in csum for now), and each warp's sum of unit keys:
-     * a warp per row, each lane over 4 dims, RK_ROWS rows at once */
-    double ks[4] = {0.0, 0.0, 0.0, 0.0};
-    for (int j0 = warp * RK_ROWS; j0 < M; j0 += RK_NW * RK_ROWS) {
-      float v[RK_ROWS][4];
-      double ss[RK_ROWS];
+/* One head's row pass over ranks < M: each row's norm (nrm, and ninv for the scan), its
+ * importance (imp), and the sum of the unit keys (ksum, through each warp's partial sums in
+ * part). A warp per row, each lane over 4 dims, RK_ROWS rows at once. */
+static __device__ void rk_rows(const lf_cuda_pool_view &p, size_t hidx, int M, const int *slot_of,
+                               int group, double *nrm, float *ninv, double *imp, double *part,
+                               double *ksum) {
+  const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const float *acc = p.acc + hidx * p.budget;
+  double ks[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int j0 = warp * RK_ROWS; j0 < M; j0 += RK_NW * RK_ROWS) {
+    float v[RK_ROWS][4];
+    double ss[RK_ROWS];
 #pragma unroll
-      for (int u = 0; u < RK_ROWS; u++) {
-        const int j = j0 + u;
-        if (j < M) rk_row4(a.pool, hidx, slot_of[j], lane, v[u]);
-        else v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.f;
-        ss[u] = 0.0;
+    for (int u = 0; u < RK_ROWS; u++) {
+      const int j = j0 + u;
+      if (j < M) rk_row4(p, hidx, slot_of[j], lane, v[u]);
+      else v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.f;
+      ss[u] = 0.0;
 #pragma unroll
-        for (int i = 0; i < 4; i++) ss[u] += (double)v[u][i] * v[u][i];
-      }
-#pragma unroll
-      for (int u = 0; u < RK_ROWS; u++) {
-        const int j = j0 + u;
-        if (j >= M) break;
-        const double nr = sqrt(rk_warp_sum(ss[u])) + 1e-8, inr = 1.0 / nr;
-#pragma unroll
-        for (int i = 0; i < 4; i++) ks[i] += (double)v[u][i] * inr;
-        if (lane == 0) {
-          const int s = slot_of[j];
-          nrm[j] = nr;
-          ninv[j] = (float)(rk_row_factor(a.pool, hidx, s) / nr);
-          csum[j] = (double)acc[s] / ((double)a.group * LF_RKV_OBS);
-        }
-      }
+      for (int i = 0; i < 4; i++) ss[u] += (double)v[u][i] * v[u][i];
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) part[warp * RK_DMAX + 4 * lane + i] = ks[i];
-    __syncthreads();
-    for (int d = tid; d < D; d += RK_NT) {
-      double s = 0.0;
-      for (int w = 0; w < RK_NW; w++) s += part[w * RK_DMAX + d];
-      ksum[d] = s;
-    }
-    for (int j = tid; j < M; j += RK_NT) { /* max-pool over the neighbours that exist */
-      double mx = csum[j];
-      for (int t = j - half; t <= j + half; t++)
-        if (t >= 0 && t < M && csum[t] > mx) mx = csum[t];
-      pooled[j] = mx;
-    }
-    __syncthreads();
-    rk_scan<CP, SPLIT>(a.pool, hidx, M, slot_of, nrm, ninv, lastidx, (uint32_t *)scratch);
-    /* a warp per row x (RK_ROWS at once): its cosines' sum is its dot with ksum less its own
-     * square, less the cosine with its look-alike; (that) / M in csum */
-    const double inv_m = 1.0 / (double)M;
-    for (int x0r = warp * RK_ROWS; x0r < M; x0r += RK_NW * RK_ROWS) {
-      float vx[RK_ROWS][4], vy[RK_ROWS][4];
-      int yr[RK_ROWS];
+    for (int u = 0; u < RK_ROWS; u++) {
+      const int j = j0 + u;
+      if (j >= M) break;
+      const double nr = sqrt(rk_warp_sum(ss[u])) + 1e-8, inr = 1.0 / nr;
 #pragma unroll
-      for (int u = 0; u < RK_ROWS; u++) {
-        const int x = min(x0r + u, M - 1); /* rows past M repeat the last; not written */
-        yr[u] = lastidx[x];
-        rk_row4(a.pool, hidx, slot_of[x], lane, vx[u]);
-        rk_row4(a.pool, hidx, slot_of[yr[u] >= 0 ? yr[u] : x], lane, vy[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < RK_ROWS; u++) {
-        const int x = x0r + u;
-        if (x >= M) break;
-        double cs = 0.0, self = 0.0, lv = 0.0;
-        const double inx = 1.0 / nrm[x];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          const double kx = vx[u][i] * inx;
-          cs += kx * (4 * lane + i < D ? ksum[4 * lane + i] : 0.0);
-          self += kx * kx;
-          lv += kx * (double)vy[u][i];
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-          cs += __shfl_xor_sync(0xffffffffu, cs, o);
-          self += __shfl_xor_sync(0xffffffffu, self, o);
-          lv += __shfl_xor_sync(0xffffffffu, lv, o);
-        }
-        if (lane == 0) csum[x] = ((cs - self) - (yr[u] >= 0 ? lv / nrm[yr[u]] : 0.0)) * inv_m;
+      for (int i = 0; i < 4; i++) ks[i] += (double)v[u][i] * inr;
+      if (lane == 0) {
+        const int s = slot_of[j];
+        nrm[j] = nr;
+        ninv[j] = (float)(rk_row_factor(p, hidx, s) / nr);
+        imp[j] = (double)acc[s] / ((double)group * LF_RKV_OBS);
       }
     }
-    __syncthreads();
-    double m = -INFINITY;
-    for (int j = tid; j < M; j += RK_NT) m = fmax(m, csum[j]);
-    const double mmax = rk_block_max(m, red);
-    double zl = 0.0;
-    for (int j = tid; j < M; j += RK_NT) {
-      csum[j] = exp(csum[j] - mmax);
-      zl += csum[j];
-    }
-    const double z = rk_block_sum(zl, red);
-    for (int j = tid; j < M; j += RK_NT)
-      total[j] += LF_RKV_LAMBDA * pooled[j] - (1.0 - LF_RKV_LAMBDA) * (csum[j] / z);
-    __syncthreads();
   }
-
-  if (a.totals) {
-    double *o = a.totals + (size_t)blockIdx.x * B;
-    for (int i = tid; i < B; i += RK_NT) o[i] = NAN;
-    __syncthreads();
-    for (int j = tid; j < M; j += RK_NT) o[slot_of[j]] = total[j];
-  }
-  for (int j = tid; j < M; j += RK_NT)
-    if (slot_of[j] < a.sink) total[j] = INFINITY;
+#pragma unroll
+  for (int i = 0; i < 4; i++) part[warp * RK_DMAX + 4 * lane + i] = ks[i];
   __syncthreads();
-  /* the stage: stage rounds of a block-wide argmin over (total, slot) */
-  for (int r = 0; r < a.pool.stage; r++) {
+  for (int d = tid; d < p.head_dim; d += RK_NT) {
+    double s = 0.0;
+    for (int w = 0; w < RK_NW; w++) s += part[w * RK_DMAX + d];
+    ksum[d] = s;
+  }
+}
+
+/* pooled[j] = the largest imp over the LF_RKV_POOL_KERNEL neighbours of rank j that exist. */
+static __device__ void rk_maxpool(const double *imp, int M, double *pooled) {
+  const int half = LF_RKV_POOL_KERNEL / 2;
+  for (int j = (int)threadIdx.x; j < M; j += RK_NT) {
+    double mx = imp[j];
+    for (int t = j - half; t <= j + half; t++)
+      if (t >= 0 && t < M && imp[t] > mx) mx = imp[t];
+    pooled[j] = mx;
+  }
+}
+
+/* One head's redundancy before its softmax: red[x] = (x's cosines with the others, less the
+ * one with its look-alike lastidx[x]) / M; the cosines' sum is x's dot with ksum less its own
+ * square. A warp per row, RK_ROWS rows at once. */
+static __device__ void rk_redundancy(const lf_cuda_pool_view &p, size_t hidx, int M,
+                                     const int *slot_of, const double *nrm, const int *lastidx,
+                                     const double *ksum, double *red) {
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, D = p.head_dim;
+  const double inv_m = 1.0 / (double)M;
+  for (int x0 = warp * RK_ROWS; x0 < M; x0 += RK_NW * RK_ROWS) {
+    float vx[RK_ROWS][4], vy[RK_ROWS][4];
+    int yr[RK_ROWS];
+#pragma unroll
+    for (int u = 0; u < RK_ROWS; u++) {
+      const int x = min(x0 + u, M - 1); /* rows past M repeat the last; not written */
+      yr[u] = lastidx[x];
+      rk_row4(p, hidx, slot_of[x], lane, vx[u]);
+      rk_row4(p, hidx, slot_of[yr[u] >= 0 ? yr[u] : x], lane, vy[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < RK_ROWS; u++) {
+      const int x = x0 + u;
+      if (x >= M) break;
+      double cs = 0.0, self = 0.0, lv = 0.0;
+      const double inx = 1.0 / nrm[x];
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const double kx = vx[u][i] * inx;
+        cs += kx * (4 * lane + i < D ? ksum[4 * lane + i] : 0.0);
+        self += kx * kx;
+        lv += kx * (double)vy[u][i];
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        cs += __shfl_xor_sync(0xffffffffu, cs, o);
+        self += __shfl_xor_sync(0xffffffffu, self, o);
+        lv += __shfl_xor_sync(0xffffffffu, lv, o);
+      }
+      if (lane == 0) red[x] = ((cs - self) - (yr[u] >= 0 ? lv / nrm[yr[u]] : 0.0)) * inv_m;
+    }
+  }
+}
+
+/* total[j] += LF_RKV_LAMBDA pooled[j] - (1 - LF_RKV_LAMBDA) softmax(red)[j]; red is overwritten. */
+static __device__ void rk_add_scores(int M, const double *pooled, double *red, double *total,
+                                     double *scratch) {
+  const int tid = (int)threadIdx.x;
+  double m = -INFINITY;
+  for (int j = tid; j < M; j += RK_NT) m = fmax(m, red[j]);
+  const double mmax = rk_block_max(m, scratch);
+  double zl = 0.0;
+  for (int j = tid; j < M; j += RK_NT) {
+    red[j] = exp(red[j] - mmax);
+    zl += red[j];
+  }
+  const double z = rk_block_sum(zl, scratch);
+  for (int j = tid; j < M; j += RK_NT)
+    total[j] += LF_RKV_LAMBDA * pooled[j] - (1.0 - LF_RKV_LAMBDA) * (red[j] / z);
+  __syncthreads();
+}
+
+/* The stage: stage rounds of a block-wide argmin over (total, slot), the sinks left out; round
+ * r's slot is queue entry r of each of the scope's heads (queue: head hidx0's entry 0). */
+static __device__ void rk_stage(int M, const int *slot_of, double *total, int sink, int stage,
+                                int heads, int32_t *queue) {
+  __shared__ double red[RK_NW];
+  __shared__ int red_s[RK_NW], red_j[RK_NW];
+  const int tid = (int)threadIdx.x;
+  for (int j = tid; j < M; j += RK_NT)
+    if (slot_of[j] < sink) total[j] = INFINITY;
+  __syncthreads();
+  for (int r = 0; r < stage; r++) {
     double bt = INFINITY;
     int bs = INT_MAX, bj = -1;
     for (int j = tid; j < M; j += RK_NT)
@@ -523,12 +516,58 @@ static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_sele
     if (tid == 0) {
       for (int w = 1; w < RK_NW; w++)
         if (rk_before(red[w], red_s[w], bt, bs)) bt = red[w], bs = red_s[w], bj = red_j[w];
-      for (int g = 0; g < a.heads_per_scope; g++)
-        a.pool.queue[(hidx0 + g) * a.pool.stage + r] = bs;
+      for (int g = 0; g < heads; g++) queue[(size_t)g * stage + r] = bs;
       if (bj >= 0) total[bj] = INFINITY;
     }
     __syncthreads();
   }
+}
+
+template <bool CP, bool SPLIT>
+static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_select_args a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ double red[RK_NW];
+  __shared__ double ksum[RK_DMAX]; /* the sum of the unit keys */
+  const int B = a.pool.budget, nkv = a.pool.n_kv_heads, tid = (int)threadIdx.x;
+  const int per_seq = nkv / a.heads_per_scope;
+  const int seq = (int)blockIdx.x / per_seq, h0 = ((int)blockIdx.x % per_seq) * a.heads_per_scope;
+  const size_t hidx0 = ((size_t)a.pool_ids[seq] * a.pool.n_layers + a.layer) * nkv + h0;
+  const int n = a.pool.n[hidx0];
+  /* due only: since is the count the decode kernel just left (block-uniform) */
+  if (a.due_only && lf_rkv_k_left(a.pool.since[hidx0], n, B, a.pool.stage) > 0) return;
+  int P = 1;
+  while (P < n) P <<= 1;
+  long long *key = (long long *)smem;
+  double *pooled = (double *)smem; /* the keys' room, once the slots are ranked */
+  int *slot_of = (int *)(smem + 8 * (size_t)P);
+  double *nrm = (double *)(smem + 8 * (size_t)P + 8 * (size_t)((n + 1) / 2));
+  double *csum = nrm + n, *total = csum + n; /* csum: importance, then redundancy */
+  int *lastidx = (int *)(total + n);
+  float *ninv = (float *)(lastidx + n);
+  unsigned char *scratch = smem + rk_scratch_at(n, (size_t)P);
+
+  rk_rank(a.pool.pos + hidx0 * B, n, P, key, slot_of);
+  const int M = n - LF_RKV_OBS;
+  for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
+  for (int g = 0; g < a.heads_per_scope; g++) {
+    const size_t hidx = hidx0 + g;
+    rk_rows(a.pool, hidx, M, slot_of, a.group, nrm, ninv, csum, (double *)scratch, ksum);
+    rk_maxpool(csum, M, pooled);
+    __syncthreads();
+    rk_scan<CP, SPLIT>(a.pool, hidx, M, slot_of, nrm, ninv, lastidx, (uint32_t *)scratch);
+    rk_redundancy(a.pool, hidx, M, slot_of, nrm, lastidx, ksum, csum);
+    __syncthreads();
+    rk_add_scores(M, pooled, csum, total, red);
+  }
+
+  if (a.totals) {
+    double *o = a.totals + (size_t)blockIdx.x * B;
+    for (int i = tid; i < B; i += RK_NT) o[i] = NAN;
+    __syncthreads();
+    for (int j = tid; j < M; j += RK_NT) o[slot_of[j]] = total[j];
+  }
+  rk_stage(M, slot_of, total, a.sink, a.pool.stage, a.heads_per_scope,
+           a.pool.queue + hidx0 * a.pool.stage);
   if (tid < a.heads_per_scope) {
     a.pool.since[hidx0 + tid] = 0;
     if (a.due_only) a.pool.next[hidx0 + tid] = a.pool.queue[(hidx0 + tid) * a.pool.stage];

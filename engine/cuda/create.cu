@@ -197,10 +197,10 @@ static lf_status size_pools(cuda_backend *c) {
   return LF_OK;
 }
 
-static lf_status create(cuda_backend *c) {
-  const lf_model_config *m = &c->cfg;
+/* What the device and the configuration must allow before anything is created. */
+static lf_status check_config(cuda_backend *c) {
   const lf_backend_params *p = &c->p;
-  const int hkv = m->n_kv_heads, D = m->head_dim;
+  const int D = c->cfg.head_dim;
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
     cudaGetLastError();
@@ -219,8 +219,15 @@ static lf_status create(cuda_backend *c) {
                     "cuda backend: tensor parallelism needs a device communicator "
                     "(lf_comm_init_nccl / lf_comm_init_nccl_mpi), not '%s'",
                     c->comm->kind ? c->comm->kind : "?");
-  LF_CUDA_CHECK(cudaGetDevice(&c->device));
+  if (p->policy == LF_POLICY_RKV && D > LF_CUDA_RKV_MAX_HEAD_DIM)
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "cuda backend: policy rkv takes head_dim up to %d (this model: %d)",
+                    LF_CUDA_RKV_MAX_HEAD_DIM, D);
+  return LF_OK;
+}
 
+/* The streams, the fork/join events and cuBLAS with its own workspace. */
+static lf_status create_streams(cuda_backend *c) {
   LF_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
   int prio_low = 0, prio_high = 0;
   LF_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&prio_low, &prio_high));
@@ -237,32 +244,34 @@ static lf_status create(cuda_backend *c) {
   LF_CUBLAS_CHECK(cublasLtCreate(&c->lt));
   c->tunes = (gemm_tune *)calloc(GEMM_TUNE_MAX, sizeof *c->tunes);
   if (!c->tunes) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: GEMM tuning table");
+  return LF_OK;
+}
 
-  c->layers = (cuda_layer *)calloc((size_t)m->n_layers, sizeof *c->layers);
-  if (!c->layers) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
-  LF_TRY(cb_load_weights(c));
-  if (p->n_pools == 0) LF_TRY(size_pools(c));
-  c->max_items = p->n_pools;
-
+/* The host tables per pool and the RoPE frequencies. */
+static lf_status create_tables(cuda_backend *c) {
+  const lf_backend_params *p = &c->p;
+  const int D = c->cfg.head_dim;
   LF_TRY(lf_pool_list_init(&c->pools, p->n_pools));
   c->host_n = (int *)calloc((size_t)p->n_pools, sizeof(int));
   c->segs = (pass_seg *)calloc((size_t)p->n_pools, sizeof(pass_seg));
   c->kinds = (uint8_t *)calloc((size_t)p->n_pools, 1);
   if (!c->host_n || !c->segs || !c->kinds)
     return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
+  float *f = (float *)malloc(sizeof(float) * (size_t)(D / 2));
+  if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
+  lf_rope_freqs(&c->cfg, f);
+  CB_ALLOC(c->inv_freq, sizeof(float) * (size_t)(D / 2));
+  cudaError_t e = cudaMemcpy(c->inv_freq, f, sizeof(float) * (size_t)(D / 2), cudaMemcpyHostToDevice);
+  free(f);
+  LF_CUDA_CHECK(e);
+  return LF_OK;
+}
 
-  {
-    float *f = (float *)malloc(sizeof(float) * (size_t)(D / 2));
-    if (!f) return lf_error(LF_ERR_OUT_OF_MEMORY, "rope table");
-    lf_rope_freqs(m, f);
-    CB_ALLOC(c->inv_freq, sizeof(float) * (size_t)(D / 2));
-    cudaError_t e = cudaMemcpy(c->inv_freq, f, sizeof(float) * (size_t)(D / 2),
-                               cudaMemcpyHostToDevice);
-    free(f);
-    LF_CUDA_CHECK(e);
-  }
-
-  /* The arena. */
+/* The pool arena: K/V in the pool dtype, per-slot metadata and each policy's state. */
+static lf_status create_arena(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const lf_backend_params *p = &c->p;
+  const int hkv = m->n_kv_heads, D = m->head_dim;
   const size_t heads = (size_t)p->n_pools * m->n_layers * hkv, slots = heads * p->budget;
   c->pv.n_layers = m->n_layers;
   c->pv.n_kv_heads = hkv;
@@ -303,9 +312,14 @@ static lf_status create(cuda_backend *c) {
     LF_CUDA_CHECK(cudaMemset(c->pv.since, 0xff, heads * 4));
     c->pv.stage = p->rkv_stage;
   }
+  return LF_OK;
+}
 
-  /* Workspaces. */
-  /* a mixed pass carries a whole prefill chunk and every decode item (forward.cu) */
+/* The activations, logits and per-pass scratch of a mixed pass (a whole prefill chunk and every
+ * decode item, forward.cu). */
+static lf_status create_workspaces(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const int hkv = m->n_kv_heads;
   const size_t rows = (size_t)c->max_items + (size_t)c->max_chunk;
   const size_t V = (size_t)m->vocab_size, T = (size_t)c->max_chunk;
   CB_ALLOC(c->x, rows * m->dim * 4);
@@ -341,13 +355,16 @@ static lf_status create(cuda_backend *c) {
   }
   /* xf rows of failed items are read by the LM head: keep them finite */
   LF_CUDA_CHECK(cudaMemset(c->xf, 0, (size_t)c->max_items * m->dim * 2));
+  return LF_OK;
+}
 
-  /* else the generic kernel, for the shapes the fused one does not take */
+/* Decode attention's kernel (fused, or the generic one for the shapes it does not take), its
+ * workspace, the eviction scope's score buffer and the sampler's sort space. */
+static lf_status create_attention(cuda_backend *c) {
+  const lf_model_config *m = &c->cfg;
+  const lf_backend_params *p = &c->p;
+  const int hkv = m->n_kv_heads, D = m->head_dim;
   c->use_fused = (D == 64 || D == 128) && c->group <= 8;
-  if (p->policy == LF_POLICY_RKV && D > LF_CUDA_RKV_MAX_HEAD_DIM)
-    return lf_error(LF_ERR_UNSUPPORTED,
-                    "cuda backend: policy rkv takes head_dim up to %d (this model: %d)",
-                    LF_CUDA_RKV_MAX_HEAD_DIM, D);
   if (c->use_fused) {
     /* Split counts fall as the batch grows and are at their minimum once a batch fills the
      * SMs: the sizes up to a few hundred, and the largest, cover every batch. */
@@ -370,10 +387,11 @@ static lf_status create(cuda_backend *c) {
     CB_ALLOC(c->scores, (size_t)c->max_items * hkv * p->budget * 4);
   c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
   CB_ALLOC(c->sort_ws, c->sort_ws_bytes);
+  return LF_OK;
+}
 
-  LF_TRY(cb_graphs_init(c));
-
-  /* Step I/O: 4 int arrays, sample params, tokens; pinned on the host. */
+/* The step's I/O: 4 int arrays, sample params and tokens, on the device and pinned on the host. */
+static lf_status create_step_io(cuda_backend *c) {
   const size_t mi = (size_t)c->max_items;
   c->io_bytes = 5 * mi * 4 + mi * sizeof(lf_sample_params);
   CB_ALLOC(c->io, c->io_bytes);
@@ -388,6 +406,24 @@ static lf_status create(cuda_backend *c) {
   c->d_step.rows = d + 3 * mi, c->h_step.rows = h + 3 * mi;
   c->d_tok_out = d + 4 * mi, c->h_tok_out = h + 4 * mi;
   c->d_sp = (lf_sample_params *)(d + 5 * mi), c->h_sp = (lf_sample_params *)(h + 5 * mi);
+  return LF_OK;
+}
+
+static lf_status create(cuda_backend *c) {
+  LF_TRY(check_config(c));
+  LF_CUDA_CHECK(cudaGetDevice(&c->device));
+  LF_TRY(create_streams(c));
+  c->layers = (cuda_layer *)calloc((size_t)c->cfg.n_layers, sizeof *c->layers);
+  if (!c->layers) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: host tables");
+  LF_TRY(cb_load_weights(c));
+  if (c->p.n_pools == 0) LF_TRY(size_pools(c));
+  c->max_items = c->p.n_pools;
+  LF_TRY(create_tables(c));
+  LF_TRY(create_arena(c));
+  LF_TRY(create_workspaces(c));
+  LF_TRY(create_attention(c));
+  LF_TRY(cb_graphs_init(c));
+  LF_TRY(create_step_io(c));
   /* The legacy stream as well as c->stream: a cudaMemcpy from pageable host memory (the weight
    * and table uploads above) returns once its data is staged, and the DMA still in flight on the
    * legacy stream is not ordered before c->stream's kernels (a non-blocking stream). Not the
