@@ -10,6 +10,7 @@
 #include <float.h>
 #include <stdint.h>
 
+#include "attention/flash_tile.cuh"
 #include "attention/kv_write.cuh"
 #include "attention/pool_row.cuh"
 #include "base/cuda_check.h"
@@ -36,10 +37,6 @@
  * lf_cuda_prefill_attn picks by grid size (flash_tiles_auto). Both give the same bits: a row
  * runs the same MMAs and softmax steps in the same order either way (a row of a 128-query block
  * also walks a tile it cannot see, which adds exactly 0 and leaves its max alone). */
-#define FL_N 64
-#define FL_WARPS 4
-#define FL_LOG2E 1.4426950408889634f
-
 template <int MT> struct fl_tile {
   static constexpr int M = 16 * MT * FL_WARPS; /* queries a block */
   /* MT 1, head_dim 128: three blocks an SM, 64 KB of shared memory each (the Q tile lives in K's
@@ -51,60 +48,6 @@ template <int MT> struct fl_tile {
   }
 };
 static_assert(fl_tile<1>::M == FL_N, "MT 1 stores its Q tile in a K tile buffer");
-
-static __device__ __forceinline__ uint32_t fl_smem(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* 16 bytes global -> shared, or 16 zero bytes when !valid (src is not read then). */
-static __device__ __forceinline__ void fl_cp16(uint32_t dst, const void *src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-static __device__ __forceinline__ void fl_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N> static __device__ __forceinline__ void fl_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-
-/* 2^x, one MUFU op (flushes subnormal results to 0: a weight below 2^-126 of the row max's
- * is 0 either way once rounded to bf16 for the P V MMA) */
-static __device__ __forceinline__ float fl_ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-/* Element offset of 16-byte chunk ch of row `row` in a swizzled [rows][D] tile. */
-template <int D> static __device__ __forceinline__ int fl_sw(int row, int ch) {
-  return row * D + ((ch ^ (row & 7)) << 3);
-}
-
-/* Rows k0..k0+FL_N-1 of the keys (or values) this block sees into a swizzled tile: key kk < n0
- * from the pool, n0 <= kk < nk from the chunk, the rest zero. */
-template <int D>
-static __device__ __forceinline__ void fl_load_kv(__nv_bfloat16 *tile, const __nv_bfloat16 *pool,
-                                                  const __nv_bfloat16 *chunk, int chunk_stride,
-                                                  int k0, int n0, int nk) {
-  constexpr int CH = D / 8;
-  for (int i = threadIdx.x; i < FL_N * CH; i += FL_WARPS * 32) {
-    const int row = i / CH, ch = i % CH, kk = k0 + row;
-    const __nv_bfloat16 *src = kk < n0 ? pool + (size_t)kk * D
-                               : kk < nk ? chunk + (size_t)(kk - n0) * chunk_stride
-                                         : pool;
-    fl_cp16(fl_smem(tile + fl_sw<D>(row, ch)), src + ch * 8, kk < nk);
-  }
-}
-
-/* The A fragment (16 rows x 16 dims) of Q rows row0.. and dims 16 ks.. from a swizzled Q tile. */
-template <int D>
-static __device__ __forceinline__ void fl_load_qa(uint32_t r[4], const __nv_bfloat16 *sq,
-                                                  int row0, int ks, int lane) {
-  ldsm_x4(r, fl_smem(sq + fl_sw<D>(row0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * ks + lane / 16)));
-}
 
 template <int D, int MT>
 static __global__ void __launch_bounds__(FL_WARPS * 32, fl_tile<MT>::MIN_BLOCKS)
@@ -440,11 +383,9 @@ extern "C" lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool,
   return LF_OK;
 }
 
-/* The view a chunk's attention reads the pool's first n0 slots through: the pool itself (bf16),
- * or, under fp8 / int8, its dequantized copy (filled here when fill, else the copy the chunk's
- * lf_cuda_prefill_attn left), addressed as pool 0 of one layer. */
-static lf_status read_view(const lf_cuda_pool_view *pv, int *pool, int *layer, int n0, int fill,
-                           cudaStream_t stream, lf_cuda_pool_view *rv) {
+/* flash_tile.cuh */
+lf_status lf_cuda_read_view(const lf_cuda_pool_view *pv, int *pool, int *layer, int n0, int fill,
+                            cudaStream_t stream, lf_cuda_pool_view *rv) {
   *rv = *pv;
   if (pv->kv_dtype == LF_KV_BF16) return LF_OK;
   if (!lf_kvq_fits(pv->kv_dtype, pv->head_dim))
@@ -470,7 +411,7 @@ extern "C" lf_status lf_cuda_prefill_attn_tiles(const lf_cuda_pool_view *pv, int
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_prefill_attn: bad arguments");
   if (n_tok == 0) return LF_OK;
   lf_cuda_pool_view rv;
-  LF_TRY(read_view(pv, &pool, &layer, n0, 1, stream, &rv));
+  LF_TRY(lf_cuda_read_view(pv, &pool, &layer, n0, 1, stream, &rv));
   pv = &rv;
   if (pv->head_dim == 128 || pv->head_dim == 64) {
     int mt = warp_tiles;
@@ -640,74 +581,5 @@ extern "C" lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int
       *pv, pool, layer, n_tok, pos0, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, slot_of,
       n0, n_final);
   LF_CUDA_CHECK_LAUNCH("kv_store_kernel");
-  return LF_OK;
-}
-
-/* h2o: cs[g][j] = the softmax weight key j (pool slot j < n0, else chunk token j - n0) gets from
- * the chunk's queries that see it, summed over them and the group's heads. One thread per (j, g),
- * a fixed summation order; the weights from ml as the prefill kernel left them. */
-static __global__ void h2o_colsum_kernel(lf_cuda_pool_view p, int pool, int layer, int n0,
-                                         int n_heads, int n_tok, const __nv_bfloat16 *q,
-                                         const __nv_bfloat16 *k, const float *ml, float scale,
-                                         float *cs) {
-  const int g = blockIdx.y, hkv = p.n_kv_heads, G = n_heads / hkv, D = p.head_dim;
-  const int j = blockIdx.x * blockDim.x + threadIdx.x, nk = n0 + n_tok;
-  if (j >= nk) return;
-  const size_t hidx = ((size_t)pool * p.n_layers + layer) * hkv + g;
-  const __nv_bfloat16 *kr =
-      j < n0 ? pool_row(p, p.k, hidx, j) : k + ((size_t)(j - n0) * hkv + g) * D;
-  float s = 0.0f;
-  for (int t = j < n0 ? 0 : j - n0; t < n_tok; t++)
-    for (int hh = 0; hh < G; hh++) {
-      const int h = g * G + hh;
-      const __nv_bfloat16 *qr = q + ((size_t)t * n_heads + h) * D;
-      float dot = 0.0f;
-      for (int d = 0; d < D; d++) dot += __bfloat162float(qr[d]) * __bfloat162float(kr[d]);
-      const float *mls = ml + ((size_t)t * n_heads + h) * 2;
-      s += expf(dot * scale - mls[0]) / mls[1];
-    }
-  cs[(size_t)g * nk + j] = s;
-}
-
-/* acc from the column sums: appended (slot_of NULL) the pool's slots add theirs and the chunk's
- * tokens start from theirs; compressed (n0 = 0) each kept token's slot starts from its own. */
-static __global__ void h2o_acc_store_kernel(lf_cuda_pool_view p, int pool, int layer, int n0,
-                                            int n_tok, const int32_t *slot_of, const float *cs) {
-  const int g = blockIdx.y, nk = n0 + n_tok;
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= nk) return;
-  const size_t hidx = ((size_t)pool * p.n_layers + layer) * p.n_kv_heads + g;
-  float *acc = p.acc + hidx * p.budget;
-  const float c = cs[(size_t)g * nk + j];
-  if (slot_of) {
-    const int slot = slot_of[(size_t)g * n_tok + j];
-    if (slot >= 0) acc[slot] = c;
-  } else if (j < n0) {
-    acc[j] += c;
-  } else {
-    acc[j] = c;
-  }
-}
-
-extern "C" lf_status lf_cuda_h2o_prefill_acc(const lf_cuda_pool_view *pv, int pool, int layer,
-                                             int n0, int n_heads, int n_tok, const void *q,
-                                             const void *k, const float *ml, float scale,
-                                             const int32_t *slot_of, float *cs,
-                                             cudaStream_t stream) {
-  if (!pv || !pv->acc || !q || !k || !ml || !cs || n0 < 0 || n_tok < 0 || pv->n_kv_heads < 1 ||
-      n_heads % pv->n_kv_heads || (slot_of && n0 != 0) || n0 > pv->budget)
-    return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_h2o_prefill_acc: bad arguments");
-  const int nk = n0 + n_tok;
-  if (nk == 0) return LF_OK;
-  const dim3 grid((unsigned)((nk + 127) / 128), (unsigned)pv->n_kv_heads);
-  int rpool = pool, rlayer = layer;
-  lf_cuda_pool_view rv;
-  LF_TRY(read_view(pv, &rpool, &rlayer, n0, 0, stream, &rv));
-  h2o_colsum_kernel<<<grid, 128, 0, stream>>>(rv, rpool, rlayer, n0, n_heads, n_tok,
-                                              (const __nv_bfloat16 *)q,
-                                              (const __nv_bfloat16 *)k, ml, scale, cs);
-  LF_CUDA_CHECK_LAUNCH("h2o_colsum_kernel");
-  h2o_acc_store_kernel<<<grid, 128, 0, stream>>>(*pv, pool, layer, n0, n_tok, slot_of, cs);
-  LF_CUDA_CHECK_LAUNCH("h2o_acc_store_kernel");
   return LF_OK;
 }

@@ -67,7 +67,7 @@ lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool, int layer,
 /* h2o after a chunk's prefill attention (ml as lf_cuda_prefill_attn wrote it; under fp8 / int8
  * it reads the pool's slots from the bf16 copy that call made): every key's softmax weight
  * from the chunk's queries that see it, summed over them and the group's heads (cs: fp32
- * scratch [n_kv_heads][n0 + n_tok]), goes into the pool's acc: appended (slot_of NULL) the n0
+ * scratch [n_heads][n0 + n_tok], one row a query head), goes into the pool's acc: appended (slot_of NULL) the n0
  * filled slots add theirs and chunk token t's slot n0 + t starts from its own; compressed
  * (slot_of as lf_cuda_snapkv_select filled it, n0 = 0) each kept token's slot starts from its
  * own. lf_attn_prefill_ref's accumulators, in fp32. */

@@ -2,9 +2,9 @@
  * public engine API, against a transformers forward of the same shapes (bench/prefill_peer.py).
  *
  * One row per (P, B): B prompts of P seeded random tokens each are submitted at once to a fresh
- * engine (policy full, one pool of P + 1 slots per prompt, so nothing is evicted or compressed;
- * max_tokens 1, EOS ignored, greedy), and the engine is stepped until every prompt has sampled
- * its first token. The row's time is the host wall time from just before the first submit to
+ * engine (policy full unless --policy, one pool of P + 1 slots per prompt, so nothing is evicted
+ * or compressed; max_tokens 1, EOS ignored, greedy), and the engine is stepped until every prompt
+ * has sampled its first token. The row's time is the host wall time from just before the first submit to
  * the end of the step that produced the last first token (the step ends after the tokens are on
  * the host, so nothing is still running on the device); the median over --iters repetitions
  * after --warmup ones on the same engine.
@@ -54,6 +54,7 @@ int bench_prefill(int argc, char **argv);
 typedef struct pf_opts {
   const char *model, *json, *peer, *lora;
   lf_backend_kind backend;
+  lf_policy policy;
   int prompts[PF_MAX_LIST], n_prompts;
   int batches[PF_MAX_LIST], n_batches;
   int warmup, iters, max_batch_tokens, prefill_chunk, threads;
@@ -91,7 +92,10 @@ static void pf_usage(FILE *f) {
           "  --peer FILE            bench/prefill_peer.py's JSON: peer time and ratio per row\n"
           "  --json FILE            write the rows as JSON\n"
           "  --threads T            cpu backend threads (default 0: all cores)\n"
-          "  --seed S               prompt tokens (default 1)\n");
+          "  --seed S               prompt tokens (default 1)\n"
+          "  --policy P             the engines' policy (default full); the budget is P + 1\n"
+          "                         either way, so what differs is what the policy does\n"
+          "                         besides attention at prefill (h2o: its column sums)\n");
 }
 
 static int pf_parse(int argc, char **argv, pf_opts *o) {
@@ -99,6 +103,7 @@ static int pf_parse(int argc, char **argv, pf_opts *o) {
   memset(o, 0, sizeof *o);
   o->model = "random:qwen3-8b";
   o->backend = LF_BACKEND_AUTO;
+  o->policy = LF_POLICY_FULL;
   o->n_prompts = (int)(sizeof def_p / sizeof def_p[0]);
   memcpy(o->prompts, def_p, sizeof def_p);
   o->batches[0] = 1;
@@ -146,6 +151,11 @@ static int pf_parse(int argc, char **argv, pf_opts *o) {
       o->threads = atoi(v);
     } else if (!strcmp(a, "--seed")) {
       o->seed = strtoull(v, NULL, 10);
+    } else if (!strcmp(a, "--policy")) {
+      if (lf_policy_parse(v, &o->policy) != LF_OK) {
+        fprintf(stderr, "lfbench prefill: %s\n", lf_last_error());
+        return -1;
+      }
     } else {
       fprintf(stderr, "lfbench prefill: unknown option '%s'\n", a);
       return -1;
@@ -294,7 +304,7 @@ static int pf_row_run(const pf_opts *o, const lf_model_config *m, lf_backend_kin
   cfg.model_path = o->model;
   cfg.lora_path = o->lora;
   cfg.backend = backend;
-  cfg.policy = LF_POLICY_FULL;
+  cfg.policy = o->policy;
   cfg.budget = P + 1; /* the prompt and the first token: never full */
   cfg.n_pools = B;
   cfg.max_batch_tokens = o->max_batch_tokens;
@@ -434,7 +444,7 @@ static int pf_write_json(const pf_opts *o, const char *backend, const char *devi
   fprintf(f,
           "{\"bench\": \"prefill\", \"model\": \"%s\", \"backend\": \"%s\", \"device\": \"%s\", "
           "\"n_layers\": %d, \"dim\": %d, \"hidden_dim\": %d, \"n_heads\": %d, "
-          "\"n_kv_heads\": %d, \"head_dim\": %d, \"vocab_size\": %d,\n \"policy\": \"full\", "
+          "\"n_kv_heads\": %d, \"head_dim\": %d, \"vocab_size\": %d,\n \"policy\": \"%s\", "
           "\"budget\": \"P + 1\", \"max_batch_tokens\": %d, \"prefill_chunk_env\": \"%s\", "
           "\"warmup\": %d, \"iters\": %d, \"time_limit_s\": %g, \"seed\": %llu, "
           "\"peer\": \"%s\",\n \"timer\": \"host wall, submit of the first prompt to the end of "
@@ -442,8 +452,8 @@ static int pf_write_json(const pf_opts *o, const char *backend, const char *devi
           "2*vocab*dim*B + 2*2*H*D*L*P*(P+1)/2*B, N_lin = L*(dim*H*D + 2*dim*Hkv*D + H*D*dim + "
           "3*dim*hidden) = %.0f\",\n \"rows\": [\n",
           o->model, backend, device, m->n_layers, m->dim, m->hidden_dim, m->n_heads,
-          m->n_kv_heads, m->head_dim, m->vocab_size, o->max_batch_tokens, chunk_env, o->warmup,
-          o->iters, o->time_limit, (unsigned long long)o->seed, o->peer ? o->peer : "",
+          m->n_kv_heads, m->head_dim, m->vocab_size, lf_policy_str(o->policy), o->max_batch_tokens,
+          chunk_env, o->warmup, o->iters, o->time_limit, (unsigned long long)o->seed, o->peer ? o->peer : "",
           pf_linear_params(m));
   for (int i = 0; i < n; i++) {
     const pf_row *r = &rows[i];
@@ -544,10 +554,10 @@ int bench_prefill(int argc, char **argv) {
          "backend %s, device %s\n",
          o.model, mc.n_layers, mc.dim, mc.hidden_dim, mc.n_heads, mc.n_kv_heads, mc.head_dim,
          mc.vocab_size, lf_backend_str(backend), device);
-  printf("# engine per row: policy full, budget P + 1, n_pools B, max_batch_tokens %d%s, "
+  printf("# engine per row: policy %s, budget P + 1, n_pools B, max_batch_tokens %d%s, "
          "LF_CUDA_PREFILL_CHUNK %s%s\n",
-         o.max_batch_tokens, o.max_batch_tokens ? "" : " (unbounded: every prompt whole in the "
-                                                       "first step)",
+         lf_policy_str(o.policy), o.max_batch_tokens,
+         o.max_batch_tokens ? "" : " (unbounded: every prompt whole in the first step)",
          chunk_env ? chunk_env : "unset", chunk_env ? "" : " (the backend's default)");
   printf("# time: host wall from the first submit to the end of the step that sampled the last "
          "prompt's first token; median of %d after %d warm-up%s\n",

@@ -160,7 +160,7 @@ static lf_status size_pools(cuda_backend *c) {
   const uint64_t item = vbytes + (uint64_t)m->dim * 2 + (uint64_t)m->n_kv_heads * 4 + 64 +
                         sizeof(lf_sample_params) + row; /* row: charged even below max_chunk */
   const uint64_t h2o_cs = c->p.policy == LF_POLICY_H2O
-                              ? (uint64_t)m->n_kv_heads * ((uint64_t)c->p.budget + T) * 4
+                              ? (uint64_t)m->n_heads * ((uint64_t)c->p.budget + T) * 4
                               : 0; /* h2o's prefill column sums */
   const uint64_t fixed = T * row + 2 * T * (uint64_t)c->kd * 2 + T * m->n_heads * 8 +
                          (uint64_t)m->n_kv_heads * T * 12 + lf_cuda_sample_sort_bytes(m->vocab_size) +
@@ -301,8 +301,8 @@ static lf_status create_arena(cuda_backend *c) {
     LF_CUDA_CHECK(cudaMemset(c->pv.acc, 0, slots * 4));
   }
   if (p->policy == LF_POLICY_H2O) /* the prefill column sums of one chunk over the pool's slots
-                                   * and the chunk ([n_kv_heads][budget + max_chunk]) */
-    CB_ALLOC(c->h2o_cs, (size_t)hkv * ((size_t)p->budget + (size_t)c->max_chunk) * 4);
+                                   * and the chunk ([n_heads][budget + max_chunk]) */
+    CB_ALLOC(c->h2o_cs, (size_t)m->n_heads * ((size_t)p->budget + (size_t)c->max_chunk) * 4);
   if (p->policy == LF_POLICY_RKV) {
     /* rkv: per (pool, layer, head) the staged overwrite order and the steps since its
      * selection (cb_pool_take resets both) */

@@ -164,7 +164,7 @@ typedef struct cuda_backend {
   int32_t *w;    /* [max_items][n_kv_heads] slot written this step */
   float *ml;     /* [max_chunk][n_heads][2] prefill softmax (max, sum) */
   float *snap;   /* [n_kv_heads][2][max_chunk] */
-  float *h2o_cs; /* h2o only: [n_kv_heads][budget + max_chunk] a chunk's column sums */
+  float *h2o_cs; /* h2o only: [n_heads][budget + max_chunk] a chunk's column sums */
   int32_t *slot_of; /* [n_kv_heads][max_chunk] */
   int32_t *ptok;    /* [rows] a pass's tokens: prompt chunks, then the decode items' */
   int32_t *h_ptok;  /* pinned host staging of ptok */
