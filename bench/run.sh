@@ -48,6 +48,12 @@
 #                                 of arrivals each (default 40, cut at SERVE_DURATION, default 60),
 #                                 the first SERVE_WARMUP s (default 0) left out as warm-up, then
 #                                 bench/plot_serve.py (SERVE_POISSON_ARGS adds options)
+#   bench/run.sh targets          the throughput targets of bench/RESULTS.md's table (issue 37),
+#                                 each printed against its target by bench/targets.py: h2o's
+#                                 prompt steps over LongFlow's (512, 2048, 8192), the 16k run's
+#                                 h2o / longflow and layer / head scope, the decode kernel / SDPA,
+#                                 the decode step's floors, and the two end-to-end runs
+#                                 (TARGETS_DURATION: seconds of each serve run, default 30)
 # Several may be given: `bench/run.sh test step`. Exit status 1 when anything failed.
 #
 # GoogleTest: the system's, else a source tree carried in build-deps/googletest. PCRE2 (the
@@ -368,6 +374,39 @@ run_ab() { # OTHER_SRC
   run_step "$B" _this2
 }
 
+# The throughput targets, each run then printed against its target (bench/targets.py).
+run_targets() {
+  [ -x "$B/lfbench" ] || build . "$B" lfbench || { rc=1; return; }
+  local d=${TARGETS_DURATION:-30} pol
+  local serve=("$B/lfbench" serve --backend cuda --quiet)
+  for pol in longflow h2o; do
+    say "targets: lfbench prefill --policy $pol"
+    "$B/lfbench" prefill --model random:qwen3-8b --backend cuda --prompts 512,2048,8192 \
+      --batches 1,8 --iters 3 --policy $pol --json "$OUT/tg_prefill_$pol.json" >>"$LOG" 2>&1 || rc=1
+  done
+  say "targets: the 16k run, layer scope (longflow, h2o) and head scope (longflow)"
+  "${serve[@]}" --model random:llama3-8b --prompt 512 --output 16384 --budget 3200 --kv-gb 20 \
+    --duration "$d" --policies longflow,h2o --json "$OUT/tg_serve16k_layer.json" >>"$LOG" 2>&1 || rc=1
+  "${serve[@]}" --model random:llama3-8b --prompt 512 --output 16384 --budget 3200 --kv-gb 20 \
+    --duration "$d" --policies longflow --evict-scope head --json "$OUT/tg_serve16k_head.json" \
+    >>"$LOG" 2>&1 || rc=1
+  say "targets: decode kernel against torch SDPA"
+  [ -s "$OUT/sdpa_peer.json" ] ||
+    python3 bench/sdpa_peer.py --json "$OUT/sdpa_peer.json" >"$OUT/sdpa_peer.txt" 2>&1 || rc=1
+  local peer=()
+  [ -s "$OUT/sdpa_peer.json" ] && peer=(--peer "$OUT/sdpa_peer.json")
+  "$B/lfbench" kernel "${peer[@]}" --json "$OUT/tg_kernel.json" >>"$LOG" 2>&1 || rc=1
+  say "targets: decode step"
+  "$B/lfbench" step --batches 1,64 --json "$OUT/tg_step.json" >>"$LOG" 2>&1 || rc=1
+  say "targets: end to end"
+  "${serve[@]}" --model random:qwen3-8b --prompt 512 --output 1024 --budget 1024 --n-pools 64 \
+    --policies longflow,full --json "$OUT/tg_e2e_qwen3.json" >>"$LOG" 2>&1 || rc=1
+  "${serve[@]}" --model random:llama3-8b --prompt 512 --output 16384 --budget 3200 --kv-gb 100 \
+    --duration "$d" --policies longflow,h2o,streaming --json "$OUT/tg_e2e_llama3.json" \
+    >>"$LOG" 2>&1 || rc=1
+  python3 bench/targets.py "$OUT" --json "$OUT/targets.json" | tee -a "$LOG"
+}
+
 [ $# -ge 1 ] || { sed -n '2,/^# Several may be given/p' "$0"; exit 2; }
 say "machine: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) x $NGPU"
 while [ $# -gt 0 ]; do
@@ -382,6 +421,7 @@ while [ $# -gt 0 ]; do
   prefill) run_prefill ;;
   serve-poisson) run_serve_poisson ;;
   attn) run_attn ;;
+  targets) run_targets ;;
   *) echo "bench/run.sh: unknown part '$1'"; exit 2 ;;
   esac
   shift
