@@ -53,7 +53,9 @@
 #                                 prompt steps over LongFlow's (512, 2048, 8192), the 16k run's
 #                                 h2o / longflow and layer / head scope, the decode kernel / SDPA,
 #                                 the decode step's floors, and the two end-to-end runs
-#                                 (TARGETS_DURATION: seconds of each serve run, default 30)
+#                                 (TARGETS_DURATION: seconds of each serve run, default 30;
+#                                 TARGETS_KV_GB: the last run's pools, default 100, 50 on cards
+#                                 under 120 GB)
 # Several may be given: `bench/run.sh test step`. Exit status 1 when anything failed.
 #
 # GoogleTest: the system's, else a source tree carried in build-deps/googletest. PCRE2 (the
@@ -401,7 +403,11 @@ run_targets() {
   say "targets: end to end"
   "${serve[@]}" --model random:qwen3-8b --prompt 512 --output 1024 --budget 1024 --n-pools 64 \
     --policies longflow,full --json "$OUT/tg_e2e_qwen3.json" >>"$LOG" 2>&1 || rc=1
-  "${serve[@]}" --model random:llama3-8b --prompt 512 --output 16384 --budget 3200 --kv-gb 100 \
+  # 100 GB of pools where the card has the memory (H200), else what an 80 GB card holds
+  local gb=${TARGETS_KV_GB:-100} mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  [ -n "${TARGETS_KV_GB:-}" ] || [ "${mib:-0}" -gt 120000 ] || gb=50
+  "${serve[@]}" --model random:llama3-8b --prompt 512 --output 16384 --budget 3200 --kv-gb "$gb" \
     --duration "$d" --policies longflow,h2o,streaming --json "$OUT/tg_e2e_llama3.json" \
     >>"$LOG" 2>&1 || rc=1
   python3 bench/targets.py "$OUT" --json "$OUT/targets.json" | tee -a "$LOG"
