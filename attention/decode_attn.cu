@@ -48,6 +48,220 @@
 #include "base/cuda_ptx.cuh"
 
 
+/* What the kernel's closing phases (da_finish_*) read: the block's place in the grid, its
+ * slot range and its shared-memory buffers, the kernel's own locals (everything is inlined). */
+struct da_tail {
+  int G, B, S, split, n, wslot, s0, s1, tid;
+  size_t pair, hidx;
+  bool window; /* h2o's recent window applies here (head scope) */
+  const int32_t *posh;
+  __nv_bfloat16 *out;
+  float *scores_row, *lg_s, *o_s, *cw;
+  float (*red_m)[DA_GMAX], (*red_l)[DA_GMAX];
+  float *fin_m, *fin_il;
+  unsigned long long *red_key;
+  int *red_i;
+};
+
+/* One split: the block has every slot. The output from o_s, the scores from the shared logits,
+ * the argmin. */
+template <int D, bool H2O>
+static __device__ __forceinline__ void da_finish_single(const attn_params &p, const da_tail &b) {
+  const int G = b.G, n = b.n, wslot = b.wslot, tid = b.tid;
+  const size_t hidx = b.hidx;
+  const bool window = b.window;
+  const int32_t *posh = b.posh;
+  __nv_bfloat16 *out = b.out;
+  float *scores_row = b.scores_row, *o_s = b.o_s, *fin_m = b.fin_m, *fin_il = b.fin_il;
+  float(*red_m)[DA_GMAX] = b.red_m, (*red_l)[DA_GMAX] = b.red_l;
+  unsigned long long *red_key = b.red_key;
+  int *red_i = b.red_i;
+  float *lg_s = b.lg_s;
+  if (tid < G) {
+    float l = 0.0f, m = -INFINITY;
+    for (int i = 0; i < DA_NW; i++) {
+      l += red_l[i][tid];
+      m = fmaxf(m, red_m[i][tid]);
+    }
+    fin_m[tid] = m;
+    fin_il[tid] = 1.0f / l;
+  }
+  __syncthreads();
+  for (int i = tid; i < G * D / 2; i += DA_NT) {
+    const int h = i / (D / 2), d = 2 * (i % (D / 2));
+    *(__nv_bfloat162 *)(out + h * D + d) =
+        __floats2bfloat162_rn(o_s[h * D + d] * fin_il[h], o_s[h * D + d + 1] * fin_il[h]);
+  }
+  const int rfrom = window ? h2o_window<DA_NT>(posh, n, wslot, p.recent, red_i) : INT_MAX;
+  const unsigned long long best =
+      score_key<false, H2O>(p, hidx, 0, n, wslot, lg_s, fin_m, fin_il, rfrom, red_key, scores_row);
+  if (tid == 0) finish_head<H2O>(p, hidx, best);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+/* The splits of one (sequence, KV head) as a thread-block cluster (cl_*: the kernel's shared
+ * arrays for the exchange). */
+template <int D, bool H2O>
+static __device__ __forceinline__ void da_finish_cluster(const attn_params &p, const da_tail &b,
+                                                         float2 *cl_ml,
+                                                         unsigned long long *cl_key,
+                                                         int *cl_cnt) {
+  const int G = b.G, n = b.n, wslot = b.wslot, tid = b.tid;
+  const size_t hidx = b.hidx;
+  const bool window = b.window;
+  const int32_t *posh = b.posh;
+  __nv_bfloat16 *out = b.out;
+  float *scores_row = b.scores_row, *o_s = b.o_s, *fin_m = b.fin_m, *fin_il = b.fin_il;
+  float(*red_m)[DA_GMAX] = b.red_m, (*red_l)[DA_GMAX] = b.red_l;
+  unsigned long long *red_key = b.red_key;
+  int *red_i = b.red_i;
+  const int S = b.S, split = b.split, s0 = b.s0, s1 = b.s1;
+  float *lg_s = b.lg_s, *cw = b.cw;
+  /* The splits of this (sequence, KV head) form one thread-block cluster: they exchange
+   * (m, l) and the partial outputs through distributed shared memory, so every split knows the
+   * final M_h and L_h and scores its own slots from its own shared logits; split 0 takes the
+   * minimum of the splits' keys. No workspace, no ticket, no serial pass over all slots. */
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  /* h2o: each split counts its own slots at the window's guess; the sum follows the barrier */
+  const int t0 = window ? h2o_window_guess(posh, n, wslot, p.recent) : 0;
+  if (window) {
+    const int c = h2o_count_ge<DA_NT>(posh, s0, s1, t0, red_i);
+    if (tid == 0) cl_cnt[0] = c;
+  }
+  if (tid < G) {
+    float l = 0.0f, m = -INFINITY;
+    for (int i = 0; i < DA_NW; i++) {
+      l += red_l[i][tid];
+      m = fmaxf(m, red_m[i][tid]);
+    }
+    cl_ml[tid] = make_float2(m, l);
+  }
+  cl.sync(); /* every split's (m, l) and o_s are written */
+  if (tid < G) {
+    if (p.fast_tail) { /* all S remote reads in flight at once */
+      float2 x[DA_CL_MAX];
+#pragma unroll
+      for (int s = 0; s < DA_CL_MAX; s++)
+        x[s] = s < S ? cl.map_shared_rank(cl_ml, s)[tid] : make_float2(-INFINITY, 0.0f);
+      combine_weights_reg(x, S, G, tid, cw, fin_m, fin_il);
+    } else {
+      combine_weights([&](int s) { return cl.map_shared_rank(cl_ml, s)[tid]; }, S, G, tid, cw,
+                      fin_m, fin_il);
+    }
+  }
+  if (window && tid == DA_NT - 1) {
+    int c = 0;
+    for (int s = 0; s < S; s++) c += cl.map_shared_rank(cl_cnt, s)[0];
+    cl_cnt[1] = c;
+  }
+  __syncthreads();
+  /* this split's share of the output, from every split's o_s */
+  for (int i = split * DA_NT + tid; i < G * D / 2; i += S * DA_NT) {
+    const int h = i / (D / 2), d = 2 * (i % (D / 2));
+    float a = 0.0f, b = 0.0f;
+    if (p.fast_tail) { /* the S remote reads in flight at once, summed in the same order */
+      float2 x[DA_CL_MAX];
+#pragma unroll
+      for (int s = 0; s < DA_CL_MAX; s++)
+        if (s < S) x[s] = *(const float2 *)(cl.map_shared_rank(o_s, s) + h * D + d);
+#pragma unroll
+      for (int s = 0; s < DA_CL_MAX; s++)
+        if (s < S) {
+          a += cw[s * G + h] * x[s].x;
+          b += cw[s * G + h] * x[s].y;
+        }
+    } else {
+      for (int s = 0; s < S; s++) {
+        const float2 x = *(const float2 *)(cl.map_shared_rank(o_s, s) + h * D + d);
+        a += cw[s * G + h] * x.x;
+        b += cw[s * G + h] * x.y;
+      }
+    }
+    *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
+  }
+  /* every split finds the same threshold (a bisection over all n slots when the guess is off) */
+  const int rfrom = window ? h2o_window_from<DA_NT>(posh, n, p.recent, t0, cl_cnt[1], red_i)
+                           : INT_MAX;
+  const unsigned long long best = score_key<false, H2O>(p, hidx, s0, s1, wslot, lg_s, fin_m, fin_il,
+                                                   rfrom, red_key, scores_row);
+  if (tid == 0) cl.map_shared_rank(cl_key, 0)[split] = best;
+  cl.sync(); /* keys are in split 0; nobody reads another split's memory after this */
+  if (split == 0 && tid == 0) {
+    unsigned long long k = cl_key[0];
+    for (int s = 1; s < S; s++)
+      k = cl_key[s] < k ? cl_key[s] : k;
+    finish_head<H2O>(p, hidx, k);
+  }
+}
+#endif
+
+/* Splits as separate blocks: publish this split's partials to the workspace, then take a
+ * ticket; the last block combines, scores every slot from the stored logits and takes the
+ * argmin (is_last: the kernel's shared flag). */
+template <int D, bool H2O>
+static __device__ __forceinline__ void da_finish_ticket(const attn_params &p, const da_tail &b,
+                                                        int *is_last_p) {
+  const int G = b.G, n = b.n, wslot = b.wslot, tid = b.tid;
+  const size_t hidx = b.hidx;
+  const bool window = b.window;
+  const int32_t *posh = b.posh;
+  __nv_bfloat16 *out = b.out;
+  float *scores_row = b.scores_row, *o_s = b.o_s, *fin_m = b.fin_m, *fin_il = b.fin_il;
+  float(*red_m)[DA_GMAX] = b.red_m, (*red_l)[DA_GMAX] = b.red_l;
+  unsigned long long *red_key = b.red_key;
+  int *red_i = b.red_i;
+  const int S = b.S, split = b.split, B = b.B;
+  const size_t pair = b.pair;
+  float *cw = b.cw;
+  int &is_last = *is_last_p;
+  float2 *ml = p.ml + pair * S * G;
+  float *po = p.po + (pair * S * G) * D;
+  if (tid < G) {
+    float l = 0.0f, m = -INFINITY;
+    for (int i = 0; i < DA_NW; i++) {
+      l += red_l[i][tid];
+      m = fmaxf(m, red_m[i][tid]);
+    }
+    __stcg(ml + split * G + tid, make_float2(m, l));
+  }
+  for (int i = tid; i < G * D; i += DA_NT)
+    __stcg(po + (size_t)split * G * D + i, o_s[i]);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(p.cnt + pair, 1u) == (unsigned)(S - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (tid == 0) p.cnt[pair] = 0;
+
+  /* The last split: combine. All (m, l) in parallel into cw, then per head
+   * M_h = max m_s,h, L_h = sum l_s,h exp(m_s,h - M_h), and cw[s][h] = exp(m_s,h - M_h) / L_h. */
+  float2 *mls = (float2 *)(cw + ((S * G + 1) & ~1)); /* [S][G] */
+  for (int i = tid; i < S * G; i += DA_NT)
+    mls[i] = __ldcg(ml + i);
+  __syncthreads();
+  if (tid < G)
+    combine_weights([&](int s) { return mls[s * G + tid]; }, S, G, tid, cw, fin_m, fin_il);
+  __syncthreads();
+  for (int i = tid; i < G * D / 2; i += DA_NT) {
+    const int h = i / (D / 2), d = 2 * (i % (D / 2));
+    float a = 0.0f, b = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < S; s++) {
+      const float2 x = __ldcg((const float2 *)(po + ((size_t)s * G + h) * D + d));
+      a += cw[s * G + h] * x.x;
+      b += cw[s * G + h] * x.y;
+    }
+    *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
+  }
+  const int rfrom = window ? h2o_window<DA_NT>(posh, n, wslot, p.recent, red_i) : INT_MAX;
+  const unsigned long long best =
+      score_key<true, H2O>(p, hidx, 0, n, wslot, p.lg + pair * B * G, fin_m, fin_il, rfrom, red_key,
+                      scores_row);
+  if (tid == 0) finish_head<H2O>(p, hidx, best);
+}
+
 /* H2O: the h2o instantiation (accumulators and window); the others are compiled without it.
  * Q: the pools' storage (DA_BF16, DA_FP8, DA_INT8). 8-bit codes come in with 8-byte loads (the
  * same dims per thread as the bf16 16-byte loads) and become bf16 pairs in registers (exact:
@@ -398,160 +612,23 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     }
   }
 
+  const da_tail b{G,    B,    S,      split, n,          wslot, s0,  s1,    tid,
+                  pair, hidx, window, posh,  out,        scores_row, lg_s, o_s, cw,
+                  red_m, red_l, fin_m, fin_il, red_key, red_i};
   if (S == 1) {
-    if (tid < G) {
-      float l = 0.0f, m = -INFINITY;
-      for (int i = 0; i < DA_NW; i++) {
-        l += red_l[i][tid];
-        m = fmaxf(m, red_m[i][tid]);
-      }
-      fin_m[tid] = m;
-      fin_il[tid] = 1.0f / l;
-    }
-    __syncthreads();
-    for (int i = tid; i < G * D / 2; i += DA_NT) {
-      const int h = i / (D / 2), d = 2 * (i % (D / 2));
-      *(__nv_bfloat162 *)(out + h * D + d) =
-          __floats2bfloat162_rn(o_s[h * D + d] * fin_il[h], o_s[h * D + d + 1] * fin_il[h]);
-    }
-    const int rfrom = window ? h2o_window<DA_NT>(posh, n, wslot, p.recent, red_i) : INT_MAX;
-    const unsigned long long best =
-        score_key<false, H2O>(p, hidx, 0, n, wslot, lg_s, fin_m, fin_il, rfrom, red_key, scores_row);
-    if (tid == 0) finish_head<H2O>(p, hidx, best);
+    da_finish_single<D, H2O>(p, b);
     return;
   }
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (CL) {
-    /* The splits of this (sequence, KV head) form one thread-block cluster: they exchange
-     * (m, l) and the partial outputs through distributed shared memory, so every split knows the
-     * final M_h and L_h and scores its own slots from its own shared logits; split 0 takes the
-     * minimum of the splits' keys. No workspace, no ticket, no serial pass over all slots. */
-    namespace cg = cooperative_groups;
     __shared__ float2 cl_ml[DA_GMAX];                /* this split's (m, l) per head */
     __shared__ unsigned long long cl_key[DA_CL_MAX]; /* each split's best key (in split 0) */
     __shared__ int cl_cnt[2]; /* h2o: this split's count of the window guess, then the total */
-    cg::cluster_group cl = cg::this_cluster();
-    /* h2o: each split counts its own slots at the window's guess; the sum follows the barrier */
-    const int t0 = window ? h2o_window_guess(posh, n, wslot, p.recent) : 0;
-    if (window) {
-      const int c = h2o_count_ge<DA_NT>(posh, s0, s1, t0, red_i);
-      if (tid == 0) cl_cnt[0] = c;
-    }
-    if (tid < G) {
-      float l = 0.0f, m = -INFINITY;
-      for (int i = 0; i < DA_NW; i++) {
-        l += red_l[i][tid];
-        m = fmaxf(m, red_m[i][tid]);
-      }
-      cl_ml[tid] = make_float2(m, l);
-    }
-    cl.sync(); /* every split's (m, l) and o_s are written */
-    if (tid < G) {
-      if (p.fast_tail) { /* all S remote reads in flight at once */
-        float2 x[DA_CL_MAX];
-#pragma unroll
-        for (int s = 0; s < DA_CL_MAX; s++)
-          x[s] = s < S ? cl.map_shared_rank(cl_ml, s)[tid] : make_float2(-INFINITY, 0.0f);
-        combine_weights_reg(x, S, G, tid, cw, fin_m, fin_il);
-      } else {
-        combine_weights([&](int s) { return cl.map_shared_rank(cl_ml, s)[tid]; }, S, G, tid, cw,
-                        fin_m, fin_il);
-      }
-    }
-    if (window && tid == DA_NT - 1) {
-      int c = 0;
-      for (int s = 0; s < S; s++) c += cl.map_shared_rank(cl_cnt, s)[0];
-      cl_cnt[1] = c;
-    }
-    __syncthreads();
-    /* this split's share of the output, from every split's o_s */
-    for (int i = split * DA_NT + tid; i < G * D / 2; i += S * DA_NT) {
-      const int h = i / (D / 2), d = 2 * (i % (D / 2));
-      float a = 0.0f, b = 0.0f;
-      if (p.fast_tail) { /* the S remote reads in flight at once, summed in the same order */
-        float2 x[DA_CL_MAX];
-#pragma unroll
-        for (int s = 0; s < DA_CL_MAX; s++)
-          if (s < S) x[s] = *(const float2 *)(cl.map_shared_rank(o_s, s) + h * D + d);
-#pragma unroll
-        for (int s = 0; s < DA_CL_MAX; s++)
-          if (s < S) {
-            a += cw[s * G + h] * x[s].x;
-            b += cw[s * G + h] * x[s].y;
-          }
-      } else {
-        for (int s = 0; s < S; s++) {
-          const float2 x = *(const float2 *)(cl.map_shared_rank(o_s, s) + h * D + d);
-          a += cw[s * G + h] * x.x;
-          b += cw[s * G + h] * x.y;
-        }
-      }
-      *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
-    }
-    /* every split finds the same threshold (a bisection over all n slots when the guess is off) */
-    const int rfrom = window ? h2o_window_from<DA_NT>(posh, n, p.recent, t0, cl_cnt[1], red_i)
-                             : INT_MAX;
-    const unsigned long long best = score_key<false, H2O>(p, hidx, s0, s1, wslot, lg_s, fin_m, fin_il,
-                                                     rfrom, red_key, scores_row);
-    if (tid == 0) cl.map_shared_rank(cl_key, 0)[split] = best;
-    cl.sync(); /* keys are in split 0; nobody reads another split's memory after this */
-    if (split == 0 && tid == 0) {
-      unsigned long long k = cl_key[0];
-      for (int s = 1; s < S; s++)
-        k = cl_key[s] < k ? cl_key[s] : k;
-      finish_head<H2O>(p, hidx, k);
-    }
+    da_finish_cluster<D, H2O>(p, b, cl_ml, cl_key, cl_cnt);
     return;
   }
 #endif
-
-  /* Publish this split's partials, then take a ticket. */
-  float2 *ml = p.ml + pair * S * G;
-  float *po = p.po + (pair * S * G) * D;
-  if (tid < G) {
-    float l = 0.0f, m = -INFINITY;
-    for (int i = 0; i < DA_NW; i++) {
-      l += red_l[i][tid];
-      m = fmaxf(m, red_m[i][tid]);
-    }
-    __stcg(ml + split * G + tid, make_float2(m, l));
-  }
-  for (int i = tid; i < G * D; i += DA_NT)
-    __stcg(po + (size_t)split * G * D + i, o_s[i]);
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) is_last = atomicAdd(p.cnt + pair, 1u) == (unsigned)(S - 1);
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  if (tid == 0) p.cnt[pair] = 0;
-
-  /* The last split: combine. All (m, l) in parallel into cw, then per head
-   * M_h = max m_s,h, L_h = sum l_s,h exp(m_s,h - M_h), and cw[s][h] = exp(m_s,h - M_h) / L_h. */
-  float2 *mls = (float2 *)(cw + ((S * G + 1) & ~1)); /* [S][G] */
-  for (int i = tid; i < S * G; i += DA_NT)
-    mls[i] = __ldcg(ml + i);
-  __syncthreads();
-  if (tid < G)
-    combine_weights([&](int s) { return mls[s * G + tid]; }, S, G, tid, cw, fin_m, fin_il);
-  __syncthreads();
-  for (int i = tid; i < G * D / 2; i += DA_NT) {
-    const int h = i / (D / 2), d = 2 * (i % (D / 2));
-    float a = 0.0f, b = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < S; s++) {
-      const float2 x = __ldcg((const float2 *)(po + ((size_t)s * G + h) * D + d));
-      a += cw[s * G + h] * x.x;
-      b += cw[s * G + h] * x.y;
-    }
-    *(__nv_bfloat162 *)(out + h * D + d) = __floats2bfloat162_rn(a, b);
-  }
-  const int rfrom = window ? h2o_window<DA_NT>(posh, n, wslot, p.recent, red_i) : INT_MAX;
-  const unsigned long long best =
-      score_key<true, H2O>(p, hidx, 0, n, wslot, p.lg + pair * B * G, fin_m, fin_il, rfrom, red_key,
-                      scores_row);
-  if (tid == 0) finish_head<H2O>(p, hidx, best);
+  da_finish_ticket<D, H2O>(p, b, &is_last);
 }
 
 /* Workspace layout; every array starts on a 256-byte boundary. */
