@@ -444,6 +444,48 @@ static void drain_requests(int launcher_abort) {
   if (aborted) fprintf(stderr, "lfserve: the engine did not end the requests: ended them here\n");
 }
 
+/* The server state main's later phases share: the key, limits and locks (srv_state_free undoes
+ * it, with the engine and the text pieces). */
+static void srv_state_init(const serve_opts *o, char *api_key) {
+  S.api_key = api_key;
+  S.api_key_len = api_key ? strlen(api_key) : 0;
+  S.auth_metrics = o->auth_metrics;
+  S.queue_timeout_s = o->queue_timeout;
+  pthread_mutex_init(&S.mu, NULL);
+  pthread_cond_init(&S.work_cv, NULL);
+  pthread_mutex_init(&S.cmu, NULL);
+  pthread_mutex_init(&S.logmu, NULL);
+  S.started = time(NULL);
+  S.timeout_s = (unsigned)o->timeout;
+  S.max_conn = (unsigned)o->max_conn;
+  S.max_body = (size_t)o->max_body;
+}
+
+/* What request parsing needs of the model (serve.h lfs_model_ctx), once the engine and the text
+ * pieces are up. */
+static void srv_model_context(const serve_opts *o) {
+  S.mctx.tok = S.tok;
+  S.mctx.tmpl = S.tmpl;
+  S.mctx.model_name = S.model_name;
+  S.mctx.vocab_size = S.mi.vocab_size;
+  S.mctx.max_seq_len = S.mi.max_seq_len;
+  S.mctx.budget = S.budget;
+  S.mctx.policy = S.policy;
+  S.mctx.chat_content_special = o->chat_content_special;
+}
+
+static void srv_state_free(char *api_key) {
+  lf_chat_template_free(S.tmpl);
+  lf_tokenizer_free(S.tok);
+  lf_engine_free(S.e); /* under mpirun this releases the followers */
+  pthread_cond_destroy(&S.work_cv);
+  pthread_mutex_destroy(&S.mu);
+  pthread_mutex_destroy(&S.cmu);
+  pthread_mutex_destroy(&S.logmu);
+  free(api_key);
+  S.api_key = NULL;
+}
+
 int main(int argc, char **argv) {
   serve_opts o;
   memset(&o, 0, sizeof o);
@@ -455,10 +497,6 @@ int main(int argc, char **argv) {
   if (o.auth_metrics && !api_key)
     fprintf(stderr, "lfserve: warning: --auth-metrics without a key (--api-key-file or "
                     "LFSERVE_API_KEY): nothing is protected\n");
-  S.api_key = api_key;
-  S.api_key_len = api_key ? strlen(api_key) : 0;
-  S.auth_metrics = o.auth_metrics;
-  S.queue_timeout_s = o.queue_timeout;
 
   /* SIGINT / SIGTERM are taken by sigwait in this thread only: every thread started below
    * (engine, OpenMP, libmicrohttpd) inherits the blocked mask. */
@@ -472,14 +510,7 @@ int main(int argc, char **argv) {
   rc = 1;
   struct MHD_Daemon *d = NULL;
   int lfd = -1; /* the listening socket (serve_accept.c) */
-  pthread_mutex_init(&S.mu, NULL);
-  pthread_cond_init(&S.work_cv, NULL);
-  pthread_mutex_init(&S.cmu, NULL);
-  pthread_mutex_init(&S.logmu, NULL);
-  S.started = time(NULL);
-  S.timeout_s = (unsigned)o.timeout;
-  S.max_conn = (unsigned)o.max_conn;
-  S.max_body = (size_t)o.max_body;
+  srv_state_init(&o, api_key);
 
   /* Under mpirun (DESIGN §4): every rank loads its shard; rank 0 serves HTTP and drives the
    * engine, the others run lf_engine_follow until rank 0 frees the engine. MPI starts here, in
@@ -513,14 +544,7 @@ int main(int argc, char **argv) {
   char chat_state[512] = "";
   if (open_text(&o, chat_state, sizeof chat_state)) goto out;
   set_model_name(&o);
-  S.mctx.tok = S.tok;
-  S.mctx.tmpl = S.tmpl;
-  S.mctx.model_name = S.model_name;
-  S.mctx.vocab_size = S.mi.vocab_size;
-  S.mctx.max_seq_len = S.mi.max_seq_len;
-  S.mctx.budget = S.budget;
-  S.mctx.policy = S.policy;
-  S.mctx.chat_content_special = o.chat_content_special;
+  srv_model_context(&o);
 
   if (pthread_create(&S.engine_thread, NULL, srv_engine_main, NULL)) {
     fprintf(stderr, "lfserve: cannot start the engine thread\n");
@@ -567,15 +591,7 @@ stop_engine:
   /* Jobs whose FINISH never came (none unless the engine failed) */
   srv_jobs_free_all();
 out:
-  lf_chat_template_free(S.tmpl);
-  lf_tokenizer_free(S.tok);
-  lf_engine_free(S.e); /* under mpirun this releases the followers */
-  pthread_cond_destroy(&S.work_cv);
-  pthread_mutex_destroy(&S.mu);
-  pthread_mutex_destroy(&S.cmu);
-  pthread_mutex_destroy(&S.logmu);
-  free(api_key);
-  S.api_key = NULL;
+  srv_state_free(api_key);
   const int world = lf_comm_size(comm);
   if (comm) {
     /* A first signal from elsewhere (a terminal's ^C) may have been followed by the launcher's
