@@ -7,6 +7,7 @@
 #include "base/cuda_check.h"
 #include "base/cuda_ptx.cuh"
 #include "base/cuda_launch.cuh"
+#include "base/kvrot.h"
 
 #define ROPE_DMAX 256
 #define ROPE_WARPS 4 /* heads per block: one-warp blocks made a 2048-token prefill launch-bound */
@@ -68,6 +69,16 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
     buf[i1] = x1 * c + x0 * s;
   }
   __syncwarp();
+  if (a.rot) { /* base/kvrot.h: the same pairs as lf_rot_row, one stage at a time */
+    const int block = lf_rot_block(D);
+    for (int h = 1; h < block; h <<= 1) {
+      for (int p = lane; p < half; p += 32) lf_rot_pair(buf, ((p & ~(h - 1)) << 1) | (p & (h - 1)), h);
+      __syncwarp();
+    }
+    const float sc = lf_rot_scale(block, is_q);
+    for (int d = lane; d < D; d += 32) buf[d] *= sc;
+    __syncwarp();
+  }
 
   if (is_q) {
     __nv_bfloat16 *q = (__nv_bfloat16 *)a.q_out + (size_t)t * qd + (size_t)hx * D;

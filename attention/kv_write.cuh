@@ -49,6 +49,8 @@ typedef struct lf_qkv_rope_args {
   int layer, sink;
   lf_policy policy;
   int32_t *w;             /* [n_tok][n_kv_heads] out: slot written, -1 when none */
+  int rot;                /* 1: q and k leave rotated (base/kvrot.h), for pools whose dtype
+                             stores rotated keys (lf_kv_rotates); 0: as RoPE leaves them */
 } lf_qkv_rope_args;
 
 lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, struct CUstream_st *stream);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "base/error.h"
+#include "base/kvrot.h"
 
 void lf_rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
   float ss = 0.0f;
@@ -259,6 +260,10 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
       const int32_t p = pools ? pos[t] : pos0 + t;
       lf_rope_apply(qt, hq, hd, p, f->inv_freq, c->rope_style);
       lf_rope_apply(kt, hkv, hd, p, f->inv_freq, c->rope_style);
+      if (lf_kv_rotates(f->arena->shape.kv_dtype)) { /* int4 pools store rotated keys */
+        for (int h = 0; h < hq; h++) lf_rot_row(qt + h * hd, hd, 1);
+        for (int h = 0; h < hkv; h++) lf_rot_row(kt + h * hd, hd, 0);
+      }
     }
     /* Attention over this sequence's pool, one call per eviction scope: a KV head (head scope)
      * or a group of the layer's heads held here (layer scope: all of them unless scope_groups

@@ -13,7 +13,9 @@
  * Quantized pools (DecodeAttnFp8, DecodeAttnInt8, DecodeAttnInt4): the CPU arena holds what each row's codes read
  * back (base/kvq.h),
  * the GPU arena the codes and scales of the same rows; the new token's row is quantized by both
- * sides on its own, and every kept row must read back bit-identically at the end.
+ * sides on its own, and every kept row must read back bit-identically at the end. int4 pools
+ * store rotated keys (base/kvrot.h): the slot write rotates q and k, and the CPU reference gets
+ * the same rotation of its copies, rounded to bf16 as the kernel rounds them.
  */
 #include <gtest/gtest.h>
 
@@ -35,6 +37,7 @@
 #include "attention/rkv_select.cuh"
 #include "base/error.h"
 #include "base/kvq.h"
+#include "base/kvrot.h"
 #include "memory/pool.h"
 #include "tests/test_util.h"
 
@@ -128,6 +131,7 @@ void run_case(const Case &c, int kv_dtype) {
   const size_t n_heads_all = (size_t)NP * L * H, n_slots_all = n_heads_all * B;
   const bool rkv = c.policy == LF_POLICY_RKV, acc_pol = rkv || c.policy == LF_POLICY_H2O;
   const int stage = rkv ? c.recent : 0;
+  const int rot = lf_kv_rotates(kv_dtype); /* as the engine sets it for this pool dtype */
 
   lf_pool_shape shape = {NP, L, H, B, D, kv_dtype, stage};
   lf_kv_arena cpu;
@@ -301,6 +305,14 @@ void run_case(const Case &c, int kv_dtype) {
       std::memcpy(row + (size_t)(HQ + H) * D, vn.data() + (size_t)s * H * D, (size_t)H * D * 4);
     }
     CUDA_OK(dqkv.put(hqkv));
+    if (rot) { /* the kernel rotates q and k (base/kvrot.h), then rounds them to bf16 */
+      for (size_t i = 0; i < q.size(); i += (size_t)D) lf_rot_row(&q[i], D, 1);
+      for (size_t i = 0; i < kn.size(); i += (size_t)D) lf_rot_row(&kn[i], D, 0);
+      for (auto &x : q)
+        x = round_bf(x);
+      for (auto &x : kn)
+        x = round_bf(x);
+    }
     CUDA_OK(cudaMemset(dq.p, 0xff, dq.n * 2)); /* bf16 NaN: q must come from the kernel */
     CUDA_OK(dposnew.put(posnew));
     CUDA_OK(cudaMemset(dw.p, 0x7f, (size_t)NS * H * 4));
@@ -340,6 +352,7 @@ void run_case(const Case &c, int kv_dtype) {
     wa.sink = c.sink;
     wa.policy = c.policy;
     wa.w = dw.p;
+    wa.rot = rot;
     LF_OK_(lf_cuda_qkv_rope(&wa, nullptr));
     std::vector<int32_t> gnext;
     CUDA_OK(dnext.get(gnext));

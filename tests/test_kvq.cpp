@@ -14,6 +14,7 @@
 
 #include "attention/attention.h"
 #include "base/kvq.h"
+#include "base/kvrot.h"
 #include "lfserve.h"
 #include "memory/pool.h"
 #include "tests/test_util.h"
@@ -264,6 +265,85 @@ TEST(Int4Format, GroupsRoundToTheNearestLevel) {
       }
     }
   }
+}
+
+/* The key rotation (base/kvrot.h): on small integers every butterfly and the power-of-two
+ * scales are exact, so a rotated query times a rotated key is q . k exactly, and rotating a row
+ * as a key and then as a query gives the row back (H H = block I, scales 1 / block): the
+ * transform is orthogonal up to its exact scale for every head_dim, blocks of 8 to 128. */
+TEST(KeyRotation, KeepsDotProductsExactly) {
+  std::mt19937_64 r(lf_test_seed_for("KeyRotation.KeepsDotProductsExactly"));
+  for (int D : {8, 32, 64, 72, 96, 128, 256}) {
+    SCOPED_TRACE("head_dim " + std::to_string(D));
+    const int block = lf_rot_block(D);
+    EXPECT_EQ(block, std::min(D & -D, 128));
+    EXPECT_EQ(lf_rot_scale(block, 0) * lf_rot_scale(block, 1), 1.0f / (float)block);
+    for (int it = 0; it < 200; it++) {
+      std::vector<float> q(D), k(D), qr, kr, back;
+      for (int d = 0; d < D; d++) {
+        q[d] = (float)((int)(r() % 17) - 8);
+        k[d] = (float)((int)(r() % 17) - 8);
+      }
+      qr = q;
+      kr = k;
+      lf_rot_row(qr.data(), D, 1);
+      lf_rot_row(kr.data(), D, 0);
+      double dot = 0, dotr = 0;
+      for (int d = 0; d < D; d++) {
+        dot += (double)q[d] * k[d];
+        dotr += (double)qr[d] * kr[d];
+      }
+      ASSERT_EQ(dotr, dot);
+      back = kr;
+      lf_rot_row(back.data(), D, 1);
+      for (int d = 0; d < D; d++) ASSERT_EQ(back[d], k[d]) << "dim " << d;
+    }
+  }
+}
+
+/* Why int4 pools rotate: keys with a few large channels (as real models' keys have) lose most of
+ * their q . k to int4 groups, since each group's step is set by its largest value; rotated, the
+ * channels spread over the block and the same codes carry about half the error or less. */
+TEST(KeyRotation, HalvesInt4ErrorOnOutlierChannels) {
+  std::mt19937_64 r(lf_test_seed_for("KeyRotation.HalvesInt4ErrorOnOutlierChannels"));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int D = 64;
+  std::vector<float> gain(D, 1.0f);
+  gain[5] = 12.0f;
+  gain[40] = -8.0f;
+  double err_plain = 0, err_rot = 0;
+  std::vector<uint32_t> w(D / 8), m(D / 32);
+  for (int it = 0; it < 2000; it++) {
+    std::vector<float> q(D), k(D);
+    for (int d = 0; d < D; d++) {
+      q[d] = nd(r);
+      k[d] = gain[d] * nd(r) + (d == 5 ? 6.0f : 0.0f);
+    }
+    double exact = 0;
+    for (int d = 0; d < D; d++) exact += (double)q[d] * k[d];
+    for (int rot = 0; rot < 2; rot++) {
+      std::vector<float> qq = q, kk = k;
+      if (rot) {
+        lf_rot_row(qq.data(), D, 1);
+        lf_rot_row(kk.data(), D, 0);
+      }
+      lf_i4_quantize_row(kk.data(), D, w.data(), m.data());
+      double got = 0;
+      for (int d = 0; d < D; d++)
+        got += (double)qq[d] * lf_i4_value((uint8_t)lf_i4_get(w.data(), d), m[d / 32]);
+      (rot ? err_rot : err_plain) += (got - exact) * (got - exact);
+    }
+  }
+  EXPECT_LT(err_rot, 0.5 * err_plain) << "rms error of q.k: rotated " << std::sqrt(err_rot / 2000)
+                                      << ", plain " << std::sqrt(err_plain / 2000);
+}
+
+/* Which pool dtypes store rotated keys: int4 only (docs/DESIGN.md §3). */
+TEST(KeyRotation, Int4PoolsRotate) {
+  EXPECT_TRUE(lf_kv_rotates(LF_KV_INT4));
+  EXPECT_FALSE(lf_kv_rotates(LF_KV_BF16));
+  EXPECT_FALSE(lf_kv_rotates(LF_KV_FP8));
+  EXPECT_FALSE(lf_kv_rotates(LF_KV_INT8));
 }
 
 /* The nibble order: 8 distinct positions per word, dims 2k and 2k + 1 16 bits apart. */

@@ -9,6 +9,7 @@
 #include "attention/prefill_attn.cuh"
 #include "attention/rkv_select.cuh"
 #include "base/cuda_launch.cuh"
+#include "base/kvrot.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/sample.h"
 #include "kernels/embed.cuh"
@@ -86,6 +87,7 @@ static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows
   a.head_dim = m->head_dim;
   a.n_tok = rows;
   a.q_out = c->qb;
+  a.rot = lf_kv_rotates(c->p.kv_dtype);
   return a;
 }
 
