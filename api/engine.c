@@ -200,10 +200,11 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
       cfg_in->rkv_stage < 0 || !(cfg_in->mem_util >= 0))
     return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
                                         "max_batch_tokens, h2o_recent, rkv_stage or mem_util");
-  if ((int)cfg_in->kv_dtype < (int)LF_KV_BF16 || (int)cfg_in->kv_dtype > (int)LF_KV_INT4)
-    return lf_error(LF_ERR_INVALID_ARG, "unknown kv_dtype %d (bf16 %d, fp8 %d, int8 %d, int4 %d)",
+  if ((int)cfg_in->kv_dtype < (int)LF_KV_BF16 || (int)cfg_in->kv_dtype > (int)LF_KV_K8V4)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "unknown kv_dtype %d (bf16 %d, fp8 %d, int8 %d, int4 %d, k8v4 %d)",
                     (int)cfg_in->kv_dtype, (int)LF_KV_BF16, (int)LF_KV_FP8, (int)LF_KV_INT8,
-                    (int)LF_KV_INT4);
+                    (int)LF_KV_INT4, (int)LF_KV_K8V4);
   if (comm && (comm->size < 1 || comm->rank < 0 || comm->rank >= comm->size))
     return lf_error(LF_ERR_INVALID_ARG, "communicator rank %d of %d", comm->rank, comm->size);
 

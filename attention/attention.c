@@ -130,7 +130,7 @@ static void softmax_inplace(double *x, int n) {
 }
 
 _Static_assert(LF_KVQ_FP8 == (int)LF_KV_FP8 && LF_KVQ_INT8 == (int)LF_KV_INT8 &&
-                   LF_KVQ_INT4 == (int)LF_KV_INT4,
+                   LF_KVQ_INT4 == (int)LF_KV_INT4 && LF_KVQ_K8V4 == (int)LF_KV_K8V4,
                "base/kvq.h's dtype numbers are lf_kv_dtype's");
 
 /* A row as the pool's dtype stores it: fp8, int8 and int4 keep the values its codes read back
@@ -157,8 +157,8 @@ static void store_row(float *dst, const float *x, int d, int kv_dtype) {
 static void write_slot(lf_kv_head *h, int slot, const float *k, const float *v, int32_t pos) {
   const int d = h->head_dim;
   double l1 = 0.0;
-  store_row(h->k + (size_t)slot * d, k, d, h->kv_dtype);
-  store_row(h->v + (size_t)slot * d, v, d, h->kv_dtype);
+  store_row(h->k + (size_t)slot * d, k, d, lf_kvq_k_row(h->kv_dtype));
+  store_row(h->v + (size_t)slot * d, v, d, lf_kvq_v_row(h->kv_dtype));
   v = h->v + (size_t)slot * d;
   for (int i = 0; i < d; i++)
     l1 += fabs((double)v[i]);

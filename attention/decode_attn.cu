@@ -803,7 +803,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
       a->policy != LF_POLICY_RKV)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
                     (int)a->policy);
-  if (!lf_kvq_known(pv->kv_dtype))
+  if (!lf_kvq_row_known(pv->kv_dtype))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: kv dtype %d", pv->kv_dtype);
   if (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: quantized pools need their scales");

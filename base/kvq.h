@@ -216,14 +216,29 @@ LF_HD void lf_i4_quantize_row(const float *x, int n, uint32_t *words, uint32_t *
 #define LF_KVQ_FP8 1
 #define LF_KVQ_INT8 2
 #define LF_KVQ_INT4 3
+#define LF_KVQ_K8V4 4 /* a pool dtype, not a row format: int8 K rows, int4 V rows */
 
-/* 1 for a dtype the pools know (bf16, the 8-bit formats, int4). */
-LF_HD int lf_kvq_known(int kv_dtype) {
-  return kv_dtype == 0 || kv_dtype == LF_KVQ_FP8 || kv_dtype == LF_KVQ_INT8 ||
-         kv_dtype == LF_KVQ_INT4;
+/* The row formats of a pool dtype's K and V rows: the dtype itself, except LF_KVQ_K8V4. Every
+ * row-level function below takes a row format; pool code maps its dtype through these. */
+LF_HD int lf_kvq_k_row(int kv_dtype) {
+  return kv_dtype == LF_KVQ_K8V4 ? LF_KVQ_INT8 : kv_dtype;
+}
+LF_HD int lf_kvq_v_row(int kv_dtype) {
+  return kv_dtype == LF_KVQ_K8V4 ? LF_KVQ_INT4 : kv_dtype;
 }
 
-/* Bytes of codes per row of head_dim values, and 32-bit metadata words per row (scales). */
+/* 1 for a row format the pools know (bf16, the 8-bit formats, int4). */
+LF_HD int lf_kvq_row_known(int row) {
+  return row == 0 || row == LF_KVQ_FP8 || row == LF_KVQ_INT8 || row == LF_KVQ_INT4;
+}
+
+/* 1 for a pool dtype the pools know (the row formats, and int8 K with int4 V). */
+LF_HD int lf_kvq_known(int kv_dtype) {
+  return lf_kvq_row_known(kv_dtype) || kv_dtype == LF_KVQ_K8V4;
+}
+
+/* Bytes of codes per row of head_dim values, and 32-bit metadata words per row (scales), of a
+ * row format (lf_kvq_k_row / lf_kvq_v_row of a pool dtype). */
 LF_HD int lf_kvq_code_bytes(int kv_dtype, int head_dim) {
   return kv_dtype == 0 ? 2 * head_dim : kv_dtype == LF_KVQ_INT4 ? head_dim / 2 : head_dim;
 }
@@ -231,10 +246,16 @@ LF_HD int lf_kvq_meta_words(int kv_dtype, int head_dim) {
   return kv_dtype == 0 ? 0 : kv_dtype == LF_KVQ_INT4 ? head_dim / LF_I4_GROUP : 1;
 }
 
-/* 1 when the dtype can store rows of head_dim values (int4: whole groups). */
+/* 1 when the pool dtype can store rows of head_dim values (int4 rows: whole groups). */
 LF_HD int lf_kvq_fits(int kv_dtype, int head_dim) {
   return lf_kvq_known(kv_dtype) && head_dim > 0 &&
-         (kv_dtype != LF_KVQ_INT4 || head_dim % LF_I4_GROUP == 0);
+         (lf_kvq_v_row(kv_dtype) != LF_KVQ_INT4 || head_dim % LF_I4_GROUP == 0);
+}
+
+/* What the CUDA kernels store so far: a pool dtype whose K and V rows share one format (all but
+ * k8v4), with rows of head_dim values. */
+LF_HD int lf_kvq_fits_cuda(int kv_dtype, int head_dim) {
+  return lf_kvq_row_known(kv_dtype) && lf_kvq_fits(kv_dtype, head_dim);
 }
 
 LF_HD float lf_kvq_row_scale(int kv_dtype, float amax, int nonfinite) {

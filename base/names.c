@@ -12,7 +12,7 @@
 static const char *const POLICY_NAMES[] = {"longflow", "full", "streaming", "h2o", "rkv"};
 static const char *const BACKEND_NAMES[] = {"auto", "cpu", "cuda"};
 static const char *const SCOPE_NAMES[] = {"head", "layer"};
-static const char *const DTYPE_NAMES[] = {"bf16", "fp8", "int8", "int4"};
+static const char *const DTYPE_NAMES[] = {"bf16", "fp8", "int8", "int4", "k8v4"};
 static const char *const FINISH_NAMES[LF_FINISH_COUNT] = {
     "none", "eos", "length", "cancelled", "error", "stop_id", "stop_sequence"};
 #define N_NAMES(a) ((int)(sizeof(a) / sizeof((a)[0])))
@@ -20,7 +20,7 @@ static const char *const FINISH_NAMES[LF_FINISH_COUNT] = {
 _Static_assert(N_NAMES(POLICY_NAMES) == LF_POLICY_RKV + 1, "a name per lf_policy");
 _Static_assert(N_NAMES(BACKEND_NAMES) == LF_BACKEND_CUDA + 1, "a name per lf_backend_kind");
 _Static_assert(N_NAMES(SCOPE_NAMES) == LF_EVICT_LAYER + 1, "a name per lf_evict_scope");
-_Static_assert(N_NAMES(DTYPE_NAMES) == LF_KV_INT4 + 1, "a name per lf_kv_dtype");
+_Static_assert(N_NAMES(DTYPE_NAMES) == LF_KV_K8V4 + 1, "a name per lf_kv_dtype");
 
 static const char *name_of(const char *const *names, int n, int v) {
   return v >= 0 && v < n ? names[v] : "unknown";

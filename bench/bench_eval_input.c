@@ -55,7 +55,7 @@ void ev_usage(FILE *f) {
           "  --sink S --window W  policy parameters as lfgen (default 4 32)\n"
           "  --h2o-recent R       h2o's recent window as lfgen (default 0: each budget's B/2)\n"
           "  --rkv-stage S        rkv's slots per selection as lfgen (default 0: 64)\n"
-          "  --kv-dtype T         bf16 | fp8 | int8 | int4: the pools' K/V storage (default bf16);\n"
+          "  --kv-dtype T         bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16);\n"
           "                       the fractions stay in slots, not bytes\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
           "  --tokenizer FILE     tokenizer.json (default MODEL/tokenizer.json)\n"

@@ -75,7 +75,7 @@ static void nat_usage(FILE *f) {
           "                      evicts: its KL is 0, its top-1 1)\n"
           "  --scope S           head | layer (default head)\n"
           "  --rkv-stage S       rkv's stage (default 0: %d)\n"
-          "  --kv-dtype T        bf16 | fp8 | int8 | int4 (default bf16; the full run too)\n"
+          "  --kv-dtype T        bf16|fp8|int8|int4|k8v4 (default bf16; the full run too)\n"
           "  --backend B         auto | cpu | cuda (default auto)\n"
           "  --threads T         cpu backend threads (default 0: OpenMP's default)\n"
           "  --chat-format F     chatml | llama3 | deepseek-r1 (default: the model's template)\n"

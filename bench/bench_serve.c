@@ -244,7 +244,7 @@ static void serve_usage(FILE *f) {
           "  --h2o-recent R     h2o's recent window (default 0: budget / 2)\n"
           "  --evict-scope S    layer | head: one eviction slot per layer or per KV head\n"
           "                     (default layer)\n"
-          "  --kv-dtype T       bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
+          "  --kv-dtype T       bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
           "  --threads T        cpu backend threads (default 0: all cores)\n"
           "  --duration S       stop after S seconds of wall time: cancel what is left and\n"
           "                     report the window (default 0: run every request to its end)\n"

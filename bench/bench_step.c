@@ -249,7 +249,7 @@ int bench_step(int argc, char **argv) {
              "  one decode step of the cuda backend (pools filled to the budget) against the\n"
              "  weights + KV bytes / copy-bandwidth floor; defaults: random:llama3-8b,\n"
              "  random:qwen3-8b; batches 1,64; budget 1024; 50 timed steps after 5\n"
-             "  --kv-dtype bf16 | fp8 | int8 | int4: the pools' K/V storage (default bf16)\n"
+             "  --kv-dtype bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
              "  --policy P: the eviction policy (default longflow; h2o keeps budget / 2 recent)\n"
              "  --rkv-stage S: rkv's stage (default 0: LF_RKV_STAGE_DEFAULT)\n"
              "  --tp: tensor parallel over the ranks of mpirun -np T (NCCL, one GPU each)\n");

@@ -45,7 +45,7 @@ static void usage(FILE *f) {
              "  --heads N --kv-heads N --head-dim N   (default 32 8 128)\n"
              "  --iters N --warmup N                  timed and warm-up calls (default 300 30)\n"
              "  --splits N        force the split count (default 0: automatic)\n"
-             "  --kv-dtype T      bf16 | fp8 | int8 | int4: the pools' K/V storage (default bf16)\n"
+             "  --kv-dtype T      bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
              "  --no-flush        do not clear L2 before each timed call\n"
              "  --peer FILE       sdpa_peer.py JSON: fills sdpa_ratio\n"
              "  --json FILE       write the rows as JSON\n");

@@ -94,7 +94,11 @@ typedef enum lf_kv_dtype {
                      keys' large channels more exact than e4m3's 3-bit mantissa, which is most
                      of fp8's error (docs/DESIGN.md §3, "Quantized pools") */
   LF_KV_INT4,     /* 4-bit codes with a bf16 step and floor per 32 dims (head_dim a multiple
-                     of 32): 0.31 of bf16's bytes per slot */
+                     of 32): 0.31 of bf16's bytes per slot; keys stored rotated (DESIGN §3) */
+  LF_KV_K8V4,     /* keys as LF_KV_INT8, values as LF_KV_INT4 (head_dim a multiple of 32):
+                     0.42 of bf16's bytes per slot at head_dim 64. Keys carry int4's error,
+                     values hardly any (docs/DESIGN.md §3). cpu backend only so far: the cuda
+                     backend refuses it at creation */
 } lf_kv_dtype;
 
 const char *lf_kv_dtype_str(lf_kv_dtype d);

@@ -3,7 +3,7 @@
  *   lfgen --model PATH [--lora DIR] --prompt-ids 1,2,3 --max-tokens N [--budget B] [--policy P]
  *         [--sink S] [--max-batch-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed X]
  *         [--backend auto|cpu|cuda] [--evict-scope head|layer] [--evict-groups G] [--ignore-eos]
- *         [--kv-dtype bf16|fp8|int8|int4]
+ *         [--kv-dtype bf16|fp8|int8|int4|k8v4]
  *         [--print-ids]
  *
  * Generated token ids go to stdout, space-separated on one line; statistics go to stderr.
@@ -40,7 +40,7 @@ static void usage(FILE *f) {
           "  --budget B          KV slots per sequence (default: the model's context)\n"
           "  --policy P          longflow | full | streaming | h2o | rkv (default longflow)\n"
           "  --evict-scope S     layer | head: one eviction slot per layer or per KV head\n"
-          "  --kv-dtype T        bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
+          "  --kv-dtype T        bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
           "                      (default layer; rank-local under --tp)\n"
           "  --evict-groups G    layer scope: each layer's KV heads in G groups of one slot\n"
           "                      (G = T: what T tensor-parallel ranks evict; default 1)\n"

@@ -1,7 +1,7 @@
 /* lfserve: an OpenAI-compatible HTTP server over the lfserve engine.
  *
  *   lfserve --model DIR [--lora DIR] [--budget B] [--port 8000] [--host 127.0.0.1] [--policy P]
- *           [--evict-scope layer|head] [--kv-dtype bf16|fp8|int8|int4]
+ *           [--evict-scope layer|head] [--kv-dtype bf16|fp8|int8|int4|k8v4]
  *           [--pools N] [--max-queue N] [--backend auto|cpu|cuda] [--served-model-name NAME] ...
  *
  * This file holds main: the options, start-up (the engine, the model's tokenizer and chat
@@ -49,7 +49,7 @@ static void usage(FILE *f) {
           "  --rkv-stage S           rkv: slots chosen per selection, every S steps (default 0: 64;\n"
           "                          cpu backend only)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
-          "  --kv-dtype T            bf16 | fp8 | int8 | int4: K/V storage of the pools (default bf16)\n"
+          "  --kv-dtype T            bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
           "  --pools N               concurrent sequences (KV pools); default: sized from memory\n"
           "  --kv-memory-gb G        without --pools: the pools take --kv-memory-fraction of G GiB\n"

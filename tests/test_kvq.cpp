@@ -445,14 +445,15 @@ TEST_P(QuantPool, CpuPoolsStoreWhatTheCodesReadBack) {
   auto check_slot = [&](int slot, const float *kx, const float *vx) {
     std::vector<uint32_t> c(D), m(D); /* words: code bytes and meta words, 4-byte aligned */
     uint8_t *cb = (uint8_t *)c.data();
-    lf_kvq_encode_row(kvd, kx, D, cb, m.data());
+    const int kf = lf_kvq_k_row(kvd), vf = lf_kvq_v_row(kvd); /* k8v4: int8 K, int4 V */
+    lf_kvq_encode_row(kf, kx, D, cb, m.data());
     double l1 = 0.0;
     for (int d = 0; d < D; d++)
-      ASSERT_EQ(h.k[(size_t)slot * D + d], lf_kvq_row_value(kvd, cb, m.data(), d))
+      ASSERT_EQ(h.k[(size_t)slot * D + d], lf_kvq_row_value(kf, cb, m.data(), d))
           << "k slot " << slot;
-    lf_kvq_encode_row(kvd, vx, D, cb, m.data());
+    lf_kvq_encode_row(vf, vx, D, cb, m.data());
     for (int d = 0; d < D; d++) {
-      ASSERT_EQ(h.v[(size_t)slot * D + d], lf_kvq_row_value(kvd, cb, m.data(), d))
+      ASSERT_EQ(h.v[(size_t)slot * D + d], lf_kvq_row_value(vf, cb, m.data(), d))
           << "v slot " << slot;
       l1 += std::fabs((double)h.v[(size_t)slot * D + d]);
     }
@@ -477,7 +478,8 @@ TEST_P(QuantPool, CpuPoolsStoreWhatTheCodesReadBack) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, QuantPool,
-                         ::testing::Values(int(LF_KV_FP8), int(LF_KV_INT8), int(LF_KV_INT4)),
+                         ::testing::Values(int(LF_KV_FP8), int(LF_KV_INT8), int(LF_KV_INT4),
+                                           int(LF_KV_K8V4)),
                          [](const ::testing::TestParamInfo<int> &i) {
                            return std::string(lf_kv_dtype_str(lf_kv_dtype(i.param)));
                          });
@@ -503,6 +505,14 @@ TEST(Fp8Pool, DeviceBytesCountCodesAndScales) {
   EXPECT_EQ(lf_pool_bytes_device(&i4, 0), 2u * (32 + 2 * 4) + 4 + 4 + 2 * 4);
   i4.head_dim = 48; /* not whole groups */
   EXPECT_EQ(lf_pool_bytes_device(&i4, 0), 0u);
+  /* k8v4: an int8 K row (64 + 4 bytes) and an int4 V row (32 + 2 * 4) at head_dim 64: 108
+   * bytes of K/V a slot, 0.42 of bf16's 256; its V rows need whole groups too */
+  lf_pool_shape m = i4;
+  m.kv_dtype = LF_KV_K8V4;
+  m.head_dim = 64;
+  EXPECT_EQ(lf_pool_bytes_device(&m, 0), (64u + 4) + (32u + 2 * 4) + 4 + 4 + 2 * 4);
+  m.head_dim = 48;
+  EXPECT_EQ(lf_pool_bytes_device(&m, 0), 0u);
   s.kv_dtype = 7;
   EXPECT_EQ(lf_pool_bytes_device(&s, 0), 0u);
   /* rkv (stage 5): the accumulators, and per head a queue of 5 slots and its step count */
@@ -534,8 +544,12 @@ TEST(KvDtype, NamesAndParse) {
   EXPECT_EQ(lf_kv_dtype_parse("int4", &d), LF_OK);
   EXPECT_EQ(d, LF_KV_INT4);
   EXPECT_STREQ(lf_kv_dtype_str(LF_KV_INT4), "int4");
+  EXPECT_EQ(lf_kv_dtype_parse("k8v4", &d), LF_OK);
+  EXPECT_EQ(d, LF_KV_K8V4);
+  EXPECT_STREQ(lf_kv_dtype_str(LF_KV_K8V4), "k8v4");
+  EXPECT_FALSE(lf_kv_rotates(LF_KV_K8V4)); /* its keys are int8 */
   EXPECT_EQ(lf_kv_dtype_parse("int3", &d), LF_ERR_INVALID_ARG);
-  EXPECT_NE(std::string(lf_last_error()).find("bf16, fp8, int8, int4"), std::string::npos)
+  EXPECT_NE(std::string(lf_last_error()).find("bf16, fp8, int8, int4, k8v4"), std::string::npos)
       << lf_last_error();
   EXPECT_EQ(lf_kv_dtype_parse(nullptr, &d), LF_ERR_INVALID_ARG);
 }

@@ -207,7 +207,11 @@ static lf_status check_config(cuda_backend *c) {
     return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
   }
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
-  if (!lf_kvq_fits((int)p->kv_dtype, D))
+  if (p->kv_dtype == LF_KV_K8V4)
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "cuda backend: kv dtype k8v4 (int8 keys, int4 values) runs on the cpu backend "
+                    "only so far; choose int8 or int4 on cuda");
+  if (!lf_kvq_fits_cuda((int)p->kv_dtype, D))
     return lf_error(LF_ERR_UNSUPPORTED,
                     "cuda backend: kv dtype %d with head_dim %d (bf16, fp8, int8; int4 needs a "
                     "multiple of %d)",
