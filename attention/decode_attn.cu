@@ -263,7 +263,8 @@ static __device__ __forceinline__ void da_finish_ticket(const attn_params &p, co
 }
 
 /* H2O: the h2o instantiation (accumulators and window); the others are compiled without it.
- * Q: the pools' storage (DA_BF16, DA_FP8, DA_INT8). 8-bit codes come in with 8-byte loads (the
+ * Q: the pools' storage (DA_BF16, DA_FP8, DA_INT8, DA_INT4, DA_K8V4: K and V each take their row
+ * format's path, da_kfmt / da_vfmt). 8-bit codes come in with 8-byte loads (the
  * same dims per thread as the bf16 16-byte loads) and become bf16 pairs in registers (exact:
  * fp8 as its 2^-120 image, int8 as itself), and the rows' scales enter where they are per slot:
  * K's multiplies the slot's logit after the MMA, V's multiplies the slot's p before P goes to
@@ -310,17 +311,22 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   const int chunk = ((n + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
   const int s0 = min(split * chunk, n), s1 = min(s0 + chunk, n);
   const int ntiles = (s1 - s0 + DA_TILE - 1) / DA_TILE;
-  constexpr bool F8 = Q == DA_FP8;                  /* the 2^-120 image: q and P raised, see DA_F8_* */
-  constexpr bool Q8 = Q == DA_FP8 || Q == DA_INT8; /* 8-bit codes and row scales */
-  constexpr bool I4 = Q == DA_INT4;                 /* 4-bit codes, (step, floor) per 32 dims */
-  constexpr int RB = Q8 ? D : I4 ? D / 2 : 2 * D;   /* bytes per K/V row */
-  constexpr int NG = D / 32;                        /* int4 groups per row */
+  /* K's row format and V's (the same but under k8v4: int8 K, int4 V) */
+  constexpr int QK = da_kfmt(Q), QV = da_vfmt(Q);
+  constexpr bool F8 = QK == DA_FP8;                   /* the 2^-120 image: q raised, see DA_F8_* */
+  constexpr bool F8V = QV == DA_FP8;                  /* and P raised */
+  constexpr bool Q8 = QK == DA_FP8 || QK == DA_INT8;  /* K: 8-bit codes and row scales */
+  constexpr bool I4 = QK == DA_INT4;                  /* K: 4-bit codes, (step, floor) per 32 dims */
+  constexpr bool Q8V = QV == DA_FP8 || QV == DA_INT8; /* the same for V */
+  constexpr bool I4V = QV == DA_INT4;
+  constexpr int RBV = Q8V ? D : I4V ? D / 2 : 2 * D;  /* bytes per V row */
+  constexpr int NG = D / 32;                          /* int4 groups per row */
   /* 8-bit K: 16-byte loads, thread t holding dims 64jj + 16t .. + 15 (jj < NJ / 2), so that a
    * load moves as many bytes as bf16's; q takes the same order (the dot product does not care).
    * V at D 128 (8-bit and int4): one contiguous run of dims 16g .. 16g + 15 per thread and slot
    * (16 or 8 bytes), its accumulators mapped back by store_acc<D, true>. */
   constexpr bool K16 = Q8;
-  constexpr bool V16 = (Q8 || I4) && NC == 2;
+  constexpr bool V16 = (Q8V || I4V) && NC == 2;
   const __nv_bfloat16 *K = (const __nv_bfloat16 *)p.k + (hidx * B) * D;
   const __nv_bfloat16 *V = (const __nv_bfloat16 *)p.v + (hidx * B) * D;
   const uint8_t *K8 = (const uint8_t *)p.k + (hidx * B) * D;
@@ -328,11 +334,11 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   const uint32_t *K4 = (const uint32_t *)p.k + (hidx * B) * (D / 8);
   const uint32_t *V4 = (const uint32_t *)p.v + (hidx * B) * (D / 8);
   const float *ksc_row = Q8 ? p.k_scale + hidx * B : nullptr;
-  const float *vsc_row = Q8 ? p.v_scale + hidx * B : nullptr;
+  const float *vsc_row = Q8V ? p.v_scale + hidx * B : nullptr;
   const uint32_t *kmeta = I4 ? (const uint32_t *)p.k_scale + hidx * B * NG : nullptr;
-  const uint32_t *vmeta = I4 ? (const uint32_t *)p.v_scale + hidx * B * NG : nullptr;
+  const uint32_t *vmeta = I4V ? (const uint32_t *)p.v_scale + hidx * B * NG : nullptr;
   const float kmul = F8 ? DA_F8_KDOWN * p.scale : p.scale; /* times the row's K scale */
-  const float vmul = F8 ? DA_F8_PUP : 1.0f;                /* times the row's V scale */
+  const float vmul = F8V ? DA_F8_PUP : 1.0f;               /* times the row's V scale */
   float *lg_s = (float *)da_smem;                   /* [chunk_max][G] */
   float *o_s = lg_s + ((p.chunk_max * G + 3) & ~3); /* [G][D] */
   float *cw = o_s + G * D;                          /* [S][G] combine weights (last block) */
@@ -342,8 +348,8 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   for (int i = tid; i < (s1 - s0 + 31) / 32; i += DA_NT)
     prefetch_l2(p.vnorm + hidx * B + s0 + 32 * i);
   {
-    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * RB / 128; /* 128-byte lines */
-    const char *vb = (const char *)p.v + ((hidx * B) + s0) * RB;
+    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * RBV / 128; /* 128-byte lines */
+    const char *vb = (const char *)p.v + ((hidx * B) + s0) * RBV;
     for (int i = tid; i < nv; i += DA_NT)
       prefetch_l2(vb + 128 * i);
   }
@@ -387,7 +393,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
    * 2t + 1 of both. */
   float mx0 = -INFINITY, mx1 = -INFINITY;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
-    if (Q == DA_BF16 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
+    if (QK == DA_BF16 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 kr[DA_UNR][2][NJ];
     uint4 kr8[DA_UNR][2][NJ / 2];
     uint32_t kr4[DA_UNR][2][NJ], km4[DA_UNR][2][NJ];
@@ -427,10 +433,10 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < NJ; j++) {
-        const uint4 k0 = Q8   ? q8x8_bf16x8<Q>(u4_half(kr8[u][0][j >> 1], j & 1))
+        const uint4 k0 = Q8   ? q8x8_bf16x8<QK>(u4_half(kr8[u][0][j >> 1], j & 1))
                          : I4 ? i4x8_img(kr4[u][0][j])
                               : kr[u][0][j];
-        const uint4 k1 = Q8   ? q8x8_bf16x8<Q>(u4_half(kr8[u][1][j >> 1], j & 1))
+        const uint4 k1 = Q8   ? q8x8_bf16x8<QK>(u4_half(kr8[u][1][j >> 1], j & 1))
                          : I4 ? i4x8_img(kr4[u][1][j])
                               : kr[u][1][j];
         if (I4) { /* group j alone, then its step and floor: s * q.(128 + c) + (m - 128 s) sum q */
@@ -499,7 +505,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   float psum = 0.0f;
   const float mg2 = m_g * DA_LOG2E;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
-    if (Q == DA_BF16 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
+    if (QV == DA_BF16 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 vr[DA_UNR][4][NC];
     uint2 vr8[DA_UNR][4][NC];
     uint4 v16[DA_UNR][4]; /* V16: 8-bit codes of dims 16g .. 16g + 15, or int4's in .x, .y */
@@ -510,7 +516,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
 #pragma unroll
       for (int r = 0; r < 4; r++) {
         const int slot = s0 + (ti0 + u * DA_NW) * DA_TILE + 2 * t + (r & 1) + 8 * (r >> 1);
-        if (V16 && Q8) {
+        if (V16 && Q8V) {
           v16[u][r] = slot < s1 ? ld_stream((const uint4 *)(V8 + (size_t)slot * D) + g)
                                 : make_uint4(0, 0, 0, 0);
           vsc[u][r] = slot < s1 ? vsc_row[slot] * vmul : 0.0f;
@@ -519,13 +525,13 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
                                     : make_uint2(0, 0);
           v16[u][r] = make_uint4(w.x, w.y, 0, 0);
           vm4[u][r][0] = slot < s1 ? vmeta[(size_t)slot * NG + (g >> 1)] : 0u;
-        } else if (Q8) {
+        } else if (Q8V) {
           const uint2 *src = (const uint2 *)(V8 + (size_t)slot * D) + g;
 #pragma unroll
           for (int c = 0; c < NC; c++)
             vr8[u][r][c] = slot < s1 ? ld_stream(src + 8 * c) : make_uint2(0, 0);
           vsc[u][r] = slot < s1 ? vsc_row[slot] * vmul : 0.0f;
-        } else if (I4) { /* dims 64c + 8g .. + 7: code word 8c + g, group 2c + g / 4 */
+        } else if (I4V) { /* dims 64c + 8g .. + 7: code word 8c + g, group 2c + g / 4 */
           const uint32_t *src = V4 + (size_t)slot * (D / 8) + g;
           const uint32_t *ms = vmeta + (size_t)slot * NG + (g >> 2);
 #pragma unroll
@@ -551,19 +557,19 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
         pv[r] = (g < G && s0 + sl < s1) ? exp2f(fmaf(lg_s[sl * G + g], DA_LOG2E, -mg2)) : 0.0f;
       }
       psum += (pv[0] + pv[1]) + (pv[2] + pv[3]);
-      const uint32_t b0 = Q8 ? bf16_pack(pv[0] * vsc[u][0], pv[1] * vsc[u][1])
+      const uint32_t b0 = Q8V ? bf16_pack(pv[0] * vsc[u][0], pv[1] * vsc[u][1])
                              : bf16_pack(pv[0], pv[1]);
-      const uint32_t b1 = Q8 ? bf16_pack(pv[2] * vsc[u][2], pv[3] * vsc[u][3])
+      const uint32_t b1 = Q8V ? bf16_pack(pv[2] * vsc[u][2], pv[3] * vsc[u][3])
                              : bf16_pack(pv[2], pv[3]);
       uint4 vx[4][NC]; /* this tile's V as bf16 */
 #pragma unroll
       for (int r = 0; r < 4; r++)
 #pragma unroll
         for (int c = 0; c < NC; c++)
-          vx[r][c] = V16 && Q8 ? q8x8_bf16x8<Q>(u4_half(v16[u][r], c))
+          vx[r][c] = V16 && Q8V ? q8x8_bf16x8<QV>(u4_half(v16[u][r], c))
                      : V16     ? i4x8_bf16x8(u4_get(v16[u][r], c), vm4[u][r][0])
-                     : Q8      ? q8x8_bf16x8<Q>(vr8[u][r][c])
-                     : I4 ? i4x8_bf16x8(vr4[u][r][c], vm4[u][r][c])
+                     : Q8V     ? q8x8_bf16x8<QV>(vr8[u][r][c])
+                     : I4V ? i4x8_bf16x8(vr4[u][r][c], vm4[u][r][c])
                           : vr[u][r][c];
 #pragma unroll
       for (int mt = 0; mt < NMT; mt++) {
@@ -581,7 +587,7 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
    * the next kernel (the O GEMV) may launch now and start its weights towards L2; it waits for
    * this grid's completion before reading the output (cuda_launch.cuh). */
   if (p.early_trigger) pdl_trigger();
-  if (F8)
+  if (F8V)
 #pragma unroll
     for (int i = 0; i < NMT; i++)
 #pragma unroll
@@ -785,6 +791,7 @@ static lf_status launch_any(const attn_params &p, int q, dim3 grid, int cl,
   return q == DA_FP8    ? launch_dtype<D, MINB, DA_FP8>(p, grid, cl, stream)
          : q == DA_INT8 ? launch_dtype<D, MINB, DA_INT8>(p, grid, cl, stream)
          : q == DA_INT4 ? launch_dtype<D, MINB, DA_INT4>(p, grid, cl, stream)
+         : q == DA_K8V4 ? launch_dtype<D, MINB, DA_K8V4>(p, grid, cl, stream)
                         : launch_dtype<D, MINB, DA_BF16>(p, grid, cl, stream);
 }
 
@@ -803,7 +810,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
       a->policy != LF_POLICY_RKV)
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: policy %d not implemented on cuda",
                     (int)a->policy);
-  if (!lf_kvq_row_known(pv->kv_dtype))
+  if (!lf_kvq_known(pv->kv_dtype))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn: kv dtype %d", pv->kv_dtype);
   if (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn: quantized pools need their scales");
@@ -886,6 +893,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   const int qd = pv->kv_dtype == LF_KV_FP8    ? DA_FP8
                  : pv->kv_dtype == LF_KV_INT8 ? DA_INT8
                  : pv->kv_dtype == LF_KV_INT4 ? DA_INT4
+                 : pv->kv_dtype == LF_KV_K8V4 ? DA_K8V4
                                               : DA_BF16;
   /* Four blocks per SM (128 registers) while four blocks' shared memory still leaves L1 room
    * for loads in flight; past that, three blocks with the registers the compiler wants. */

@@ -174,7 +174,7 @@ extern "C" lf_status lf_cuda_decode_attn_simple(const lf_cuda_pool_view *pv, int
                     "stage >= 1 (got %d)", pv->stage);
   if (policy == LF_POLICY_H2O && !pv->acc)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_decode_attn_simple: h2o needs the pool's acc");
-  if (!lf_kvq_fits_cuda(pv->kv_dtype, pv->head_dim) ||
+  if (!lf_kvq_fits(pv->kv_dtype, pv->head_dim) ||
       (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale)))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_decode_attn_simple: kv dtype %d (scales %s)",
                     pv->kv_dtype, pv->k_scale ? "set" : "missing");

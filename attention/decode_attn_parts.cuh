@@ -95,7 +95,10 @@ static __device__ __forceinline__ uint4 i8x8_bf16x8(uint2 w) {
 
 /* The kernel's K/V storage: bf16, 8-bit codes with a scale per row, or 4-bit codes with a step
  * and floor per 32 dims (base/kvq.h). */
-enum { DA_BF16 = 0, DA_FP8 = 1, DA_INT8 = 2, DA_INT4 = 3 };
+enum { DA_BF16 = 0, DA_FP8 = 1, DA_INT8 = 2, DA_INT4 = 3, DA_K8V4 = 4 };
+/* The K and V row formats of a pool storage Q (k8v4: int8 keys, int4 values). */
+constexpr int da_kfmt(int q) { return q == DA_K8V4 ? DA_INT8 : q; }
+constexpr int da_vfmt(int q) { return q == DA_K8V4 ? DA_INT4 : q; }
 
 /* int4 pools (the INT4 kernel). The nibbles of dims 2k and 2k + 1 of a code word (base/kvq.h's
  * order) as the bf16 pair (128 + code): the nibbles land in the low mantissa bits of 128.0's

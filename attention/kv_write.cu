@@ -132,7 +132,7 @@ extern "C" lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, cudaStream_t st
                 pv->n_kv_heads != a->n_kv_heads || pv->head_dim != a->head_dim ||
                 (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale))))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_qkv_rope: incomplete pool write");
-  if (pv->k && !lf_kvq_fits_cuda(pv->kv_dtype, pv->head_dim))
+  if (pv->k && !lf_kvq_fits(pv->kv_dtype, pv->head_dim))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_qkv_rope: kv dtype %d", pv->kv_dtype);
   if (a->n_tok == 0) return LF_OK;
   lf_launch(qkv_rope_kernel, dim3((a->n_heads + a->n_kv_heads + ROPE_WARPS - 1) / ROPE_WARPS, a->n_tok),

@@ -83,7 +83,9 @@ static __device__ __forceinline__ float lf_kvq_store_row(const lf_cuda_pool_view
                                                          float *scales, size_t row,
                                                          const float (&x)[NE], int D, int lane) {
   float l1 = 0.0f;
-  if (p.kv_dtype == LF_KV_INT4) {
+  /* the row format of this side (k8v4: int8 K rows, int4 V rows) */
+  const int fmt = base == p.k ? lf_kvq_k_row(p.kv_dtype) : lf_kvq_v_row(p.kv_dtype);
+  if (fmt == LF_KV_INT4) {
     /* dims lane + 32 i are group i (D a multiple of 32): the group's min and max across the
      * warp, each lane's nibble, the 8 nibbles of a code word gathered by xor shuffles */
     uint32_t *words = (uint32_t *)base + row * (size_t)(D / 8);
@@ -107,7 +109,7 @@ static __device__ __forceinline__ float lf_kvq_store_row(const lf_cuda_pool_view
         if (lane == 0) meta[i] = m;
         l1 += fabsf(lf_i4_value(c, m));
       }
-  } else if (p.kv_dtype != LF_KV_BF16) {
+  } else if (fmt != LF_KV_BF16) {
     float amax = 0.0f;
     int nonfinite = 0;
 #pragma unroll
@@ -119,14 +121,14 @@ static __device__ __forceinline__ float lf_kvq_store_row(const lf_cuda_pool_view
       }
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     nonfinite = __any_sync(0xffffffffu, nonfinite);
-    const float sc = lf_kvq_row_scale(p.kv_dtype, amax, nonfinite);
+    const float sc = lf_kvq_row_scale(fmt, amax, nonfinite);
     uint8_t *dst = (uint8_t *)base + row * (size_t)D;
 #pragma unroll
     for (int i = 0; i < NE; i++)
       if (lane + 32 * i < D) {
-        const uint8_t c = lf_kvq_code(p.kv_dtype, x[i], sc);
+        const uint8_t c = lf_kvq_code(fmt, x[i], sc);
         dst[lane + 32 * i] = c;
-        l1 += fabsf(lf_kvq_value(p.kv_dtype, c, sc));
+        l1 += fabsf(lf_kvq_value(fmt, c, sc));
       }
     if (lane == 0) scales[row] = sc;
   } else {

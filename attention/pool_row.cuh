@@ -21,11 +21,12 @@ static __device__ __forceinline__ float pool_val(const lf_cuda_pool_view &p, con
                                                  const float *scales, size_t hidx, int slot,
                                                  int d) {
   const size_t row = hidx * p.budget + slot;
-  if (p.kv_dtype == LF_KV_INT4)
+  const int fmt = base == p.k ? lf_kvq_k_row(p.kv_dtype) : lf_kvq_v_row(p.kv_dtype);
+  if (fmt == LF_KV_INT4)
     return lf_i4_value(lf_i4_get((const uint32_t *)base + row * (p.head_dim / 8), d),
                        ((const uint32_t *)scales)[row * (p.head_dim / LF_I4_GROUP) + d / LF_I4_GROUP]);
-  if (p.kv_dtype != LF_KV_BF16)
-    return lf_kvq_value(p.kv_dtype, ((const uint8_t *)base)[row * p.head_dim + d], scales[row]);
+  if (fmt != LF_KV_BF16)
+    return lf_kvq_value(fmt, ((const uint8_t *)base)[row * p.head_dim + d], scales[row]);
   return __bfloat162float(((const __nv_bfloat16 *)base)[row * p.head_dim + d]);
 }
 

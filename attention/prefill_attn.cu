@@ -372,7 +372,7 @@ static __global__ void pool_dequant_kernel(lf_cuda_pool_view p, int pool, int la
 
 extern "C" lf_status lf_cuda_pool_dequant(const lf_cuda_pool_view *pv, int pool, int layer, int n0,
                                           cudaStream_t stream) {
-  if (!pv || pv->kv_dtype == LF_KV_BF16 || !lf_kvq_fits_cuda(pv->kv_dtype, pv->head_dim) || !pv->deq_k ||
+  if (!pv || pv->kv_dtype == LF_KV_BF16 || !lf_kvq_fits(pv->kv_dtype, pv->head_dim) || !pv->deq_k ||
       !pv->deq_v || !pv->k_scale ||
       !pv->v_scale || n0 < 0 || n0 > pv->budget || layer < 0 || layer >= pv->n_layers)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_pool_dequant: bad arguments");
@@ -388,7 +388,7 @@ lf_status lf_cuda_read_view(const lf_cuda_pool_view *pv, int *pool, int *layer, 
                             cudaStream_t stream, lf_cuda_pool_view *rv) {
   *rv = *pv;
   if (pv->kv_dtype == LF_KV_BF16) return LF_OK;
-  if (!lf_kvq_fits_cuda(pv->kv_dtype, pv->head_dim))
+  if (!lf_kvq_fits(pv->kv_dtype, pv->head_dim))
     return lf_error(LF_ERR_UNSUPPORTED, "prefill attention: kv dtype %d, head_dim %d",
                     pv->kv_dtype, pv->head_dim);
   if (fill) LF_TRY(lf_cuda_pool_dequant(pv, *pool, *layer, n0, stream));
@@ -572,7 +572,7 @@ extern "C" lf_status lf_cuda_kv_store(const lf_cuda_pool_view *pv, int pool, int
       (!slot_of && n0 + n_tok > pv->budget))
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_kv_store: bad arguments");
   if (pv->head_dim > ATT_DMAX ||
-      !lf_kvq_fits_cuda(pv->kv_dtype, pv->head_dim) ||
+      !lf_kvq_fits(pv->kv_dtype, pv->head_dim) ||
       (pv->kv_dtype != LF_KV_BF16 && (!pv->k_scale || !pv->v_scale)))
     return lf_error(LF_ERR_UNSUPPORTED, "lf_cuda_kv_store: head_dim %d, kv dtype %d",
                     pv->head_dim, pv->kv_dtype);

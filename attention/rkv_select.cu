@@ -89,15 +89,15 @@ static __device__ __forceinline__ void rk_pair(const lf_cuda_pool_view &p, size_
     }
   } else {
     const uint8_t *c = (const uint8_t *)p.k + (hidx * p.budget + slot) * (size_t)D;
-    hi = bf16_pack(lf_kvq_value(p.kv_dtype, c[d], 1.f),
-                 d + 1 < D ? lf_kvq_value(p.kv_dtype, c[d + 1], 1.f) : 0.f);
+    const int kf = lf_kvq_k_row(p.kv_dtype); /* the 8-bit K rows (k8v4's too) */
+    hi = bf16_pack(lf_kvq_value(kf, c[d], 1.f), d + 1 < D ? lf_kvq_value(kf, c[d + 1], 1.f) : 0.f);
   }
 }
 
 /* The factor from a row's scan values to its values: the row's scale under fp8 and int8. */
 static __device__ __forceinline__ double rk_row_factor(const lf_cuda_pool_view &p, size_t hidx,
                                                        int slot) {
-  return p.kv_dtype == LF_KV_INT8 || p.kv_dtype == LF_KV_FP8
+  return lf_kvq_k_row(p.kv_dtype) == LF_KV_INT8 || lf_kvq_k_row(p.kv_dtype) == LF_KV_FP8
              ? (double)p.k_scale[hidx * p.budget + slot]
              : 1.0;
 }
@@ -592,7 +592,7 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
                     "lf_cuda_rkv_select: bad shape (heads_per_scope %d of %d KV heads, %d "
                     "scopes, stage %d, group %d, sink %d, layer %d)",
                     a->heads_per_scope, nkv, a->n_scopes, a->pool.stage, a->group, a->sink, a->layer);
-  const bool split = a->pool.kv_dtype == LF_KV_INT4;
+  const bool split = lf_kvq_k_row(a->pool.kv_dtype) == LF_KV_INT4;
   const bool cp = a->pool.kv_dtype == LF_KV_BF16 && a->pool.head_dim % 8 == 0;
   const size_t smem = rk_smem_bytes(B, rk_pow2(B), split || cp);
   const cudaError_t lim = split ? lf_smem_optin<rkv_select_kernel<false, true>>()

@@ -252,12 +252,6 @@ LF_HD int lf_kvq_fits(int kv_dtype, int head_dim) {
          (lf_kvq_v_row(kv_dtype) != LF_KVQ_INT4 || head_dim % LF_I4_GROUP == 0);
 }
 
-/* What the CUDA kernels store so far: a pool dtype whose K and V rows share one format (all but
- * k8v4), with rows of head_dim values. */
-LF_HD int lf_kvq_fits_cuda(int kv_dtype, int head_dim) {
-  return lf_kvq_row_known(kv_dtype) && lf_kvq_fits(kv_dtype, head_dim);
-}
-
 LF_HD float lf_kvq_row_scale(int kv_dtype, float amax, int nonfinite) {
   return kv_dtype == LF_KVQ_INT8 ? lf_i8_row_scale(amax, nonfinite)
                                  : lf_fp8_row_scale(amax, nonfinite);

@@ -39,9 +39,8 @@ struct DevPool {
     v.k = dev<uint16_t>(slots * s.head_dim);
     v.v = dev<uint16_t>(slots * s.head_dim);
     if (s.kv_dtype != LF_KV_BF16) { // codes in the bf16-sized buffers; scales; the chunk scratch
-      const size_t mw = size_t(lf_kvq_meta_words(s.kv_dtype, s.head_dim));
-      v.k_scale = dev<float>(slots * mw);
-      v.v_scale = dev<float>(slots * mw);
+      v.k_scale = dev<float>(slots * size_t(lf_kvq_meta_words(lf_kvq_k_row(s.kv_dtype), s.head_dim)));
+      v.v_scale = dev<float>(slots * size_t(lf_kvq_meta_words(lf_kvq_v_row(s.kv_dtype), s.head_dim)));
       v.deq_k = dev<uint16_t>(size_t(s.n_kv_heads) * s.budget * s.head_dim);
       v.deq_v = dev<uint16_t>(size_t(s.n_kv_heads) * s.budget * s.head_dim);
     }
@@ -54,15 +53,16 @@ struct DevPool {
   void upload(const lf_kv_arena &a) {
     const size_t D = size_t(a.shape.head_dim);
     if (a.shape.kv_dtype != LF_KV_BF16) { // each row's codes and scales
-      const int kvd = a.shape.kv_dtype;
-      const size_t rb = size_t(lf_kvq_code_bytes(kvd, int(D))), mw = size_t(lf_kvq_meta_words(kvd, int(D)));
-      std::vector<uint32_t> k(slots * rb / 4), vv(slots * rb / 4), ks(slots * mw), vs(slots * mw);
+      const int kf = lf_kvq_k_row(a.shape.kv_dtype), vf = lf_kvq_v_row(a.shape.kv_dtype);
+      const size_t krb = size_t(lf_kvq_code_bytes(kf, int(D))), kmw = size_t(lf_kvq_meta_words(kf, int(D)));
+      const size_t vrb = size_t(lf_kvq_code_bytes(vf, int(D))), vmw = size_t(lf_kvq_meta_words(vf, int(D)));
+      std::vector<uint32_t> k(slots * krb / 4), vv(slots * vrb / 4), ks(slots * kmw), vs(slots * vmw);
       for (size_t i = 0; i < slots; i++) {
-        lf_kvq_encode_row(kvd, a.k + i * D, int(D), (uint8_t *)k.data() + i * rb, &ks[i * mw]);
-        lf_kvq_encode_row(kvd, a.v + i * D, int(D), (uint8_t *)vv.data() + i * rb, &vs[i * mw]);
+        lf_kvq_encode_row(kf, a.k + i * D, int(D), (uint8_t *)k.data() + i * krb, &ks[i * kmw]);
+        lf_kvq_encode_row(vf, a.v + i * D, int(D), (uint8_t *)vv.data() + i * vrb, &vs[i * vmw]);
       }
-      EXPECT_EQ(cudaMemcpy(v.k, k.data(), slots * rb, cudaMemcpyHostToDevice), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(v.v, vv.data(), slots * rb, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.k, k.data(), slots * krb, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(v.v, vv.data(), slots * vrb, cudaMemcpyHostToDevice), cudaSuccess);
       EXPECT_EQ(cudaMemcpy(v.k_scale, ks.data(), ks.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
       EXPECT_EQ(cudaMemcpy(v.v_scale, vs.data(), vs.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     }
@@ -268,7 +268,8 @@ TEST(GpuKernels, PrefillVsReference) {
                  Case{64, 4, 500, 2100, 0, 1}, Case{128, 2, 60, 70, 0, 8},
                  Case{128, 4, 40, 37, 0, 8}, Case{64, 2, 200, 1, 150, 8}}) {
    for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O})
-   for (int kvd : {int(LF_KV_BF16), int(LF_KV_FP8), int(LF_KV_INT8), int(LF_KV_INT4)}) {
+   for (int kvd : {int(LF_KV_BF16), int(LF_KV_FP8), int(LF_KV_INT8), int(LF_KV_INT4),
+                   int(LF_KV_K8V4)}) {
     // 8-bit pools: a chunk attends to the pool's slots through bf16 copies of what their codes
     // read back (the CPU pool holds those values exactly in fp32). The output is held to the
     // reference run over a copy of the CPU pool with the same bf16 rounding, so the bound stays
@@ -397,7 +398,8 @@ TEST(GpuKernels, PrefillVsReference) {
       std::vector<float> pacc(dp.slots);
       CK(cudaMemcpy(pacc.data(), dp.v.acc, dp.slots * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
-      const size_t rb = size_t(lf_kvq_code_bytes(kvd, D)), mw = size_t(lf_kvq_meta_words(kvd, D));
+      const int kf = lf_kvq_k_row(kvd); /* the K rows read back below */
+      const size_t rb = size_t(lf_kvq_code_bytes(kf, D)), mw = size_t(lf_kvq_meta_words(kf, D));
       std::vector<uint32_t> pk8(kvd != LF_KV_BF16 ? dp.slots * rb / 4 : 0);
       std::vector<uint32_t> pks(kvd != LF_KV_BF16 ? dp.slots * mw : 0);
       if (kvd != LF_KV_BF16) {
@@ -437,7 +439,7 @@ TEST(GpuKernels, PrefillVsReference) {
           for (int d = 0; d < D; d++) {
             const size_t row = static_cast<size_t>(g) * B + i;
             const float got = kvd != LF_KV_BF16
-                                  ? lf_kvq_row_value(kvd, (const uint8_t *)pk8.data() + row * rb,
+                                  ? lf_kvq_row_value(kf, (const uint8_t *)pk8.data() + row * rb,
                                                      &pks[row * mw], d)
                                   : bf(pk[row * D + d]);
             ASSERT_EQ(got, h.k[size_t(i) * D + d]) << "k slot " << i << " head " << g;

@@ -153,10 +153,13 @@ void run_case(const Case &c, int kv_dtype) {
   std::vector<uint16_t> hk(n_slots_all * D, BF_NAN), hv(n_slots_all * D, BF_NAN);
   /* fp8: NaN codes and NaN scales outside the filled slots */
   /* quantized: codes 0xff and NaN scales (NaN as fp32 and as both bf16 halves) outside */
-  const size_t rb = (size_t)lf_kvq_code_bytes(kv_dtype, D), mw = (size_t)lf_kvq_meta_words(kv_dtype, D);
-  std::vector<uint8_t> hk8(f8 ? n_slots_all * rb : 0, 0xff), hv8(f8 ? n_slots_all * rb : 0, 0xff);
-  std::vector<uint32_t> hks(f8 ? n_slots_all * mw : 0, 0x7fc07fc0u),
-      hvs(f8 ? n_slots_all * mw : 0, 0x7fc07fc0u);
+  /* each side's row format (k8v4: int8 K rows, int4 V rows), bytes and meta words */
+  const int kf = lf_kvq_k_row(kv_dtype), vf = lf_kvq_v_row(kv_dtype);
+  const size_t krb = (size_t)lf_kvq_code_bytes(kf, D), kmw = (size_t)lf_kvq_meta_words(kf, D);
+  const size_t vrb = (size_t)lf_kvq_code_bytes(vf, D), vmw = (size_t)lf_kvq_meta_words(vf, D);
+  std::vector<uint8_t> hk8(f8 ? n_slots_all * krb : 0, 0xff), hv8(f8 ? n_slots_all * vrb : 0, 0xff);
+  std::vector<uint32_t> hks(f8 ? n_slots_all * kmw : 0, 0x7fc07fc0u),
+      hvs(f8 ? n_slots_all * vmw : 0, 0x7fc07fc0u);
   std::vector<int32_t> max_pos(NS, 0);
   for (int s = 0; s < NS; s++) {
     const int pool = pool_ids[s];
@@ -186,13 +189,13 @@ void run_case(const Case &c, int kv_dtype) {
             vr[d] = round_bf(nd(rng));
           }
           if (f8) { /* the GPU gets the codes, the CPU what they read back */
-            uint8_t *kc = &hk8[(slot0 + i) * rb], *vc = &hv8[(slot0 + i) * rb];
-            uint32_t *km = &hks[(slot0 + i) * mw], *vm = &hvs[(slot0 + i) * mw];
-            lf_kvq_encode_row(kv_dtype, kr, D, kc, km);
-            lf_kvq_encode_row(kv_dtype, vr, D, vc, vm);
+            uint8_t *kc = &hk8[(slot0 + i) * krb], *vc = &hv8[(slot0 + i) * vrb];
+            uint32_t *km = &hks[(slot0 + i) * kmw], *vm = &hvs[(slot0 + i) * vmw];
+            lf_kvq_encode_row(kf, kr, D, kc, km);
+            lf_kvq_encode_row(vf, vr, D, vc, vm);
             for (int d = 0; d < D; d++) {
-              kr[d] = lf_kvq_row_value(kv_dtype, kc, km, d);
-              vr[d] = lf_kvq_row_value(kv_dtype, vc, vm, d);
+              kr[d] = lf_kvq_row_value(kf, kc, km, d);
+              vr[d] = lf_kvq_row_value(vf, vc, vm, d);
             }
           }
           for (int d = 0; d < D; d++) l1 += std::fabs((double)vr[d]);
@@ -537,9 +540,9 @@ void run_case(const Case &c, int kv_dtype) {
         EXPECT_NEAR(gvn[hidx * B + i], kh.vnorm[i], 1e-5f * kh.vnorm[i]);
         const size_t row = hidx * B + i;
         for (int d = 0; d < D; d++) {
-          const float gkx = f8 ? lf_kvq_row_value(kv_dtype, &gk8[row * rb], &gks[row * mw], d)
+          const float gkx = f8 ? lf_kvq_row_value(kf, &gk8[row * krb], &gks[row * kmw], d)
                                : bf2f(gk[row * D + d]);
-          const float gvx = f8 ? lf_kvq_row_value(kv_dtype, &gv8[row * rb], &gvs[row * mw], d)
+          const float gvx = f8 ? lf_kvq_row_value(vf, &gv8[row * vrb], &gvs[row * vmw], d)
                                : bf2f(gv[row * D + d]);
           ASSERT_EQ(gkx, kh.k[(size_t)i * D + d]) << "k, slot " << i << " dim " << d;
           ASSERT_EQ(gvx, kh.v[(size_t)i * D + d]) << "v, slot " << i << " dim " << d;
@@ -597,6 +600,15 @@ TEST_P(DecodeAttnInt4, MatchesCpuReference) {
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
   run_case(GetParam(), LF_KV_INT4);
+}
+
+/* k8v4 pools: the 8-bit K path and the int4 V path in one instantiation, and each side's write. */
+class DecodeAttnK8V4 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeAttnK8V4, MatchesCpuReference) {
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(GetParam(), LF_KV_K8V4);
 }
 
 /* Single steps over the shape grid, each with one split and with several (exercising the
@@ -673,6 +685,10 @@ INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnInt8, ::testing::ValuesIn(cases()),
                            return case_name(i.param);
                          });
 INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnInt4, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case> &i) {
+                           return case_name(i.param);
+                         });
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnK8V4, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case> &i) {
                            return case_name(i.param);
                          });

@@ -51,8 +51,9 @@ void run_case(const Case &c) {
   std::vector<float> k(size_t(H) * B * D, 0.f), acc(size_t(H) * B, 0.f);
   // the values the pool reads back: bf16-rounded, or a quantized row's codes under its meta
   const bool quant = c.dtype != LF_KV_BF16;
-  const size_t cb = quant ? size_t(lf_kvq_code_bytes(c.dtype, D)) : 0,
-               mw = quant ? size_t(lf_kvq_meta_words(c.dtype, D)) : 0;
+  const int kf = lf_kvq_k_row(c.dtype); /* the selection reads K rows only (k8v4: int8) */
+  const size_t cb = quant ? size_t(lf_kvq_code_bytes(kf, D)) : 0,
+               mw = quant ? size_t(lf_kvq_meta_words(kf, D)) : 0;
   std::vector<uint16_t> kb(size_t(H) * B * D, 0);
   std::vector<uint8_t> kq(size_t(H) * B * cb, 0);
   std::vector<uint32_t> ks(size_t(H) * B * mw, 0);
@@ -79,8 +80,8 @@ void run_case(const Case &c) {
   for (size_t row = 0; row < size_t(H) * B; row++) {
     float *r = &k[row * D];
     if (quant) {
-      lf_kvq_encode_row(c.dtype, r, D, &kq[row * cb], &ks[row * mw]);
-      for (int d = 0; d < D; d++) r[d] = lf_kvq_row_value(c.dtype, &kq[row * cb], &ks[row * mw], d);
+      lf_kvq_encode_row(kf, r, D, &kq[row * cb], &ks[row * mw]);
+      for (int d = 0; d < D; d++) r[d] = lf_kvq_row_value(kf, &kq[row * cb], &ks[row * mw], d);
     } else {
       for (int d = 0; d < D; d++) {
         r[d] = bfr(r[d]);
@@ -237,6 +238,7 @@ TEST(GpuRkv, SelectionMatchesCpuTwin) {
       {300, 300, 2, 1, 2, 4, 16, 64, LF_KV_INT8, 9, true},  // int8 at the threshold
       {256, 250, 2, 1, 2, 4, 16, 64, LF_KV_INT4, 10},  // int4: the two-term bf16 split
       {384, 384, 2, 1, 2, 4, 16, 128, LF_KV_INT4, 11, true}, // int4 at the threshold
+      {300, 300, 2, 1, 2, 4, 16, 64, LF_KV_K8V4, 15, true},  // k8v4: its int8 K rows
       {200, 200, 2, 1, 1, 4, 16, 8, LF_KV_BF16, 12},   // head_dim 8 (stories260K)
       {300, 297, 1, 1, 1, 4, 8, 72, LF_KV_BF16, 13, true}, // head_dim 72: not whole k steps
       {128, 128, 2, 1, 1, 4, 8, 36, LF_KV_BF16, 14},   // head_dim 36: not whole 16-byte chunks

@@ -210,8 +210,9 @@ static lf_status check_config(cuda_backend *c) {
   if (p->kv_dtype == LF_KV_K8V4)
     return lf_error(LF_ERR_UNSUPPORTED,
                     "cuda backend: kv dtype k8v4 (int8 keys, int4 values) runs on the cpu backend "
-                    "only so far; choose int8 or int4 on cuda");
-  if (!lf_kvq_fits_cuda((int)p->kv_dtype, D))
+                    "only until its kernels have run against their CPU twins on a GPU; choose "
+                    "int8 or int4 on cuda");
+  if (!lf_kvq_fits((int)p->kv_dtype, D))
     return lf_error(LF_ERR_UNSUPPORTED,
                     "cuda backend: kv dtype %d with head_dim %d (bf16, fp8, int8; int4 needs a "
                     "multiple of %d)",
@@ -282,13 +283,15 @@ static lf_status create_arena(cuda_backend *c) {
   c->pv.budget = p->budget;
   c->pv.head_dim = D;
   c->pv.kv_dtype = (int)p->kv_dtype;
-  const size_t rb = (size_t)lf_kvq_code_bytes((int)p->kv_dtype, D); /* bytes per K/V row */
-  const size_t mb = 4 * (size_t)lf_kvq_meta_words((int)p->kv_dtype, D); /* scales per row */
-  CB_ALLOC(c->pv.k, slots * rb);
-  CB_ALLOC(c->pv.v, slots * rb);
+  /* bytes per K and per V row, and their scales (k8v4: int8 K rows, int4 V rows) */
+  const int kf = lf_kvq_k_row((int)p->kv_dtype), vf = lf_kvq_v_row((int)p->kv_dtype);
+  const size_t krb = (size_t)lf_kvq_code_bytes(kf, D), vrb = (size_t)lf_kvq_code_bytes(vf, D);
+  const size_t kmb = 4 * (size_t)lf_kvq_meta_words(kf, D), vmb = 4 * (size_t)lf_kvq_meta_words(vf, D);
+  CB_ALLOC(c->pv.k, slots * krb);
+  CB_ALLOC(c->pv.v, slots * vrb);
   if (p->kv_dtype != LF_KV_BF16) {
-    CB_ALLOC(c->pv.k_scale, slots * mb);
-    CB_ALLOC(c->pv.v_scale, slots * mb);
+    CB_ALLOC(c->pv.k_scale, slots * kmb);
+    CB_ALLOC(c->pv.v_scale, slots * vmb);
     CB_ALLOC(c->pv.deq_k, (size_t)hkv * p->budget * D * 2);
     CB_ALLOC(c->pv.deq_v, (size_t)hkv * p->budget * D * 2);
   }
