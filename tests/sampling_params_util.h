@@ -93,6 +93,14 @@ inline lf_status submit_req(lf_engine_t e, const Req &r, uint64_t *id) {
 // Runs the requests together on one engine (as many pools as requests).
 inline lf_backend_kind g_backend = LF_BACKEND_CPU; // which backend the engine and raw_logits use
 
+/* The engine checks need stories260K from $LF_TEST_DATA (default ../shared): without it they skip,
+ * naming the path (GTEST_SKIP in a helper marks the calling test skipped). */
+#define SP_NEED_STORIES()                                                                          \
+  do {                                                                                             \
+    if (!lf_path_exists(stories_bin()))                                                            \
+      GTEST_SKIP() << "stories260K not found at " << stories_bin() << " (set LF_TEST_DATA)";       \
+  } while (0)
+
 inline std::vector<RunOut> run_batch(const std::vector<Req> &reqs, int max_batch_tokens = 0) {
   lf_engine_config cfg = base_config(stories_bin(), LF_POLICY_FULL, 128, int(reqs.size()),
                                      max_batch_tokens);
@@ -177,6 +185,7 @@ inline std::vector<int32_t> random_prompt(std::mt19937_64 &g, int n, int vocab) 
  * the engine's passes and one forward over the whole sequence) ---- */
 
 inline void EngineGreedyWithPenaltiesMatchesBruteForce(double tol) {
+  SP_NEED_STORIES();
   const int vocab = 512; // stories260K
   std::mt19937_64 g(lf_test_seed() + 2);
   std::vector<Req> reqs(5);
@@ -217,6 +226,7 @@ inline void EngineGreedyWithPenaltiesMatchesBruteForce(double tol) {
 }
 
 inline void HugeBiasForcesAToken(double tol) {
+  SP_NEED_STORIES();
   (void)tol;
   Req r;
   r.prompt = {1, 2, 3, 4};
@@ -235,6 +245,7 @@ inline void HugeBiasForcesAToken(double tol) {
  * random streams would part at once), and each run must repeat exactly (the caller turns off the
  * per-engine GEMM timing, whose choice may differ between two engines: LF_CUDA_GEMM_TUNE). */
 inline void SeedsAreReproducibleAndIndependentOfNeighbours(double tol, bool batch_invariant = true) {
+  SP_NEED_STORIES();
   (void)tol;
   std::mt19937_64 g(lf_test_seed() + 3);
   Req a;
@@ -272,6 +283,7 @@ inline void SeedsAreReproducibleAndIndependentOfNeighbours(double tol, bool batc
 }
 
 inline void LogprobsAreTheRawModelDistribution(double tol) {
+  SP_NEED_STORIES();
   std::mt19937_64 g(lf_test_seed() + 4);
   Req r;
   r.prompt = random_prompt(g, 11, 512);

@@ -100,6 +100,7 @@ TEST(SamplingParams, SeedsAreReproducibleAndIndependentOfNeighbours) { SeedsAreR
 TEST(SamplingParams, LogprobsAreTheRawModelDistribution) { LogprobsAreTheRawModelDistribution(kTol); }
 
 TEST(SamplingParams, BadValuesAreRefused) {
+  SP_NEED_STORIES();
   lf_engine_config cfg = base_config(stories_bin(), LF_POLICY_FULL, 64, 1, 0);
   lf_engine_t e = nullptr;
   ASSERT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_OK) << lf_last_error();
