@@ -62,6 +62,8 @@ lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, struct CUstream_st *stream
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 
+#include "attention/pool_row.cuh"
+
 /* The slot a new token goes to (docs/DESIGN.md §3 step 1): a free slot while n < B, else `next`;
  * -1 when nothing may be written (full policy with a full pool, or no valid eviction target). */
 static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int budget, int sink,
@@ -83,8 +85,7 @@ static __device__ __forceinline__ float lf_kvq_store_row(const lf_cuda_pool_view
                                                          float *scales, size_t row,
                                                          const float (&x)[NE], int D, int lane) {
   float l1 = 0.0f;
-  /* the row format of this side (k8v4: int8 K rows, int4 V rows) */
-  const int fmt = base == p.k ? lf_kvq_k_row(p.kv_dtype) : lf_kvq_v_row(p.kv_dtype);
+  const int fmt = pool_fmt(p, base); /* this side's row format (pool_row.cuh) */
   if (fmt == LF_KV_INT4) {
     /* dims lane + 32 i are group i (D a multiple of 32): the group's min and max across the
      * warp, each lane's nibble, the 8 nibbles of a code word gathered by xor shuffles */

@@ -97,9 +97,8 @@ static __device__ __forceinline__ void rk_pair(const lf_cuda_pool_view &p, size_
 /* The factor from a row's scan values to its values: the row's scale under fp8 and int8. */
 static __device__ __forceinline__ double rk_row_factor(const lf_cuda_pool_view &p, size_t hidx,
                                                        int slot) {
-  return lf_kvq_k_row(p.kv_dtype) == LF_KV_INT8 || lf_kvq_k_row(p.kv_dtype) == LF_KV_FP8
-             ? (double)p.k_scale[hidx * p.budget + slot]
-             : 1.0;
+  const int kf = lf_kvq_k_row(p.kv_dtype);
+  return kf == LF_KV_INT8 || kf == LF_KV_FP8 ? (double)p.k_scale[hidx * p.budget + slot] : 1.0;
 }
 
 /* Dims 4 lane .. 4 lane + 3 of a row as attention reads it (pool_val; zero past head_dim): one

@@ -227,14 +227,9 @@ LF_HD int lf_kvq_v_row(int kv_dtype) {
   return kv_dtype == LF_KVQ_K8V4 ? LF_KVQ_INT4 : kv_dtype;
 }
 
-/* 1 for a row format the pools know (bf16, the 8-bit formats, int4). */
-LF_HD int lf_kvq_row_known(int row) {
-  return row == 0 || row == LF_KVQ_FP8 || row == LF_KVQ_INT8 || row == LF_KVQ_INT4;
-}
-
-/* 1 for a pool dtype the pools know (the row formats, and int8 K with int4 V). */
+/* 1 for a pool dtype the pools know (bf16, the 8-bit formats, int4, int8 K with int4 V). */
 LF_HD int lf_kvq_known(int kv_dtype) {
-  return lf_kvq_row_known(kv_dtype) || kv_dtype == LF_KVQ_K8V4;
+  return kv_dtype >= 0 && kv_dtype <= LF_KVQ_K8V4;
 }
 
 /* Bytes of codes per row of head_dim values, and 32-bit metadata words per row (scales), of a
@@ -246,10 +241,17 @@ LF_HD int lf_kvq_meta_words(int kv_dtype, int head_dim) {
   return kv_dtype == 0 ? 0 : kv_dtype == LF_KVQ_INT4 ? head_dim / LF_I4_GROUP : 1;
 }
 
-/* 1 when the pool dtype can store rows of head_dim values (int4 rows: whole groups). */
+/* 1 when the pool dtype can store rows of head_dim values: int4 rows, K's or V's, need whole
+ * groups. */
 LF_HD int lf_kvq_fits(int kv_dtype, int head_dim) {
   return lf_kvq_known(kv_dtype) && head_dim > 0 &&
-         (lf_kvq_v_row(kv_dtype) != LF_KVQ_INT4 || head_dim % LF_I4_GROUP == 0);
+         ((lf_kvq_k_row(kv_dtype) != LF_KVQ_INT4 && lf_kvq_v_row(kv_dtype) != LF_KVQ_INT4) ||
+          head_dim % LF_I4_GROUP == 0);
+}
+
+/* Bytes one stored row of a row format takes: its codes and its metadata words. */
+LF_HD int lf_kvq_row_bytes(int row, int head_dim) {
+  return lf_kvq_code_bytes(row, head_dim) + 4 * lf_kvq_meta_words(row, head_dim);
 }
 
 LF_HD float lf_kvq_row_scale(int kv_dtype, float amax, int nonfinite) {

@@ -53,13 +53,11 @@ uint64_t lf_pool_bytes(const lf_pool_shape *s) {
 uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int acc) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
   const uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
-  /* codes and metadata of a K row and a V row (bf16: 2 bytes a value; 8-bit: a byte a value
-   * and the scale; int4: half a byte a value and a (step, floor) word per group) */
+  /* a K row and a V row, codes and metadata (bf16: 2 bytes a value; 8-bit: a byte a value and
+   * the scale; int4: half a byte a value and a (step, floor) word per group) */
   if (!lf_kvq_fits(s->kv_dtype, s->head_dim)) return 0;
-  const int kr = lf_kvq_k_row(s->kv_dtype), vr = lf_kvq_v_row(s->kv_dtype);
-  const uint64_t kv_bytes =
-      (uint64_t)lf_kvq_code_bytes(kr, s->head_dim) + 4u * (uint64_t)lf_kvq_meta_words(kr, s->head_dim) +
-      (uint64_t)lf_kvq_code_bytes(vr, s->head_dim) + 4u * (uint64_t)lf_kvq_meta_words(vr, s->head_dim);
+  const uint64_t kv_bytes = (uint64_t)lf_kvq_row_bytes(lf_kvq_k_row(s->kv_dtype), s->head_dim) +
+                            (uint64_t)lf_kvq_row_bytes(lf_kvq_v_row(s->kv_dtype), s->head_dim);
   const uint64_t slot_bytes = kv_bytes + 4u + 4u + (acc ? 4u : 0u);
   const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t) +
                               (s->stage > 0 ? ((uint64_t)s->stage + 1u) * sizeof(int32_t) : 0u);

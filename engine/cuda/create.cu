@@ -283,7 +283,7 @@ static lf_status create_arena(cuda_backend *c) {
   c->pv.budget = p->budget;
   c->pv.head_dim = D;
   c->pv.kv_dtype = (int)p->kv_dtype;
-  /* bytes per K and per V row, and their scales (k8v4: int8 K rows, int4 V rows) */
+  /* codes and scales of the K and of the V rows (k8v4: int8 K rows, int4 V rows) */
   const int kf = lf_kvq_k_row((int)p->kv_dtype), vf = lf_kvq_v_row((int)p->kv_dtype);
   const size_t krb = (size_t)lf_kvq_code_bytes(kf, D), vrb = (size_t)lf_kvq_code_bytes(vf, D);
   const size_t kmb = 4 * (size_t)lf_kvq_meta_words(kf, D), vmb = 4 * (size_t)lf_kvq_meta_words(vf, D);
