@@ -249,8 +249,13 @@ TEST(GpuKernels, DecodeAttnVsReference) {
 
 // Prefill attention + pool write (append, and SnapKV compression of an empty pool) against
 // lf_attn_prefill_ref on identical bf16 inputs.
-TEST(GpuKernels, PrefillVsReference) {
+// One instance per pool dtype (PrefillVsReference/Dtype.Cases/k8v4), so each can run alone or
+// beside the others: the CPU reference over the long cases takes minutes per dtype.
+class PrefillVsReference : public ::testing::TestWithParam<int> {};
+
+TEST_P(PrefillVsReference, Cases) {
   NEED_GPU();
+  const int kvd = GetParam();
   const uint64_t seed = lf_test_seed();
   std::mt19937_64 r(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -267,9 +272,7 @@ TEST(GpuKernels, PrefillVsReference) {
                  Case{64, 8, 1200, 130, 1000, 8}, Case{128, 1, 300, 1500, 0, 8},
                  Case{64, 4, 500, 2100, 0, 1}, Case{128, 2, 60, 70, 0, 8},
                  Case{128, 4, 40, 37, 0, 8}, Case{64, 2, 200, 1, 150, 8}}) {
-   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O})
-   for (int kvd : {int(LF_KV_BF16), int(LF_KV_FP8), int(LF_KV_INT8), int(LF_KV_INT4),
-                   int(LF_KV_K8V4)}) {
+   for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O}) {
     // 8-bit pools: a chunk attends to the pool's slots through bf16 copies of what their codes
     // read back (the CPU pool holds those values exactly in fp32). The output is held to the
     // reference run over a copy of the CPU pool with the same bf16 rounding, so the bound stays
@@ -463,6 +466,13 @@ TEST(GpuKernels, PrefillVsReference) {
    }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Dtype, PrefillVsReference,
+                         ::testing::Values(int(LF_KV_BF16), int(LF_KV_FP8), int(LF_KV_INT8),
+                                           int(LF_KV_INT4), int(LF_KV_K8V4)),
+                         [](const ::testing::TestParamInfo<int> &i) {
+                           return std::string(lf_kv_dtype_str(lf_kv_dtype(i.param)));
+                         });
 
 // Layer-scope eviction on the GPU (either decode kernel with `scores`, then lf_cuda_layer_argmin)
 // against lf_attn_decode_layer_ref on identical bf16 inputs: 4 KV heads as one group (the layer)

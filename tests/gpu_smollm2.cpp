@@ -113,7 +113,12 @@ class SmolLM2GpuQuant : public ::testing::TestWithParam<int> {};
 
 TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
   const lf_kv_dtype dt = lf_kv_dtype(GetParam());
-  const double kFp8Agree = dt == LF_KV_INT8 ? 0.99 : dt == LF_KV_FP8 ? 0.975 : 0.92;
+  // k8v4: 97.88% on the CPU twin, 96.76% here (H100, 2026-12-05); every decisive position
+  // agrees on both
+  const double kFp8Agree = dt == LF_KV_INT8   ? 0.99
+                           : dt == LF_KV_FP8  ? 0.975
+                           : dt == LF_KV_K8V4 ? 0.96
+                                              : 0.92;
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string path = smollm2_gguf_path();
   if (path.empty()) GTEST_SKIP() << SMOLLM2_INSTALL_HINT;
@@ -157,13 +162,15 @@ TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
     EXPECT_LE(max_dl, 3.0);
   } else {
     /* fp8's keys move logits by up to 0.78 std on the CPU twin (bench/RESULTS.md) and 0.72 std
-     * here (H200, 2026-12-03): a misread code or scale is off by whole stds */
-    EXPECT_LE(max_dl, dt == LF_KV_FP8 ? 1.0 : kLogitStd);
+     * here (H200, 2026-12-03); k8v4's int4 values 0.61 std on the CPU twin and 1.12 here (H100,
+     * 2026-12-05), int4 pools 1.72: a misread code or scale is off by several stds */
+    EXPECT_LE(max_dl, dt == LF_KV_FP8 ? 1.0 : dt == LF_KV_K8V4 ? 1.5 : kLogitStd);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, SmolLM2GpuQuant,
-                         ::testing::Values(int(LF_KV_INT8), int(LF_KV_FP8), int(LF_KV_INT4)),
+                         ::testing::Values(int(LF_KV_INT8), int(LF_KV_FP8), int(LF_KV_INT4),
+                                           int(LF_KV_K8V4)),
                          [](const ::testing::TestParamInfo<int> &i) {
                            return std::string(lf_kv_dtype_str(lf_kv_dtype(i.param)));
                          });

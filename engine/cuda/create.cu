@@ -207,16 +207,11 @@ static lf_status check_config(cuda_backend *c) {
     return lf_error(LF_ERR_UNAVAILABLE, "cuda backend: no CUDA device");
   }
   if (D > 256 || D % 2) return lf_error(LF_ERR_UNSUPPORTED, "cuda backend: head_dim %d", D);
-  if (p->kv_dtype == LF_KV_K8V4)
-    return lf_error(LF_ERR_UNSUPPORTED,
-                    "cuda backend: kv dtype k8v4 (int8 keys, int4 values) runs on the cpu backend "
-                    "only until its kernels have run against their CPU twins on a GPU; choose "
-                    "int8 or int4 on cuda");
   if (!lf_kvq_fits((int)p->kv_dtype, D))
     return lf_error(LF_ERR_UNSUPPORTED,
-                    "cuda backend: kv dtype %d with head_dim %d (bf16, fp8, int8; int4 needs a "
-                    "multiple of %d)",
-                    (int)p->kv_dtype, D, LF_I4_GROUP);
+                    "cuda backend: kv dtype %s with head_dim %d (bf16, fp8 and int8 take any "
+                    "even head_dim; int4 and k8v4 need a multiple of %d)",
+                    lf_kv_dtype_str(p->kv_dtype), D, LF_I4_GROUP);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
   if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
   if (c->comm && !c->comm->device)
