@@ -209,20 +209,30 @@ static int check_seq0(int n_kv, int group, int B, int D, int sink, const float *
   return ok;
 }
 
-/* One (batch, budget) row. */
-/* Quantized dtypes (seed8 non-NULL, kv_dtype): seed8 holds the seed's seed_elems / D rows
- * quantized (base/kvq.h: lf_kvq_code_bytes each) and seed_sc their meta words
- * (lf_kvq_meta_words each); the arena copies whole rows of codes and meta. */
+/* The seed's rows of D as one side (K or V) of a quantized pool stores them: row format fmt
+ * (base/kvq.h; a pool dtype's K and V formats differ under k8v4), rb code bytes and mw meta
+ * words a row. */
+typedef struct kernel_side {
+  int fmt;
+  size_t rb, mw;
+  uint8_t *codes;
+  uint32_t *meta;
+} kernel_side;
+
+/* One (batch, budget) row. Quantized dtypes (q8, kv_dtype not bf16): side[0] and side[1] hold
+ * the seed's seed_elems / D rows as the K and the V rows are stored; the arena copies whole
+ * rows of codes and meta. */
 static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int iters, int warmup,
-                      int splits_req, const uint16_t *seed, const uint8_t *seed8,
-                      const uint32_t *seed_sc, lf_kv_dtype kv_dtype, size_t seed_elems,
-                      size_t l2_bytes, void *flush, size_t flush_bytes, kernel_row *row) {
-  const int group = n_heads / n_kv, sink = 4, B = budget, q8 = seed8 != NULL; /* codes */
+                      int splits_req, const uint16_t *seed, const kernel_side side[2],
+                      lf_kv_dtype kv_dtype, size_t seed_elems, size_t l2_bytes, void *flush,
+                      size_t flush_bytes, kernel_row *row) {
+  const int group = n_heads / n_kv, sink = 4, B = budget, q8 = kv_dtype != LF_KV_BF16;
   const size_t head_elems = (size_t)B * D; /* one (pool, kv head) of K */
-  const size_t rb = (size_t)lf_kvq_code_bytes((int)kv_dtype, D); /* bytes per row of codes */
-  const size_t mw = (size_t)lf_kvq_meta_words((int)kv_dtype, D); /* meta words per row */
+  /* bytes of codes and meta words per K and per V row (bf16: 2 D bytes, no meta) */
+  const size_t rbk = q8 ? side[0].rb : 2 * (size_t)D, mwk = q8 ? side[0].mw : 0;
+  const size_t rbv = q8 ? side[1].rb : 2 * (size_t)D, mwv = q8 ? side[1].mw : 0;
   /* K + V of one pool, codes and scales */
-  const size_t pool_kv_bytes = 2 * (size_t)n_kv * (size_t)B * (rb + 4 * mw);
+  const size_t pool_kv_bytes = (size_t)n_kv * (size_t)B * (rbk + 4 * mwk + rbv + 4 * mwv);
   const double kv_bytes = (double)batch * (double)pool_kv_bytes;
   /* rotate among sets of pools so the working set is >= 4x L2 */
   int n_sets = (int)ceil(4.0 * (double)l2_bytes / kv_bytes);
@@ -233,34 +243,34 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   float *dvnorm = NULL, *dks = NULL, *dvs = NULL;
   int32_t *dn = NULL, *dnext = NULL, *dpool = NULL, *dw = NULL, *dpos = NULL;
   const size_t arena_rows = arena_elems / (size_t)D, seed_rows = seed_elems / (size_t)D;
-  BENCH_CUDA(cudaMalloc(&dk, arena_rows * rb));
-  BENCH_CUDA(cudaMalloc(&dv, arena_rows * rb));
+  BENCH_CUDA(cudaMalloc(&dk, arena_rows * rbk));
+  BENCH_CUDA(cudaMalloc(&dv, arena_rows * rbv));
   if (q8) {
-    BENCH_CUDA(cudaMalloc((void **)&dks, arena_rows * mw * 4));
-    BENCH_CUDA(cudaMalloc((void **)&dvs, arena_rows * mw * 4));
-    void *d8 = NULL, *dsc = NULL;
-    BENCH_CUDA(cudaMalloc(&d8, seed_rows * rb));
-    BENCH_CUDA(cudaMalloc(&dsc, seed_rows * mw * 4));
-    BENCH_CUDA(cudaMemcpy(d8, seed8, seed_rows * rb, cudaMemcpyHostToDevice));
-    BENCH_CUDA(cudaMemcpy(dsc, seed_sc, seed_rows * mw * 4, cudaMemcpyHostToDevice));
-    size_t i = 0;
-    for (size_t off = 0; off < arena_rows; i++) { /* in whole rows */
-      size_t n = seed_rows / 2;
-      if (n > arena_rows - off) n = arena_rows - off;
-      const size_t sk = (i * 7919u) % (seed_rows / 2);
-      const size_t sv = (i * 104729u + 12345u) % (seed_rows / 2);
-      BENCH_CUDA(cudaMemcpy((uint8_t *)dk + off * rb, (uint8_t *)d8 + sk * rb, n * rb,
-                            cudaMemcpyDeviceToDevice));
-      BENCH_CUDA(cudaMemcpy((uint8_t *)dv + off * rb, (uint8_t *)d8 + sv * rb, n * rb,
-                            cudaMemcpyDeviceToDevice));
-      BENCH_CUDA(cudaMemcpy((uint32_t *)dks + off * mw, (uint32_t *)dsc + sk * mw, n * mw * 4,
-                            cudaMemcpyDeviceToDevice));
-      BENCH_CUDA(cudaMemcpy((uint32_t *)dvs + off * mw, (uint32_t *)dsc + sv * mw, n * mw * 4,
-                            cudaMemcpyDeviceToDevice));
-      off += n;
+    BENCH_CUDA(cudaMalloc((void **)&dks, arena_rows * mwk * 4));
+    BENCH_CUDA(cudaMalloc((void **)&dvs, arena_rows * mwv * 4));
+    for (int sd = 0; sd < 2; sd++) { /* K rows, then V rows, from different seed offsets */
+      const kernel_side *x = &side[sd];
+      void *d8 = NULL, *dsc = NULL;
+      BENCH_CUDA(cudaMalloc(&d8, seed_rows * x->rb));
+      BENCH_CUDA(cudaMalloc(&dsc, seed_rows * x->mw * 4));
+      BENCH_CUDA(cudaMemcpy(d8, x->codes, seed_rows * x->rb, cudaMemcpyHostToDevice));
+      BENCH_CUDA(cudaMemcpy(dsc, x->meta, seed_rows * x->mw * 4, cudaMemcpyHostToDevice));
+      uint8_t *codes = (uint8_t *)(sd ? dv : dk);
+      uint32_t *meta = (uint32_t *)(sd ? dvs : dks);
+      size_t i = 0;
+      for (size_t off = 0; off < arena_rows; i++) { /* in whole rows */
+        size_t n = seed_rows / 2;
+        if (n > arena_rows - off) n = arena_rows - off;
+        const size_t so = sd ? (i * 104729u + 12345u) % (seed_rows / 2) : (i * 7919u) % (seed_rows / 2);
+        BENCH_CUDA(cudaMemcpy(codes + off * x->rb, (uint8_t *)d8 + so * x->rb, n * x->rb,
+                              cudaMemcpyDeviceToDevice));
+        BENCH_CUDA(cudaMemcpy(meta + off * x->mw, (uint32_t *)dsc + so * x->mw, n * x->mw * 4,
+                              cudaMemcpyDeviceToDevice));
+        off += n;
+      }
+      cudaFree(d8);
+      cudaFree(dsc);
     }
-    cudaFree(d8);
-    cudaFree(dsc);
   } else {
     /* device copies of the seed, shifted, make K and V (not zeros, not all equal) */
     void *dseed = NULL;
@@ -302,21 +312,21 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
   {
     /* pool 0's values as the kernel reads them */
     const size_t ne = (size_t)n_kv * head_elems, nr = ne / (size_t)D;
-    uint8_t *bk = malloc(nr * rb), *bv = malloc(nr * rb);
-    uint32_t *sk = malloc(nr * (mw + 1) * 4), *sv = malloc(nr * (mw + 1) * 4);
+    uint8_t *bk = malloc(nr * rbk), *bv = malloc(nr * rbv);
+    uint32_t *sk = malloc(nr * (mwk + 1) * 4), *sv = malloc(nr * (mwv + 1) * 4);
     if (!bk || !bv || !sk || !sv) return 1;
-    BENCH_CUDA(cudaMemcpy(bk, dk, nr * rb, cudaMemcpyDeviceToHost));
-    BENCH_CUDA(cudaMemcpy(bv, dv, nr * rb, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(bk, dk, nr * rbk, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(bv, dv, nr * rbv, cudaMemcpyDeviceToHost));
     if (q8) {
-      BENCH_CUDA(cudaMemcpy(sk, dks, nr * mw * 4, cudaMemcpyDeviceToHost));
-      BENCH_CUDA(cudaMemcpy(sv, dvs, nr * mw * 4, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(sk, dks, nr * mwk * 4, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(sv, dvs, nr * mwv * 4, cudaMemcpyDeviceToHost));
     }
     for (size_t i = 0; i < ne; i++) {
       const size_t r = i / (size_t)D;
       const int d = (int)(i % (size_t)D);
-      hk[i] = q8 ? lf_kvq_row_value((int)kv_dtype, bk + r * rb, sk + r * mw, d)
+      hk[i] = q8 ? lf_kvq_row_value(side[0].fmt, bk + r * rbk, sk + r * mwk, d)
                  : bf2f(((uint16_t *)bk)[i]);
-      hv[i] = q8 ? lf_kvq_row_value((int)kv_dtype, bv + r * rb, sv + r * mw, d)
+      hv[i] = q8 ? lf_kvq_row_value(side[1].fmt, bv + r * rbv, sv + r * mwv, d)
                  : bf2f(((uint16_t *)bv)[i]);
     }
     free(bk);
@@ -501,36 +511,38 @@ static int kernel_parse(int argc, char **argv, kernel_opts *o) {
 }
 
 /* The random bf16 seed the pools are cut from (32 Mi values), and under a quantized dtype its
- * rows of D as the pools store them (*seed8 codes, *seed_sc metadata): 0, or the exit status. */
+ * rows of D as the pool's K (side[0]) and V rows (side[1]) store them: 0, or the exit status. */
 static int kernel_seed(lf_kv_dtype kv_dtype, int D, size_t seed_elems, uint16_t **seed_out,
-                       uint8_t **seed8_out, uint32_t **seed_sc_out) {
+                       kernel_side side[2]) {
   uint16_t *seed = malloc(seed_elems * 2);
   if (!seed) return 1;
   for (size_t i = 0; i < seed_elems; i++)
     seed[i] = bench_f2bf(rng_normal());
-  uint8_t *seed8 = NULL;
-  uint32_t *seed_sc = NULL;
-  if (kv_dtype != LF_KV_BF16) { /* the seed's rows of D, quantized as the pools store them */
-    if (!lf_kvq_fits((int)kv_dtype, D)) {
-      fprintf(stderr, "lfbench kernel: %s pools cannot hold head_dim %d\n",
-              lf_kv_dtype_str(kv_dtype), D);
-      return 2;
-    }
-    const size_t rb = (size_t)lf_kvq_code_bytes((int)kv_dtype, D);
-    const size_t mw = (size_t)lf_kvq_meta_words((int)kv_dtype, D);
-    seed8 = malloc(seed_elems / (size_t)D * rb);
-    seed_sc = malloc(seed_elems / (size_t)D * mw * 4);
-    float *row = malloc((size_t)D * 4);
-    if (!seed8 || !seed_sc || !row) return 1;
-    for (size_t r = 0; r < seed_elems / (size_t)D; r++) {
-      for (int d = 0; d < D; d++) row[d] = bf2f(seed[r * (size_t)D + (size_t)d]);
-      lf_kvq_encode_row((int)kv_dtype, row, D, seed8 + r * rb, seed_sc + r * mw);
-    }
-    free(row);
-  }
   *seed_out = seed;
-  *seed8_out = seed8;
-  *seed_sc_out = seed_sc;
+  memset(side, 0, 2 * sizeof *side);
+  if (kv_dtype == LF_KV_BF16) return 0;
+  if (!lf_kvq_fits((int)kv_dtype, D)) {
+    fprintf(stderr, "lfbench kernel: %s pools cannot hold head_dim %d\n", lf_kv_dtype_str(kv_dtype),
+            D);
+    return 2;
+  }
+  float *row = malloc((size_t)D * 4);
+  if (!row) return 1;
+  const size_t rows = seed_elems / (size_t)D;
+  for (int sd = 0; sd < 2; sd++) {
+    kernel_side *x = &side[sd];
+    x->fmt = sd ? lf_kvq_v_row((int)kv_dtype) : lf_kvq_k_row((int)kv_dtype);
+    x->rb = (size_t)lf_kvq_code_bytes(x->fmt, D);
+    x->mw = (size_t)lf_kvq_meta_words(x->fmt, D);
+    x->codes = malloc(rows * x->rb);
+    x->meta = malloc(rows * x->mw * 4);
+    if (!x->codes || !x->meta) return 1;
+    for (size_t r = 0; r < rows; r++) {
+      for (int d = 0; d < D; d++) row[d] = bf2f(seed[r * (size_t)D + (size_t)d]);
+      lf_kvq_encode_row(x->fmt, row, D, x->codes + r * x->rb, x->meta + r * x->mw);
+    }
+  }
+  free(row);
   return 0;
 }
 
@@ -590,9 +602,8 @@ static int bench_kernel(int argc, char **argv) {
 
   const size_t seed_elems = (size_t)32 << 20;
   uint16_t *seed = NULL;
-  uint8_t *seed8 = NULL;
-  uint32_t *seed_sc = NULL;
-  const int sr = kernel_seed(kv_dtype, D, seed_elems, &seed, &seed8, &seed_sc);
+  kernel_side side[2];
+  const int sr = kernel_seed(kv_dtype, D, seed_elems, &seed, side);
   if (sr) return sr;
 
   printf("# lfbench kernel: fused LongFlow decode attention, %d query heads, %d KV heads, "
@@ -611,8 +622,7 @@ static int bench_kernel(int argc, char **argv) {
       kernel_row *r = &rows[n_rows];
       memset(r, 0, sizeof *r);
       if (kernel_one(o.batches[ba], o.budgets[bi], n_heads, n_kv, D, iters, warmup, o.splits, seed,
-                     seed8, seed_sc, kv_dtype, seed_elems, (size_t)prop.l2CacheSize, flush,
-                     flush_bytes, r))
+                     side, kv_dtype, seed_elems, (size_t)prop.l2CacheSize, flush, flush_bytes, r))
         return 1;
       r->bw_fraction = r->gbs / copy_gbs;
       const double pt = peer_text ? peer_time_us(peer_text, r->batch, r->budget) : -1.0;
@@ -633,8 +643,10 @@ static int bench_kernel(int argc, char **argv) {
 
   if (o.json && kernel_json(o.json, &prop, copy_gbs, &o, rows, n_rows)) return 1;
   free(seed);
-  free(seed8);
-  free(seed_sc);
+  for (int sd = 0; sd < 2; sd++) {
+    free(side[sd].codes);
+    free(side[sd].meta);
+  }
   free(peer_text);
   cudaFree(flush);
   return all_ok ? 0 : 3;
