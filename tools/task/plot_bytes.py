@@ -8,7 +8,8 @@ runs against the KV cache's bytes per output token, one line per (policy, scope,
 A run's bytes are what its pools hold: budget slots x (K and V rows of its dtype) x layers x KV
 heads, over the problem's output tokens; a point is the mean over a (series, fraction)'s
 problems. Row bytes per dtype follow base/kvq.h: bf16 2 x head_dim; fp8 and int8 head_dim and an
-fp32 scale; int4 head_dim / 2 and a bf16 step and floor per 32 dims. Token error is pooled as
+fp32 scale; int4 head_dim / 2 and a bf16 step and floor per 32 dims; k8v4 an int8 K row and an int4 V row.
+Token error is pooled as
 lfbench eval pools it (wrong positions over all positions); answers are counted right of the
 problems run. --full adds each dtype's full-KV figures as reference marks (a horizontal line for
 bf16). The defaults are SmolLM2-135M's shape. Prints every point it plots.
@@ -27,6 +28,13 @@ def row_bytes(dtype, d):
     return 2 * d
 
 
+def slot_bytes(dtype, d):
+    """A slot's K and V rows: k8v4 stores int8 keys beside int4 values."""
+    if dtype == "k8v4":
+        return row_bytes("int8", d) + row_bytes("int4", d)
+    return 2 * row_bytes(dtype, d)
+
+
 def load(paths):
     out = []
     for p in paths.split(",") if paths else []:
@@ -41,7 +49,7 @@ def series(docs, a):
         lambda: {"bytes": 0.0, "wrong": 0, "pos": 0, "right": 0, "n": 0}))
     for d in docs:
         dt = d["engine"].get("kv_dtype", "bf16")
-        rb = 2 * row_bytes(dt, a.head_dim) * a.layers * a.kv_heads  # K and V
+        rb = slot_bytes(dt, a.head_dim) * a.layers * a.kv_heads  # K and V
         for r in d["runs"]:
             key = (r["policy"], r.get("scope", "head") if r["policy"] != "full" else "-", dt)
             s = acc[key][r["fraction"]]
