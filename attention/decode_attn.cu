@@ -42,7 +42,7 @@
 
 #include "attention/decode_attn_parts.cuh"
 #include "base/kvq.h"
-#include "attention/h2o_window.cuh"
+#include "attention/evict.cuh"
 #include "base/cuda_check.h"
 #include "base/cuda_launch.cuh"
 #include "base/cuda_ptx.cuh"

@@ -11,7 +11,7 @@
  * Same semantics as lf_attn_decode_ref (attention.h) for the policies longflow, full (next = -1),
  * streaming (next = the evictable slot with the smallest position) and h2o (acc[i] += sum_h
  * alpha_h,i, acc[w] starting from 0; next = argmin acc outside the `recent` most recent slots by
- * position; the window in attention/h2o_window.cuh), and rkv's decode step: the mass added to
+ * position; the window in attention/evict.cuh), and rkv's decode step: the mass added to
  * acc inside its observation window, since advanced and next = queue[since]; when a selection is
  * due (since reaches the stage, or the pool just filled) next is left -1 and
  * lf_cuda_rkv_select's due pass (attention/rkv_select.cuh), launched after this, chooses.

@@ -7,7 +7,7 @@
 #include <float.h>
 #include <limits.h>
 
-#include "attention/h2o_window.cuh"
+#include "attention/evict.cuh"
 #include "attention/pool_row.cuh"
 #include "attention/rkv_step.h"
 #include "base/cuda_check.h"
@@ -119,7 +119,7 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
     for (int i = threadIdx.x; i < n; i += DEC_NT) {
       float mass = 0.0f;
       for (int h = 0; h < G; h++) mass += lg[(size_t)h * B + i] / lh[h];
-      acc[i] = (i == ws ? 0.0f : acc[i]) + mass;
+      acc[i] = lf_evict_h2o_acc(acc[i], mass, i == ws);
     }
   }
   /* layer scope (scores): lf_cuda_layer_argmin applies the window and overwrites next */
@@ -129,27 +129,27 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
   unsigned long long best = ~0ull;
   for (int i = threadIdx.x; i < n; i += DEC_NT) {
     if (i < sink || i == ws) continue;
+    const int32_t pos = p.pos[hidx * B + i];
     unsigned long long key;
     if (policy == LF_POLICY_H2O) {
       /* scores for layer scope: every candidate's, the recent ones too (layer_argmin
        * excludes them by the same rule) */
       const float sc = p.acc[hidx * B + i];
       if (scores) scores[((size_t)s * hkv + g) * B + i] = sc;
-      if (p.pos[hidx * B + i] >= rfrom) continue;
-      key = ((unsigned long long)__float_as_uint(sc) << 32) | (unsigned)i;
+      key = lf_evict_key_f(sc, i);
     } else if (policy == LF_POLICY_STREAMING) {
-      key = ((unsigned long long)(unsigned)p.pos[hidx * B + i] << 32) | (unsigned)i;
+      key = lf_evict_key((uint32_t)pos, i);
     } else {
       float mass = 0.0f;
       for (int h = 0; h < G; h++) mass += lg[(size_t)h * B + i] / lh[h];
-      const float sc = p.vnorm[hidx * B + i] * mass;
-      key = ((unsigned long long)__float_as_uint(sc) << 32) | (unsigned)i;
+      const float sc = lf_evict_longflow_score(p.vnorm[hidx * B + i], mass);
+      key = lf_evict_key_f(sc, i);
       if (scores) scores[((size_t)s * hkv + g) * B + i] = sc;
     }
-    best = key < best ? key : best;
+    if (lf_evict_candidate(i, sink, ws, pos, rfrom)) best = key < best ? key : best;
   }
   best = block_min_key(best, redk);
-  if (threadIdx.x == 0) p.next[hidx] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
+  if (threadIdx.x == 0) p.next[hidx] = lf_evict_slot_of(best);
 }
 
 extern "C" size_t lf_cuda_decode_attn_simple_scratch(int n_seq, int n_heads, int budget) {
@@ -209,14 +209,14 @@ static __global__ void layer_argmin_kernel(lf_cuda_pool_view p, int layer, const
   const int rfrom = h2o_window<DEC_NT>(p.pos + hidx * B, n, ws, recent, redi);
   unsigned long long best = ~0ull;
   for (int i = sink + (int)threadIdx.x; i < n; i += DEC_NT) {
-    if (i == ws || p.pos[hidx * B + i] >= rfrom) continue;
+    if (!lf_evict_candidate(i, sink, ws, p.pos[hidx * B + i], rfrom)) continue;
     float sum = 0.0f;
     for (int gg = 0; gg < per; gg++) sum += sc[(size_t)gg * B + i];
-    const unsigned long long key = ((unsigned long long)__float_as_uint(sum) << 32) | (unsigned)i;
+    const unsigned long long key = lf_evict_key_f(sum, i);
     best = key < best ? key : best;
   }
   best = block_min_key(best, redk);
-  if (threadIdx.x < per) p.next[hidx + threadIdx.x] = best == ~0ull ? -1 : (int)(best & 0xffffffffu);
+  if (threadIdx.x < per) p.next[hidx + threadIdx.x] = lf_evict_slot_of(best);
 }
 
 extern "C" lf_status lf_cuda_layer_argmin(const lf_cuda_pool_view *pv, int layer, int n_seq,

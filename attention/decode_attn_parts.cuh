@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "attention/decode_attn.cuh"
+#include "attention/evict.cuh"
 #include "attention/rkv_step.h"
 #include "base/cuda_ptx.cuh"
 
@@ -205,10 +206,6 @@ static __device__ __forceinline__ float slot_mass(const float *li, int G, const 
   return mass;
 }
 
-static __device__ __forceinline__ int32_t key_slot(unsigned long long best) {
-  return best == ~0ull ? -1 : (int32_t)(best & 0xffffffffu);
-}
-
 /* The end of a head's step, in one thread once every thread of every split has scored: next from
  * the argmin key; rkv instead advances since and takes next from its queue (-1 when a selection
  * is due: lf_cuda_rkv_select's due pass, launched after this kernel, sets it). */
@@ -221,11 +218,11 @@ static __device__ __forceinline__ void finish_head(const attn_params &p, size_t 
     p.next[hidx] = lf_rkv_next(p.queue + hidx * p.stage, sn, p.stage);
     return;
   }
-  p.next[hidx] = key_slot(best);
+  p.next[hidx] = lf_evict_slot_of(best);
 }
 
 /* Scores of slots [lo, hi) from logits lg [hi - lo][G]; returns, in thread 0, the smallest key
- * (score bits << 32 | slot) over the evictable ones (~0 when there is none). h2o adds this
+ * (lf_evict_key, attention/evict.cuh) over the evictable ones (~0 when there is none). h2o adds this
  * step's mass to the accumulators of every slot of the range (the slot written starts from 0)
  * and scores by them; slots with pos >= rfrom are its protected window. rkv (the H2O
  * instantiation) adds the mass only inside its observation window (k_left < LF_RKV_OBS; the
@@ -244,8 +241,8 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
       const bool reset = lf_rkv_window_reset(sn, kl);
       for (int i = lo + (int)threadIdx.x; i < hi; i += DA_NT) {
         float *a = p.acc + hidx * B + i;
-        *a = (reset || i == wslot ? 0.0f : *a) +
-             slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
+        *a = lf_evict_h2o_acc(*a, slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il),
+                              reset || i == wslot);
       }
     }
     __syncthreads(); /* every thread has read since before finish_head writes it */
@@ -253,34 +250,38 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
   }
   if (H2O) /* the sinks' accumulators (never candidates) */
     for (int i = lo + (int)threadIdx.x; i < min(p.sink, hi); i += DA_NT)
-      p.acc[hidx * B + i] = (i == wslot ? 0.0f : p.acc[hidx * B + i]) +
-                            slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
+      p.acc[hidx * B + i] =
+          lf_evict_h2o_acc(p.acc[hidx * B + i],
+                           slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il),
+                           i == wslot);
   if (p.policy != LF_POLICY_FULL) {
     const int i0 = max(p.sink, lo);
     /* unrolled with every load first: this loop runs after the block's streaming work, so its
      * latency is the kernel's tail */
 #pragma unroll 4
     for (int i = i0 + (int)threadIdx.x; i < hi; i += DA_NT) {
+      int32_t pos = 0; /* read where a rule needs it: h2o's window, streaming's score */
       uint32_t key;
-      bool cand = i != wslot;
       if (H2O) {
+        pos = p.pos[hidx * B + i];
         const float mass = slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
         float *a = p.acc + hidx * B + i;
-        const float s = (cand ? *a : 0.0f) + mass;
+        const float s = lf_evict_h2o_acc(*a, mass, i == wslot);
         *a = s;
         key = __float_as_uint(s);
-        if (sc && cand) sc[i] = s;
-        cand = cand && p.pos[hidx * B + i] < rfrom;
+        if (sc && i != wslot) sc[i] = s; /* layer scope: the window is its argmin's to apply */
       } else if (p.policy == LF_POLICY_STREAMING) {
-        key = (uint32_t)p.pos[hidx * B + i];
+        pos = p.pos[hidx * B + i];
+        key = (uint32_t)pos;
       } else {
-        const float vn = p.vnorm[hidx * B + i];
         const float mass = slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il);
-        key = __float_as_uint(vn * mass);
-        if (sc && cand) sc[i] = vn * mass;
+        const float s = lf_evict_longflow_score(p.vnorm[hidx * B + i], mass);
+        key = __float_as_uint(s);
+        if (sc && i != wslot) sc[i] = s;
       }
-      const unsigned long long kk = ((unsigned long long)key << 32) | (unsigned)i;
-      if (cand) best = kk < best ? kk : best;
+      const unsigned long long kk = lf_evict_key(key, i);
+      if (lf_evict_candidate(i, p.sink, wslot, pos, H2O ? rfrom : INT_MAX))
+        best = kk < best ? kk : best;
     }
   }
   best = warp_min_u64(best);

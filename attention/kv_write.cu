@@ -40,7 +40,7 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
   if (!is_q && a.pool.k) {
     hidx = ((size_t)a.pool_ids[t] * a.pool.n_layers + a.layer) * a.n_kv_heads + g;
     n = a.pool.n[hidx];
-    w = lf_kv_slot_for_write(n, a.pool.next[hidx], a.pool.budget, a.sink, a.policy);
+    w = lf_evict_slot_for_write(n, a.pool.next[hidx], a.pool.budget, a.sink, a.policy);
   }
   pdl_wait(); /* qkv comes from the previous kernel (base/cuda_launch.cuh) */
   pdl_trigger();

@@ -2,7 +2,8 @@
  * produces its inputs. From the fused QKV GEMM output, one kernel does the q/k/v bias (qwen2),
  * q/k RMSNorm over head_dim (qwen3), RoPE (both styles; the frequency table comes from
  * lf_rope_freqs, llama3 scaling included) and the rounding to bf16, and, for a decode step,
- * writes the new k/v into the pool slot w = (n < B) ? n++ : next chosen by the previous step,
+ * writes the new k/v into the pool slot w = (n < B) ? n++ : next chosen by the previous step
+ * (lf_evict_slot_for_write, attention/evict.cuh),
  * with ||v||_1 (of exactly the bf16 values stored, so the LongFlow score of the slot matches what
  * is in the pool) and the position cached. w is returned per (token, KV head) for
  * lf_cuda_decode_attn, which must not pick the slot just written. When a pool has no slot for
@@ -62,16 +63,8 @@ lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, struct CUstream_st *stream
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 
+#include "attention/evict.cuh"
 #include "attention/pool_row.cuh"
-
-/* The slot a new token goes to (docs/DESIGN.md §3 step 1): a free slot while n < B, else `next`;
- * -1 when nothing may be written (full policy with a full pool, or no valid eviction target). */
-static __device__ __forceinline__ int lf_kv_slot_for_write(int n, int next, int budget, int sink,
-                                                           int policy) {
-  if (n < budget) return n;
-  if (policy == LF_POLICY_FULL) return -1;
-  return next >= sink && next < budget ? next : -1;
-}
 
 /* One warp stores one (slot, KV head) row of K or V in the pool's dtype: lane l holds the values
  * of dims l, l + 32, ... in x[] (dims >= D ignored). base: p.k or p.v; scales: p.k_scale or

@@ -219,35 +219,52 @@ typedef struct kernel_side {
   uint32_t *meta;
 } kernel_side;
 
-/* One (batch, budget) row. Quantized dtypes (q8, kv_dtype not bf16): side[0] and side[1] hold
- * the seed's seed_elems / D rows as the K and the V rows are stored; the arena copies whole
- * rows of codes and meta. */
-static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int iters, int warmup,
-                      int splits_req, const uint16_t *seed, const kernel_side side[2],
-                      lf_kv_dtype kv_dtype, size_t seed_elems, size_t l2_bytes, void *flush,
-                      size_t flush_bytes, kernel_row *row) {
-  const int group = n_heads / n_kv, sink = 4, B = budget, q8 = kv_dtype != LF_KV_BF16;
-  const size_t head_elems = (size_t)B * D; /* one (pool, kv head) of K */
-  /* bytes of codes and meta words per K and per V row (bf16: 2 D bytes, no meta) */
-  const size_t rbk = q8 ? side[0].rb : 2 * (size_t)D, mwk = q8 ? side[0].mw : 0;
-  const size_t rbv = q8 ? side[1].rb : 2 * (size_t)D, mwv = q8 ? side[1].mw : 0;
-  /* K + V of one pool, codes and scales */
-  const size_t pool_kv_bytes = (size_t)n_kv * (size_t)B * (rbk + 4 * mwk + rbv + 4 * mwv);
-  const double kv_bytes = (double)batch * (double)pool_kv_bytes;
-  /* rotate among sets of pools so the working set is >= 4x L2 */
-  int n_sets = (int)ceil(4.0 * (double)l2_bytes / kv_bytes);
-  if (n_sets < 1) n_sets = 1;
-  const int n_pools = batch * n_sets;
-  const size_t arena_elems = (size_t)n_pools * n_kv * head_elems;
-  void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *dws = NULL;
-  float *dvnorm = NULL, *dks = NULL, *dvs = NULL;
-  int32_t *dn = NULL, *dnext = NULL, *dpool = NULL, *dw = NULL, *dpos = NULL;
-  const size_t arena_rows = arena_elems / (size_t)D, seed_rows = seed_elems / (size_t)D;
-  BENCH_CUDA(cudaMalloc(&dk, arena_rows * rbk));
-  BENCH_CUDA(cudaMalloc(&dv, arena_rows * rbv));
+/* kernel_one's timing: the median of iters calls after warmup, each on the next set of pools
+ * (dpool: n_sets sets of batch ids), L2 cleared before each when flush is given. 0, or 1. */
+static int kernel_time(lf_decode_attn_args *a, const int32_t *dpool, int n_sets, int batch,
+                       int iters, int warmup, void *flush, size_t flush_bytes, float *ms_out) {
+  cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * 2 * (size_t)iters);
+  float *t = malloc(sizeof(float) * (size_t)iters);
+  for (int i = 0; i < 2 * iters; i++)
+    BENCH_CUDA(cudaEventCreate(&ev[i]));
+  for (int i = 0; i < warmup; i++) {
+    a->pool_ids = dpool + (size_t)(i % n_sets) * batch;
+    BENCH_LF(lf_cuda_decode_attn(a, 0));
+  }
+  for (int i = 0; i < iters; i++) {
+    a->pool_ids = dpool + (size_t)(i % n_sets) * batch;
+    /* as triton's do_bench: clear L2 before each call; it also keeps the GPU busy, so host
+     * time between the events never counts */
+    if (flush) BENCH_CUDA(cudaMemsetAsync(flush, 0, flush_bytes, 0));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i], 0));
+    BENCH_LF(lf_cuda_decode_attn(a, 0));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], 0));
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  for (int i = 0; i < iters; i++)
+    BENCH_CUDA(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
+  *ms_out = median(t, iters);
+  for (int i = 0; i < 2 * iters; i++)
+    cudaEventDestroy(ev[i]);
+  free(ev);
+  free(t);
+
+  return 0;
+}
+
+/* kernel_one's arena: arena_rows rows of K (rbk bytes, mwk meta words each) and of V (rbv, mwv)
+ * cut from the seed at shifting offsets (not zeros, not all equal; under a quantized dtype whole
+ * rows of codes and meta from side[0] and side[1]). 0, or 1 on a CUDA error. */
+static int kernel_fill_pools(int q8, const kernel_side side[2], const uint16_t *seed,
+                             size_t seed_elems, int D, size_t arena_rows, size_t rbk, size_t mwk,
+                             size_t rbv, size_t mwv, void **dk, void **dv, float **dks,
+                             float **dvs) {
+  const size_t arena_elems = arena_rows * (size_t)D, seed_rows = seed_elems / (size_t)D;
+  BENCH_CUDA(cudaMalloc(dk, arena_rows * rbk));
+  BENCH_CUDA(cudaMalloc(dv, arena_rows * rbv));
   if (q8) {
-    BENCH_CUDA(cudaMalloc((void **)&dks, arena_rows * mwk * 4));
-    BENCH_CUDA(cudaMalloc((void **)&dvs, arena_rows * mwv * 4));
+    BENCH_CUDA(cudaMalloc((void **)dks, arena_rows * mwk * 4));
+    BENCH_CUDA(cudaMalloc((void **)dvs, arena_rows * mwv * 4));
     for (int sd = 0; sd < 2; sd++) { /* K rows, then V rows, from different seed offsets */
       const kernel_side *x = &side[sd];
       void *d8 = NULL, *dsc = NULL;
@@ -255,8 +272,8 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
       BENCH_CUDA(cudaMalloc(&dsc, seed_rows * x->mw * 4));
       BENCH_CUDA(cudaMemcpy(d8, x->codes, seed_rows * x->rb, cudaMemcpyHostToDevice));
       BENCH_CUDA(cudaMemcpy(dsc, x->meta, seed_rows * x->mw * 4, cudaMemcpyHostToDevice));
-      uint8_t *codes = (uint8_t *)(sd ? dv : dk);
-      uint32_t *meta = (uint32_t *)(sd ? dvs : dks);
+      uint8_t *codes = (uint8_t *)(sd ? *dv : *dk);
+      uint32_t *meta = (uint32_t *)(sd ? *dvs : *dks);
       size_t i = 0;
       for (size_t off = 0; off < arena_rows; i++) { /* in whole rows */
         size_t n = seed_rows / 2;
@@ -282,14 +299,75 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
       if (n > arena_elems - off) n = arena_elems - off;
       const size_t sk = ((i * 7919u) % (seed_elems / 2)) & ~(size_t)7;
       const size_t sv = ((i * 104729u + 12345u) % (seed_elems / 2)) & ~(size_t)7;
-      BENCH_CUDA(cudaMemcpy((uint16_t *)dk + off, (uint16_t *)dseed + sk, n * 2,
+      BENCH_CUDA(cudaMemcpy((uint16_t *)*dk + off, (uint16_t *)dseed + sk, n * 2,
                             cudaMemcpyDeviceToDevice));
-      BENCH_CUDA(cudaMemcpy((uint16_t *)dv + off, (uint16_t *)dseed + sv, n * 2,
+      BENCH_CUDA(cudaMemcpy((uint16_t *)*dv + off, (uint16_t *)dseed + sv, n * 2,
                             cudaMemcpyDeviceToDevice));
       off += n;
     }
     cudaFree(dseed);
   }
+  return 0;
+}
+
+/* Pool 0's K and V (n_kv heads of head_elems values) as the kernel reads them, dequantized under
+ * a quantized dtype, into hk and hv for the check. 0, or 1. */
+static int kernel_pool0(int q8, const kernel_side side[2], int n_kv, size_t head_elems, int D,
+                        const void *dk, const void *dv, const float *dks, const float *dvs,
+                        size_t rbk, size_t mwk, size_t rbv, size_t mwv, float *hk, float *hv) {
+  /* pool 0's values as the kernel reads them */
+  const size_t ne = (size_t)n_kv * head_elems, nr = ne / (size_t)D;
+  uint8_t *bk = malloc(nr * rbk), *bv = malloc(nr * rbv);
+  uint32_t *sk = malloc(nr * (mwk + 1) * 4), *sv = malloc(nr * (mwv + 1) * 4);
+  if (!bk || !bv || !sk || !sv) return 1;
+  BENCH_CUDA(cudaMemcpy(bk, dk, nr * rbk, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(bv, dv, nr * rbv, cudaMemcpyDeviceToHost));
+  if (q8) {
+    BENCH_CUDA(cudaMemcpy(sk, dks, nr * mwk * 4, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(sv, dvs, nr * mwv * 4, cudaMemcpyDeviceToHost));
+  }
+  for (size_t i = 0; i < ne; i++) {
+    const size_t r = i / (size_t)D;
+    const int d = (int)(i % (size_t)D);
+    hk[i] = q8 ? lf_kvq_row_value(side[0].fmt, bk + r * rbk, sk + r * mwk, d)
+               : bf2f(((uint16_t *)bk)[i]);
+    hv[i] = q8 ? lf_kvq_row_value(side[1].fmt, bv + r * rbv, sv + r * mwv, d)
+               : bf2f(((uint16_t *)bv)[i]);
+  }
+  free(bk);
+  free(bv);
+  free(sk);
+  free(sv);
+  return 0;
+}
+
+/* One (batch, budget) row. Quantized dtypes (q8, kv_dtype not bf16): side[0] and side[1] hold
+ * the seed's seed_elems / D rows as the K and the V rows are stored; the arena copies whole
+ * rows of codes and meta. */
+static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int iters, int warmup,
+                      int splits_req, const uint16_t *seed, const kernel_side side[2],
+                      lf_kv_dtype kv_dtype, size_t seed_elems, size_t l2_bytes, void *flush,
+                      size_t flush_bytes, kernel_row *row) {
+  const int group = n_heads / n_kv, sink = 4, B = budget, q8 = kv_dtype != LF_KV_BF16;
+  const size_t head_elems = (size_t)B * D; /* one (pool, kv head) of K */
+  /* bytes of codes and meta words per K and per V row (bf16: 2 D bytes, no meta) */
+  const size_t rbk = q8 ? side[0].rb : 2 * (size_t)D, mwk = q8 ? side[0].mw : 0;
+  const size_t rbv = q8 ? side[1].rb : 2 * (size_t)D, mwv = q8 ? side[1].mw : 0;
+  /* K + V of one pool, codes and scales */
+  const size_t pool_kv_bytes = (size_t)n_kv * (size_t)B * (rbk + 4 * mwk + rbv + 4 * mwv);
+  const double kv_bytes = (double)batch * (double)pool_kv_bytes;
+  /* rotate among sets of pools so the working set is >= 4x L2 */
+  int n_sets = (int)ceil(4.0 * (double)l2_bytes / kv_bytes);
+  if (n_sets < 1) n_sets = 1;
+  const int n_pools = batch * n_sets;
+  const size_t arena_elems = (size_t)n_pools * n_kv * head_elems;
+  void *dk = NULL, *dv = NULL, *dq = NULL, *dout = NULL, *dws = NULL;
+  float *dvnorm = NULL, *dks = NULL, *dvs = NULL;
+  int32_t *dn = NULL, *dnext = NULL, *dpool = NULL, *dw = NULL, *dpos = NULL;
+  const size_t arena_rows = arena_elems / (size_t)D;
+  if (kernel_fill_pools(q8, side, seed, seed_elems, D, arena_rows, rbk, mwk, rbv, mwv, &dk, &dv,
+                        &dks, &dvs))
+    return 1;
   const size_t n_slots = (size_t)n_pools * n_kv * B;
   BENCH_CUDA(cudaMalloc((void **)&dvnorm, n_slots * 4));
   BENCH_CUDA(cudaMalloc((void **)&dpos, n_slots * 4));
@@ -309,31 +387,8 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
     fprintf(stderr, "lfbench: out of host memory\n");
     return 1;
   }
-  {
-    /* pool 0's values as the kernel reads them */
-    const size_t ne = (size_t)n_kv * head_elems, nr = ne / (size_t)D;
-    uint8_t *bk = malloc(nr * rbk), *bv = malloc(nr * rbv);
-    uint32_t *sk = malloc(nr * (mwk + 1) * 4), *sv = malloc(nr * (mwv + 1) * 4);
-    if (!bk || !bv || !sk || !sv) return 1;
-    BENCH_CUDA(cudaMemcpy(bk, dk, nr * rbk, cudaMemcpyDeviceToHost));
-    BENCH_CUDA(cudaMemcpy(bv, dv, nr * rbv, cudaMemcpyDeviceToHost));
-    if (q8) {
-      BENCH_CUDA(cudaMemcpy(sk, dks, nr * mwk * 4, cudaMemcpyDeviceToHost));
-      BENCH_CUDA(cudaMemcpy(sv, dvs, nr * mwv * 4, cudaMemcpyDeviceToHost));
-    }
-    for (size_t i = 0; i < ne; i++) {
-      const size_t r = i / (size_t)D;
-      const int d = (int)(i % (size_t)D);
-      hk[i] = q8 ? lf_kvq_row_value(side[0].fmt, bk + r * rbk, sk + r * mwk, d)
-                 : bf2f(((uint16_t *)bk)[i]);
-      hv[i] = q8 ? lf_kvq_row_value(side[1].fmt, bv + r * rbv, sv + r * mwv, d)
-                 : bf2f(((uint16_t *)bv)[i]);
-    }
-    free(bk);
-    free(bv);
-    free(sk);
-    free(sv);
-  }
+  if (kernel_pool0(q8, side, n_kv, head_elems, D, dk, dv, dks, dvs, rbk, mwk, rbv, mwv, hk, hv))
+    return 1;
   /* vnorm: exact for pool 0; elsewhere a deterministic positive value (only argmin reads it) */
   for (size_t i = 0; i < n_slots; i++)
     hvn[i] = 50.0f + (float)(rng_next() >> 44) * 1e-4f;
@@ -385,31 +440,8 @@ static int kernel_one(int batch, int budget, int n_heads, int n_kv, int D, int i
                            .policy = LF_POLICY_LONGFLOW, .scale = 1.0f / sqrtf((float)D),
                            .n_splits = S, .workspace = dws, .workspace_bytes = ws_bytes};
 
-  cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * 2 * (size_t)iters);
-  float *t = malloc(sizeof(float) * (size_t)iters);
-  for (int i = 0; i < 2 * iters; i++)
-    BENCH_CUDA(cudaEventCreate(&ev[i]));
-  for (int i = 0; i < warmup; i++) {
-    a.pool_ids = dpool + (size_t)(i % n_sets) * batch;
-    BENCH_LF(lf_cuda_decode_attn(&a, 0));
-  }
-  for (int i = 0; i < iters; i++) {
-    a.pool_ids = dpool + (size_t)(i % n_sets) * batch;
-    /* as triton's do_bench: clear L2 before each call; it also keeps the GPU busy, so host
-     * time between the events never counts */
-    if (flush) BENCH_CUDA(cudaMemsetAsync(flush, 0, flush_bytes, 0));
-    BENCH_CUDA(cudaEventRecord(ev[2 * i], 0));
-    BENCH_LF(lf_cuda_decode_attn(&a, 0));
-    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], 0));
-  }
-  BENCH_CUDA(cudaDeviceSynchronize());
-  for (int i = 0; i < iters; i++)
-    BENCH_CUDA(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
-  const float ms = median(t, iters);
-  for (int i = 0; i < 2 * iters; i++)
-    cudaEventDestroy(ev[i]);
-  free(ev);
-  free(t);
+  float ms = 0.0f;
+  if (kernel_time(&a, dpool, n_sets, batch, iters, warmup, flush, flush_bytes, &ms)) return 1;
 
   /* the checked call: set 0, sequence 0 = pool 0 */
   a.pool_ids = dpool;

@@ -5,6 +5,7 @@
 
 #include "attention/decode_attn.cuh"
 #include "attention/decode_attn_generic.cuh"
+#include "attention/evict.cuh"
 #include "attention/kv_write.cuh"
 #include "attention/prefill_attn.cuh"
 #include "attention/rkv_select.cuh"
@@ -346,9 +347,8 @@ static lf_status mixed_pass(cuda_backend *c, const lf_batch_item *items, const p
  * model's KV heads (gcfg): under tensor parallelism every rank holds a part of them, and each
  * head evicts alike, so this is the model's total with each head counted once. */
 static uint64_t note_decode_write(cuda_backend *c, int pool) {
-  if (c->host_n[pool] == c->p.budget) return (uint64_t)c->gcfg.n_layers * c->gcfg.n_kv_heads;
-  c->host_n[pool]++;
-  return 0;
+  return lf_evict_count_write(&c->host_n[pool], c->p.budget, c->gcfg.n_layers,
+                              c->gcfg.n_kv_heads);
 }
 
 /* One decode step of one sequence (a prompt chunk run token by token); xf[row] when last. */
