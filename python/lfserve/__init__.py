@@ -79,9 +79,9 @@ class Engine:
     backend "auto" | "cpu" | "cuda"; policy "longflow" | "full" | "streaming" | "h2o" | "rkv";
     budget: KV slots per pool (0: the model's context); n_pools: concurrent sequences (0: the
     backend decides; the cpu backend's default is 1, so give more to run requests together);
-    kv_dtype "bf16" | "fp8" | "int8"; evict_scope "layer" | "head"; lora: a PEFT adapter
-    directory; chat_template: a built-in chat format ("chatml", "llama3", "deepseek-r1") for
-    message prompts, instead of the model's own.
+    kv_dtype "bf16" | "fp8" | "int8" | "int4" | "k8v4"; evict_scope "layer" | "head"; lora: a PEFT
+    adapter directory; chat_template: a built-in chat format ("chatml", "llama3", "deepseek-r1")
+    for message prompts, instead of the model's own.
     """
 
     def __init__(self, model: str, *, backend: str = "auto", policy: str = "longflow",
