@@ -22,7 +22,8 @@ oracle then keeps the slot some head needs soonest), to tell the cost of per-hea
 apart from the cost of its scores; and LongFlow's score taken apart, in either scope
 (attn-head, attn-layer: the attention mass alone; vnorm-head, vnorm-layer: ||v||_1 alone;
 centered-head, centered-layer: alpha * ||v - o||_1; rkv, rkv-S8, rkv-S64-l0.1-o8: R-KV's
-selection as lfserve's --policy rkv (stage S, lambda, observation queries); emaG-head, emaG-layer: LongFlow's score
+selection as lfserve's --policy rkv (stage S, lambda, observation queries; -ohalf: B/2 of them,
+kept as H2O keeps its window; -hist: importance from H2O's whole-history mass); emaG-head, emaG-layer: LongFlow's score
 decayed by G per step and accumulated, emaG+rR-head / -layer with a protected window;
 longflow+rR-head, longflow+rR-layer: LongFlow's score
 with h2o's protected window of the R most recent slots, R a number or `half` for B/2). These
@@ -144,13 +145,19 @@ def make_specs(sim, a, budgets, n_kv):
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=B // 2, name="h2o-recent-half/B%d" % B))
             elif p == "h2o-32":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=32, name="h2o-recent-32/B%d" % B))
-            elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o[0-9]+)?", p):
+            elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o([0-9]+|half))?(-hist)?", p):
                 # R-KV: a selection every S steps (default 32) of the S slots to overwrite next,
-                # lam (default 0.1) mixing importance and redundancy, o observation queries (8)
+                # lam (default 0.1) mixing importance and redundancy, o observation queries (8;
+                # `half`: B/2); -hist: importance is H2O's whole-history mass instead
                 kw = {"stage": 32, "lam": 0.1, "obs": 8}
                 for part in p.split("-")[1:]:
-                    kw[{"S": "stage", "l": "lam", "o": "obs"}[part[0]]] = \
-                        float(part[1:]) if part[0] == "l" else int(part[1:])
+                    if part == "hist":
+                        kw["hist"] = True
+                    elif part == "ohalf":
+                        kw["obs"] = B // 2
+                    else:
+                        kw[{"S": "stage", "l": "lam", "o": "obs"}[part[0]]] = \
+                            float(part[1:]) if part[0] == "l" else int(part[1:])
                 specs.append(sim.Spec("rkv", B, sink=a.sink, name="%s/B%d" % (p, B), **kw))
             elif p == "random":
                 specs.append(sim.Spec("random", B, sink=a.sink, seed=a.seed, name="random/B%d" % B))

@@ -68,7 +68,7 @@ class Spec:
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
                  tau=None, name=None, gamma=0.0, recent=None, stage=32, obs=8, lam=0.1,
-                 sim_thr=0.5, pool_kernel=7):
+                 sim_thr=0.5, pool_kernel=7, hist=False):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
@@ -90,6 +90,9 @@ class Spec:
         # score = lam * importance - (1 - lam) * redundancy; the `obs` newest are kept
         self.stage, self.obs, self.lam = int(stage), int(obs), float(lam)
         self.sim_thr, self.pool_kernel = float(sim_thr), int(pool_kernel)
+        # rkv, a diagnostic (not served): importance = H2O's mass accumulated over the whole
+        # history (never reset), normalized to sum 1 over the candidates as redundancy does
+        self.hist = bool(hist)
         self.name = name or "%s/%s/B%d" % (policy, scope, budget)
         if policy != "full" and self.budget < self.sink + 2:
             raise ValueError("%s: budget %d < sink %d + 2" % (self.name, self.budget, self.sink))
@@ -396,7 +399,10 @@ class Sim:
             else:
                 self.rk_since[l, r] += 1
                 k_left = S - self.rk_since[l, r]
-            if k_left < obs:
+            if sp.hist:
+                self.acc[l, r, np.arange(H), w[a]] = 0.0
+                self.acc[l, r] += mass[a].astype(np.float32)
+            elif k_left < obs:
                 if not self.rk_obs_on[l, r]:
                     self.acc[l, r] = 0.0
                     self.rk_obs_on[l, r] = True
@@ -431,7 +437,8 @@ class Sim:
 
     def _rkv_head_score(self, l, r, g, sp, rest):
         """R-KV's score of the slots `rest` (in position order) of KV head g."""
-        imp = self.acc[l, r, g, rest].astype(np.float64) / (self.G * sp.obs)
+        imp = self.acc[l, r, g, rest].astype(np.float64)
+        imp = imp / max(imp.sum(), 1e-30) if sp.hist else imp / (self.G * sp.obs)
         if sp.pool_kernel > 1:                           # max over neighbours in position order
             h = sp.pool_kernel // 2
             pad = np.concatenate([np.full(h, -np.inf), imp, np.full(h, -np.inf)])
