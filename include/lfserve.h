@@ -406,6 +406,10 @@ typedef struct lf_comm *lf_comm_t;
  * and in a build without MPI it is LF_ERR_UNAVAILABLE. The library itself never includes mpi.h
  * outside parallel/, so a stack without MPI can pass its own communicator (parallel/comm.h). */
 lf_status lf_comm_init_mpi(lf_comm_t *out);
+/* Since 0.3. The ranks of MPI_COMM_WORLD that pass the same color (>= 0), in world-rank order:
+ * one tensor-parallel group among several (data-parallel replicas, each a group). Collective
+ * over MPI_COMM_WORLD: every rank calls it. */
+lf_status lf_comm_init_mpi_color(int color, lf_comm_t *out);
 /* A single-rank communicator (collectives are copies). */
 lf_status lf_comm_init_local(lf_comm_t *out);
 void lf_comm_free(lf_comm_t c);
@@ -434,6 +438,11 @@ lf_status lf_comm_init_nccl(void *nccl_comm, const void *unique_id, int rank, in
  * ncclCommInitRank. *device (may be NULL) gets the CUDA device chosen. LF_ERR_UNAVAILABLE
  * without MPI or NCCL. */
 lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out);
+/* Since 0.3. The same bootstrap within the ranks that pass the same color (collective over
+ * MPI_COMM_WORLD; every later step is the group's own): a group per replica. The device is
+ * still picked by the rank's place among all the job's ranks on its host, so groups sharing a
+ * host take different GPUs (or all take device 0 where one GPU is visible). */
+lf_status lf_comm_init_nccl_mpi_color(int color, double timeout_s, int *device, lf_comm_t *out);
 /* The same without MPI, on one node: rank, size and a fresh file for the id come from the
  * environment (LF_TP_RANK, LF_TP_SIZE, LF_TP_ID_FILE, optional LF_TP_LOCAL_RANK), as
  * tests/tp_run.sh sets them; rank 0 writes the id there and the others read it. */
@@ -500,7 +509,7 @@ lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m);
 
 /* The library's version, "MAJOR.MINOR.PATCH" (also LFSERVE_VERSION_* below). */
 #define LFSERVE_VERSION_MAJOR 0
-#define LFSERVE_VERSION_MINOR 2
+#define LFSERVE_VERSION_MINOR 3
 #define LFSERVE_VERSION_PATCH 0
 const char *lf_version(void);
 

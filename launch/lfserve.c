@@ -66,6 +66,9 @@ static void usage(FILE *f) {
           "  --max-batch-tokens N    prompt tokens per step; longer prompts that fit the pool are\n"
           "                          chunked (default 512; 0 = whole prompts)\n"
           "  --backend B             auto | cpu | cuda (default auto)\n"
+          "  --tp T                  under mpirun -np N: N/T data-parallel replicas of T\n"
+          "                          tensor-parallel ranks each behind rank 0's endpoint (default\n"
+          "                          N: one replica)\n"
           "  --threads N             cpu backend threads (default: all)\n"
           "  --max-body BYTES        request body limit (default 8388608), 413 beyond\n"
           "  --timeout S             idle connection timeout in seconds: the client's idleness\n"
@@ -138,6 +141,7 @@ typedef struct serve_opts {
   lf_engine_config cfg;
   const char *host, *name, *key_file, *chat_template;
   int auth_metrics, chat_content_special;
+  int tp; /* ranks per replica under mpirun (0: all of them, one replica) */
   double queue_timeout;
   long port, max_conn, timeout, max_body;
 } serve_opts;
@@ -170,6 +174,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       {"--max-queue", 0, INT_MAX, &cfg->max_queue},
       {"--max-batch-tokens", 0, INT_MAX, &cfg->max_batch_tokens},
       {"--threads", 0, 4096, &cfg->n_threads},
+      {"--tp", 1, 4096, &o->tp},
   };
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -274,12 +279,10 @@ static int launcher_signalled(const sigset_t *sigs, siginfo_t *si) {
 
 /* A rank other than 0 under mpirun: runs rank 0's steps until it frees its engine, then stops.
  * main's exit status. */
-static int follow(lf_comm_t comm, const sigset_t *sigs) {
+static int follow(lf_comm_t comm, void *dp, int rank, int size, const sigset_t *sigs) {
   lf_status s = lf_engine_follow(S.e);
   if (s != LF_OK)
-    fprintf(stderr, "lfserve: rank %d: %s: %s\n", lf_comm_rank(comm), lf_status_str(s),
-            lf_last_error());
-  const int rank = lf_comm_rank(comm), size = lf_comm_size(comm);
+    fprintf(stderr, "lfserve: rank %d: %s: %s\n", rank, lf_status_str(s), lf_last_error());
   lf_engine_free(S.e);
   if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
   lf_comm_free(comm);
@@ -289,7 +292,36 @@ static int follow(lf_comm_t comm, const sigset_t *sigs) {
   memset(&si, 0, sizeof si);
   const int launcher_abort = launcher_signalled(sigs, &si);
 #ifdef LF_HAVE_MPI
+  if (dp) MPI_Comm_free((MPI_Comm *)dp);
   if (!launcher_abort) MPI_Finalize();
+#else
+  (void)dp;
+#endif
+  fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
+          launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
+  return 0;
+}
+
+/* The lead rank of replica r >= 1 (serve.h): serves what rank 0 sends until it says stop, then
+ * frees the engine (which releases its group's other ranks). main's exit status. */
+static int lead_replica(lf_comm_t comm, void *dp, int r, int rank, int size, const sigset_t *sigs) {
+  const int lr = srv_leader_main(S.e, dp, r, sigs);
+  if (lr == 1) {
+    fprintf(stderr, "lfserve: rank %d (replica %d): lost rank 0; exiting\n", rank, r);
+    return 1; /* without MPI_Finalize: the launcher ends the job */
+  }
+  siginfo_t si;
+  memset(&si, 0, sizeof si);
+  const int launcher_abort = lr == 2 || launcher_signalled(sigs, &si);
+  if (lr != 2) lf_engine_free(S.e); /* releases the group's other ranks */
+  lf_comm_free(comm);
+#ifdef LF_HAVE_MPI
+  if (!launcher_abort) {
+    MPI_Comm_free((MPI_Comm *)dp);
+    MPI_Finalize();
+  }
+#else
+  (void)dp;
 #endif
   fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
           launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
@@ -396,16 +428,20 @@ static int start_http(const serve_opts *o, int *lfd, struct MHD_Daemon **d, int 
 static void print_banner(const serve_opts *o, const lf_resolved_config *rc, int bound_port, int loopback,
                          double load_s, const char *chat_state, const char *key_from) {
   const char *lora = o->cfg.lora_path;
+  char replicas[64] = "";
+  if (S.n_replicas > 1)
+    snprintf(replicas, sizeof replicas, " (%d replicas x tp %d)", S.n_replicas, rc->n_ranks);
   fprintf(stderr,
           "lfserve: serving '%s' (%s%s%s, %d layers, vocab %d, context %d; policy %s, budget %d, kv %s; "
-          "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s\n"
+          "tokenizer %s) on http://%s:%u, loaded in %.2f s; pid %ld, %d rank%s%s\n"
           "lfserve: chat: %s\n"
           "lfserve: auth: %s%s%s\n",
           S.model_name, S.mi.model_type, lora && lora[0] ? " + LoRA adapter " : "",
           lora ? lora : "", S.mi.n_layers, S.mi.vocab_size, S.mi.max_seq_len,
           lf_policy_str(rc->policy), rc->budget, lf_kv_dtype_str(rc->kv_dtype),
           S.tok ? "yes" : "no", o->host, (unsigned)bound_port, load_s, (long)getpid(),
-          rc->n_ranks, rc->n_ranks > 1 ? "s" : "", chat_state,
+          S.n_replicas * rc->n_ranks, S.n_replicas * rc->n_ranks > 1 ? "s" : "", replicas,
+          chat_state,
           S.api_key ? "an API key (" : "none: anyone who can reach the port may use it",
           S.api_key ? key_from : "",
           !S.api_key ? "" : o->auth_metrics ? ") on every endpoint" : ") on /v1/*; /health and /metrics open");
@@ -521,25 +557,94 @@ int main(int argc, char **argv) {
   memset(&si, 0, sizeof si);
   const double t0 = lf_now_s();
   lf_status s = LF_OK;
+  int replica = 0, n_replicas = 1, wrank = 0, wsize = 1;
+#ifdef LF_HAVE_MPI
+  MPI_Comm dp_comm = MPI_COMM_NULL; /* rank 0 and the replicas' lead ranks talk over it */
+  void *dp = &dp_comm;
+#else
+  void *dp = NULL;
+#endif
   if (lf_launched_multi_rank()) {
-    s = lf_tp_start(&argc, &argv, o.cfg.backend, &comm);
+    s = lf_tp_start_groups(&argc, &argv, o.cfg.backend, o.tp, &comm, &replica, &n_replicas);
     if (s != LF_OK) {
-      fprintf(stderr, "lfserve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
-      return 1;
+      int inited = 0;
+#ifdef LF_HAVE_MPI
+      MPI_Initialized(&inited);
+      if (inited) MPI_Comm_rank(MPI_COMM_WORLD, &wrank);
+#endif
+      /* a bad --tp is every rank's: said once */
+      if (s != LF_ERR_INVALID_ARG || wrank == 0)
+        fprintf(stderr, "lfserve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
+      (void)inited;
+      return s == LF_ERR_INVALID_ARG ? 2 : 1;
     }
+#ifdef LF_HAVE_MPI
+    MPI_Comm_rank(MPI_COMM_WORLD, &wrank);
+    MPI_Comm_size(MPI_COMM_WORLD, &wsize);
+#endif
+  } else if (o.tp > 1) {
+    fprintf(stderr, "lfserve: --tp %d: start the ranks with mpirun -np N (N a multiple of %d)\n",
+            o.tp, o.tp);
+    return 2;
   }
   s = lf_engine_init(&o.cfg, comm, &S.e);
   if (s != LF_OK) {
-    fprintf(stderr, "lfserve: %s: %s\n", lf_status_str(s), lf_last_error());
+    fprintf(stderr, "lfserve: %s%s: %s\n", n_replicas > 1 ? "replica " : "",
+            lf_status_str(s), lf_last_error());
+    return 1; /* without MPI_Finalize: the launcher ends the job */
+  }
+  int my_pools = 0;
+  {
+    lf_resolved_config rc0;
+    lf_engine_resolved_config(S.e, &rc0);
+    my_pools = rc0.n_pools;
+  }
+  int *pools = NULL;
+#ifdef LF_HAVE_MPI
+  if (n_replicas > 1) {
+    /* every replica came up (a group agreed within itself), and rank 0 learns their pools */
+    pools = calloc((size_t)wsize, sizeof *pools);
+    int ok = pools != NULL, all = 0;
+    if (MPI_Comm_dup(MPI_COMM_WORLD, &dp_comm) != MPI_SUCCESS ||
+        MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, dp_comm) != MPI_SUCCESS || !all ||
+        MPI_Allgather(&my_pools, 1, MPI_INT, pools, 1, MPI_INT, dp_comm) != MPI_SUCCESS) {
+      fprintf(stderr, "lfserve: rank %d: replicas could not agree at start-up\n", wrank);
+      return 1;
+    }
+  }
+#endif
+  if (lf_comm_rank(comm) != 0) {
+    free(pools);
+    return follow(comm, n_replicas > 1 ? dp : NULL, wrank, wsize, &sigs);
+  }
+  if (replica != 0) {
+    free(pools);
+    return lead_replica(comm, dp, replica, wrank, wsize, &sigs);
+  }
+  S.n_replicas = n_replicas;
+  S.tp = wsize / n_replicas;
+  S.rep = calloc((size_t)n_replicas, sizeof *S.rep);
+  if (!S.rep) {
+    fprintf(stderr, "lfserve: out of memory\n");
     return 1;
   }
-  if (lf_comm_rank(comm) != 0) return follow(comm, &sigs);
+  for (int r = 0; r < n_replicas; r++) S.rep[r].pools = pools ? pools[r * S.tp] : my_pools;
+  free(pools);
   lf_engine_model_info(S.e, &S.mi);
   lf_resolved_config rc_eng; /* what the engine runs with: the budget with its default resolved */
   lf_engine_resolved_config(S.e, &rc_eng);
   S.policy = rc_eng.policy;
   S.budget = rc_eng.budget;
   print_pools(&rc_eng);
+  if (n_replicas > 1) {
+    char list[512] = "";
+    size_t len = 0;
+    for (int r = 0; r < n_replicas && len < sizeof list; r++)
+      len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", r ? " + " : "", S.rep[r].pools);
+    fprintf(stderr, "lfserve: %d data-parallel replicas of %d rank%s each (ranks r*%d..): pools %s\n",
+            n_replicas, S.tp, S.tp > 1 ? "s" : "", S.tp, list);
+    if (srv_replicas_start(dp)) goto out;
+  }
 
   char chat_state[512] = "";
   if (open_text(&o, chat_state, sizeof chat_state)) goto out;
@@ -588,17 +693,21 @@ stop_engine:
   pthread_cond_broadcast(&S.work_cv);
   pthread_mutex_unlock(&S.mu);
   pthread_join(S.engine_thread, NULL);
+  srv_replicas_stop(launcher_abort);
   /* Jobs whose FINISH never came (none unless the engine failed) */
   srv_jobs_free_all();
 out:
   srv_state_free(api_key);
-  const int world = lf_comm_size(comm);
-  if (comm) {
+  const int world = wsize;
+  free(S.rep);
+  S.rep = NULL;
+  if (comm || n_replicas > 1) {
     /* A first signal from elsewhere (a terminal's ^C) may have been followed by the launcher's
      * own: look once more. */
     if (!launcher_abort) launcher_abort = launcher_signalled(&sigs, &si);
     lf_comm_free(comm);
 #ifdef LF_HAVE_MPI
+    if (dp_comm != MPI_COMM_NULL && !launcher_abort) MPI_Comm_free(&dp_comm);
     if (!launcher_abort) MPI_Finalize();
 #endif
   }

@@ -6,6 +6,8 @@
  *   serve_completion.c /v1/completions and /v1/chat/completions: streaming (SSE) and whole
  *                      responses
  *   serve_metrics.c    GET /v1/models, /health, /metrics and the counters behind them
+ *   serve_replicas.c   data-parallel replicas under mpirun (--tp T of N ranks): rank 0's router
+ *                      thread and the other replicas' lead ranks (docs/DESIGN.md §4)
  *
  * Threads. One engine thread runs lf_engine_step in a loop and routes each event to its
  * request's job (a token queue under S.mu, with a condition variable). libmicrohttpd runs one
@@ -25,6 +27,7 @@
 
 #include <microhttpd.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <time.h>
 
@@ -70,7 +73,20 @@ typedef struct job {
   int refused;      /* the connection refused it (503, counted there) and cancelled it: the
                        engine's FINISH is not counted again */
   struct job *next; /* hash chain */
+  /* Replicas (serve_replicas.c). id above is the table's key: the engine's id on replica 0,
+   * (replica << 48) | its engine's id on the others. */
+  int replica;        /* the replica serving it: 0 is this rank's engine */
+  uint64_t eid;       /* its id in that replica's engine */
+  int admitted;       /* another replica: it said the request holds a pool */
+  /* another replica, until it answers the submission (under S.mu) */
+  uint64_t token;     /* the submission's number in that answer */
+  int acked;          /* the answer came: submit_status, submit_err */
+  lf_status submit_status;
+  char submit_err[256];
+  struct job *pend_next;
 } job;
+
+#define SRV_REPLICA_SHIFT 48
 
 #define JOB_BUCKETS 4096
 
@@ -132,6 +148,9 @@ struct srv {
   int stopping;
   int streams_abort; /* stopping and the engine cannot end the requests: connections end them */
   pthread_t engine_thread;
+  /* Data-parallel replicas (serve_replicas.c): 1 without; rep[0] is this rank's engine. */
+  int n_replicas, tp;
+  struct srv_replica *rep;
   uint64_t step_errors;
   int last_step_failed;
 
@@ -163,6 +182,11 @@ extern struct srv S;
 /* CLOCK_REALTIME now + 200 ms: the deadline of the waits that poll (engine idle, peer gone). */
 struct timespec srv_deadline_200ms(void);
 
+/* Under S.mu: hands events of replica r's engine to their jobs; fin[] holds, in order, the
+ * statistics of the FINISH events among them (NULL: ask this rank's engine). */
+void srv_route_locked(int r, const lf_event *ev, int n, const lf_request_stats *fin);
+/* Under S.mu: where the job with table key id is, or would go. */
+job **srv_job_slot(uint64_t id);
 /* Under S.mu. Drops one reference; the last frees the job. */
 void srv_job_unref(job *j);
 /* Creates the job of rq and submits rq under S.mu (so the engine thread cannot route an event
@@ -264,6 +288,49 @@ void srv_on_completed(void *cls, struct MHD_Connection *mc, void **con_cls,
 
 /* POST /v1/completions (chat 0) or /v1/chat/completions (chat 1), c->body holding the request. */
 MHD_Result_t srv_handle_completion(conn *c, int chat);
+
+/* ---- data-parallel replicas (serve_replicas.c) ---------------------------------------------
+ *
+ * `mpirun -np N lfserve --tp T`: N / T replicas, each a tensor-parallel group of T ranks
+ * (world ranks r*T .. r*T+T-1). Rank 0 leads replica 0 and serves HTTP; every request goes to
+ * the replica with the most free pools (pools less the requests it holds or queues; ties to the
+ * lower index). The lead rank of each other replica runs srv_leader_main: it submits what rank
+ * 0 sends, steps its engine (its followers follow it as under plain tensor parallelism) and
+ * sends the events back. Rank 0's router thread does all of rank 0's talking to them. */
+
+/* Per replica, on rank 0 (under S.mu). */
+struct srv_replica {
+  int pools;            /* its pools (from start-up) */
+  int outstanding;      /* requests submitted to it and not finished */
+  int step_failed;      /* its last step failed */
+  int have_metrics;
+  lf_metrics m;         /* its last report (replica 0: unused, asked directly) */
+  uint64_t routed;      /* requests sent to it */
+  int bye;              /* it has stopped */
+};
+
+/* Rank 0, once S.rep is set up: starts the router thread (n_replicas > 1). 0, or 1 after a
+ * message. */
+int srv_replicas_start(void *dp_comm);
+/* Rank 0, after the engine thread has stopped: tells every other replica to stop and waits for
+ * their answer (at most 5 s; not at all when the launcher is ending the job), then stops the
+ * router. */
+void srv_replicas_stop(int launcher_abort);
+/* Under S.mu: submits rq to the replica with the most free pools. Returns 0 with *out set; -1
+ * out of memory; -2 refused (*s says why, lf_last_error the message). May wait (S.mu released)
+ * for another replica's answer. The job gets two references, as srv_job_submit's. */
+int srv_replica_submit(const lf_request *rq, job *j, lf_status *s);
+/* Under S.mu: cancels j's request wherever it runs. */
+void srv_job_cancel(job *j);
+/* Under S.mu: 1 while j's request still waits for a pool. */
+int srv_job_queued(job *j);
+/* The metrics of every replica (per[n_replicas]) and their sum. LF_OK, or this engine's error. */
+lf_status srv_metrics_collect(lf_metrics *sum, lf_metrics *per);
+/* Under S.mu: 1 when some replica's last step failed. */
+int srv_any_step_failed(void);
+/* A lead rank of replica r >= 1: serves rank 0's requests on e until rank 0 says stop (0) or
+ * the launcher signals (2: the job is being ended) or MPI fails (1). */
+int srv_leader_main(lf_engine_t e, void *dp_comm, int replica, const sigset_t *sigs);
 
 /* ---- GET endpoints and counters (serve_metrics.c) ----------------------------------------- */
 

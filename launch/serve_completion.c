@@ -261,7 +261,7 @@ static void text_stop_cancel(conn *c) {
   job *j = c->j;
   j->text_stop = 1;
   if (!j->finished) {
-    lf_engine_cancel(S.e, j->id);
+    srv_job_cancel(j);
   } else if (j->outcome != OUT_STOP) { /* it ended (length) before we read that far */
     atomic_fetch_sub(&S.outcomes[j->outcome], 1);
     atomic_fetch_add(&S.outcomes[OUT_STOP], 1);
@@ -431,13 +431,11 @@ static int wait_admitted(conn *c) {
       break;
     }
     /* Still queued exactly when its queue time is its whole time so far (lfserve.h). */
-    lf_request_stats st;
-    if (lf_engine_request_stats(S.e, j->id, &st) == LF_OK && st.queue_seconds < st.total_seconds)
-      break;
+    if (!srv_job_queued(j)) break;
     const double now = lf_now_s();
     if (now - t0 >= S.queue_timeout_s) {
       j->refused = 1;
-      lf_engine_cancel(S.e, j->id);
+      srv_job_cancel(j);
       ret = 2;
       break;
     }

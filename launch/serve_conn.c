@@ -18,7 +18,7 @@
 static void conn_release_job(conn *c) {
   if (!c->j) return;
   pthread_mutex_lock(&S.mu);
-  if (!c->j->finished) lf_engine_cancel(S.e, c->j->id); /* the client went away */
+  if (!c->j->finished) srv_job_cancel(c->j); /* the client went away */
   srv_job_unref(c->j);
   pthread_mutex_unlock(&S.mu);
   c->j = NULL;

@@ -14,7 +14,7 @@ struct timespec srv_deadline_200ms(void) {
   return ts;
 }
 
-static job **job_slot(uint64_t id) {
+job **srv_job_slot(uint64_t id) {
   job **p = &S.table[id % JOB_BUCKETS];
   while (*p && (*p)->id != id)
     p = &(*p)->next;
@@ -47,22 +47,12 @@ int srv_job_submit(const lf_request *rq, job **out, lf_status *s) {
     free(j);
     return 1;
   }
-  uint64_t id;
-  *s = lf_engine_submit(S.e, rq, &id);
-  if (*s == LF_OK) {
-    j->id = id;
-    j->refs = 2;
-    job **slot = job_slot(id);
-    j->next = *slot;
-    *slot = j;
-    S.n_jobs++;
-    pthread_cond_signal(&S.work_cv);
-  }
+  const int r = srv_replica_submit(rq, j, s);
   pthread_mutex_unlock(&S.mu);
-  if (*s != LF_OK) {
+  if (r != 0) {
     pthread_cond_destroy(&j->cv);
     free(j);
-    return -2;
+    return r;
   }
   *out = j;
   return 0;
@@ -71,7 +61,7 @@ int srv_job_submit(const lf_request *rq, job **out, lf_status *s) {
 void srv_jobs_cancel_all(void) {
   for (int b = 0; b < JOB_BUCKETS; b++)
     for (job *j = S.table[b]; j; j = j->next)
-      lf_engine_cancel(S.e, j->id);
+      srv_job_cancel(j);
 }
 
 void srv_jobs_wake_all(void) {
@@ -89,11 +79,12 @@ void srv_jobs_free_all(void) {
     }
 }
 
-/* Engine thread: hands events to their jobs. */
-static void route(const lf_event *ev, int n) {
-  pthread_mutex_lock(&S.mu);
+void srv_route_locked(int r, const lf_event *ev, int n, const lf_request_stats *fin) {
+  int n_fin = 0;
   for (int i = 0; i < n; i++) {
-    job **slot = job_slot(ev[i].id);
+    const uint64_t key = r == 0 ? ev[i].id : ((uint64_t)r << SRV_REPLICA_SHIFT) | ev[i].id;
+    const lf_request_stats *st = fin && ev[i].type == LF_EVENT_FINISH ? &fin[n_fin++] : NULL;
+    job **slot = srv_job_slot(key);
     job *j = *slot;
     if (!j) continue;
     if (ev[i].type == LF_EVENT_PROMPT_TOKEN) {
@@ -102,7 +93,7 @@ static void route(const lf_event *ev, int n) {
         lf_event *p = realloc(j->plp, sizeof *p * (size_t)cap);
         if (!p) {
           j->lp_oom = 1;
-          lf_engine_cancel(S.e, j->id);
+          srv_job_cancel(j);
           continue;
         }
         j->plp = p;
@@ -120,7 +111,7 @@ static void route(const lf_event *ev, int n) {
         if (q) j->lps = q;
         if (!p || (j->want_lp && !q)) {
           /* Cannot keep the token: end the request rather than return a hole in its text. */
-          lf_engine_cancel(S.e, j->id);
+          srv_job_cancel(j);
           continue;
         }
         j->cap_toks = cap;
@@ -131,7 +122,13 @@ static void route(const lf_event *ev, int n) {
       j->finished = 1;
       j->reason = ev[i].reason;
       j->status = ev[i].status;
-      j->have_stats = lf_engine_request_stats(S.e, j->id, &j->stats) == LF_OK;
+      if (st) {
+        j->stats = *st;
+        j->have_stats = 1;
+      } else {
+        j->have_stats = lf_engine_request_stats(S.e, j->eid, &j->stats) == LF_OK;
+      }
+      if (S.rep && S.rep[j->replica].outstanding > 0) S.rep[j->replica].outstanding--;
       int o = j->text_stop                       ? OUT_STOP
               : j->reason == LF_FINISH_LENGTH    ? OUT_LENGTH
               : j->reason == LF_FINISH_ERROR     ? OUT_ERROR
@@ -147,7 +144,6 @@ static void route(const lf_event *ev, int n) {
     }
     pthread_cond_broadcast(&j->cv);
   }
-  pthread_mutex_unlock(&S.mu);
 }
 
 /* The engine thread. Under mpirun the other ranks follow the descriptors rank 0 broadcasts from
@@ -183,7 +179,9 @@ void *srv_engine_main(void *arg) {
       pthread_mutex_unlock(&S.mu);
       if (n == 0) usleep(10000);
     }
-    route(ev, n);
+    pthread_mutex_lock(&S.mu);
+    srv_route_locked(0, ev, n, NULL);
+    pthread_mutex_unlock(&S.mu);
   }
   free(ev);
   return NULL;

@@ -1,6 +1,7 @@
 /* lfserve's GET endpoints: /v1/models, /health and /metrics (Prometheus text format), and the
  * counters only /metrics reads (serve.h). */
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "launch/serve.h"
 
@@ -34,7 +35,7 @@ MHD_Result_t srv_handle_models(struct MHD_Connection *mc) {
 MHD_Result_t srv_handle_health(struct MHD_Connection *mc) {
   lfs_buf b = {0};
   pthread_mutex_lock(&S.mu);
-  const int stopping = S.stopping, failed = S.last_step_failed;
+  const int stopping = S.stopping, failed = srv_any_step_failed();
   pthread_mutex_unlock(&S.mu);
   lfs_buf_puts(&b, stopping ? "{\"status\":\"stopping\"}"
                    : failed ? "{\"status\":\"engine_failed\"}"
@@ -60,9 +61,13 @@ static void prom_hist(lfs_buf *b, const char *name, const char *help, const lf_l
 }
 
 MHD_Result_t srv_handle_metrics(struct MHD_Connection *mc) {
-  lf_metrics m;
-  if (lf_engine_metrics(S.e, &m) != LF_OK)
+  lf_metrics m, per[64];
+  lf_metrics *pr = S.n_replicas <= 64 ? per : malloc(sizeof *pr * (size_t)S.n_replicas);
+  if (!pr) return srv_reply_error(mc, 500, "server_error", "out_of_memory", "out of memory");
+  if (srv_metrics_collect(&m, pr) != LF_OK) {
+    if (pr != per) free(pr);
     return srv_reply_error(mc, 500, "server_error", "metrics_failed", lf_last_error());
+  }
   pthread_mutex_lock(&S.mu);
   const int n_jobs = S.n_jobs;
   const unsigned long long step_errors = S.step_errors;
@@ -131,6 +136,38 @@ MHD_Result_t srv_handle_metrics(struct MHD_Connection *mc) {
                  m.decode_seconds);
   prom_hist(&b, "lfserve_ttft_seconds", "Time to first token.", &m.ttft);
   prom_hist(&b, "lfserve_tpot_seconds", "Time per output token after the first.", &m.tpot);
+  /* Per replica (under mpirun --tp T: N/T of them; replica 0 is rank 0's engine). The lines
+   * above are their sums; another replica's figures are its last report (every 200 ms). */
+  pthread_mutex_lock(&S.mu);
+#define PER_REPLICA(name, type, help, fmt, expr)                                                   \
+  do {                                                                                             \
+    lfs_buf_puts(&b, "# HELP " name " " help "\n# TYPE " name " " type "\n");                   \
+    for (int r = 0; r < S.n_replicas; r++) {                                                       \
+      const lf_metrics *q = &pr[r];                                                                \
+      const struct srv_replica *rp = &S.rep[r];                                                    \
+      (void)q, (void)rp;                                                                           \
+      lfs_buf_printf(&b, name "{replica=\"%d\"} " fmt "\n", r, expr);                            \
+    }                                                                                              \
+  } while (0)
+  PER_REPLICA("lfserve_replica_pools_total", "gauge", "KV pools of each replica.", "%d",
+              q->pools_total);
+  PER_REPLICA("lfserve_replica_pools_used", "gauge", "KV pools in use, per replica.", "%d",
+              q->pools_used);
+  PER_REPLICA("lfserve_replica_running", "gauge", "Requests holding a pool, per replica.", "%d",
+              q->running);
+  PER_REPLICA("lfserve_replica_queue_length", "gauge", "Requests waiting for a pool, per replica.",
+              "%d", q->waiting);
+  PER_REPLICA("lfserve_replica_routed_total", "counter", "Requests rank 0 sent to each replica.",
+              "%llu", (unsigned long long)rp->routed);
+  PER_REPLICA("lfserve_replica_tokens_generated_total", "counter", "Tokens sampled, per replica.",
+              "%llu", (unsigned long long)q->tokens_generated);
+  PER_REPLICA("lfserve_replica_steps_total", "counter", "Engine steps, per replica.", "%llu",
+              (unsigned long long)q->steps);
+  PER_REPLICA("lfserve_replica_step_failed", "gauge", "1 when the replica's last step failed.",
+              "%d", r == 0 ? S.last_step_failed : rp->step_failed);
+#undef PER_REPLICA
+  pthread_mutex_unlock(&S.mu);
+  if (pr != per) free(pr);
 #undef GAUGE
 #undef COUNTER
   MHD_Result_t r = srv_send_buf(mc, 200, "text/plain; version=0.0.4; charset=utf-8", &b, NULL);

@@ -21,6 +21,13 @@ int lf_launched_multi_rank(void);
  * Starts MPI when it has not started. */
 lf_status lf_tp_start(int *argc, char ***argv, lf_backend_kind backend, lf_comm_t *comm);
 
+/* The same with the ranks split into groups of tp (0: one group of all): rank r is in group
+ * (replica) r / tp of size / tp, and *comm spans its group. A world size that tp does not
+ * divide is LF_ERR_INVALID_ARG naming the sizes that do. With several groups MPI starts with
+ * MPI_THREAD_MULTIPLE (LF_ERR_UNAVAILABLE when the MPI library cannot give it). */
+lf_status lf_tp_start_groups(int *argc, char ***argv, lf_backend_kind backend, int tp,
+                             lf_comm_t *comm, int *replica, int *n_replicas);
+
 /* After a successful run: frees comm and finalizes MPI where it was started (no-op for NULL).
  * A failed rank skips this and exits: the launcher then ends the job. */
 void lf_tp_end(lf_comm_t comm);

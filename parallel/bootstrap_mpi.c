@@ -17,20 +17,42 @@
 #include "base/error.h"
 
 lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
+  return lf_comm_init_nccl_mpi_color(0, timeout_s, device, out);
+}
+
+static lf_status nccl_on(MPI_Comm g, int local, double timeout_s, int *device, lf_comm_t *out);
+
+lf_status lf_comm_init_nccl_mpi_color(int color, double timeout_s, int *device, lf_comm_t *out) {
   if (!out) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_nccl_mpi: NULL argument");
   *out = NULL;
+  if (color < 0) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_nccl_mpi: color %d < 0", color);
   int inited = 0;
   MPI_Initialized(&inited);
   if (!inited) return lf_error(LF_ERR_STATE, "lf_comm_init_nccl_mpi: MPI_Init has not been called");
-  int rank = 0, size = 1, local = 0;
-  MPI_Comm node;
-  if (MPI_Comm_rank(MPI_COMM_WORLD, &rank) != MPI_SUCCESS ||
-      MPI_Comm_size(MPI_COMM_WORLD, &size) != MPI_SUCCESS ||
-      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) !=
+  /* The node-local rank counts every rank of the job on this host, whatever its group, so the
+   * groups that share a host take different GPUs. */
+  int wrank = 0, local = 0;
+  MPI_Comm node, g;
+  if (MPI_Comm_rank(MPI_COMM_WORLD, &wrank) != MPI_SUCCESS ||
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, wrank, MPI_INFO_NULL, &node) !=
           MPI_SUCCESS)
     return lf_error(LF_ERR_BACKEND, "lf_comm_init_nccl_mpi: MPI rank / node split failed");
   MPI_Comm_rank(node, &local);
   MPI_Comm_free(&node);
+  if (MPI_Comm_split(MPI_COMM_WORLD, color, wrank, &g) != MPI_SUCCESS)
+    return lf_error(LF_ERR_BACKEND, "rank %d: lf_comm_init_nccl_mpi: MPI_Comm_split failed", wrank);
+  MPI_Comm_set_errhandler(g, MPI_ERRORS_RETURN);
+  const lf_status s = nccl_on(g, local, timeout_s, device, out);
+  MPI_Comm_free(&g);
+  return s;
+}
+
+/* The bootstrap within group g (every collective below is g's: a group that fails never leaves
+ * another group's ranks waiting). */
+static lf_status nccl_on(MPI_Comm g, int local, double timeout_s, int *device, lf_comm_t *out) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(g, &rank);
+  MPI_Comm_size(g, &size);
 
   /* 1. this rank's device */
   int dev = -1;
@@ -45,8 +67,8 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
   }
   /* everyone's device status, then the id: both collectives are entered by every rank */
   int bad = s != LF_OK, any_bad = 0;
-  if (MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS ||
-      MPI_Bcast(msg, (int)sizeof msg, MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
+  if (MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, g) != MPI_SUCCESS ||
+      MPI_Bcast(msg, (int)sizeof msg, MPI_BYTE, 0, g) != MPI_SUCCESS)
     return lf_error(LF_ERR_BACKEND, "rank %d: lf_comm_init_nccl_mpi: MPI collective failed", rank);
   if (s != LF_OK) return s;
   int32_t st0;
@@ -62,7 +84,7 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
    * everywhere (MPI carries the step descriptor: a host message through NCCL would take a device
    * round trip) */
   int mine = sc == LF_OK, all = 0;
-  if (MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD) != MPI_SUCCESS) all = 0;
+  if (MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, g) != MPI_SUCCESS) all = 0;
   if (!all) {
     if (*out) lf_comm_free(*out);
     *out = NULL;
@@ -73,12 +95,12 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
   }
   {
     lf_comm_t host = NULL;
-    lf_status hs = lf_comm_init_mpi(&host);
+    lf_status hs = lf_comm_init_mpi_on(&g, &host);
     if (hs != LF_OK) host = NULL;
     /* the lead fails, as with NCCL, when a follower does not take a descriptor in time */
     if (hs == LF_OK) hs = lf_comm_mpi_set_timeout(host, lf_comm_nccl_timeout(*out));
     int hbad = hs != LF_OK, any_hbad = 0; /* every rank the same way, or none */
-    if (MPI_Allreduce(&hbad, &any_hbad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS)
+    if (MPI_Allreduce(&hbad, &any_hbad, 1, MPI_INT, MPI_MAX, g) != MPI_SUCCESS)
       any_hbad = 1;
     if (!any_hbad) hs = lf_comm_nccl_set_host(*out, host);
     if (any_hbad || hs != LF_OK) {

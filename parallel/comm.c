@@ -104,7 +104,11 @@ lf_status lf_comm_init_nccl_env(double timeout_s, int *device, lf_comm_t *out) {
 
 #if !defined(LF_HAVE_NCCL) || !defined(LF_HAVE_MPI)
 lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
-  (void)timeout_s, (void)device;
+  return lf_comm_init_nccl_mpi_color(0, timeout_s, device, out);
+}
+
+lf_status lf_comm_init_nccl_mpi_color(int color, double timeout_s, int *device, lf_comm_t *out) {
+  (void)color, (void)timeout_s, (void)device;
   if (out) *out = NULL;
   return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_init_nccl_mpi: this build lacks %s",
 #ifdef LF_HAVE_MPI
@@ -120,5 +124,11 @@ lf_status lf_comm_init_nccl_mpi(double timeout_s, int *device, lf_comm_t *out) {
 lf_status lf_comm_init_mpi(lf_comm_t *out) {
   if (out) *out = NULL;
   return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_init_mpi: this build has no MPI (LF_MPI=OFF)");
+}
+
+lf_status lf_comm_init_mpi_color(int color, lf_comm_t *out) {
+  (void)color;
+  if (out) *out = NULL;
+  return lf_error(LF_ERR_UNAVAILABLE, "lf_comm_init_mpi_color: this build has no MPI (LF_MPI=OFF)");
 }
 #endif

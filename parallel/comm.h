@@ -78,6 +78,11 @@ double lf_comm_nccl_timeout(const struct lf_comm *c);
  * root_timeout_s (0, the default: never) when a peer does not take the message. */
 lf_status lf_comm_mpi_set_timeout(struct lf_comm *c, double root_timeout_s);
 
+/* MPI (parallel/comm_mpi.c): a communicator over a duplicate of *(MPI_Comm *)parent, so
+ * callers without mpi.h can pass one through (lf_comm_init_mpi_color and the NCCL bootstrap's
+ * host communicator use it). */
+lf_status lf_comm_init_mpi_on(const void *parent, struct lf_comm **out);
+
 /* lf_comm_init_local, lf_comm_init_mpi (over MPI_COMM_WORLD, duplicated; MPI must be initialised
  * by the caller; LF_ERR_UNAVAILABLE without MPI), lf_comm_free, lf_comm_rank and lf_comm_size
  * are public: include/lfserve.h. */

@@ -137,7 +137,10 @@ lf_status lf_comm_mpi_set_timeout(lf_comm_t c, double root_timeout_s) {
   return LF_OK;
 }
 
-lf_status lf_comm_init_mpi(lf_comm_t *out) {
+/* A communicator over a duplicate of `parent` (an MPI_Comm *). */
+lf_status lf_comm_init_mpi_on(const void *parent, lf_comm_t *out) {
+  if (!parent || !out) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_mpi_on: NULL argument");
+  *out = NULL;
   int inited = 0;
   MPI_Initialized(&inited);
   if (!inited) return lf_error(LF_ERR_STATE, "lf_comm_init_mpi: MPI_Init has not been called");
@@ -148,7 +151,7 @@ lf_status lf_comm_init_mpi(lf_comm_t *out) {
   LF_TRY(lf_comm_new(&proto, sizeof(mpi_impl), &c));
   mpi_impl *m = c->impl;
   /* Errors come back as codes so a failing collective becomes an lf_status, not an abort. */
-  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
+  int rc = MPI_Comm_dup(*(const MPI_Comm *)parent, &m->comm);
   if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
   if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(m->comm, &c->rank);
   if (rc == MPI_SUCCESS) rc = MPI_Comm_size(m->comm, &c->size);
@@ -160,4 +163,26 @@ lf_status lf_comm_init_mpi(lf_comm_t *out) {
   }
   *out = c;
   return LF_OK;
+}
+
+lf_status lf_comm_init_mpi(lf_comm_t *out) {
+  MPI_Comm world = MPI_COMM_WORLD;
+  return lf_comm_init_mpi_on(&world, out);
+}
+
+lf_status lf_comm_init_mpi_color(int color, lf_comm_t *out) {
+  if (!out) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_mpi_color: NULL argument");
+  *out = NULL;
+  if (color < 0) return lf_error(LF_ERR_INVALID_ARG, "lf_comm_init_mpi_color: color %d < 0", color);
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) return lf_error(LF_ERR_STATE, "lf_comm_init_mpi_color: MPI_Init has not been called");
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm g;
+  if (MPI_Comm_split(MPI_COMM_WORLD, color, rank, &g) != MPI_SUCCESS)
+    return lf_error(LF_ERR_BACKEND, "rank %d: lf_comm_init_mpi_color: MPI_Comm_split failed", rank);
+  const lf_status s = lf_comm_init_mpi_on(&g, out);
+  MPI_Comm_free(&g);
+  return s;
 }

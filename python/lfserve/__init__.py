@@ -19,7 +19,7 @@ from typing import Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Uni
 from . import _lib
 
 __all__ = ["Engine", "LfserveError", "Prompt", "library_version", "library_path"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, str]]]
@@ -44,7 +44,7 @@ def _check(code: int, what: str) -> None:
 
 
 def library_version() -> str:
-    """The loaded C library's version ("0.2.0")."""
+    """The loaded C library's version ("0.3.0")."""
     return _lib.load().lf_version().decode()
 
 
