@@ -10,7 +10,8 @@ streamed and whole, a stop string):
     time and all at once (twice over), equals the single-rank one; both replicas serve
     (lfserve_replica_routed_total); /v1/models lists one model; /metrics sums the pools (8) and
     labels each replica's (4 each); everything returns idle;
-  - 2 ranks as 2 replicas x TP1: the same at once;
+  - 2 ranks as 2 replicas x TP1: the same at once; with one pool each held by a stream, a
+    request queued on either replica gets 503 + Retry-After after --queue-timeout;
   - bad configurations are refused at start, naming the valid choices: 3 ranks with --tp 2
     (exit 2, said once), --tp 3 on a model with 4 query and 2 KV heads;
   - SIGTERM to rank 0: every rank stops, finalizes MPI and exits 0 within 5 s;
@@ -172,6 +173,27 @@ def main():
         assert min(n) > 0, n
         stop_rank0(s, 2)
         print("ok  2 replicas x TP1 (routed %s): equal to one rank" % n)
+
+        # One pool each, both held by streams: a request queued on either replica gets 503 +
+        # Retry-After after --queue-timeout (the second one waits on replica 1, told by its
+        # admission notices).
+        s = Server(a.lfserve, model, "--budget", "64", "--pools", "1", "--threads", "1",
+                   "--queue-timeout", "1", "--tp", "1", env=env, launcher=launcher(2))
+        servers.append(s)
+        held = [open_stream(s), open_stream(s)]
+        t0 = time.time()
+        for _ in range(2):
+            st, hdr, _, raw = s.post(CMPL, {"prompt": [1, 2, 3], "max_tokens": 4})
+            assert st == 503 and hdr.get("retry-after"), (st, raw)
+        dt = time.time() - t0
+        m = s.metrics()
+        assert routed(m, 2) == [2, 2], routed(m, 2)
+        assert m['lfserve_refused_total{reason="queue_timeout"}'] == 2, m
+        for c, _ in held:
+            c.close()
+        stop_rank0(s, 2)
+        print("ok  a request queued on each replica: 503 + Retry-After after --queue-timeout 1 "
+              "(%.2f s for both)" % dt)
 
         # Bad configurations: refused at start with the choices named.
         p = subprocess.run(launcher(3) + [a.lfserve, "--model", model, "--backend", "cpu",
