@@ -48,6 +48,16 @@
 #                                 of arrivals each (default 40, cut at SERVE_DURATION, default 60),
 #                                 the first SERVE_WARMUP s (default 0) left out as warm-up, then
 #                                 bench/plot_serve.py (SERVE_POISSON_ARGS adds options)
+#   bench/run.sh dp               lfserve's data-parallel replicas over HTTP (bench/http_load.py,
+#                                 Poisson arrivals at each rate of DP_RATES, default "4 8 16",
+#                                 DP_SPAN s of arrivals each, default 30; DP_PROMPT -> DP_OUTPUT
+#                                 tokens, default 2048 -> 512) on DP_MODEL (default
+#                                 random:llama3-8b, budget DP_BUDGET, default 3200): one engine
+#                                 with DP_KV_GB of pools (default 40) against DP_REPLICAS (default
+#                                 2) replicas of TP 1 under mpirun, DP_KV_GB / DP_REPLICAS each,
+#                                 sharing the GPUs (one GPU: all on it); tokens/s, TTFT and TPOT
+#                                 p50/p99 per rate, bench/results-style JSON per run (DP_BACKEND=cpu
+#                                 with a small DP_MODEL and DP_VOCAB: the same on CPU ranks)
 #   bench/run.sh targets          the throughput targets of bench/RESULTS.md's table (issue 37),
 #                                 each printed against its target by bench/targets.py: h2o's
 #                                 prompt steps over LongFlow's (512, 2048, 8192), the 16k run's
@@ -323,6 +333,45 @@ run_attn() {
 
 # TTFT and TPOT against the Poisson arrival rate, with the isolated-prefill and decode-only
 # references measured by each run on its own engine; one JSON per rate, then the plot.
+# lfserve started under NP ranks (1: alone) with --tp TP, driven by bench/http_load.py at each
+# rate of DP_RATES, then stopped through rank 0. dp_serve NAME NP TP KV_GB
+dp_serve() {
+  local name=$1 np=$2 tp=$3 kv=$4 port=$((18000 + RANDOM % 2000)) log rate n pid t
+  log="$OUT/dp_${name}_server.txt"
+  local cmd=("$B/lfserve" --model "${DP_MODEL:-random:llama3-8b}" --backend "${DP_BACKEND:-cuda}" --port "$port"
+    --budget "${DP_BUDGET:-3200}" --kv-memory-gb "$kv" --max-pools 512 --queue-timeout 0)
+  say "dp $name: ${cmd[*]} (np $np, tp $tp)"
+  if [ "$np" -gt 1 ]; then
+    mpirun -np "$np" --oversubscribe -x NCCL_NVLS_ENABLE=0 "${cmd[@]}" --tp "$tp" >"$log" 2>&1 &
+  else
+    "${cmd[@]}" >"$log" 2>&1 &
+  fi
+  for t in $(seq 600); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+      >/dev/null 2>&1 && break
+    sleep 0.5
+  done
+  grep -E "pools|replicas|serving" "$log" | tee -a "$LOG"
+  for rate in ${DP_RATES:-4 8 16}; do
+    n=$(awk -v r="$rate" -v s="${DP_SPAN:-30}" 'BEGIN { n = int(r * s + 0.5); print n < 1 ? 1 : n }')
+    python3 bench/http_load.py --url "http://127.0.0.1:$port" --requests "$n" --rate "$rate" \
+      --prompt "${DP_PROMPT:-2048}" --output "${DP_OUTPUT:-512}" --vocab "${DP_VOCAB:-32000}" \
+      --label "$name r$rate" --json "$OUT/dp_${name}_r$rate.json" 2>&1 | tee -a "$LOG" || rc=1
+  done
+  pid=$(grep -o "pid [0-9]*" "$log" | head -1 | cut -d' ' -f2)
+  [ -n "$pid" ] && kill -TERM "$pid"
+  wait || true
+  tail -2 "$log" | tee -a "$LOG"
+}
+
+run_dp() {
+  [ -x "$B/lfserve" ] || build . "$B" lfserve_server || { rc=1; return; }
+  command -v mpirun >/dev/null || { say "dp: no mpirun here"; return; }
+  local n=${DP_REPLICAS:-2} kv=${DP_KV_GB:-40}
+  dp_serve one 1 1 "$kv"
+  dp_serve "dp${n}" "$n" 1 "$(awk -v k="$kv" -v n="$n" 'BEGIN { print k / n }')"
+}
+
 run_serve_poisson() {
   build . "$B" lfbench || { rc=1; return; }
   local rate n files=()
@@ -426,6 +475,7 @@ while [ $# -gt 0 ]; do
   ab) shift; run_ab "$1" ;;
   prefill) run_prefill ;;
   serve-poisson) run_serve_poisson ;;
+  dp) run_dp ;;
   attn) run_attn ;;
   targets) run_targets ;;
   *) echo "bench/run.sh: unknown part '$1'"; exit 2 ;;
