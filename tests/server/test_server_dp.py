@@ -34,7 +34,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serverlib import Server, make_tiny_chat_model, wait_idle  # noqa: E402
+from serverlib import ROOT, Server, make_tiny_chat_model, wait_idle  # noqa: E402
 from test_server_mpi import CMPL, REQUESTS, pids_of, run, wait_exit, with_stop  # noqa: E402
 
 
@@ -171,8 +171,22 @@ def main():
             assert g == ref[k], "TP1 request %d at once: %r, one rank %r" % (k, g, ref[k])
         n = routed(wait_idle(s), 2)
         assert min(n) > 0, n
+        # bench/http_load.py (the DP benchmark client) against it: all complete, both
+        # replicas serve, and its JSON says so
+        js = os.path.join(tempfile.mkdtemp(prefix="lfdp-load-"), "load.json")
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "http_load.py"), "--url",
+                            "http://127.0.0.1:%d" % s.port, "--requests", "8", "--prompt", "16",
+                            "--output", "24", "--vocab", "1000", "--json", js],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        with open(js) as f:
+            load = json.load(f)
+        assert load["completed"] == 8 and load["failed"] == 0, load
+        assert sum(load["routed"].values()) == 8 and min(load["routed"].values()) > 0, load
+        assert load["output_tokens_per_s"] > 0 and load["tpot_p50_s"] > 0, load
         stop_rank0(s, 2)
-        print("ok  2 replicas x TP1 (routed %s): equal to one rank" % n)
+        print("ok  2 replicas x TP1 (routed %s): equal to one rank; http_load.py: 8 of 8, "
+              "routed %s" % (n, load["routed"]))
 
         # One pool each, both held by streams: a request queued on either replica gets 503 +
         # Retry-After after --queue-timeout (the second one waits on replica 1, told by its
@@ -182,8 +196,20 @@ def main():
         servers.append(s)
         held = [open_stream(s), open_stream(s)]
         t0 = time.time()
-        for _ in range(2):
-            st, hdr, _, raw = s.post(CMPL, {"prompt": [1, 2, 3], "max_tokens": 4})
+        # at once (the second a moment later): the first queues on replica 0 (a tie goes to the
+        # lower index), the second on replica 1, which then has more free pools
+        queued = [None, None]
+
+        def post(k):
+            queued[k] = s.post(CMPL, {"prompt": [1, 2, 3], "max_tokens": 4})
+
+        th = [threading.Thread(target=post, args=(k,)) for k in range(2)]
+        th[0].start()
+        time.sleep(0.2)
+        th[1].start()
+        for t in th:
+            t.join(30)
+        for st, hdr, _, raw in queued:
             assert st == 503 and hdr.get("retry-after"), (st, raw)
         dt = time.time() - t0
         m = s.metrics()
