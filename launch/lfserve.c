@@ -522,6 +522,111 @@ static void srv_state_free(char *api_key) {
   S.api_key = NULL;
 }
 
+/* Where this process stands under mpirun (one rank alone: replica 0 of 1, no communicator). */
+typedef struct ranks {
+  lf_comm_t comm; /* this rank's tensor-parallel group (NULL alone) */
+  int replica, n_replicas, wrank, wsize;
+  int *pools; /* [wsize] every rank's pool count (several replicas), else NULL */
+  int my_pools;
+#ifdef LF_HAVE_MPI
+  MPI_Comm dp_comm; /* rank 0 and the replicas' lead ranks talk over it */
+#endif
+} ranks;
+
+static void *rk_dp(ranks *rk) {
+#ifdef LF_HAVE_MPI
+  return &rk->dp_comm;
+#else
+  (void)rk;
+  return NULL;
+#endif
+}
+
+/* Under mpirun (DESIGN §4): every rank loads its shard; rank 0 serves HTTP and drives its
+ * group's engine, the others run lf_engine_follow until their lead rank frees the engine; with
+ * --tp T of N ranks, the lead rank of every other group serves rank 0's requests
+ * (serve_replicas.c). MPI starts here, in the program, never in the library. Creates S.e.
+ * Returns SERVE_GO, or main's exit status after a message. */
+static int start_ranks(int *argc, char ***argv, const serve_opts *o, ranks *rk) {
+  rk->n_replicas = rk->wsize = 1;
+#ifdef LF_HAVE_MPI
+  rk->dp_comm = MPI_COMM_NULL;
+#endif
+  lf_status s;
+  if (lf_launched_multi_rank()) {
+    s = lf_tp_start_groups(argc, argv, o->cfg.backend, o->tp, &rk->comm, &rk->replica,
+                           &rk->n_replicas);
+#ifdef LF_HAVE_MPI
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (inited) {
+      MPI_Comm_rank(MPI_COMM_WORLD, &rk->wrank);
+      MPI_Comm_size(MPI_COMM_WORLD, &rk->wsize);
+    }
+#endif
+    if (s != LF_OK) {
+      /* a bad --tp is every rank's: said once */
+      if (s != LF_ERR_INVALID_ARG || rk->wrank == 0)
+        fprintf(stderr, "lfserve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
+      return s == LF_ERR_INVALID_ARG ? 2 : 1;
+    }
+  } else if (o->tp > 1) {
+    fprintf(stderr, "lfserve: --tp %d: start the ranks with mpirun -np N (N a multiple of %d)\n",
+            o->tp, o->tp);
+    return 2;
+  }
+  s = lf_engine_init(&o->cfg, rk->comm, &S.e);
+  if (s != LF_OK) {
+    fprintf(stderr, "lfserve: %s%s: %s\n", rk->n_replicas > 1 ? "replica " : "",
+            lf_status_str(s), lf_last_error());
+    return 1; /* without MPI_Finalize: the launcher ends the job */
+  }
+  lf_resolved_config rc0;
+  lf_engine_resolved_config(S.e, &rc0);
+  rk->my_pools = rc0.n_pools;
+#ifdef LF_HAVE_MPI
+  if (rk->n_replicas > 1) {
+    /* every replica came up (a group agreed within itself), and rank 0 learns their pools */
+    rk->pools = calloc((size_t)rk->wsize, sizeof *rk->pools);
+    int ok = rk->pools != NULL, all = 0;
+    if (MPI_Comm_dup(MPI_COMM_WORLD, &rk->dp_comm) != MPI_SUCCESS ||
+        MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, rk->dp_comm) != MPI_SUCCESS || !all ||
+        MPI_Allgather(&rk->my_pools, 1, MPI_INT, rk->pools, 1, MPI_INT, rk->dp_comm) !=
+            MPI_SUCCESS) {
+      fprintf(stderr, "lfserve: rank %d: replicas could not agree at start-up\n", rk->wrank);
+      return 1;
+    }
+  }
+#endif
+  return SERVE_GO;
+}
+
+/* Rank 0: S.rep from every replica's pools; with several, a line on them and the router
+ * thread. 0, or 1 after a message. */
+static int setup_replicas(ranks *rk) {
+  S.n_replicas = rk->n_replicas;
+  S.tp = rk->wsize / rk->n_replicas;
+  S.rep = calloc((size_t)rk->n_replicas, sizeof *S.rep);
+  if (!S.rep) {
+    free(rk->pools);
+    rk->pools = NULL;
+    fprintf(stderr, "lfserve: out of memory\n");
+    return 1;
+  }
+  for (int r = 0; r < rk->n_replicas; r++)
+    S.rep[r].pools = rk->pools ? rk->pools[r * S.tp] : rk->my_pools;
+  free(rk->pools);
+  rk->pools = NULL;
+  if (rk->n_replicas <= 1) return 0;
+  char list[512] = "";
+  size_t len = 0;
+  for (int r = 0; r < rk->n_replicas && len < sizeof list; r++)
+    len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", r ? " + " : "", S.rep[r].pools);
+  fprintf(stderr, "lfserve: %d data-parallel replicas of %d rank%s each (ranks r*%d..): pools %s\n",
+          rk->n_replicas, S.tp, S.tp > 1 ? "s" : "", S.tp, list);
+  return srv_replicas_start(rk_dp(rk));
+}
+
 int main(int argc, char **argv) {
   serve_opts o;
   memset(&o, 0, sizeof o);
@@ -548,103 +653,34 @@ int main(int argc, char **argv) {
   int lfd = -1; /* the listening socket (serve_accept.c) */
   srv_state_init(&o, api_key);
 
-  /* Under mpirun (DESIGN §4): every rank loads its shard; rank 0 serves HTTP and drives the
-   * engine, the others run lf_engine_follow until rank 0 frees the engine. MPI starts here, in
-   * the program, never in the library. */
   lf_comm_t comm = NULL;
   int launcher_abort = 0; /* the launcher is ending the job: MPI_Finalize would never return */
   siginfo_t si;
   memset(&si, 0, sizeof si);
   const double t0 = lf_now_s();
-  lf_status s = LF_OK;
-  int replica = 0, n_replicas = 1, wrank = 0, wsize = 1;
-#ifdef LF_HAVE_MPI
-  MPI_Comm dp_comm = MPI_COMM_NULL; /* rank 0 and the replicas' lead ranks talk over it */
-  void *dp = &dp_comm;
-#else
-  void *dp = NULL;
-#endif
-  if (lf_launched_multi_rank()) {
-    s = lf_tp_start_groups(&argc, &argv, o.cfg.backend, o.tp, &comm, &replica, &n_replicas);
-    if (s != LF_OK) {
-      int inited = 0;
-#ifdef LF_HAVE_MPI
-      MPI_Initialized(&inited);
-      if (inited) MPI_Comm_rank(MPI_COMM_WORLD, &wrank);
-#endif
-      /* a bad --tp is every rank's: said once */
-      if (s != LF_ERR_INVALID_ARG || wrank == 0)
-        fprintf(stderr, "lfserve: mpirun: %s: %s\n", lf_status_str(s), lf_last_error());
-      (void)inited;
-      return s == LF_ERR_INVALID_ARG ? 2 : 1;
-    }
-#ifdef LF_HAVE_MPI
-    MPI_Comm_rank(MPI_COMM_WORLD, &wrank);
-    MPI_Comm_size(MPI_COMM_WORLD, &wsize);
-#endif
-  } else if (o.tp > 1) {
-    fprintf(stderr, "lfserve: --tp %d: start the ranks with mpirun -np N (N a multiple of %d)\n",
-            o.tp, o.tp);
-    return 2;
-  }
-  s = lf_engine_init(&o.cfg, comm, &S.e);
-  if (s != LF_OK) {
-    fprintf(stderr, "lfserve: %s%s: %s\n", n_replicas > 1 ? "replica " : "",
-            lf_status_str(s), lf_last_error());
-    return 1; /* without MPI_Finalize: the launcher ends the job */
-  }
-  int my_pools = 0;
-  {
-    lf_resolved_config rc0;
-    lf_engine_resolved_config(S.e, &rc0);
-    my_pools = rc0.n_pools;
-  }
-  int *pools = NULL;
-#ifdef LF_HAVE_MPI
-  if (n_replicas > 1) {
-    /* every replica came up (a group agreed within itself), and rank 0 learns their pools */
-    pools = calloc((size_t)wsize, sizeof *pools);
-    int ok = pools != NULL, all = 0;
-    if (MPI_Comm_dup(MPI_COMM_WORLD, &dp_comm) != MPI_SUCCESS ||
-        MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, dp_comm) != MPI_SUCCESS || !all ||
-        MPI_Allgather(&my_pools, 1, MPI_INT, pools, 1, MPI_INT, dp_comm) != MPI_SUCCESS) {
-      fprintf(stderr, "lfserve: rank %d: replicas could not agree at start-up\n", wrank);
-      return 1;
-    }
-  }
-#endif
+  ranks rk;
+  memset(&rk, 0, sizeof rk);
+  rc = start_ranks(&argc, &argv, &o, &rk);
+  if (rc != SERVE_GO) return rc;
+  rc = 1;
+  comm = rk.comm;
+  const int n_replicas = rk.n_replicas, wsize = rk.wsize;
+  void *dp = rk_dp(&rk);
   if (lf_comm_rank(comm) != 0) {
-    free(pools);
-    return follow(comm, n_replicas > 1 ? dp : NULL, wrank, wsize, &sigs);
+    free(rk.pools);
+    return follow(comm, n_replicas > 1 ? dp : NULL, rk.wrank, wsize, &sigs);
   }
-  if (replica != 0) {
-    free(pools);
-    return lead_replica(comm, dp, replica, wrank, wsize, &sigs);
+  if (rk.replica != 0) {
+    free(rk.pools);
+    return lead_replica(comm, dp, rk.replica, rk.wrank, wsize, &sigs);
   }
-  S.n_replicas = n_replicas;
-  S.tp = wsize / n_replicas;
-  S.rep = calloc((size_t)n_replicas, sizeof *S.rep);
-  if (!S.rep) {
-    fprintf(stderr, "lfserve: out of memory\n");
-    return 1;
-  }
-  for (int r = 0; r < n_replicas; r++) S.rep[r].pools = pools ? pools[r * S.tp] : my_pools;
-  free(pools);
   lf_engine_model_info(S.e, &S.mi);
   lf_resolved_config rc_eng; /* what the engine runs with: the budget with its default resolved */
   lf_engine_resolved_config(S.e, &rc_eng);
   S.policy = rc_eng.policy;
   S.budget = rc_eng.budget;
   print_pools(&rc_eng);
-  if (n_replicas > 1) {
-    char list[512] = "";
-    size_t len = 0;
-    for (int r = 0; r < n_replicas && len < sizeof list; r++)
-      len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", r ? " + " : "", S.rep[r].pools);
-    fprintf(stderr, "lfserve: %d data-parallel replicas of %d rank%s each (ranks r*%d..): pools %s\n",
-            n_replicas, S.tp, S.tp > 1 ? "s" : "", S.tp, list);
-    if (srv_replicas_start(dp)) goto out;
-  }
+  if (setup_replicas(&rk)) goto out;
 
   char chat_state[512] = "";
   if (open_text(&o, chat_state, sizeof chat_state)) goto out;
@@ -707,7 +743,7 @@ out:
     if (!launcher_abort) launcher_abort = launcher_signalled(&sigs, &si);
     lf_comm_free(comm);
 #ifdef LF_HAVE_MPI
-    if (dp_comm != MPI_COMM_NULL && !launcher_abort) MPI_Comm_free(&dp_comm);
+    if (rk.dp_comm != MPI_COMM_NULL && !launcher_abort) MPI_Comm_free(&rk.dp_comm);
     if (!launcher_abort) MPI_Finalize();
 #endif
   }

@@ -606,27 +606,168 @@ static int send_metrics(lf_engine_t e, MPI_Comm comm) {
   return send_up(comm, b, sizeof b);
 }
 
+/* A lead rank's state: its engine, the step's events, the requests not yet holding a pool, and
+ * the message buffers. */
+enum { LEAD_CAP = 1024 };
+typedef struct {
+  lf_engine_t e;
+  MPI_Comm comm;
+  int replica;
+  lf_event *ev;          /* [LEAD_CAP] one step's events */
+  lf_request_stats *fin; /* [LEAD_CAP] the statistics of its finished requests */
+  uint64_t *waiting;     /* [n_wait] submitted, not yet holding a pool */
+  int n_wait, cap_wait;
+  uint64_t *admit;       /* [cap_admit] holding one since the last report */
+  int cap_admit;
+  wbuf out;
+  unsigned char *rb;
+  size_t rb_cap;
+} leader;
+
+/* SUBMIT: the request into the engine, its answer to rank 0. 0, or 1 when MPI failed. */
+static int lead_submit(leader *L, int count) {
+  lf_request rq;
+  lf_stop_seq *seqs = NULL;
+  msg_ack a;
+  memset(&a, 0, sizeof a);
+  a.type = M_ACK;
+  uint64_t id = 0;
+  lf_status s;
+  if (parse_request(L->rb, (size_t)count, &a.token, &rq, &seqs))
+    s = lf_error(LF_ERR_INVALID_ARG, "a malformed submission (%d bytes)", count);
+  else
+    s = lf_engine_submit(L->e, &rq, &id);
+  free(seqs);
+  a.status = s;
+  a.eid = id;
+  if (s != LF_OK) snprintf(a.err, sizeof a.err, "%s", lf_last_error());
+  if (s == LF_OK) {
+    if (L->n_wait == L->cap_wait) {
+      const int c = L->cap_wait ? 2 * L->cap_wait : 64;
+      uint64_t *w = realloc(L->waiting, sizeof *w * (size_t)c);
+      if (w) {
+        L->waiting = w;
+        L->cap_wait = c;
+      }
+    }
+    if (L->n_wait < L->cap_wait)
+      L->waiting[L->n_wait++] = id;
+    else /* without its admission notice rank 0 could time it out wrongly: refuse it */
+      lf_engine_cancel(L->e, id);
+  }
+  return send_up(L->comm, &a, sizeof a);
+}
+
+/* Every message rank 0 has sent. 0, or 1 when MPI failed; *busy when there was one, *stop on
+ * STOP. */
+static int lead_receive(leader *L, int *busy, int *stop) {
+  for (;;) {
+    int flag = 0, count = 0;
+    MPI_Status st;
+    if (MPI_Iprobe(0, TAG_DOWN, L->comm, &flag, &st) != MPI_SUCCESS) return 1;
+    if (!flag) return 0;
+    MPI_Get_count(&st, MPI_BYTE, &count);
+    if ((size_t)count > L->rb_cap || !L->rb) {
+      unsigned char *nb = realloc(L->rb, (size_t)count + 16);
+      if (!nb) {
+        fprintf(stderr, "lfserve: replica %d: out of memory\n", L->replica);
+        return 1;
+      }
+      L->rb = nb;
+      L->rb_cap = (size_t)count + 16;
+    }
+    if (MPI_Recv(L->rb, count, MPI_BYTE, 0, TAG_DOWN, L->comm, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+      return 1;
+    *busy = 1;
+    uint32_t type = 0;
+    if (count >= (int)sizeof type) memcpy(&type, L->rb, sizeof type);
+    if (type == M_SUBMIT) {
+      if (lead_submit(L, count)) return 1;
+    } else if (type == M_CANCEL && count == (int)sizeof(msg_id)) {
+      msg_id m;
+      memcpy(&m, L->rb, sizeof m);
+      lf_engine_cancel(L->e, m.id); /* LF_ERR_NOT_FOUND: it has ended */
+    } else if (type == M_STOP) {
+      *stop = 1;
+      return 0;
+    } else {
+      fprintf(stderr, "lfserve: replica %d: unknown message %u (%d bytes)\n", L->replica, type,
+              count);
+    }
+  }
+}
+
+/* One engine step (when there is work) and its report: the metrics first (once rank 0 has
+ * routed a finish, /metrics shows the pool free), then the events, the newly admitted and the
+ * finished requests' statistics. 0, or 1 when MPI failed; *busy when a step ran. */
+static int lead_step(leader *L, double *last_metrics, int *busy) {
+  int n = 0, n_fin = 0, n_admit = 0, failed = 0;
+  if (lf_engine_busy(L->e)) {
+    *busy = 1;
+    const lf_status s = lf_engine_step(L->e, L->ev, LEAD_CAP, &n);
+    if (s != LF_OK) {
+      failed = 1;
+      fprintf(stderr, "lfserve: replica %d: engine step failed: %s: %s\n", L->replica,
+              lf_status_str(s), lf_last_error());
+      if (n == 0) usleep(10000);
+    }
+    for (int i = 0; i < n; i++)
+      if (L->ev[i].type == LF_EVENT_FINISH) {
+        memset(&L->fin[n_fin], 0, sizeof L->fin[n_fin]);
+        lf_engine_request_stats(L->e, L->ev[i].id, &L->fin[n_fin]);
+        n_fin++;
+      }
+  }
+  /* the requests that took a pool (or ended) since the last look */
+  for (int i = 0; i < L->n_wait;) {
+    lf_request_stats st;
+    const int gone = lf_engine_request_stats(L->e, L->waiting[i], &st) != LF_OK;
+    if (gone || st.queue_seconds < st.total_seconds || st.reason != LF_FINISH_NONE) {
+      if (n_admit == L->cap_admit) {
+        uint64_t *a = realloc(L->admit, sizeof *a * (size_t)L->cap_admit * 2);
+        if (!a) break; /* the next look */
+        L->admit = a;
+        L->cap_admit *= 2;
+      }
+      L->admit[n_admit++] = L->waiting[i];
+      L->waiting[i] = L->waiting[--L->n_wait];
+    } else {
+      i++;
+    }
+  }
+  const double now = lf_now_s();
+  if (n_fin || n_admit || now - *last_metrics > 0.2) {
+    if (send_metrics(L->e, L->comm)) return 1;
+    *last_metrics = now;
+  }
+  if (n || n_admit || failed) {
+    const msg_events h = {M_EVENTS, n, n_admit, n_fin, failed, 0};
+    L->out.len = 0;
+    put(&L->out, &h, sizeof h);
+    put(&L->out, L->ev, sizeof *L->ev * (size_t)n);
+    put(&L->out, L->admit, sizeof *L->admit * (size_t)n_admit);
+    put(&L->out, L->fin, sizeof *L->fin * (size_t)n_fin);
+    if (L->out.oom || send_up(L->comm, L->out.p, L->out.len)) {
+      fprintf(stderr, "lfserve: replica %d: cannot send events to rank 0\n", L->replica);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 int srv_leader_main(lf_engine_t e, void *dp_comm, int replica, const sigset_t *sigs) {
-  MPI_Comm comm = *(MPI_Comm *)dp_comm;
-  enum { CAP = 1024 };
-  lf_event *ev = malloc(sizeof *ev * CAP);
-  uint64_t *waiting = NULL, *admit = NULL; /* not yet holding a pool; newly holding one */
-  int n_wait = 0, cap_wait = 0;
-  lf_request_stats *fin = malloc(sizeof *fin * CAP);
-  admit = malloc(sizeof *admit * 64);
-  int cap_admit = 64;
-  wbuf out = {0};
-  unsigned char *rb = NULL;
-  size_t rb_cap = 0;
+  leader L = {.e = e, .comm = *(MPI_Comm *)dp_comm, .replica = replica, .cap_admit = 64};
+  L.ev = malloc(sizeof *L.ev * LEAD_CAP);
+  L.fin = malloc(sizeof *L.fin * LEAD_CAP);
+  L.admit = malloc(sizeof *L.admit * (size_t)L.cap_admit);
   int rc = 0, stopped = 0;
   double last_metrics = 0, signal_t = 0;
   long sleep_ns = 0;
-  if (!ev || !fin || !admit) {
+  if (!L.ev || !L.fin || !L.admit) {
     fprintf(stderr, "lfserve: replica %d: out of memory\n", replica);
     rc = 1;
-    goto done;
   }
-  while (!stopped) {
+  while (!rc && !stopped) {
     /* The launcher is ending the job: rank 0 got the signal too and sends STOP once it has
      * ended its requests; this rank exits without MPI_Finalize only if that never comes (an
      * early exit would make the launcher kill every rank at once, before rank 0 ends its
@@ -637,153 +778,29 @@ int srv_leader_main(lf_engine_t e, void *dp_comm, int replica, const sigset_t *s
       break;
     }
     int busy = 0;
-    /* rank 0's messages */
-    for (;;) {
-      int flag = 0;
-      MPI_Status st;
-      if (MPI_Iprobe(0, TAG_DOWN, comm, &flag, &st) != MPI_SUCCESS) {
-        rc = 1;
-        goto done;
-      }
-      if (!flag) break;
-      int count = 0;
-      MPI_Get_count(&st, MPI_BYTE, &count);
-      if ((size_t)count > rb_cap || !rb) {
-        unsigned char *nb = realloc(rb, (size_t)count + 16);
-        if (!nb) {
-          fprintf(stderr, "lfserve: replica %d: out of memory\n", replica);
-          rc = 1;
-          goto done;
-        }
-        rb = nb;
-        rb_cap = (size_t)count + 16;
-      }
-      if (MPI_Recv(rb, count, MPI_BYTE, 0, TAG_DOWN, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
-        rc = 1;
-        goto done;
-      }
-      busy = 1;
-      uint32_t type = 0;
-      if (count >= (int)sizeof type) memcpy(&type, rb, sizeof type);
-      if (type == M_SUBMIT) {
-        lf_request rq;
-        lf_stop_seq *seqs = NULL;
-        msg_ack a;
-        memset(&a, 0, sizeof a);
-        a.type = M_ACK;
-        uint64_t id = 0;
-        lf_status s;
-        if (parse_request(rb, (size_t)count, &a.token, &rq, &seqs))
-          s = lf_error(LF_ERR_INVALID_ARG, "a malformed submission (%d bytes)", count);
-        else
-          s = lf_engine_submit(e, &rq, &id);
-        free(seqs);
-        a.status = s;
-        a.eid = id;
-        if (s != LF_OK) snprintf(a.err, sizeof a.err, "%s", lf_last_error());
-        if (s == LF_OK) {
-          if (n_wait == cap_wait) {
-            const int c = cap_wait ? 2 * cap_wait : 64;
-            uint64_t *w = realloc(waiting, sizeof *w * (size_t)c);
-            if (!w) { /* without its admission notice the request still runs */
-              lf_engine_cancel(e, id);
-            } else {
-              waiting = w;
-              cap_wait = c;
-            }
-          }
-          if (n_wait < cap_wait) waiting[n_wait++] = id;
-        }
-        if (send_up(comm, &a, sizeof a)) {
-          rc = 1;
-          goto done;
-        }
-      } else if (type == M_CANCEL && count == (int)sizeof(msg_id)) {
-        msg_id m;
-        memcpy(&m, rb, sizeof m);
-        lf_engine_cancel(e, m.id); /* LF_ERR_NOT_FOUND: it has ended */
-      } else if (type == M_STOP) {
-        stopped = 1;
-      } else {
-        fprintf(stderr, "lfserve: replica %d: unknown message %u (%d bytes)\n", replica, type, count);
-      }
+    if (lead_receive(&L, &busy, &stopped) || (!stopped && lead_step(&L, &last_metrics, &busy))) {
+      rc = 1;
+      break;
     }
-    if (stopped) break;
-    int n = 0, n_fin = 0, n_admit = 0, failed = 0;
-    if (lf_engine_busy(e)) {
-      busy = 1;
-      const lf_status s = lf_engine_step(e, ev, CAP, &n);
-      if (s != LF_OK) {
-        failed = 1;
-        fprintf(stderr, "lfserve: replica %d: engine step failed: %s: %s\n", replica,
-                lf_status_str(s), lf_last_error());
-        if (n == 0) usleep(10000);
-      }
-      for (int i = 0; i < n; i++)
-        if (ev[i].type == LF_EVENT_FINISH) {
-          memset(&fin[n_fin], 0, sizeof fin[n_fin]);
-          lf_engine_request_stats(e, ev[i].id, &fin[n_fin]);
-          n_fin++;
-        }
-    }
-    /* the requests that took a pool (or ended) since the last look */
-    for (int i = 0; i < n_wait;) {
-      lf_request_stats st;
-      const int gone = lf_engine_request_stats(e, waiting[i], &st) != LF_OK;
-      if (gone || st.queue_seconds < st.total_seconds || st.reason != LF_FINISH_NONE) {
-        if (n_admit == cap_admit) {
-          uint64_t *a = realloc(admit, sizeof *a * (size_t)cap_admit * 2);
-          if (!a) break; /* the next look */
-          admit = a;
-          cap_admit *= 2;
-        }
-        admit[n_admit++] = waiting[i];
-        waiting[i] = waiting[--n_wait];
-      } else {
-        i++;
-      }
-    }
-    /* its metrics first: once rank 0 has routed a finish, /metrics shows the pool free */
-    const double now = lf_now_s();
-    if (n_fin || n_admit || now - last_metrics > 0.2) {
-      if (send_metrics(e, comm)) {
-        rc = 1;
-        goto done;
-      }
-      last_metrics = now;
-    }
-    if (n || n_admit || failed) {
-      const msg_events h = {M_EVENTS, n, n_admit, n_fin, failed, 0};
-      out.len = 0;
-      put(&out, &h, sizeof h);
-      put(&out, ev, sizeof *ev * (size_t)n);
-      put(&out, admit, sizeof *admit * (size_t)n_admit);
-      put(&out, fin, sizeof *fin * (size_t)n_fin);
-      if (out.oom || send_up(comm, out.p, out.len)) {
-        fprintf(stderr, "lfserve: replica %d: cannot send events to rank 0\n", replica);
-        rc = 1;
-        goto done;
-      }
-    }
-    if (busy) {
+    if (stopped || busy) {
       sleep_ns = 0;
       continue;
     }
+    /* idle: back off to 1 ms, the most a message waits here */
     sleep_ns = sleep_ns ? (sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2) : 20000;
     struct timespec ts = {0, sleep_ns};
     nanosleep(&ts, NULL);
   }
   if (stopped) {
     const msg_id bye = {M_BYE, 0, 0};
-    if (send_metrics(e, comm) || send_up(comm, &bye, sizeof bye)) rc = 1;
+    if (send_metrics(e, L.comm) || send_up(L.comm, &bye, sizeof bye)) rc = 1;
   }
-done:
-  free(ev);
-  free(fin);
-  free(waiting);
-  free(admit);
-  free(out.p);
-  free(rb);
+  free(L.ev);
+  free(L.fin);
+  free(L.waiting);
+  free(L.admit);
+  free(L.out.p);
+  free(L.rb);
   return rc;
 }
 #else
