@@ -144,6 +144,7 @@ static lf_status engine_init_local(lf_engine_t e) {
                           .window = e->cfg.window,
                           .h2o_recent = e->cfg.h2o_recent,
                           .rkv_stage = e->cfg.rkv_stage,
+                          .rkv_obs = e->cfg.rkv_obs,
                           .kv_dtype = e->cfg.kv_dtype,
                           .n_pools = e->cfg.n_pools,
                           .mem_util = e->cfg.mem_util,
@@ -197,9 +198,10 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   if (!cfg_in->model_path) return lf_error(LF_ERR_INVALID_ARG, "no model path given");
   if (cfg_in->budget < 0 || cfg_in->sink < 0 || cfg_in->window < 0 || cfg_in->n_pools < 0 ||
       cfg_in->max_queue < 0 || cfg_in->max_batch_tokens < 0 || cfg_in->h2o_recent < 0 ||
-      cfg_in->rkv_stage < 0 || !(cfg_in->mem_util >= 0))
+      cfg_in->rkv_stage < 0 || cfg_in->rkv_obs < 0 || !(cfg_in->mem_util >= 0))
     return lf_error(LF_ERR_INVALID_ARG, "negative budget, sink, window, n_pools, max_queue, "
-                                        "max_batch_tokens, h2o_recent, rkv_stage or mem_util");
+                                        "max_batch_tokens, h2o_recent, rkv_stage, rkv_obs or "
+                                        "mem_util");
   if ((int)cfg_in->kv_dtype < (int)LF_KV_BF16 || (int)cfg_in->kv_dtype > (int)LF_KV_K8V4)
     return lf_error(LF_ERR_INVALID_ARG,
                     "unknown kv_dtype %d (bf16 %d, fp8 %d, int8 %d, int4 %d, k8v4 %d)",
@@ -287,6 +289,9 @@ lf_status lf_engine_resolved_config(lf_engine_t e, lf_resolved_config *o) {
   /* the backends' own rule (attention/attention.h), so this is the window they keep */
   o->h2o_recent = c->policy == LF_POLICY_H2O ? lf_h2o_recent(c->h2o_recent, c->budget) : 0;
   o->rkv_stage = c->policy == LF_POLICY_RKV ? c->rkv_stage : 0;
+  o->rkv_obs = c->policy == LF_POLICY_RKV
+                   ? lf_rkv_obs_resolve(c->rkv_obs, c->budget, c->sink, c->rkv_stage)
+                   : 0;
   o->n_pools = e->sizing.n_pools;
   o->max_batch_tokens = c->max_batch_tokens;
   o->max_queue = c->max_queue;

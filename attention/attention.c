@@ -38,6 +38,14 @@ static int policy_evicts(lf_policy p) {
 
 int lf_h2o_recent(int requested, int budget) { return requested > 0 ? requested : budget / 2; }
 
+int lf_rkv_obs_resolve(int requested, int budget, int sink, int stage) {
+  if (requested > 0) return requested;
+  int obs = budget / 2;
+  const long long room = (long long)budget - sink - stage - 1;
+  if (obs > room) obs = (int)(room > 0 ? room : 0);
+  return obs >= 1 ? obs : LF_RKV_OBS;
+}
+
 int lf_policy_accumulates(lf_policy p) { return p == LF_POLICY_H2O || p == LF_POLICY_RKV; }
 
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
@@ -68,12 +76,12 @@ lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
                     budget, p->sink, p->h2o_recent);
   /* rkv keeps its observation window and chooses a stage of candidates outside it. */
   if (p->policy == LF_POLICY_RKV &&
-      (p->rkv_stage < 1 ||
-       (long long)budget < (long long)p->sink + LF_RKV_OBS + p->rkv_stage + 1))
+      (p->rkv_stage < 1 || p->rkv_obs < 0 ||
+       (long long)budget < (long long)p->sink + lf_rkv_obs(p) + p->rkv_stage + 1))
     return lf_error(LF_ERR_INVALID_ARG,
-                    "policy rkv needs rkv_stage >= 1 and budget >= sink + %d + rkv_stage + 1 "
-                    "(budget %d, sink %d, rkv_stage %d)",
-                    LF_RKV_OBS, budget, p->sink, p->rkv_stage);
+                    "policy rkv needs rkv_stage >= 1 and budget >= sink + rkv_obs + rkv_stage + 1 "
+                    "(budget %d, sink %d, rkv_obs %d, rkv_stage %d)",
+                    budget, p->sink, lf_rkv_obs(p), p->rkv_stage);
   return LF_OK;
 }
 
@@ -402,7 +410,8 @@ static int cmp_i64(const void *a, const void *b) {
  * queue with the rkv_stage slots to overwrite next. Runs on ws->rkv (rkv_ws_bytes). */
 static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
                        const decode_ws *ws, double *slot_total) {
-  const int D = p->head_dim, S = p->rkv_stage, M = n - LF_RKV_OBS, half = LF_RKV_POOL_KERNEL / 2;
+  const int obs = lf_rkv_obs(p);
+  const int D = p->head_dim, S = p->rkv_stage, M = n - obs, half = LF_RKV_POOL_KERNEL / 2;
   const size_t b = (size_t)hs[0].budget;
   int64_t *slot_of = (int64_t *)ws->rkv;
   double *kn = (double *)(slot_of + b), *imp = kn + b * (size_t)D, *pooled = imp + b;
@@ -410,7 +419,7 @@ static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
   ranked *cand = (ranked *)(red + b);
   double *total = ws->total; /* indexed by rank in position order here */
 
-  /* slots in position order; the last LF_RKV_OBS (the window) stay */
+  /* slots in position order; the last obs (the window) stay */
   for (int i = 0; i < n; i++)
     slot_of[i] = recency_key(&hs[0], i);
   qsort(slot_of, (size_t)n, sizeof *slot_of, cmp_i64);
@@ -423,7 +432,7 @@ static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
     const lf_kv_head *h = &hs[g];
     for (int j = 0; j < M; j++) {
       const int s = (int)slot_of[j];
-      imp[j] = (double)h->acc[s] / ((double)p->group * LF_RKV_OBS);
+      imp[j] = (double)h->acc[s] / ((double)p->group * obs);
       double *r = kn + (size_t)j * D;
       widen(r, h->k + (size_t)s * D, D);
       const double nrm = sqrt(dot_f64(r, r, D)) + 1e-8;
@@ -553,10 +562,10 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
     decode_attend(p, h, n, q + (size_t)g * G * D, out + (size_t)g * G * D, &ws);
     /* 3. the policy's score. h2o accumulates mass since the slot was written, so the slot just
      * written starts from this step's mass alone. */
-    if (p->policy == LF_POLICY_H2O || (rkv && k_left < LF_RKV_OBS)) {
-      /* rkv: the observation window opens LF_RKV_OBS steps before the selection, or at the
-       * first step after the last one when the stage is shorter */
-      if (rkv && lf_rkv_window_reset(since, k_left))
+    if (p->policy == LF_POLICY_H2O || (rkv && k_left < lf_rkv_obs(p))) {
+      /* rkv: the observation window opens obs steps before the selection, or at the first step
+       * after the last one when the stage is shorter */
+      if (rkv && lf_rkv_window_reset(since, k_left, lf_rkv_obs(p)))
         for (int i = 0; i < n; i++)
           h->acc[i] = 0.0f;
       h->acc[w] = 0.0f;
@@ -646,7 +655,7 @@ lf_status lf_attn_rkv_select_ref(const lf_attn_params *p, lf_kv_head *heads, int
       return lf_error(LF_ERR_STATE, "lf_attn_rkv_select_ref: head %d disagrees with head 0", g);
   }
   const int n = *heads[0].n, B = heads[0].budget;
-  if (n < p->sink + LF_RKV_OBS + p->rkv_stage + 1)
+  if (n < p->sink + lf_rkv_obs(p) + p->rkv_stage + 1)
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_attn_rkv_select_ref: %d filled slots leave fewer than rkv_stage %d "
                     "candidates outside the sink and the window",

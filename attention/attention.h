@@ -36,17 +36,25 @@ typedef struct lf_attn_params {
                            contiguous groups of one eviction slot each (0 or 1: one group).
                            The forward reads it; the functions below see one group's heads */
   int rkv_stage;        /* rkv: slots chosen per selection, one selection every rkv_stage steps */
+  int rkv_obs;          /* rkv: its observation window (lf_rkv_obs: 0 is LF_RKV_OBS) */
 } lf_attn_params;
 
 /* rkv's fixed parameters, R-KV's published values (Cai et al. 2025, "R-KV: Redundancy-aware KV
  * Cache Compression for Reasoning Models"): the importance is the attention of the last
  * LF_RKV_OBS queries (which are never evicted themselves), max-pooled over LF_RKV_POOL_KERNEL
  * neighbours in position order; two keys are look-alikes above a cosine of
- * LF_RKV_SIM_THRESHOLD; score = LF_RKV_LAMBDA * importance - (1 - LF_RKV_LAMBDA) * redundancy. */
+ * LF_RKV_SIM_THRESHOLD; score = LF_RKV_LAMBDA * importance - (1 - LF_RKV_LAMBDA) * redundancy.
+ * The window is a parameter (lf_attn_params.rkv_obs; the engine's default is budget / 2,
+ * lf_engine_config.rkv_obs); LF_RKV_OBS is the published one, taken where rkv_obs is 0. */
 #define LF_RKV_OBS 8
 #define LF_RKV_POOL_KERNEL 7
 #define LF_RKV_SIM_THRESHOLD 0.5
 #define LF_RKV_LAMBDA 0.1
+
+/* rkv's observation window: rkv_obs, or LF_RKV_OBS where it is 0. */
+static inline int lf_rkv_obs(const lf_attn_params *p) {
+  return p->rkv_obs > 0 ? p->rkv_obs : LF_RKV_OBS;
+}
 
 /* KV heads that share one eviction decision: 1 for LF_EVICT_HEAD; for LF_EVICT_LAYER the n_kv
  * heads held here, or one of `groups` contiguous groups of them when groups > 1. 0 when groups
@@ -69,6 +77,13 @@ void lf_attn_scratch_free(lf_attn_scratch *s);
 /* h2o's recent window for a requested value (lf_engine_config.h2o_recent): itself when > 0,
  * else budget / 2. Every backend resolves it here. */
 int lf_h2o_recent(int requested, int budget);
+
+/* rkv's observation window: requested when > 0; else (the engine's default) budget / 2, as h2o's
+ * recent window, lowered where the budget leaves no room for it beside the sinks and a stage
+ * (budget >= sink + window + stage + 1), and LF_RKV_OBS when even that leaves none (the check
+ * then names the budget as too small). On three train-split problems of the trace task a window
+ * of budget / 2 had 0.59x H2O's token error against 0.95x for R-KV's 8 (docs/TASK.md §11). */
+int lf_rkv_obs_resolve(int requested, int budget, int sink, int stage);
 
 /* Whether the policy keeps a per-slot accumulator (the pools' acc): h2o and rkv. */
 int lf_policy_accumulates(lf_policy p);
@@ -99,12 +114,12 @@ int lf_kv_write_slot(const lf_kv_head *h);
 /* rkv (LF_POLICY_RKV) replaces steps 3-4 below. Its state per (layer, KV head) is the pool's acc
  * (the observation window's attention mass), queue and since. With k_left the steps left before
  * the next selection (B - n before the first, when the pool fills; then rkv_stage - since, since
- * counting the steps after a selection), a step with k_left < LF_RKV_OBS adds this step's mass to
- * acc (acc zeroed first at the step with k_left == LF_RKV_OBS - 1, or at the first step after a
- * selection when rkv_stage < LF_RKV_OBS, and at a prefill; the slot just written starts from its
+ * counting the steps after a selection), a step with k_left < obs (obs = lf_rkv_obs(p)) adds this
+ * step's mass to acc (acc zeroed first at the step with k_left == obs - 1, or at the first step
+ * after a selection when rkv_stage < obs, and at a prefill; the slot just written starts from its
  * own mass). At k_left == 0 the selection runs over the filled slots
- * in position order less the LF_RKV_OBS newest (the window, kept): importance = acc / (group *
- * LF_RKV_OBS), max-pooled over LF_RKV_POOL_KERNEL neighbours; redundancy = softmax over these
+ * in position order less the obs newest (the window, kept): importance = acc / (group * obs),
+ * max-pooled over LF_RKV_POOL_KERNEL neighbours; redundancy = softmax over these
  * slots of each key's mean cosine similarity (keys / (||k|| + 1e-8), in fp64) to the others, its
  * most recent look-alike (cosine > LF_RKV_SIM_THRESHOLD) left out of the mean; the rkv_stage
  * candidates (not sinks) with the lowest score summed over the scope's heads, ties to the
@@ -139,8 +154,8 @@ lf_status lf_attn_decode_ref_ws(const lf_attn_params *p, lf_kv_head *h, const fl
 /* rkv's selection alone (the step that runs when k_left reaches 0), over the n = *heads[0].n
  * filled slots of n_kv heads sharing one decision (1: head scope): fills every head's queue
  * with the rkv_stage slots to overwrite next and sets its since to 0. slot_total, when not NULL,
- * gets [budget] each slot's total score (NaN outside the candidates: the LF_RKV_OBS newest
- * slots and the empty ones). The CPU twin of lf_cuda_rkv_select. Needs n >= sink + LF_RKV_OBS
+ * gets [budget] each slot's total score (NaN outside the candidates: the lf_rkv_obs(p) newest
+ * slots and the empty ones). The CPU twin of lf_cuda_rkv_select. Needs n >= sink + obs
  * + rkv_stage + 1. */
 lf_status lf_attn_rkv_select_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,
                                  double *slot_total);

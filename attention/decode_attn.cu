@@ -888,6 +888,7 @@ extern "C" lf_status lf_cuda_decode_attn(const lf_decode_attn_args *a, cudaStrea
   p.since = a->policy == LF_POLICY_RKV ? pv->since : NULL;
   p.queue = a->policy == LF_POLICY_RKV ? pv->queue : NULL;
   p.stage = a->policy == LF_POLICY_RKV ? pv->stage : 0;
+  p.obs = lf_rkv_obs_of(pv->obs);
 
   const dim3 grid(S, pv->n_kv_heads, a->n_seq);
   const int qd = pv->kv_dtype == LF_KV_FP8    ? DA_FP8

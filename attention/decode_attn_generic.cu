@@ -97,8 +97,9 @@ static __global__ void decode_simple_kernel(lf_cuda_pool_view p, int layer,
   const int ws = w[(size_t)s * hkv + g];
   if (policy == LF_POLICY_RKV) { /* as the fused kernel's score_key and finish_head */
     const int sn = lf_rkv_advance(p.since[hidx]), kl = lf_rkv_k_left(sn, n, B, p.stage);
-    if (kl < LF_RKV_OBS) {
-      const bool reset = lf_rkv_window_reset(sn, kl);
+    const int obs = lf_rkv_obs_of(p.obs);
+    if (kl < obs) {
+      const bool reset = lf_rkv_window_reset(sn, kl, obs);
       float *acc = p.acc + hidx * B;
       for (int i = threadIdx.x; i < n; i += DEC_NT) {
         float mass = 0.0f;

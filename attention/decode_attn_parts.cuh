@@ -61,6 +61,7 @@ typedef struct attn_params {
   int32_t *since;         /* rkv: steps since each head's selection, [pool][layer][kv head] */
   const int32_t *queue;   /* rkv: each head's overwrite order, [pool][layer][kv head][stage] */
   int stage;              /* rkv: the queue's length */
+  int obs;                /* rkv: its observation window (resolved: never 0) */
 } attn_params;
 
 /* fp8 pools (the F8 kernel). Two e4m3 codes (bytes of w picked by sel: 0x1404 bytes 0 and 1,
@@ -225,7 +226,7 @@ static __device__ __forceinline__ void finish_head(const attn_params &p, size_t 
  * (lf_evict_key, attention/evict.cuh) over the evictable ones (~0 when there is none). h2o adds this
  * step's mass to the accumulators of every slot of the range (the slot written starts from 0)
  * and scores by them; slots with pos >= rfrom are its protected window. rkv (the H2O
- * instantiation) adds the mass only inside its observation window (k_left < LF_RKV_OBS; the
+ * instantiation) adds the mass only inside its observation window (k_left < obs; the
  * window's first step, or the first after a selection when the stage is shorter, starts every
  * slot from 0) and chooses nothing here: its queue does (finish_head). */
 template <bool GLOBAL_LG, bool H2O>
@@ -237,8 +238,8 @@ static __device__ unsigned long long score_key(const attn_params &p, size_t hidx
   unsigned long long best = ~0ull;
   if (H2O && p.policy == LF_POLICY_RKV) {
     const int sn = lf_rkv_advance(p.since[hidx]), kl = lf_rkv_k_left(sn, p.n[hidx], B, p.stage);
-    if (kl < LF_RKV_OBS) {
-      const bool reset = lf_rkv_window_reset(sn, kl);
+    if (kl < p.obs) {
+      const bool reset = lf_rkv_window_reset(sn, kl, p.obs);
       for (int i = lo + (int)threadIdx.x; i < hi; i += DA_NT) {
         float *a = p.acc + hidx * B + i;
         *a = lf_evict_h2o_acc(*a, slot_mass<GLOBAL_LG>(lg + (size_t)(i - lo) * G, G, fin_m, fin_il),

@@ -406,7 +406,7 @@ static __device__ void rk_rows(const lf_cuda_pool_view &p, size_t hidx, int M, c
         const int s = slot_of[j];
         nrm[j] = nr;
         ninv[j] = (float)(rk_row_factor(p, hidx, s) / nr);
-        imp[j] = (double)acc[s] / ((double)group * LF_RKV_OBS);
+        imp[j] = (double)acc[s] / ((double)group * lf_rkv_obs_of(p.obs));
       }
     }
   }
@@ -546,7 +546,7 @@ static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_sele
   unsigned char *scratch = smem + rk_scratch_at(n, (size_t)P);
 
   rk_rank(a.pool.pos + hidx0 * B, n, P, key, slot_of);
-  const int M = n - LF_RKV_OBS;
+  const int M = n - lf_rkv_obs_of(a.pool.obs);
   for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
   for (int g = 0; g < a.heads_per_scope; g++) {
     const size_t hidx = hidx0 + g;

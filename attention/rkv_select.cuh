@@ -2,9 +2,9 @@
  * lf_attn_rkv_select_ref).
  *
  * For each eviction scope (a pool's KV head, or a layer's KV heads in layer scope) the kernel
- * ranks the scope's n filled slots by position, leaves out the LF_RKV_OBS newest (the
- * observation window), and scores the rest, summed over the scope's heads: LF_RKV_LAMBDA x the
- * window's attention mass (acc / (group x LF_RKV_OBS)), max-pooled over LF_RKV_POOL_KERNEL
+ * ranks the scope's n filled slots by position, leaves out the obs newest (the observation
+ * window: pool.obs, LF_RKV_OBS where 0), and scores the rest, summed over the scope's heads: LF_RKV_LAMBDA x the
+ * window's attention mass (acc / (group x obs)), max-pooled over LF_RKV_POOL_KERNEL
  * neighbours in position order, minus (1 - LF_RKV_LAMBDA) x the softmax of each key's mean
  * cosine similarity to the others (its most recent look-alike above LF_RKV_SIM_THRESHOLD left
  * out). The rkv_stage lowest scores among non-sink slots (ties to the lower slot) become every

@@ -27,11 +27,16 @@ LF_RKV_FN int lf_rkv_k_left(int since, int n, int budget, int stage) {
   return since < 0 ? budget - n : stage - since;
 }
 
-/* Inside the observation window (k_left < LF_RKV_OBS) a step adds its mass to acc; this says
- * whether it zeroes acc first: at the window's first step, or at the first step after a
- * selection when the stage is shorter than the window. */
-LF_RKV_FN int lf_rkv_window_reset(int since, int k_left) {
-  return k_left == LF_RKV_OBS - 1 || (since == 1 && k_left < LF_RKV_OBS - 1);
+/* The observation window of a pool whose obs field is obs (0: LF_RKV_OBS, R-KV's). */
+LF_RKV_FN int lf_rkv_obs_of(int obs) {
+  return obs > 0 ? obs : LF_RKV_OBS;
+}
+
+/* Inside the observation window (k_left < obs) a step adds its mass to acc; this says whether it
+ * zeroes acc first: at the window's first step, or at the first step after a selection when the
+ * stage is shorter than the window. */
+LF_RKV_FN int lf_rkv_window_reset(int since, int k_left, int obs) {
+  return k_left == obs - 1 || (since == 1 && k_left < obs - 1);
 }
 
 /* The slot the next token overwrites: queue[since] inside the stage, else -1 (none chosen yet,

@@ -166,6 +166,7 @@ static void run_group(ev_ctx *c, ev_group *g) {
   cfg.window = o->window;
   cfg.h2o_recent = o->h2o_recent;
   cfg.rkv_stage = o->rkv_stage;
+  cfg.rkv_obs = o->rkv_obs;
   cfg.kv_dtype = o->kv_dtype;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;

@@ -34,6 +34,7 @@ typedef struct ev_opts {
   int margin, max_concurrent, jobs, threads, sink, window, max_batch_tokens, budget_round;
   int h2o_recent; /* lf_engine_config.h2o_recent (0: each budget's B/2) */
   int rkv_stage;  /* lf_engine_config.rkv_stage (0: LF_RKV_STAGE_DEFAULT) */
+  int rkv_obs;    /* lf_engine_config.rkv_obs (0: budget / 2) */
   lf_kv_dtype kv_dtype; /* lf_engine_config.kv_dtype of every series */
   int evict_groups; /* layer-scope series: lf_engine_config.evict_groups */
   int full_ctx, limit, ids, quiet;

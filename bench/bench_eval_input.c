@@ -55,6 +55,7 @@ void ev_usage(FILE *f) {
           "  --sink S --window W  policy parameters as lfgen (default 4 32)\n"
           "  --h2o-recent R       h2o's recent window as lfgen (default 0: each budget's B/2)\n"
           "  --rkv-stage S        rkv's slots per selection as lfgen (default 0: 64)\n"
+          "  --rkv-obs O          rkv's observation window as lfgen (default 0: budget/2)\n"
           "  --kv-dtype T         bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16);\n"
           "                       the fractions stay in slots, not bytes\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
@@ -178,7 +179,7 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--sink",           "--window",    "--max-batch-tokens",
                                          "--budget-round",   "--evict-groups",
                                          "--budget-of",      "--h2o-recent", "--kv-dtype",
-                                         "--rkv-stage"};
+                                         "--rkv-stage",      "--rkv-obs"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -245,6 +246,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, INT_MAX, &o->h2o_recent);
     else if (!strcmp(a, "--rkv-stage"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->rkv_stage);
+    else if (!strcmp(a, "--rkv-obs"))
+      r = parse_int_opt(a, v, 0, INT_MAX, &o->rkv_obs);
     else if (!strcmp(a, "--kv-dtype")) {
       if (lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK) {
         fprintf(stderr, EV_NAME ": %s\n", lf_last_error());

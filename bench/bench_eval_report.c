@@ -246,12 +246,12 @@ static void json_write_header(FILE *f, const ev_opts *o, const char *backend, do
   json_cstr(f, o->problems);
   fprintf(f,
           ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, \"h2o_recent\": %d, "
-          "\"rkv_stage\": %d, \"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
+          "\"rkv_stage\": %d, \"rkv_obs\": %d, \"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
           "\"full_budget\": \"%s\", \"evict_groups\": %d, \"kv_dtype\": \"%s\"},\n "
           "\"teacher_forced\": %s, "
           "\"budget_of\": \"%s\", \"budget_round\": %d, \"fractions\": [",
           backend, o->sink, o->window, o->h2o_recent,
-          o->rkv_stage ? o->rkv_stage : LF_RKV_STAGE_DEFAULT, o->max_batch_tokens, o->threads, o->jobs,
+          o->rkv_stage ? o->rkv_stage : LF_RKV_STAGE_DEFAULT, o->rkv_obs, o->max_batch_tokens, o->threads, o->jobs,
           o->max_concurrent, o->full_ctx ? "ctx" : "fit", o->evict_groups,
           lf_kv_dtype_str(o->kv_dtype), o->teacher_forced ? "true" : "false",
           o->budget_of_live ? "live" : "output", o->budget_round);

@@ -57,6 +57,7 @@ typedef struct lf_backend_params {
   int budget, sink, window;
   int h2o_recent;  /* LF_POLICY_H2O: recent slots never evicted; 0: budget / 2 (lf_h2o_recent) */
   int rkv_stage;   /* LF_POLICY_RKV: slots per selection (lf_engine_config.rkv_stage, resolved) */
+  int rkv_obs;     /* LF_POLICY_RKV: its observation window; 0: lf_rkv_obs_resolve's default */
   lf_kv_dtype kv_dtype; /* how the pools store K and V (lf_engine_config.kv_dtype) */
   int n_pools;     /* cuda: 0 sizes the pools from the free device memory (see mem_util);
                      pools_free() after create says how many. The cpu backend needs >= 1. */

@@ -340,6 +340,10 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
                        .window = p->window,
                        .h2o_recent = lf_h2o_recent(p->h2o_recent, p->budget),
                        .rkv_stage = p->rkv_stage,
+                       .rkv_obs = p->policy == LF_POLICY_RKV
+                                      ? lf_rkv_obs_resolve(p->rkv_obs, p->budget, p->sink,
+                                                           p->rkv_stage)
+                                      : 0,
                        .group = mc->n_heads / mc->n_kv_heads,
                        .head_dim = mc->head_dim,
                        .scale = 1.0f / sqrtf((float)mc->head_dim)};

@@ -174,8 +174,16 @@ typedef struct lf_engine_config {
                              is never capped */
   int rkv_stage;          /* LF_POLICY_RKV: steps between selections, each of which chooses the
                              next rkv_stage slots to overwrite; 0 (default): LF_RKV_STAGE_DEFAULT.
-                             budget >= sink + 8 (its observation window) + rkv_stage + 1; the
-                             CUDA backend takes budgets up to 4096 and head_dim up to 128 */
+                             budget >= sink + rkv_obs + rkv_stage + 1; the CUDA backend takes
+                             budgets up to 4096 and head_dim up to 128 */
+  int rkv_obs;            /* Since 0.3. LF_POLICY_RKV: its observation window: the rkv_obs
+                             newest slots are never evicted, and a selection scores the others
+                             by the attention mass of the steps inside it (at most the rkv_stage
+                             steps since the last selection) over group x rkv_obs. 0 (default):
+                             budget / 2, as h2o's recent window, lowered where budget leaves no
+                             room beside sink + rkv_stage + 1 (R-KV's published window is 8;
+                             budget / 2 measured 0.59x H2O's token error against 8's 0.95x on
+                             the trace task's train split, docs/TASK.md §11) */
 } lf_engine_config;
 
 /* How the engine's pool count was reached (lf_engine_pool_sizing). */
@@ -209,6 +217,8 @@ typedef struct lf_resolved_config {
   int max_queue;               /* 0: unbounded */
   int max_seq_len;             /* the model's context: prompt + output never pass it */
   int n_ranks;                 /* tensor-parallel ranks (1: a single rank) */
+  int rkv_obs;                 /* Since 0.3. LF_POLICY_RKV: its observation window, the default
+                                  resolved; 0 otherwise */
 } lf_resolved_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,

@@ -47,8 +47,9 @@ static void usage(FILE *f) {
           "  --sink S            never-evicted first slots (default 4)\n"
           "  --window W          prefill: last W prompt tokens always kept (default 32)\n"
           "  --h2o-recent R      h2o: the R newest slots are never evicted (default 0: budget/2)\n"
-          "  --rkv-stage S       rkv: slots chosen per selection, every S steps (default 0: 64;\n"
-          "                      cpu backend only)\n"
+          "  --rkv-stage S       rkv: slots chosen per selection, every S steps (default 0: 64)\n"
+          "  --rkv-obs O         rkv: its observation window, the O newest slots kept (default 0:\n"
+          "                      budget/2)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts that fit the pool are "
           "chunked (default 512; 0 = whole prompt)\n"
           "  --temperature T     0 = greedy (default 0)\n"
@@ -165,6 +166,7 @@ static int parse_args(int argc, char **argv, gen_opts *o) {
       {"--window", 0, INT_MAX, &cfg->window},
       {"--h2o-recent", 0, INT_MAX, &cfg->h2o_recent},
       {"--rkv-stage", 0, INT_MAX, &cfg->rkv_stage},
+      {"--rkv-obs", 0, INT_MAX, &cfg->rkv_obs},
       {"--top-k", 0, INT_MAX, &rq->sampling.top_k},
   };
   for (int i = 1; i < argc; i++) {

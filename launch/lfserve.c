@@ -46,8 +46,9 @@ static void usage(FILE *f) {
           "  --policy P              longflow | full | streaming | h2o | rkv (default longflow)\n"
           "  --sink S  --window W    eviction sinks / prefill window (defaults 4, 32)\n"
           "  --h2o-recent R          h2o: the R newest slots never evicted (default 0: budget/2)\n"
-          "  --rkv-stage S           rkv: slots chosen per selection, every S steps (default 0: 64;\n"
-          "                          cpu backend only)\n"
+          "  --rkv-stage S           rkv: slots chosen per selection, every S steps (default 0: 64)\n"
+          "  --rkv-obs O             rkv: its observation window, the O newest slots kept\n"
+          "                          (default 0: budget/2)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T            bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
@@ -169,6 +170,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       {"--window", 0, INT_MAX, &cfg->window},
       {"--h2o-recent", 0, INT_MAX, &cfg->h2o_recent},
       {"--rkv-stage", 0, INT_MAX, &cfg->rkv_stage},
+      {"--rkv-obs", 0, INT_MAX, &cfg->rkv_obs},
       {"--pools", 1, INT_MAX, &cfg->n_pools},
       {"--max-pools", 1, INT_MAX, &cfg->max_pools},
       {"--max-queue", 0, INT_MAX, &cfg->max_queue},

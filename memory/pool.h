@@ -100,6 +100,7 @@ typedef struct lf_cuda_pool_view {
   int32_t *since;    /* rkv: [n_pools][n_layers][n_kv_heads] decode steps since that selection
                         (-1: none yet) */
   int stage;         /* rkv: the queue's length (0 otherwise) */
+  int obs;           /* rkv: its observation window (0: LF_RKV_OBS, attention/rkv_step.h) */
   int n_layers, n_kv_heads, budget, head_dim;
   int kv_dtype;      /* lf_kv_dtype */
   float *k_scale, *v_scale; /* quantized dtypes (else NULL): [n_pools][n_layers][n_kv_heads][budget]

@@ -50,8 +50,9 @@ static int read_ids(const char *path, int *n_chunks, int **chunks, int32_t **tok
 }
 
 int main(int argc, char **argv) {
-  if (argc != 9) {
-    fprintf(stderr, "usage: %s MODEL POLICY SCOPE BUDGET SINK WINDOW IDS_FILE OUT_FILE\n", argv[0]);
+  if (argc != 9 && argc != 10) {
+    fprintf(stderr, "usage: %s MODEL POLICY SCOPE BUDGET SINK WINDOW IDS_FILE OUT_FILE [RKV_OBS]\n",
+            argv[0]);
     return 2;
   }
   lf_policy policy;
@@ -87,6 +88,7 @@ int main(int argc, char **argv) {
                              .window = window,
                              .h2o_recent = window,
                              .rkv_stage = window,
+                             .rkv_obs = argc == 10 ? atoi(argv[9]) : 0,
                              .group = mc->n_heads / mc->n_kv_heads,
                              .head_dim = mc->head_dim,
                              .scale = 1.0f / sqrtf((float)mc->head_dim)};

@@ -1,11 +1,12 @@
 // lf_engine_resolved_config: the settings the engine reports are the ones it runs with, defaults
 // resolved (a budget of 0 is the model's context, h2o_recent 0 is B/2, rkv_stage 0 is
-// LF_RKV_STAGE_DEFAULT, the pool count comes from kv_memory_bytes), and where the engine's
+// LF_RKV_STAGE_DEFAULT, rkv_obs 0 is B/2 where it fits, the pool count comes from kv_memory_bytes), and where the engine's
 // behaviour shows a setting (pools held, prompt chunks) it agrees with the report.
 #include <gtest/gtest.h>
 
 #include <vector>
 
+#include "attention/attention.h"
 #include "lfserve.h"
 #include "sched_util.h"
 
@@ -35,6 +36,7 @@ TEST(EngineResolved, DefaultsResolve) {
   EXPECT_EQ(r.window, 32);
   EXPECT_EQ(r.h2o_recent, 0) << "not h2o";
   EXPECT_EQ(r.rkv_stage, 0) << "not rkv";
+  EXPECT_EQ(r.rkv_obs, 0) << "not rkv";
   EXPECT_EQ(r.n_pools, 2);
   EXPECT_EQ(r.max_batch_tokens, 0);
   EXPECT_EQ(r.n_ranks, 1);
@@ -55,6 +57,20 @@ TEST(EngineResolved, RkvStageDefault) {
   EXPECT_EQ(LF_RKV_STAGE_DEFAULT, 64);
   cfg.rkv_stage = 8;
   EXPECT_EQ(resolved(cfg).rkv_stage, 8);
+}
+
+/* rkv_obs 0 is budget / 2, lowered to what the budget leaves beside sink + stage + 1; a given
+ * window is kept as given. */
+TEST(EngineResolved, RkvObsDefaultsToHalfTheBudget) {
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 256, 1, 16);
+  EXPECT_EQ(resolved(cfg).rkv_obs, 128);
+  cfg.budget = 257;
+  EXPECT_EQ(resolved(cfg).rkv_obs, 128);
+  cfg.budget = 128; /* 128 - 4 - 64 - 1 = 59 < 64 */
+  EXPECT_EQ(resolved(cfg).rkv_obs, 59);
+  cfg.rkv_obs = 8;
+  EXPECT_EQ(resolved(cfg).rkv_obs, 8);
+  EXPECT_EQ(lf_rkv_obs_resolve(0, 69, 4, 64), LF_RKV_OBS) << "no room: R-KV's, then refused";
 }
 
 TEST(EngineResolved, PoolsFromKvMemoryAreThePoolsHeld) {

@@ -340,7 +340,8 @@ using GenRun = LfRun;
 /* policy and h2o_recent: the engine's defaults (longflow) unless given */
 GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind backend, int budget,
                 const std::vector<int32_t> &prompt, int max_tokens,
-                lf_policy policy = LF_POLICY_LONGFLOW, int h2o_recent = 0, int rkv_stage = 0) {
+                lf_policy policy = LF_POLICY_LONGFLOW, int h2o_recent = 0, int rkv_stage = 0,
+                int rkv_obs = 0) {
   lf_engine_config cfg;
   lf_engine_config_default(&cfg);
   cfg.model_path = model.c_str();
@@ -350,6 +351,7 @@ GenRun generate(const std::string &model, lf_evict_scope scope, lf_backend_kind 
   cfg.policy = policy;
   cfg.h2o_recent = h2o_recent;
   cfg.rkv_stage = rkv_stage;
+  cfg.rkv_obs = rkv_obs;
   GenRun r = lf_test_run_one(cfg, prompt, max_tokens, true);
   if (r.init == LF_OK) {
     EXPECT_NE(r.reason, LF_FINISH_ERROR) << lf_status_str(r.finish_status);
@@ -549,15 +551,16 @@ TEST(LayerScope, Stories260KWithLayerScope) {
 
 /* rkv through the engine (the policy's step semantics are held to the simulator by
  * tests/test_evict_sim.py): rkv_stage 0 is LF_RKV_STAGE_DEFAULT and reaches the backend, every
- * scope evicts, a budget without room for the window and a stage is refused, and a pool taken
- * again starts with no selection. */
+ * scope evicts, the default window (budget / 2, lowered to fit) reaches it too, a budget without
+ * room for a window and a stage is refused, and a pool taken again starts with no selection. */
 TEST(Rkv, EngineStageAndBudget) {
   const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
   const std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
-  auto run = [&](lf_evict_scope scope, int budget, int stage) {
-    return generate(dir, scope, LF_BACKEND_CPU, budget, prompt, 150, LF_POLICY_RKV, 0, stage);
+  auto run = [&](lf_evict_scope scope, int budget, int stage, int obs = 0) {
+    return generate(dir, scope, LF_BACKEND_CPU, budget, prompt, 150, LF_POLICY_RKV, 0, stage, obs);
   };
-  const int need = 4 + LF_RKV_OBS + LF_RKV_STAGE_DEFAULT + 1; /* sink + window + stage + 1 */
+  /* sink + window + stage + 1, where the default window is min(budget / 2, what is left) = 8 */
+  const int need = 4 + LF_RKV_OBS + LF_RKV_STAGE_DEFAULT + 1;
   for (lf_evict_scope scope : {LF_EVICT_HEAD, LF_EVICT_LAYER}) {
     const GenRun def = run(scope, need, 0), same = run(scope, need, LF_RKV_STAGE_DEFAULT),
                  other = run(scope, need, 4);
@@ -569,7 +572,21 @@ TEST(Rkv, EngineStageAndBudget) {
     EXPECT_EQ(def.stats.evictions, (uint64_t)((int)prompt.size() + 150 - 1 - need) * 2 * 2);
     EXPECT_EQ(def.tokens, same.tokens) << lf_evict_scope_str(scope);
     EXPECT_NE(def.tokens, other.tokens) << lf_evict_scope_str(scope);
-    EXPECT_EQ(run(scope, need - 1, 0).init, LF_ERR_INVALID_ARG);
+    /* the default window here is 8 (min(need / 2, need - 4 - 64 - 1)): R-KV's, as given */
+    EXPECT_EQ(def.tokens, run(scope, need, 0, LF_RKV_OBS).tokens) << lf_evict_scope_str(scope);
+    EXPECT_NE(def.tokens, run(scope, need, 0, 4).tokens) << lf_evict_scope_str(scope);
+    /* a larger budget's default window is budget / 2 (140: 70, which fits beside 4 + 64 + 1;
+     * 158 tokens, so a selection runs; the tiny model's tokens do not tell 70 from 8 apart: the
+     * window's semantics are test_evict_sim.py's), and one that leaves no stage is refused by
+     * the backend's check */
+    const GenRun half = run(scope, 140, 0);
+    EXPECT_GT(half.stats.evictions, 0u);
+    EXPECT_EQ(half.tokens, run(scope, 140, 0, 70).tokens) << lf_evict_scope_str(scope);
+    EXPECT_EQ(run(scope, 140, 0, 72).init, LF_ERR_INVALID_ARG) << "140 < 4 + 72 + 64 + 1";
+    EXPECT_EQ(run(scope, need, 0, LF_RKV_OBS + 1).init, LF_ERR_INVALID_ARG) << "no room";
+    EXPECT_NE(std::string(lf_last_error()).find("rkv_obs"), std::string::npos) << lf_last_error();
+    /* no room beside the sinks and a stage at all */
+    EXPECT_EQ(run(scope, 4 + LF_RKV_STAGE_DEFAULT + 1, 0).init, LF_ERR_INVALID_ARG);
     EXPECT_NE(std::string(lf_last_error()).find("rkv_stage"), std::string::npos) << lf_last_error();
     EXPECT_EQ(run(scope, need, -1).init, LF_ERR_INVALID_ARG);
   }

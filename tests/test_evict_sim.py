@@ -80,13 +80,20 @@ def read_trace(path):
     return (L, H, B, V, K), out
 
 
+def split_policy(policy):
+    """"rkv/O": rkv with an observation window of O (evict_trace's RKV_OBS); else (policy, None)."""
+    base, _, obs = policy.partition("/")
+    return base, int(obs) if obs else None
+
+
 def run_trace(exe, model_dir, policy, scope, budget, sink, window, chunks, tokens, tmp):
+    policy, obs = split_policy(policy)
     ids = os.path.join(tmp, "ids.txt")
     with open(ids, "w") as f:
         f.write("%d %s\n%s\n" % (len(chunks), " ".join(map(str, chunks)), " ".join(map(str, tokens))))
     outp = os.path.join(tmp, "trace.bin")
-    p = subprocess.run([exe, model_dir, policy, scope, str(budget), str(sink), str(window), ids, outp],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([exe, model_dir, policy, scope, str(budget), str(sink), str(window), ids, outp]
+                       + ([str(obs)] if obs else []), capture_output=True, text=True, timeout=120)
     if p.returncode not in (0, 3):
         raise RuntimeError("evict_trace failed (%d): %s" % (p.returncode, p.stderr))
     return read_trace(outp)
@@ -115,8 +122,10 @@ def lockstep(exe, m, model_dir, case, tokens, tmp, fails, batch=None):
             " (batch of %d)" % len(runs) if batch else ""))
         traces.append(run_trace(exe, model_dir, policy, scope, budget, sink, window, chunks,
                                 tokens, tmp))
-        specs.append(evs.Spec(policy, budget, sink=sink, window=window, h2o_recent=recent,
-                              scope=scope, stage=window))  # rkv: evict_trace's WINDOW is its stage
+        base, obs = split_policy(policy)
+        specs.append(evs.Spec(base, budget, sink=sink, window=window, h2o_recent=recent,
+                              scope=scope, stage=window,  # rkv: evict_trace's WINDOW is its stage
+                              obs=obs or 8))
     s = evs.Sim(m, specs)
     R = len(specs)
     pos0 = 0
@@ -233,6 +242,12 @@ def cases(n_tok):
         out.append(("rkv", scope, 24, 4, 5, [40] + [1] * (n_tok - 40)))         # SnapKV
         out.append(("rkv", scope, 20, 2, 6, [10, 14, 30] + [1] * (n_tok - 54)))  # steps
     out.append(("rkv", "head", 14, 0, 5, dec))                                   # sink 0
+    # an observation window longer than the stage (lfserve's default, budget / 2): the B/2
+    # newest kept, the mass of the steps since the last selection
+    for scope in ("head", "layer"):
+        out.append(("rkv/16", scope, 32, 4, 6, dec))                            # decode from 0
+        out.append(("rkv/12", scope, 30, 4, 5, [20] + [1] * (n_tok - 20)))      # prompt that fits
+        out.append(("rkv/14", scope, 32, 4, 4, [40] + [1] * (n_tok - 40)))      # SnapKV
     out.append(("full", "head", n_tok, 4, 32, [20] + [1] * (n_tok - 20)))
     out.append(("full", "head", 64, 4, 32, [20] + [1] * (n_tok - 20)))          # context full
     return out

@@ -313,6 +313,7 @@ static lf_status create_arena(cuda_backend *c) {
     CB_ALLOC(c->pv.since, heads * 4);
     LF_CUDA_CHECK(cudaMemset(c->pv.since, 0xff, heads * 4));
     c->pv.stage = p->rkv_stage;
+    c->pv.obs = lf_rkv_obs_resolve(p->rkv_obs, p->budget, p->sink, p->rkv_stage);
   }
   return LF_OK;
 }
@@ -478,6 +479,9 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->ap.window = p->window;
   c->ap.h2o_recent = lf_h2o_recent(p->h2o_recent, p->budget);
   c->ap.rkv_stage = p->policy == LF_POLICY_RKV ? p->rkv_stage : 0;
+  c->ap.rkv_obs = p->policy == LF_POLICY_RKV
+                      ? lf_rkv_obs_resolve(p->rkv_obs, p->budget, p->sink, p->rkv_stage)
+                      : 0;
   c->ap.group = c->group;
   c->ap.head_dim = m->head_dim;
   c->ap.scale = 1.0f / sqrtf((float)m->head_dim);

@@ -172,7 +172,7 @@ class Engine:
         """The settings the engine runs with, defaults resolved (lf_engine_resolved_config):
         backend, policy, evict_scope, kv_dtype (names), budget (the model's context when 0 was
         given), sink, window, h2o_recent, rkv_stage, n_pools, max_batch_tokens, max_queue,
-        max_seq_len, n_ranks."""
+        max_seq_len, n_ranks, rkv_obs."""
         rc = _lib.ResolvedConfig()
         _check(self._lib.lf_engine_resolved_config(self._live(), ctypes.byref(rc)),
                "resolved_config")
