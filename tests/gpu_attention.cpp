@@ -198,7 +198,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
             CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(acc.data(), dp.v.acc, dp.slots * 4, cudaMemcpyDeviceToHost));
-            lf_attn_params ap{pol, 4, 32, recent, G, D, scale, LF_EVICT_HEAD, 0, 0};
+            lf_attn_params ap{pol, 4, 32, recent, G, D, scale, LF_EVICT_HEAD, 0, 0, 0};
             for (int s2 = 0; s2 < NS; s2++)
               for (int g = 0; g < hkv; g++) {
                 lf_kv_head h = lf_kv_arena_head(&a, pools[size_t(s2)], 0, g);
@@ -290,7 +290,7 @@ TEST_P(PrefillVsReference, Cases) {
     dp.upload(a);
     // h2o: recent window 8 (the smallest budget, 40, holds sink + 8 + 2)
     lf_attn_params ap{pol, 4, 32, pol == LF_POLICY_H2O ? 8 : 32, c.G, D,
-                     1.0f / std::sqrt(float(D)), LF_EVICT_HEAD, 0, 0};
+                     1.0f / std::sqrt(float(D)), LF_EVICT_HEAD, 0, 0, 0};
     const bool h2o = pol == LF_POLICY_H2O;
     int32_t pos0 = 0;
     for (int T : {c.T1, c.T2}) {
@@ -572,7 +572,7 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
               << lf_last_error();
           std::vector<int32_t> next(dp.heads);
           CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
-          lf_attn_params ap{pol, sink, 32, recent, G, D, scale, LF_EVICT_LAYER, 0, 0};
+          lf_attn_params ap{pol, sink, 32, recent, G, D, scale, LF_EVICT_LAYER, 0, 0, 0};
           lf_attn_scratch aws{};
           for (int s2 = 0; s2 < NS; s2++)
             for (int g0 = 0; g0 < hkv; g0 += per) {
@@ -643,7 +643,7 @@ TEST(GpuKernels, LayerScopeSnapKV) {
       int pool = -1;
       ASSERT_EQ(lf_kv_arena_take(&a, &pool), LF_OK);
       lf_attn_params ap{LF_POLICY_LONGFLOW, sink, 32, 32, G, D, 1.0f / std::sqrt(float(D)),
-                        LF_EVICT_LAYER, 0, 0};
+                        LF_EVICT_LAYER, 0, 0, 0};
       lf_attn_scratch aws{};
       std::vector<float> ref(q.size());
       for (int g0 = 0; g0 < hkv; g0 += per) {
