@@ -81,8 +81,9 @@ int lf_h2o_recent(int requested, int budget);
 /* rkv's observation window: requested when > 0; else (the engine's default) budget / 2, as h2o's
  * recent window, lowered where the budget leaves no room for it beside the sinks and a stage
  * (budget >= sink + window + stage + 1), and LF_RKV_OBS when even that leaves none (the check
- * then names the budget as too small). On three train-split problems of the trace task a window
- * of budget / 2 had 0.59x H2O's token error against 0.95x for R-KV's 8 (docs/TASK.md §11). */
+ * then names the budget as too small). On the trace task a window of budget / 2 had 0.59x H2O's
+ * token error on three train-split problems and 0.96x on four held-out ones, R-KV's 8 0.95x
+ * and 3.0x (docs/TASK.md §11). */
 int lf_rkv_obs_resolve(int requested, int budget, int sink, int stage);
 
 /* Whether the policy keeps a per-slot accumulator (the pools' acc): h2o and rkv. */

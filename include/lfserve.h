@@ -182,8 +182,9 @@ typedef struct lf_engine_config {
                              steps since the last selection) over group x rkv_obs. 0 (default):
                              budget / 2, as h2o's recent window, lowered where budget leaves no
                              room beside sink + rkv_stage + 1 (R-KV's published window is 8;
-                             budget / 2 measured 0.59x H2O's token error against 8's 0.95x on
-                             the trace task's train split, docs/TASK.md §11) */
+                             on the trace task budget / 2 measured 0.59x H2O's token error on
+                             three train-split problems and 0.96x on four held-out ones, where
+                             8 had 0.95x and 3.0x: docs/TASK.md §11) */
 } lf_engine_config;
 
 /* How the engine's pool count was reached (lf_engine_pool_sizing). */
