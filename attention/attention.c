@@ -77,11 +77,11 @@ lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
   /* rkv keeps its observation window and chooses a stage of candidates outside it. */
   if (p->policy == LF_POLICY_RKV &&
       (p->rkv_stage < 1 || p->rkv_obs < 0 ||
-       (long long)budget < (long long)p->sink + lf_rkv_obs(p) + p->rkv_stage + 1))
+       (long long)budget < (long long)p->sink + lf_rkv_obs_of(p->rkv_obs) + p->rkv_stage + 1))
     return lf_error(LF_ERR_INVALID_ARG,
                     "policy rkv needs rkv_stage >= 1 and budget >= sink + rkv_obs + rkv_stage + 1 "
                     "(budget %d, sink %d, rkv_obs %d, rkv_stage %d)",
-                    budget, p->sink, lf_rkv_obs(p), p->rkv_stage);
+                    budget, p->sink, lf_rkv_obs_of(p->rkv_obs), p->rkv_stage);
   return LF_OK;
 }
 
@@ -410,7 +410,7 @@ static int cmp_i64(const void *a, const void *b) {
  * queue with the rkv_stage slots to overwrite next. Runs on ws->rkv (rkv_ws_bytes). */
 static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
                        const decode_ws *ws, double *slot_total) {
-  const int obs = lf_rkv_obs(p);
+  const int obs = lf_rkv_obs_of(p->rkv_obs);
   const int D = p->head_dim, S = p->rkv_stage, M = n - obs, half = LF_RKV_POOL_KERNEL / 2;
   const size_t b = (size_t)hs[0].budget;
   int64_t *slot_of = (int64_t *)ws->rkv;
@@ -552,6 +552,7 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
   const int rkv = p->policy == LF_POLICY_RKV;
   const int since = rkv ? lf_rkv_advance(*hs[0].since) : -1;
   const int k_left = rkv ? lf_rkv_k_left(since, n, B, p->rkv_stage) : 0;
+  const int obs = lf_rkv_obs_of(p->rkv_obs);
 
   for (int g = 0; g < n_kv; g++) {
     lf_kv_head *h = &hs[g];
@@ -562,10 +563,10 @@ static lf_status decode_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv, 
     decode_attend(p, h, n, q + (size_t)g * G * D, out + (size_t)g * G * D, &ws);
     /* 3. the policy's score. h2o accumulates mass since the slot was written, so the slot just
      * written starts from this step's mass alone. */
-    if (p->policy == LF_POLICY_H2O || (rkv && k_left < lf_rkv_obs(p))) {
+    if (p->policy == LF_POLICY_H2O || (rkv && k_left < obs)) {
       /* rkv: the observation window opens obs steps before the selection, or at the first step
        * after the last one when the stage is shorter */
-      if (rkv && lf_rkv_window_reset(since, k_left, lf_rkv_obs(p)))
+      if (rkv && lf_rkv_window_reset(since, k_left, obs))
         for (int i = 0; i < n; i++)
           h->acc[i] = 0.0f;
       h->acc[w] = 0.0f;
@@ -655,7 +656,7 @@ lf_status lf_attn_rkv_select_ref(const lf_attn_params *p, lf_kv_head *heads, int
       return lf_error(LF_ERR_STATE, "lf_attn_rkv_select_ref: head %d disagrees with head 0", g);
   }
   const int n = *heads[0].n, B = heads[0].budget;
-  if (n < p->sink + lf_rkv_obs(p) + p->rkv_stage + 1)
+  if (n < p->sink + lf_rkv_obs_of(p->rkv_obs) + p->rkv_stage + 1)
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_attn_rkv_select_ref: %d filled slots leave fewer than rkv_stage %d "
                     "candidates outside the sink and the window",

@@ -36,7 +36,7 @@ typedef struct lf_attn_params {
                            contiguous groups of one eviction slot each (0 or 1: one group).
                            The forward reads it; the functions below see one group's heads */
   int rkv_stage;        /* rkv: slots chosen per selection, one selection every rkv_stage steps */
-  int rkv_obs;          /* rkv: its observation window (lf_rkv_obs: 0 is LF_RKV_OBS) */
+  int rkv_obs;          /* rkv: its observation window (lf_rkv_obs_of: 0 is LF_RKV_OBS) */
 } lf_attn_params;
 
 /* rkv's fixed parameters, R-KV's published values (Cai et al. 2025, "R-KV: Redundancy-aware KV
@@ -50,11 +50,6 @@ typedef struct lf_attn_params {
 #define LF_RKV_POOL_KERNEL 7
 #define LF_RKV_SIM_THRESHOLD 0.5
 #define LF_RKV_LAMBDA 0.1
-
-/* rkv's observation window: rkv_obs, or LF_RKV_OBS where it is 0. */
-static inline int lf_rkv_obs(const lf_attn_params *p) {
-  return p->rkv_obs > 0 ? p->rkv_obs : LF_RKV_OBS;
-}
 
 /* KV heads that share one eviction decision: 1 for LF_EVICT_HEAD; for LF_EVICT_LAYER the n_kv
  * heads held here, or one of `groups` contiguous groups of them when groups > 1. 0 when groups
@@ -115,7 +110,7 @@ int lf_kv_write_slot(const lf_kv_head *h);
 /* rkv (LF_POLICY_RKV) replaces steps 3-4 below. Its state per (layer, KV head) is the pool's acc
  * (the observation window's attention mass), queue and since. With k_left the steps left before
  * the next selection (B - n before the first, when the pool fills; then rkv_stage - since, since
- * counting the steps after a selection), a step with k_left < obs (obs = lf_rkv_obs(p)) adds this
+ * counting the steps after a selection), a step with k_left < obs (obs = lf_rkv_obs_of(rkv_obs), attention/rkv_step.h) adds this
  * step's mass to acc (acc zeroed first at the step with k_left == obs - 1, or at the first step
  * after a selection when rkv_stage < obs, and at a prefill; the slot just written starts from its
  * own mass). At k_left == 0 the selection runs over the filled slots
@@ -155,7 +150,7 @@ lf_status lf_attn_decode_ref_ws(const lf_attn_params *p, lf_kv_head *h, const fl
 /* rkv's selection alone (the step that runs when k_left reaches 0), over the n = *heads[0].n
  * filled slots of n_kv heads sharing one decision (1: head scope): fills every head's queue
  * with the rkv_stage slots to overwrite next and sets its since to 0. slot_total, when not NULL,
- * gets [budget] each slot's total score (NaN outside the candidates: the lf_rkv_obs(p) newest
+ * gets [budget] each slot's total score (NaN outside the candidates: the obs newest
  * slots and the empty ones). The CPU twin of lf_cuda_rkv_select. Needs n >= sink + obs
  * + rkv_stage + 1. */
 lf_status lf_attn_rkv_select_ref(const lf_attn_params *p, lf_kv_head *heads, int n_kv,

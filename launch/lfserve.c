@@ -279,6 +279,25 @@ static int launcher_signalled(const sigset_t *sigs, siginfo_t *si) {
   return sigtimedwait(sigs, si, &zero) > 0 && si->si_pid > 0 && si->si_pid == getppid();
 }
 
+/* The end of a rank under mpirun: frees its communicators (dp: an MPI_Comm * that may hold
+ * MPI_COMM_NULL, or NULL) and finalizes MPI, unless the launcher is ending the job (it no longer
+ * takes part in MPI_Finalize then). */
+static void end_mpi(lf_comm_t comm, void *dp, int launcher_abort) {
+  lf_comm_free(comm);
+#ifdef LF_HAVE_MPI
+  if (launcher_abort) return;
+  if (dp && *(MPI_Comm *)dp != MPI_COMM_NULL) MPI_Comm_free((MPI_Comm *)dp);
+  MPI_Finalize();
+#else
+  (void)dp, (void)launcher_abort;
+#endif
+}
+
+static void say_stopped(int rank, int size, int launcher_abort) {
+  fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
+          launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
+}
+
 /* A rank other than 0 under mpirun: runs rank 0's steps until it frees its engine, then stops.
  * main's exit status. */
 static int follow(lf_comm_t comm, void *dp, int rank, int size, const sigset_t *sigs) {
@@ -287,20 +306,13 @@ static int follow(lf_comm_t comm, void *dp, int rank, int size, const sigset_t *
     fprintf(stderr, "lfserve: rank %d: %s: %s\n", rank, lf_status_str(s), lf_last_error());
   lf_engine_free(S.e);
   if (s != LF_OK) return 1; /* without MPI_Finalize: the launcher ends the job */
-  lf_comm_free(comm);
   /* Rank 0 released us. When the launcher is ending the job it has signalled this rank too
    * (the signal waits, blocked): skip MPI_Finalize then, as rank 0 does. */
   siginfo_t si;
   memset(&si, 0, sizeof si);
   const int launcher_abort = launcher_signalled(sigs, &si);
-#ifdef LF_HAVE_MPI
-  if (dp) MPI_Comm_free((MPI_Comm *)dp);
-  if (!launcher_abort) MPI_Finalize();
-#else
-  (void)dp;
-#endif
-  fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
-          launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
+  end_mpi(comm, dp, launcher_abort);
+  say_stopped(rank, size, launcher_abort);
   return 0;
 }
 
@@ -316,17 +328,8 @@ static int lead_replica(lf_comm_t comm, void *dp, int r, int rank, int size, con
   memset(&si, 0, sizeof si);
   const int launcher_abort = lr == 2 || launcher_signalled(sigs, &si);
   if (lr != 2) lf_engine_free(S.e); /* releases the group's other ranks */
-  lf_comm_free(comm);
-#ifdef LF_HAVE_MPI
-  if (!launcher_abort) {
-    MPI_Comm_free((MPI_Comm *)dp);
-    MPI_Finalize();
-  }
-#else
-  (void)dp;
-#endif
-  fprintf(stderr, "lfserve: rank %d of %d: stopped%s\n", rank, size,
-          launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
+  end_mpi(comm, dp, launcher_abort);
+  say_stopped(rank, size, launcher_abort);
   return 0;
 }
 
@@ -670,7 +673,7 @@ int main(int argc, char **argv) {
   void *dp = rk_dp(&rk);
   if (lf_comm_rank(comm) != 0) {
     free(rk.pools);
-    return follow(comm, n_replicas > 1 ? dp : NULL, rk.wrank, wsize, &sigs);
+    return follow(comm, dp, rk.wrank, wsize, &sigs);
   }
   if (rk.replica != 0) {
     free(rk.pools);
@@ -743,14 +746,8 @@ out:
     /* A first signal from elsewhere (a terminal's ^C) may have been followed by the launcher's
      * own: look once more. */
     if (!launcher_abort) launcher_abort = launcher_signalled(&sigs, &si);
-    lf_comm_free(comm);
-#ifdef LF_HAVE_MPI
-    if (rk.dp_comm != MPI_COMM_NULL && !launcher_abort) MPI_Comm_free(&rk.dp_comm);
-    if (!launcher_abort) MPI_Finalize();
-#endif
+    end_mpi(comm, dp, launcher_abort);
   }
-  if (rc == 0)
-    fprintf(stderr, "lfserve: rank 0 of %d: stopped%s\n", world,
-            launcher_abort ? " (the launcher is ending the job: MPI_Finalize skipped)" : "");
+  if (rc == 0) say_stopped(0, world, launcher_abort);
   return rc;
 }

@@ -49,53 +49,65 @@ static int serialize_request(const lf_request *rq, uint64_t token, unsigned char
 static job *pending;
 static uint64_t next_token = 1;
 
+/* Under S.mu: j, submitted under table key id, into the table with its two references (the
+ * engine side's and the connection's). */
+static void table_insert(job *j, uint64_t id) {
+  j->id = id;
+  j->refs = 2;
+  job **slot = srv_job_slot(id);
+  j->next = *slot;
+  *slot = j;
+  S.n_jobs++;
+}
+
+/* Under S.mu: rq to replica r >= 1's lead rank; waits for its answer (ACK puts the job in the
+ * table, on_ack). srv_replica_submit's returns. */
+static int submit_remote(int r, const lf_request *rq, job *j, lf_status *s) {
+  unsigned char *buf;
+  size_t len;
+  j->token = next_token++;
+  if (serialize_request(rq, j->token, &buf, &len)) return -1;
+  const int q = queue_down(r, buf, len);
+  free(buf);
+  if (q) return -1;
+  j->pend_next = pending;
+  pending = j;
+  S.rep[r].outstanding++;
+  /* The answer is one round trip to a rank polling between its steps. */
+  const double t0 = lf_now_s();
+  while (!j->acked && !S.streams_abort && S.stopping != 2 && lf_now_s() - t0 < 30.0) {
+    struct timespec ts = srv_deadline_200ms();
+    pthread_cond_timedwait(&j->cv, &S.mu, &ts);
+  }
+  if (!j->acked) { /* gone from the pending list; a late answer cancels what it started */
+    for (job **p = &pending; *p; p = &(*p)->pend_next)
+      if (*p == j) {
+        *p = j->pend_next;
+        break;
+      }
+    S.rep[r].outstanding--;
+    *s = lf_error(LF_ERR_BACKEND, "replica %d did not answer the submission within 30 s", r);
+    return -2;
+  }
+  if (j->submit_status != LF_OK) {
+    *s = lf_error(j->submit_status, "%s", j->submit_err);
+    return -2;
+  }
+  return 0;
+}
+
 int srv_replica_submit(const lf_request *rq, job *j, lf_status *s) {
   const int r = S.n_replicas > 1 ? pick_replica() : 0;
   j->replica = r;
-  if (r == 0) {
+  if (r != 0) {
+    const int rc = submit_remote(r, rq, j, s);
+    if (rc) return rc;
+  } else {
     uint64_t id;
     *s = lf_engine_submit(S.e, rq, &id);
     if (*s != LF_OK) return -2;
-    j->eid = j->id = id;
-  } else {
-    unsigned char *buf;
-    size_t len;
-    j->token = next_token++;
-    if (serialize_request(rq, j->token, &buf, &len)) return -1;
-    const int q = queue_down(r, buf, len);
-    free(buf);
-    if (q) return -1;
-    j->pend_next = pending;
-    pending = j;
-    S.rep[r].outstanding++;
-    /* The answer is one round trip to a rank polling between its steps. */
-    const double t0 = lf_now_s();
-    while (!j->acked && !S.streams_abort && S.stopping != 2 && lf_now_s() - t0 < 30.0) {
-      struct timespec ts = srv_deadline_200ms();
-      pthread_cond_timedwait(&j->cv, &S.mu, &ts);
-    }
-    if (!j->acked) { /* gone from the pending list; a late answer cancels what it started */
-      for (job **p = &pending; *p; p = &(*p)->pend_next)
-        if (*p == j) {
-          *p = j->pend_next;
-          break;
-        }
-      S.rep[r].outstanding--;
-      *s = lf_error(LF_ERR_BACKEND, "replica %d did not answer the submission within 30 s", r);
-      return -2;
-    }
-    if (j->submit_status != LF_OK) {
-      *s = lf_error(j->submit_status, "%s", j->submit_err);
-      return -2;
-    }
-    /* ACK put it in the table */
-  }
-  if (r == 0) {
-    j->refs = 2;
-    job **slot = srv_job_slot(j->id);
-    j->next = *slot;
-    *slot = j;
-    S.n_jobs++;
+    j->eid = id;
+    table_insert(j, id);
     S.rep[0].outstanding++;
     pthread_cond_signal(&S.work_cv);
   }
@@ -280,6 +292,18 @@ static int parse_request(const unsigned char *buf, size_t len, uint64_t *token, 
 
 /* ---- rank 0: the router ------------------------------------------------------------------ */
 
+/* Between two polls of a loop with nothing to do: sleep 20 us, doubling up to 1 ms (the most a
+ * message waits); a busy round starts over without sleeping. */
+static void idle_wait(int busy, long *sleep_ns) {
+  if (busy) {
+    *sleep_ns = 0;
+    return;
+  }
+  *sleep_ns = *sleep_ns ? (*sleep_ns * 2 > 1000000 ? 1000000 : *sleep_ns * 2) : 20000;
+  const struct timespec ts = {0, *sleep_ns};
+  nanosleep(&ts, NULL);
+}
+
 #define TAG_DOWN 0x1f01
 #define TAG_UP 0x1f02
 
@@ -341,6 +365,11 @@ typedef struct {
   uint32_t type;
   int32_t n_ev, n_admit, n_fin, step_failed, pad;
 } msg_events;
+/* An EVENTS message is this header, then lf_event[n_ev], uint64_t[n_admit] and
+ * lf_request_stats[n_fin]: each part stays 8-byte aligned in a malloc'd buffer. */
+_Static_assert(sizeof(msg_events) % 8 == 0 && sizeof(lf_event) % 8 == 0 &&
+                   sizeof(lf_request_stats) % 8 == 0,
+               "EVENTS parts must keep 8-byte alignment");
 
 static void on_ack(int r, const msg_ack *a) {
   job *j = NULL;
@@ -364,12 +393,7 @@ static void on_ack(int r, const msg_ack *a) {
     S.rep[r].outstanding--;
   } else {
     j->eid = a->eid;
-    j->id = ((uint64_t)r << SRV_REPLICA_SHIFT) | a->eid;
-    j->refs = 2;
-    job **slot = srv_job_slot(j->id);
-    j->next = *slot;
-    *slot = j;
-    S.n_jobs++;
+    table_insert(j, ((uint64_t)r << SRV_REPLICA_SHIFT) | a->eid);
     if (S.stopping) srv_job_cancel(j); /* it missed srv_jobs_cancel_all */
   }
   pthread_cond_broadcast(&j->cv);
@@ -394,34 +418,23 @@ static void on_up(int r, const unsigned char *buf, size_t len) {
       fprintf(stderr, "lfserve: replica %d: a malformed events message (%zu bytes)\n", r, len);
       return;
     }
-    /* copies: the bytes need not be aligned for the structs */
-    lf_event *ev = h.n_ev ? malloc(sizeof *ev * (size_t)h.n_ev) : NULL;
-    lf_request_stats *fin = h.n_fin ? malloc(sizeof *fin * (size_t)h.n_fin) : NULL;
-    if ((h.n_ev && !ev) || (h.n_fin && !fin)) {
-      fprintf(stderr, "lfserve: out of memory routing replica %d's events\n", r);
-      free(ev);
-      free(fin);
-      return;
-    }
+    /* The receive buffer is malloc'd and every part starts at a multiple of 8 (the asserts at
+     * msg_events), so the events and statistics are read where they lie. */
     const unsigned char *p = buf + sizeof h;
-    memcpy(ev, p, sizeof *ev * (size_t)h.n_ev);
+    const lf_event *ev = (const lf_event *)p;
     p += sizeof *ev * (size_t)h.n_ev;
+    const uint64_t *admitted = (const uint64_t *)p;
     for (int i = 0; i < h.n_admit; i++) {
-      uint64_t eid;
-      memcpy(&eid, p + sizeof eid * (size_t)i, sizeof eid);
-      job *j = *srv_job_slot(((uint64_t)r << SRV_REPLICA_SHIFT) | eid);
+      job *j = *srv_job_slot(((uint64_t)r << SRV_REPLICA_SHIFT) | admitted[i]);
       if (j) {
         j->admitted = 1;
         pthread_cond_broadcast(&j->cv);
       }
     }
-    p += sizeof(uint64_t) * (size_t)h.n_admit;
-    memcpy(fin, p, sizeof *fin * (size_t)h.n_fin);
+    p += sizeof *admitted * (size_t)h.n_admit;
     S.rep[r].step_failed = h.step_failed;
     if (h.step_failed) S.step_errors++;
-    srv_route_locked(r, ev, h.n_ev, fin);
-    free(ev);
-    free(fin);
+    srv_route_locked(r, ev, h.n_ev, (const lf_request_stats *)p);
   } else if (type == M_METRICS && len == sizeof(uint64_t) + sizeof(lf_metrics)) {
     memcpy(&S.rep[r].m, buf + sizeof(uint64_t), sizeof(lf_metrics));
     S.rep[r].have_metrics = 1;
@@ -529,14 +542,7 @@ static void *router_main(void *arg) {
         break;
       }
     }
-    if (busy) {
-      sleep_ns = 0;
-      continue;
-    }
-    /* idle: back off to 1 ms, the most a message waits here */
-    sleep_ns = sleep_ns ? (sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2) : 20000;
-    struct timespec ts = {0, sleep_ns};
-    nanosleep(&ts, NULL);
+    idle_wait(busy, &sleep_ns);
   }
   /* Sends still in flight (a replica that never took them: the launcher is ending the job, or
    * one did not stop in time) keep their buffers: MPI may still read them. */
@@ -782,14 +788,7 @@ int srv_leader_main(lf_engine_t e, void *dp_comm, int replica, const sigset_t *s
       rc = 1;
       break;
     }
-    if (stopped || busy) {
-      sleep_ns = 0;
-      continue;
-    }
-    /* idle: back off to 1 ms, the most a message waits here */
-    sleep_ns = sleep_ns ? (sleep_ns * 2 > 1000000 ? 1000000 : sleep_ns * 2) : 20000;
-    struct timespec ts = {0, sleep_ns};
-    nanosleep(&ts, NULL);
+    if (!stopped) idle_wait(busy, &sleep_ns);
   }
   if (stopped) {
     const msg_id bye = {M_BYE, 0, 0};

@@ -313,7 +313,7 @@ static lf_status create_arena(cuda_backend *c) {
     CB_ALLOC(c->pv.since, heads * 4);
     LF_CUDA_CHECK(cudaMemset(c->pv.since, 0xff, heads * 4));
     c->pv.stage = p->rkv_stage;
-    c->pv.obs = lf_rkv_obs_resolve(p->rkv_obs, p->budget, p->sink, p->rkv_stage);
+    c->pv.obs = c->ap.rkv_obs; /* resolved once, in lf_backend_cuda_create */
   }
   return LF_OK;
 }

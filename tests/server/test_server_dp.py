@@ -31,10 +31,9 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serverlib import ROOT, Server, make_tiny_chat_model, wait_idle  # noqa: E402
+from serverlib import ROOT, Server, make_tiny_chat_model, run_suite, wait_idle  # noqa: E402
 from test_server_mpi import CMPL, REQUESTS, pids_of, run, wait_exit, with_stop  # noqa: E402
 
 
@@ -123,8 +122,8 @@ def main():
                                  context=1 << 16)
     # head scope: the same evictions however the KV heads are split (layer scope is rank-local)
     args = ("--budget", "64", "--pools", "4", "--threads", "1", "--evict-scope", "head")
-    servers, ok = [], True
-    try:
+
+    def body(servers):
         s = Server(a.lfserve, model, *args, env=env)
         servers.append(s)
         ref = [run(s, p, b) for p, b in REQUESTS]
@@ -265,21 +264,8 @@ def main():
         print("ok  replica 1's lead rank killed: its stream ended with an error event, replica "
               "0's with %s, both with [DONE]; the job was gone after %.2f s (mpiexec exit %d)"
               % ("an error event" if b'"error"' in ends[0] else "finish_reason abort", dt, rc))
-    except Exception:
-        ok = False
-        traceback.print_exc()
-        for s in servers:
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-                wait_exit(s.proc, 10)
-            print("---- server log ----\n" + s.read_log()[-6000:])
-    finally:
-        for s in servers:
-            if s.proc.poll() is None:
-                s.proc.kill()
-                s.proc.wait()
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+
+    return run_suite(body)
 
 
 if __name__ == "__main__":
