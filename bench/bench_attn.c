@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_gpu.h"
 #include "bench_util.h"
 #include "lfserve.h"
 
@@ -70,20 +71,6 @@ typedef struct attn_row {
 } attn_row;
 
 static uint64_t ab_rng = 0x2545f4914f6cdd1dull;
-
-/* the peer's time for (n0, T), in microseconds; < 0: no such row */
-static double attn_peer_us(const char *text, int n0, int T) {
-  for (const char *line = text; line && *line;) {
-    const char *eol = strchr(line, '\n');
-    const char *e = eol ? eol : line + strlen(line);
-    double a, b, t;
-    if (bench_json_num(line, e, "n0", &a) && bench_json_num(line, e, "T", &b) && (int)a == n0 &&
-        (int)b == T)
-      return bench_json_num(line, e, "time_us", &t) ? t : -1.0;
-    line = eol ? eol + 1 : NULL;
-  }
-  return -1.0;
-}
 
 /* One row: every tiling timed, then the bit comparison. Returns 0, or 1 on a CUDA/lfserve error. */
 static int attn_one(int n0, int T, int H, int Hkv, int D, int iters, int warmup, attn_row *r) {
@@ -237,10 +224,8 @@ int bench_attn(int argc, char **argv) {
     fprintf(stderr, "lfbench attn: cannot read peer file %s\n", peer);
     return 1;
   }
-  int dev = 0;
-  struct cudaDeviceProp prop;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
-    fprintf(stderr, "lfbench attn: no CUDA device\n");
+  bench_gpu gpu;
+  if (bench_gpu_open("lfbench attn", 0, &gpu)) {
     free(peer_text);
     return 1;
   }
@@ -249,7 +234,7 @@ int bench_attn(int argc, char **argv) {
          H, Hkv, D);
   printf("# device %s (%d SMs); median of %d launches after %d warm-up, CUDA events; peak %.0f "
          "TFLOP/s\n",
-         prop.name, prop.multiProcessorCount, iters, warmup, peak);
+         gpu.name, gpu.n_sm, iters, warmup, peak);
   printf("#%6s %6s %10s %10s %10s %5s %8s %6s %10s %7s %5s\n", "n0", "T", "us_tiles1",
          "us_tiles2", "us_auto", "auto", "TFLOP/s", "peak", "sdpa_us", "ratio", "same");
   attn_row rows[256];
@@ -262,7 +247,7 @@ int bench_attn(int argc, char **argv) {
         free(peer_text);
         return 1;
       }
-      r->peer_us = peer_text ? attn_peer_us(peer_text, r->n0, r->T) : -1.0;
+      r->peer_us = peer_text ? bench_peer_value(peer_text, "n0", r->n0, "T", r->T, "time_us") : -1.0;
       const double tf = r->flops / (r->us[2] * 1e-6) / 1e12;
       char sd[24] = "-", ra[24] = "-";
       if (r->peer_us > 0) {
@@ -289,7 +274,7 @@ int bench_attn(int argc, char **argv) {
             "{\"bench\": \"attn\", \"device\": \"%s\", \"n_sm\": %d, \"heads\": %d, "
             "\"kv_heads\": %d, \"head_dim\": %d, \"iters\": %d, \"peak_tflops\": %.1f,\n"
             " \"rows\": [\n",
-            prop.name, prop.multiProcessorCount, H, Hkv, D, iters, peak);
+            gpu.name, gpu.n_sm, H, Hkv, D, iters, peak);
     for (int i = 0; i < n_rows; i++) {
       const attn_row *r = &rows[i];
       char ps[32] = "null";

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "bench_gpu.h"
 #include "bench_util.h"
 #include "engine/backend.h"
 #include "engine/model.h"
@@ -185,19 +186,10 @@ static double pf_flops(const lf_model_config *m, int P, int B) {
 
 /* ---- the peer's JSON: one row object per line ------------------------------------------- */
 
-/* The number after "key": within [s, e); 0 when absent or not a number (null). */
 /* The peer's time (seconds) for (P, B), or -1. */
 static double pf_peer_time(const char *text, int P, int B) {
-  for (const char *line = text; line && *line;) {
-    const char *eol = strchr(line, '\n');
-    const char *e = eol ? eol : line + strlen(line);
-    double p, b, t;
-    if (bench_json_num(line, e, "prompt", &p) && bench_json_num(line, e, "batch", &b) &&
-        (int)p == P && (int)b == B)
-      return bench_json_num(line, e, "time_ms", &t) && t > 0 ? t * 1e-3 : -1.0;
-    line = eol ? eol + 1 : NULL;
-  }
-  return -1.0;
+  const double t = bench_peer_value(text, "prompt", P, "batch", B, "time_ms");
+  return t > 0 ? t * 1e-3 : -1.0;
 }
 
 /* Warns when the peer's header (its first line) describes another shape. */
@@ -505,17 +497,9 @@ int bench_prefill(int argc, char **argv) {
 
   const lf_backend_kind backend = lf_backend_resolve(o.backend);
   char device[256] = "cpu";
-#ifdef LF_HAVE_CUDA
-  if (backend == LF_BACKEND_CUDA) {
-    struct cudaDeviceProp prop;
-    int dev = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
-      snprintf(device, sizeof device, "%s", prop.name);
-    else
-      cudaGetLastError();
-  }
-#endif
-  bench_json_safe(device);
+  bench_gpu gpu;
+  if (backend == LF_BACKEND_CUDA && !bench_gpu_open("lfbench prefill", 0, &gpu))
+    snprintf(device, sizeof device, "%s", gpu.name);
   if (o.prefill_chunk > 0) {
     char v[32];
     snprintf(v, sizeof v, "%d", o.prefill_chunk);

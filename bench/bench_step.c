@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_gpu.h"
 #include "bench_util.h"
 
 #include "base/clock.h"
@@ -53,36 +54,6 @@ static uint32_t rnd(uint32_t n) {
   step_rng ^= step_rng >> 7;
   step_rng ^= step_rng << 17;
   return (uint32_t)(step_rng >> 33) % n;
-}
-
-/* Same method as `lfbench kernel`: 2 GiB device-to-device copy, median of 10, read + write. */
-static int step_copy_bw(double *gbs) {
-  const size_t bytes = (size_t)2 << 30;
-  void *a = NULL, *b = NULL;
-  cudaEvent_t e0, e1;
-  float t[10];
-  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess ||
-      cudaMemset(a, 1, bytes) != cudaSuccess || cudaEventCreate(&e0) != cudaSuccess ||
-      cudaEventCreate(&e1) != cudaSuccess) {
-    fprintf(stderr, "lfbench step: copy bandwidth: %s\n", cudaGetErrorString(cudaGetLastError()));
-    return 1;
-  }
-  for (int i = 0; i < 3; i++) cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
-  for (int i = 0; i < 10; i++) {
-    cudaEventRecord(e0, 0);
-    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0);
-    cudaEventRecord(e1, 0);
-    cudaEventSynchronize(e1);
-    cudaEventElapsedTime(&t[i], e0, e1);
-  }
-  double td[10];
-  for (int i = 0; i < 10; i++) td[i] = t[i];
-  *gbs = 2.0 * (double)bytes / (bench_median(td, 10) * 1e-3) / 1e9;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaFree(a);
-  cudaFree(b);
-  return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
 static double weight_bytes(const lf_model_config *m) {
@@ -318,12 +289,9 @@ int bench_step(int argc, char **argv) {
     }
   }
   const int lead = !comm || comm->rank == 0;
-  double copy_gbs = 0;
-  if (lead && step_copy_bw(&copy_gbs)) return 1;
-  struct cudaDeviceProp prop;
-  int dev = 0;
-  cudaGetDevice(&dev);
-  cudaGetDeviceProperties(&prop, dev);
+  bench_gpu gpu;
+  if (bench_gpu_open("lfbench step", lead, &gpu)) return 1;
+  const double copy_gbs = gpu.copy_gbs;
   const char *graphs = getenv("LF_CUDA_GRAPHS"), *graphs_tp = getenv("LF_CUDA_GRAPHS_TP");
   /* under TP LF_CUDA_GRAPHS_TP=0 turns them off as well */
   const int graphs_on = !(graphs && !strcmp(graphs, "0")) &&
@@ -331,7 +299,7 @@ int bench_step(int argc, char **argv) {
   if (lead)
   printf("# device %s, copy bandwidth %.1f GB/s (2 GiB D2D, read + write); cuda graphs %s; "
          "timed: host clock around forward(), median of %d after %d; tp %d\n",
-         prop.name, copy_gbs, graphs_on ? "on" : "off", steps, warmup, comm ? comm->size : 1);
+         gpu.name, copy_gbs, graphs_on ? "on" : "off", steps, warmup, comm ? comm->size : 1);
   if (lead)
   printf("# policy %s (rkv stage %d); ratio and roofline from the median\n# %-16s %6s %7s %10s %10s %10s "
          "%10s %8s %8s %9s %9s\n", lf_policy_str(policy), policy == LF_POLICY_RKV ? rkv_stage : 0,
@@ -347,7 +315,7 @@ int bench_step(int argc, char **argv) {
             "{\n  \"bench\": \"step\", \"device\": \"%s\", \"copy_gbs\": %.1f, \"cuda_graphs\": "
             "%s, \"gemv_max\": \"1\", \"timer\": \"host clock around forward(), median\",\n"
             "  \"rows\": [",
-            prop.name, copy_gbs, graphs_on ? "true" : "false");
+            gpu.name, copy_gbs, graphs_on ? "true" : "false");
   int rc = 0, first = 1;
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))

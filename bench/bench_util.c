@@ -62,6 +62,20 @@ int bench_json_num(const char *s, const char *e, const char *key, double *out) {
   return 1;
 }
 
+double bench_peer_value(const char *text, const char *k1, int v1, const char *k2, int v2,
+                        const char *key) {
+  for (const char *line = text; line && *line;) {
+    const char *eol = strchr(line, '\n');
+    const char *e = eol ? eol : line + strlen(line);
+    double a, b, t;
+    if (bench_json_num(line, e, k1, &a) && bench_json_num(line, e, k2, &b) && (int)a == v1 &&
+        (int)b == v2)
+      return bench_json_num(line, e, key, &t) ? t : -1.0;
+    line = eol ? eol + 1 : NULL;
+  }
+  return -1.0;
+}
+
 uint64_t bench_rng_next(uint64_t *state) {
   uint64_t x = *state;
   x ^= x << 13;

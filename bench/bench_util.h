@@ -20,6 +20,11 @@ char *bench_read_file(const char *path);
  * key is absent there or not followed by a number. */
 int bench_json_num(const char *s, const char *e, const char *key, double *out);
 
+/* A peer's figure (sdpa_peer.py, prefill_peer.py, ...: one row object per line): `key` of the
+ * first line whose k1 and k2 equal v1 and v2 (as integers), or -1 when no line has them all. */
+double bench_peer_value(const char *text, const char *k1, int v1, const char *k2, int v2,
+                        const char *key);
+
 /* xorshift64 (state nonzero), and about N(0, 1) from it: four uniforms, centred and scaled. */
 uint64_t bench_rng_next(uint64_t *state);
 float bench_rng_normal(uint64_t *state);

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_gpu.h"
 #include "bench_util.h"
 #include "lfserve.h"
 
@@ -89,49 +90,6 @@ static int cmp_float(const void *a, const void *b) {
 static float median(float *v, int n) {
   qsort(v, (size_t)n, sizeof *v, cmp_float);
   return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* Device-to-device copy bandwidth, counting bytes read plus written (GB/s). */
-static int copy_bandwidth(double *gbs) {
-  const size_t bytes = (size_t)2 << 30;
-  void *a = NULL, *b = NULL;
-  cudaEvent_t e0, e1;
-  float t[20];
-  BENCH_CUDA(cudaMalloc(&a, bytes));
-  BENCH_CUDA(cudaMalloc(&b, bytes));
-  BENCH_CUDA(cudaMemset(a, 1, bytes));
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; i++)
-    BENCH_CUDA(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
-  for (int i = 0; i < 20; i++) {
-    BENCH_CUDA(cudaEventRecord(e0, 0));
-    BENCH_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0));
-    BENCH_CUDA(cudaEventRecord(e1, 0));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    BENCH_CUDA(cudaEventElapsedTime(&t[i], e0, e1));
-  }
-  *gbs = 2.0 * (double)bytes / (median(t, 20) * 1e-3) / 1e9;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaFree(a);
-  cudaFree(b);
-  return 0;
-}
-
-/* Peer JSON (sdpa_peer.py): one row object per line with "batch", "budget", "time_us". */
-static double peer_time_us(const char *text, int batch, int budget) {
-  const char *line = text;
-  while (line && *line) {
-    const char *eol = strchr(line, '\n');
-    const char *b = strstr(line, "\"batch\":"), *g = strstr(line, "\"budget\":"),
-               *t = strstr(line, "\"time_us\":");
-    if (b && g && t && (!eol || (b < eol && g < eol && t < eol)) && atoi(b + 8) == batch &&
-        atoi(g + 9) == budget)
-      return atof(t + 10);
-    line = eol ? eol + 1 : NULL;
-  }
-  return -1.0;
 }
 
 typedef struct kernel_row {
@@ -579,8 +537,7 @@ static int kernel_seed(lf_kv_dtype kv_dtype, int D, size_t seed_elems, uint16_t 
 }
 
 /* The rows as JSON into json. 0, or 1 when it cannot be written. */
-static int kernel_json(const char *json, const struct cudaDeviceProp *prop, double copy_gbs,
-                       const kernel_opts *o, const kernel_row *rows, int n_rows) {
+static int kernel_json(const char *json, const bench_gpu *g, const kernel_opts *o, const kernel_row *rows, int n_rows) {
   FILE *f = fopen(json, "w");
   if (!f) {
     fprintf(stderr, "lfbench: cannot write %s\n", json);
@@ -590,7 +547,7 @@ static int kernel_json(const char *json, const struct cudaDeviceProp *prop, doub
           "{\"bench\": \"kernel\", \"device\": \"%s\", \"n_sm\": %d, \"copy_bw_GBs\": %.1f, "
           "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"kv_dtype\": \"%s\", "
           "\"iters\": %d,\n \"rows\": [\n",
-          prop->name, prop->multiProcessorCount, copy_gbs, o->n_heads, o->n_kv, o->D,
+          g->name, g->n_sm, g->copy_gbs, o->n_heads, o->n_kv, o->D,
           lf_kv_dtype_str(o->kv_dtype), o->iters);
   for (int i = 0; i < n_rows; i++) {
     const kernel_row *r = &rows[i];
@@ -621,12 +578,12 @@ static int bench_kernel(int argc, char **argv) {
     return 1;
   }
 
-  int dev = 0;
-  struct cudaDeviceProp prop;
-  BENCH_CUDA(cudaGetDevice(&dev));
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, dev));
-  double copy_gbs = 0.0;
-  if (copy_bandwidth(&copy_gbs)) return 1;
+  bench_gpu gpu;
+  if (bench_gpu_open("lfbench kernel", 1, &gpu)) {
+    free(peer_text);
+    return 1;
+  }
+  const double copy_gbs = gpu.copy_gbs;
 
   const size_t flush_bytes = (size_t)256 << 20; /* > 4x L2 */
   void *flush = NULL;
@@ -641,8 +598,8 @@ static int bench_kernel(int argc, char **argv) {
   printf("# lfbench kernel: fused LongFlow decode attention, %d query heads, %d KV heads, "
          "head_dim %d, %s pools, all full, sink 4\n",
          n_heads, n_kv, D, lf_kv_dtype_str(kv_dtype));
-  printf("# device %s (%d SMs, L2 %d MB); copy bandwidth (read+write) %.1f GB/s\n", prop.name,
-         prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_gbs);
+  printf("# device %s (%d SMs, L2 %d MB); copy bandwidth (read+write) %.1f GB/s\n", gpu.name,
+         gpu.n_sm, (int)(gpu.l2_bytes >> 20), copy_gbs);
   printf("# time: median of %d calls after %d warm-up, CUDA events, %s, pools rotated past 4x L2\n",
          iters, warmup, flush ? "L2 cleared before each call" : "L2 not cleared");
   printf("#%6s %7s %13s %10s %9s %8s %10s %6s %9s %6s\n", "batch", "budget", "kv_bytes", "time_us",
@@ -654,10 +611,10 @@ static int bench_kernel(int argc, char **argv) {
       kernel_row *r = &rows[n_rows];
       memset(r, 0, sizeof *r);
       if (kernel_one(o.batches[ba], o.budgets[bi], n_heads, n_kv, D, iters, warmup, o.splits, seed,
-                     side, kv_dtype, seed_elems, (size_t)prop.l2CacheSize, flush, flush_bytes, r))
+                     side, kv_dtype, seed_elems, gpu.l2_bytes, flush, flush_bytes, r))
         return 1;
       r->bw_fraction = r->gbs / copy_gbs;
-      const double pt = peer_text ? peer_time_us(peer_text, r->batch, r->budget) : -1.0;
+      const double pt = peer_text ? bench_peer_value(peer_text, "batch", r->batch, "budget", r->budget, "time_us") : -1.0;
       r->sdpa_ratio = pt > 0 ? r->time_us / pt : -1.0;
       char ratio[16];
       if (r->sdpa_ratio > 0)
@@ -673,7 +630,7 @@ static int bench_kernel(int argc, char **argv) {
     }
   printf("# %s\n", all_ok ? "all rows checked OK" : "SOME ROWS FAILED THE CHECK");
 
-  if (o.json && kernel_json(o.json, &prop, copy_gbs, &o, rows, n_rows)) return 1;
+  if (o.json && kernel_json(o.json, &gpu, &o, rows, n_rows)) return 1;
   free(seed);
   for (int sd = 0; sd < 2; sd++) {
     free(side[sd].codes);
