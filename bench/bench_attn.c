@@ -247,7 +247,8 @@ int bench_attn(int argc, char **argv) {
         free(peer_text);
         return 1;
       }
-      r->peer_us = peer_text ? bench_peer_value(peer_text, "n0", r->n0, "T", r->T, "time_us") : -1.0;
+      r->peer_us =
+          peer_text ? bench_peer_value(peer_text, "n0", r->n0, "T", r->T, "time_us") : -1.0;
       const double tf = r->flops / (r->us[2] * 1e-6) / 1e12;
       char sd[24] = "-", ra[24] = "-";
       if (r->peer_us > 0) {

@@ -33,7 +33,8 @@ static int copy_bandwidth(const char *prog, double *gbs) {
     float ms = 0;
     if ((e = cudaEventRecord(e0, 0)) != cudaSuccess ||
         (e = cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0)) != cudaSuccess ||
-        (e = cudaEventRecord(e1, 0)) != cudaSuccess || (e = cudaEventSynchronize(e1)) != cudaSuccess ||
+        (e = cudaEventRecord(e1, 0)) != cudaSuccess ||
+        (e = cudaEventSynchronize(e1)) != cudaSuccess ||
         (e = cudaEventElapsedTime(&ms, e0, e1)) != cudaSuccess)
       rc = gpu_fail(prog, "copy bandwidth", e);
     if (i >= 3) t[i - 3] = ms; /* the first three warm the copy engines up */
@@ -52,7 +53,8 @@ int bench_gpu_open(const char *prog, int copy_bw, bench_gpu *g) {
   int dev = 0;
   struct cudaDeviceProp prop;
   cudaError_t e;
-  if ((e = cudaGetDevice(&dev)) != cudaSuccess || (e = cudaGetDeviceProperties(&prop, dev)) != cudaSuccess)
+  if ((e = cudaGetDevice(&dev)) != cudaSuccess ||
+      (e = cudaGetDeviceProperties(&prop, dev)) != cudaSuccess)
     return gpu_fail(prog, "no CUDA device", e);
   snprintf(g->name, sizeof g->name, "%s", prop.name);
   bench_json_safe(g->name);

@@ -1,5 +1,6 @@
-/* What lfbench's GPU subcommands (kernel, step, prefill, attn) share: the device they run on,
- * its measured copy bandwidth (the floor every figure is held to), and the peer's row lookup. */
+/* What lfbench's GPU subcommands (kernel, step, prefill, attn) share: the device they run on and
+ * its measured copy bandwidth, the floor every figure is held to (the peer-row lookup they share
+ * is bench_util's bench_peer_value). */
 #ifndef LF_BENCH_GPU_H
 #define LF_BENCH_GPU_H
 
@@ -9,7 +10,7 @@ typedef struct bench_gpu {
   char name[256]; /* the device's name, safe inside a JSON string (bench_json_safe) */
   int n_sm;
   size_t l2_bytes;
-  double copy_gbs; /* 2 GiB device-to-device cudaMemcpy, read + write, median of 20; 0 if not asked */
+  double copy_gbs; /* 2 GiB device-to-device copies, read + write, median of 20; 0 if not asked */
 } bench_gpu;
 
 /* The current CUDA device into *g, and its copy bandwidth when copy_bw: 0, or 1 after

@@ -83,15 +83,6 @@ static float bf2f(uint16_t h) {
   return f;
 }
 
-static int cmp_float(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
-static float median(float *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_float);
-  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
-}
-
 typedef struct kernel_row {
   int batch, budget, splits;
   double kv_bytes, time_us, gbs, bw_fraction, sdpa_ratio, max_rel_err;
@@ -182,7 +173,7 @@ typedef struct kernel_side {
 static int kernel_time(lf_decode_attn_args *a, const int32_t *dpool, int n_sets, int batch,
                        int iters, int warmup, void *flush, size_t flush_bytes, float *ms_out) {
   cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * 2 * (size_t)iters);
-  float *t = malloc(sizeof(float) * (size_t)iters);
+  double *t = malloc(sizeof(double) * (size_t)iters);
   for (int i = 0; i < 2 * iters; i++)
     BENCH_CUDA(cudaEventCreate(&ev[i]));
   for (int i = 0; i < warmup; i++) {
@@ -199,9 +190,12 @@ static int kernel_time(lf_decode_attn_args *a, const int32_t *dpool, int n_sets,
     BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], 0));
   }
   BENCH_CUDA(cudaDeviceSynchronize());
-  for (int i = 0; i < iters; i++)
-    BENCH_CUDA(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
-  *ms_out = median(t, iters);
+  for (int i = 0; i < iters; i++) {
+    float ms = 0.0f;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[i] = ms;
+  }
+  *ms_out = (float)bench_median(t, iters);
   for (int i = 0; i < 2 * iters; i++)
     cudaEventDestroy(ev[i]);
   free(ev);
@@ -537,7 +531,8 @@ static int kernel_seed(lf_kv_dtype kv_dtype, int D, size_t seed_elems, uint16_t 
 }
 
 /* The rows as JSON into json. 0, or 1 when it cannot be written. */
-static int kernel_json(const char *json, const bench_gpu *g, const kernel_opts *o, const kernel_row *rows, int n_rows) {
+static int kernel_json(const char *json, const bench_gpu *g, const kernel_opts *o,
+                       const kernel_row *rows, int n_rows) {
   FILE *f = fopen(json, "w");
   if (!f) {
     fprintf(stderr, "lfbench: cannot write %s\n", json);
@@ -614,7 +609,9 @@ static int bench_kernel(int argc, char **argv) {
                      side, kv_dtype, seed_elems, gpu.l2_bytes, flush, flush_bytes, r))
         return 1;
       r->bw_fraction = r->gbs / copy_gbs;
-      const double pt = peer_text ? bench_peer_value(peer_text, "batch", r->batch, "budget", r->budget, "time_us") : -1.0;
+      const double pt =
+          peer_text ? bench_peer_value(peer_text, "batch", r->batch, "budget", r->budget, "time_us")
+                    : -1.0;
       r->sdpa_ratio = pt > 0 ? r->time_us / pt : -1.0;
       char ratio[16];
       if (r->sdpa_ratio > 0)
