@@ -262,100 +262,34 @@ static __device__ __forceinline__ void da_finish_ticket(const attn_params &p, co
   if (tid == 0) finish_head<H2O>(p, hidx, best);
 }
 
-/* H2O: the h2o instantiation (accumulators and window); the others are compiled without it.
- * Q: the pools' storage (DA_BF16, DA_FP8, DA_INT8, DA_INT4, DA_K8V4: K and V each take their row
- * format's path, da_kfmt / da_vfmt). 8-bit codes come in with 8-byte loads (the
- * same dims per thread as the bf16 16-byte loads) and become bf16 pairs in registers (exact:
- * fp8 as its 2^-120 image, int8 as itself), and the rows' scales enter where they are per slot:
- * K's multiplies the slot's logit after the MMA, V's multiplies the slot's p before P goes to
- * bf16 (the sum of p stays unscaled). */
-template <int D, int MINB, bool CL, bool H2O, int Q>
-static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const attn_params p) {
-  constexpr int NJ = D / 32;  /* 16-byte K loads per slot per thread */
-  constexpr int NC = D / 64;  /* 16-byte V loads per slot per thread */
-  constexpr int NMT = D / 16; /* mma tiles over dims in P.V */
-  extern __shared__ float4 da_smem[];
-  __shared__ float red_m[DA_NW][DA_GMAX], red_l[DA_NW][DA_GMAX];
-  __shared__ float fin_m[DA_GMAX], fin_il[DA_GMAX];
-  __shared__ unsigned long long red_key[DA_NW];
-  __shared__ int red_i[DA_NW];
-  __shared__ int is_last;
+/* One block's share of a (sequence, KV head) pair: slots [s0, s1) of pool row hidx, in ntiles
+ * mma tiles, and the thread's place in the mma layout (g = lane / 4: a tile row and a head;
+ * t = lane % 4: a column pair). */
+struct da_slab {
+  int G, B, s0, s1, ntiles, warp, lane, g, t;
+  size_t hidx;
+};
 
-  /* the next kernels' inputs that depend on nothing here (attn_params.l2_next; none now) */
-  prefetch_l2_share(p.l2_next, p.l2_next_bytes,
-                    blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
-                    gridDim.x * gridDim.y * gridDim.z);
-  pdl_wait(); /* q, pools and the step's tables come from earlier kernels (cuda_launch.cuh) */
-  const int G = p.group, B = p.budget;
-  const int split = blockIdx.x, S = gridDim.x, kvh = blockIdx.y, seq = blockIdx.z;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const size_t pair = (size_t)seq * p.n_kv + kvh;
-  const size_t hidx = ((size_t)p.pool_ids[seq] * p.n_layers + p.layer) * p.n_kv + kvh;
-  const int n = p.n[hidx];
-  const int wslot = p.w[pair];
-  __nv_bfloat16 *out = p.out + (pair * G) * D; /* [G][D] of this (seq, kv head) */
-  float *scores_row = p.scores ? p.scores + pair * B : nullptr;
-  /* h2o's window, unless layer scope (scores), where lf_cuda_layer_argmin applies it */
-  const bool window = H2O && p.policy == LF_POLICY_H2O && !p.scores;
-  const int32_t *posh = p.pos + hidx * B;
+/* The pool row of one (sequence, KV head) in each storage's view, the rows' scales or int4
+ * metadata, and what the scales are multiplied by. */
+struct da_rows {
+  const __nv_bfloat16 *K, *V;
+  const uint8_t *K8, *V8;
+  const uint32_t *K4, *V4;
+  const float *ksc_row, *vsc_row;
+  const uint32_t *kmeta, *vmeta;
+  float kmul, vmul;
+};
 
-  if (n <= 0) { /* nothing to attend: zero output, no candidate */
-    if (split == 0) {
-      for (int i = tid; i < G * D; i += DA_NT)
-        out[i] = __float2bfloat16(0.0f);
-      if (tid == 0) p.next[hidx] = -1;
-    }
-    return;
-  }
-
-  const int chunk = ((n + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
-  const int s0 = min(split * chunk, n), s1 = min(s0 + chunk, n);
-  const int ntiles = (s1 - s0 + DA_TILE - 1) / DA_TILE;
-  /* K's row format and V's (the same but under k8v4: int8 K, int4 V) */
-  constexpr int QK = da_kfmt(Q), QV = da_vfmt(Q);
-  constexpr bool F8 = QK == DA_FP8;                   /* the 2^-120 image: q raised, see DA_F8_* */
-  constexpr bool F8V = QV == DA_FP8;                  /* and P raised */
-  constexpr bool Q8 = QK == DA_FP8 || QK == DA_INT8;  /* K: 8-bit codes and row scales */
-  constexpr bool I4 = QK == DA_INT4;                  /* K: 4-bit codes, (step, floor) per 32 dims */
-  constexpr bool Q8V = QV == DA_FP8 || QV == DA_INT8; /* the same for V */
-  constexpr bool I4V = QV == DA_INT4;
-  constexpr int RBV = Q8V ? D : I4V ? D / 2 : 2 * D;  /* bytes per V row */
-  constexpr int NG = D / 32;                          /* int4 groups per row */
-  /* 8-bit K: 16-byte loads, thread t holding dims 64jj + 16t .. + 15 (jj < NJ / 2), so that a
-   * load moves as many bytes as bf16's; q takes the same order (the dot product does not care).
-   * V at D 128 (8-bit and int4): one contiguous run of dims 16g .. 16g + 15 per thread and slot
-   * (16 or 8 bytes), its accumulators mapped back by store_acc<D, true>. */
-  constexpr bool K16 = Q8;
-  constexpr bool V16 = (Q8V || I4V) && NC == 2;
-  const __nv_bfloat16 *K = (const __nv_bfloat16 *)p.k + (hidx * B) * D;
-  const __nv_bfloat16 *V = (const __nv_bfloat16 *)p.v + (hidx * B) * D;
-  const uint8_t *K8 = (const uint8_t *)p.k + (hidx * B) * D;
-  const uint8_t *V8 = (const uint8_t *)p.v + (hidx * B) * D;
-  const uint32_t *K4 = (const uint32_t *)p.k + (hidx * B) * (D / 8);
-  const uint32_t *V4 = (const uint32_t *)p.v + (hidx * B) * (D / 8);
-  const float *ksc_row = Q8 ? p.k_scale + hidx * B : nullptr;
-  const float *vsc_row = Q8V ? p.v_scale + hidx * B : nullptr;
-  const uint32_t *kmeta = I4 ? (const uint32_t *)p.k_scale + hidx * B * NG : nullptr;
-  const uint32_t *vmeta = I4V ? (const uint32_t *)p.v_scale + hidx * B * NG : nullptr;
-  const float kmul = F8 ? DA_F8_KDOWN * p.scale : p.scale; /* times the row's K scale */
-  const float vmul = F8V ? DA_F8_PUP : 1.0f;               /* times the row's V scale */
-  float *lg_s = (float *)da_smem;                   /* [chunk_max][G] */
-  float *o_s = lg_s + ((p.chunk_max * G + 3) & ~3); /* [G][D] */
-  float *cw = o_s + G * D;                          /* [S][G] combine weights (last block) */
-
-  /* The tail of the kernel reads vnorm, and pass 2 starts with V of the block's first 128
-   * slots: start both on their way to L2 now, beside pass 1's K loads. */
-  for (int i = tid; i < (s1 - s0 + 31) / 32; i += DA_NT)
-    prefetch_l2(p.vnorm + hidx * B + s0 + 32 * i);
-  {
-    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * RBV / 128; /* 128-byte lines */
-    const char *vb = (const char *)p.v + ((hidx * B) + s0) * RBV;
-    for (int i = tid; i < nv; i += DA_NT)
-      prefetch_l2(vb + 128 * i);
-  }
-
-  /* q as the B operand: thread (g, t) holds head g, dims 32j + 8t .. 32j + 8t + 7. */
-  uint4 qf[NJ];
+/* q as the B operand of pass 1: thread (g, t) holds head g, dims 32j + 8t .. 32j + 8t + 7. */
+template <int D, int QK>
+static __device__ __forceinline__ void da_load_q(const attn_params &p, int seq, int kvh,
+                                                 const da_slab &bs, uint4 (&qf)[D / 32],
+                                                 float (&qs0)[D / 32], float (&qs1)[D / 32]) {
+  constexpr int NJ = D / 32;
+  constexpr bool F8 = QK == DA_FP8, I4 = QK == DA_INT4;
+  constexpr bool K16 = QK == DA_FP8 || QK == DA_INT8; /* decode_attn_kernel's comment on K16 */
+  const int G = bs.G, g = bs.g, t = bs.t;
   {
     const uint4 *qp = (const uint4 *)(p.q + seq * p.q_stride + (size_t)(kvh * G + g) * D) + t;
     /* (K16: qp + t + qi = 8 (j >> 1) + 2t + (j & 1): dims 64 (j >> 1) + 16t + 8 (j & 1)) */
@@ -371,7 +305,6 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
   /* int4: the sum of q over each group of 32 dims, for this thread's accumulator heads 2t and
    * 2t + 1: a group's floor m adds m * sum(q) to every slot's dot product, and the codes enter
    * the MMA as (128 + code), whose extra 128 * sum(q) the floor term takes back. */
-  float qs0[NJ], qs1[NJ];
 #pragma unroll
   for (int j = 0; j < NJ; j++) {
     qs0[j] = qs1[j] = 0.0f;
@@ -389,9 +322,26 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
     }
   }
 
-  /* Pass 1: logits. Tile rows are slots sb + g and sb + g + 8; the accumulator holds heads 2t and
-   * 2t + 1 of both. */
-  float mx0 = -INFINITY, mx1 = -INFINITY;
+}
+
+/* Pass 1: the logits of slots [s0, s1) into lg_s [slot][G], and this thread's running maxima of
+ * heads 2t and 2t + 1 in mx0, mx1. Tile rows are slots sb + g and sb + g + 8; the accumulator
+ * holds heads 2t and 2t + 1 of both. */
+template <int D, int QK>
+static __device__ __forceinline__ void da_logits(const attn_params &p, const da_slab &bs,
+                                                 const da_rows &rw, const uint4 (&qf)[D / 32],
+                                                 const float (&qs0)[D / 32],
+                                                 const float (&qs1)[D / 32], float *lg_s,
+                                                 float &mx0, float &mx1) {
+  constexpr int NJ = D / 32, NG = D / 32;
+  constexpr bool Q8 = QK == DA_FP8 || QK == DA_INT8, I4 = QK == DA_INT4;
+  const int G = bs.G, s0 = bs.s0, s1 = bs.s1, ntiles = bs.ntiles, warp = bs.warp, lane = bs.lane,
+            g = bs.g, t = bs.t;
+  const __nv_bfloat16 *K = rw.K;
+  const uint8_t *K8 = rw.K8;
+  const uint32_t *K4 = rw.K4, *kmeta = rw.kmeta;
+  const float *ksc_row = rw.ksc_row;
+  const float kmul = rw.kmul;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
     if (QK == DA_BF16 && p.prefetch) prefetch_tiles<D>(K, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 kr[DA_UNR][2][NJ];
@@ -475,35 +425,26 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       }
     }
   }
-  for (int o = 4; o < 32; o <<= 1) {
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-  }
-  if (g == 0) {
-    red_m[warp][2 * t] = mx0;
-    red_m[warp][2 * t + 1] = mx1;
-  }
-  __syncthreads();
-  float m_g = -INFINITY; /* this block's max for head g */
-#pragma unroll
-  for (int i = 0; i < DA_NW; i++)
-    m_g = fmaxf(m_g, red_m[i][g]);
+}
 
-  if (S > 1 && !CL) { /* publish the logits for the combine; overlaps with pass 2's loads */
-    float *dst = p.lg + (pair * B + s0) * G;
-    const int cnt = (s1 - s0) * G;
-    for (int i = tid; i < cnt; i += DA_NT)
-      __stcg(dst + i, lg_s[i]);
-  }
-
-  /* Pass 2: O^T[dims][heads] += V^T[dims][slots] P^T[slots][heads]. Thread (g, t) owns dims
-   * 64c + 8g + e (e < 8) and slots 2t, 2t+1, 2t+8, 2t+9 of each tile; P column = head g. */
-  float oacc[NMT][4];
-#pragma unroll
-  for (int i = 0; i < NMT; i++)
-    oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.0f;
-  float psum = 0.0f;
-  const float mg2 = m_g * DA_LOG2E;
+/* Pass 2: O^T[dims][heads] += V^T[dims][slots] P^T[slots][heads] over slots [s0, s1), with
+ * p = exp(logit - m) (mg2 = m log2 e) from lg_s, into oacc, and this thread's share of the sum of
+ * p in psum. Thread (g, t) owns dims 64c + 8g + e (e < 8) and slots 2t, 2t+1, 2t+8, 2t+9 of each
+ * tile; P column = head g. */
+template <int D, int QV>
+static __device__ __forceinline__ void da_values(const attn_params &p, const da_slab &bs,
+                                                 const da_rows &rw, float mg2, const float *lg_s,
+                                                 float (&oacc)[D / 16][4], float &psum) {
+  constexpr int NC = D / 64, NMT = D / 16, NG = D / 32;
+  constexpr bool Q8V = QV == DA_FP8 || QV == DA_INT8, I4V = QV == DA_INT4;
+  constexpr bool V16 = (Q8V || I4V) && NC == 2; /* decode_attn_kernel's comment on V16 */
+  const int G = bs.G, s0 = bs.s0, s1 = bs.s1, ntiles = bs.ntiles, warp = bs.warp, lane = bs.lane,
+            g = bs.g, t = bs.t;
+  const __nv_bfloat16 *V = rw.V;
+  const uint8_t *V8 = rw.V8;
+  const uint32_t *V4 = rw.V4, *vmeta = rw.vmeta;
+  const float *vsc_row = rw.vsc_row;
+  const float vmul = rw.vmul;
   for (int ti0 = warp; ti0 < ntiles; ti0 += DA_NW * DA_UNR) {
     if (QV == DA_BF16 && p.prefetch) prefetch_tiles<D>(V, s0, s1, ti0 + DA_NW * DA_UNR, lane);
     uint4 vr[DA_UNR][4][NC];
@@ -583,19 +524,14 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       }
     }
   }
-  /* K and V are read: what is left (the split combine, the scores) needs no DRAM bandwidth, so
-   * the next kernel (the O GEMV) may launch now and start its weights towards L2; it waits for
-   * this grid's completion before reading the output (cuda_launch.cuh). */
-  if (p.early_trigger) pdl_trigger();
-  if (F8V)
-#pragma unroll
-    for (int i = 0; i < NMT; i++)
-#pragma unroll
-      for (int r = 0; r < 4; r++) oacc[i][r] *= DA_F8_ODOWN;
-  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-  if (t == 0) red_l[warp][g] = psum;
-  /* The warps' accumulators summed into o_s [G][D]. */
+}
+
+/* The warps' accumulators summed into o_s [G][D]. */
+template <int D, bool CL, bool V16>
+static __device__ __forceinline__ void da_sum_warps(const attn_params &p,
+                                                    const float (&oacc)[D / 16][4], float *o_s,
+                                                    float *cw, int S, int G, int warp, int g, int t,
+                                                    int tid) {
   if (CL && p.fast_tail) {
     /* every warp into its own buffer at once (warp 0: o_s), one barrier, then the sum in the
      * order of the loop below, ((0 + o0) + o1) + o2) + o3: the same bits, two barriers not four */
@@ -617,6 +553,149 @@ static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const a
       __syncthreads();
     }
   }
+
+}
+
+/* H2O: the h2o instantiation (accumulators and window); the others are compiled without it.
+ * Q: the pools' storage (DA_BF16, DA_FP8, DA_INT8, DA_INT4, DA_K8V4: K and V each take their row
+ * format's path, da_kfmt / da_vfmt). 8-bit codes come in with 8-byte loads (the
+ * same dims per thread as the bf16 16-byte loads) and become bf16 pairs in registers (exact:
+ * fp8 as its 2^-120 image, int8 as itself), and the rows' scales enter where they are per slot:
+ * K's multiplies the slot's logit after the MMA, V's multiplies the slot's p before P goes to
+ * bf16 (the sum of p stays unscaled). */
+template <int D, int MINB, bool CL, bool H2O, int Q>
+static __global__ void __launch_bounds__(DA_NT, MINB) decode_attn_kernel(const attn_params p) {
+  constexpr int NJ = D / 32;  /* 16-byte K loads per slot per thread */
+  constexpr int NC = D / 64;  /* 16-byte V loads per slot per thread */
+  constexpr int NMT = D / 16; /* mma tiles over dims in P.V */
+  extern __shared__ float4 da_smem[];
+  __shared__ float red_m[DA_NW][DA_GMAX], red_l[DA_NW][DA_GMAX];
+  __shared__ float fin_m[DA_GMAX], fin_il[DA_GMAX];
+  __shared__ unsigned long long red_key[DA_NW];
+  __shared__ int red_i[DA_NW];
+  __shared__ int is_last;
+
+  /* the next kernels' inputs that depend on nothing here (attn_params.l2_next; none now) */
+  prefetch_l2_share(p.l2_next, p.l2_next_bytes,
+                    blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                    gridDim.x * gridDim.y * gridDim.z);
+  pdl_wait(); /* q, pools and the step's tables come from earlier kernels (cuda_launch.cuh) */
+  const int G = p.group, B = p.budget;
+  const int split = blockIdx.x, S = gridDim.x, kvh = blockIdx.y, seq = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const size_t pair = (size_t)seq * p.n_kv + kvh;
+  const size_t hidx = ((size_t)p.pool_ids[seq] * p.n_layers + p.layer) * p.n_kv + kvh;
+  const int n = p.n[hidx];
+  const int wslot = p.w[pair];
+  __nv_bfloat16 *out = p.out + (pair * G) * D; /* [G][D] of this (seq, kv head) */
+  float *scores_row = p.scores ? p.scores + pair * B : nullptr;
+  /* h2o's window, unless layer scope (scores), where lf_cuda_layer_argmin applies it */
+  const bool window = H2O && p.policy == LF_POLICY_H2O && !p.scores;
+  const int32_t *posh = p.pos + hidx * B;
+
+  if (n <= 0) { /* nothing to attend: zero output, no candidate */
+    if (split == 0) {
+      for (int i = tid; i < G * D; i += DA_NT)
+        out[i] = __float2bfloat16(0.0f);
+      if (tid == 0) p.next[hidx] = -1;
+    }
+    return;
+  }
+
+  const int chunk = ((n + S - 1) / S + DA_TILE - 1) / DA_TILE * DA_TILE;
+  const int s0 = min(split * chunk, n), s1 = min(s0 + chunk, n);
+  const int ntiles = (s1 - s0 + DA_TILE - 1) / DA_TILE;
+  /* K's row format and V's (the same but under k8v4: int8 K, int4 V) */
+  constexpr int QK = da_kfmt(Q), QV = da_vfmt(Q);
+  /* fp8 (the 2^-120 image): q raised (da_load_q), K's and V's scales (da_rows), O lowered */
+  constexpr bool F8V = QV == DA_FP8;
+  constexpr bool Q8V = QV == DA_FP8 || QV == DA_INT8; /* V: 8-bit codes and row scales */
+  constexpr bool I4V = QV == DA_INT4;                 /* V: 4-bit codes, (step, floor) per 32 dims */
+  constexpr int RBV = Q8V ? D : I4V ? D / 2 : 2 * D;  /* bytes per V row */
+  /* 8-bit K: 16-byte loads, thread t holding dims 64jj + 16t .. + 15 (jj < NJ / 2), so that a
+   * load moves as many bytes as bf16's; q takes the same order (the dot product does not care).
+   * V at D 128 (8-bit and int4): one contiguous run of dims 16g .. 16g + 15 per thread and slot
+   * (16 or 8 bytes), its accumulators mapped back by store_acc<D, true>. (K16, V16) */
+  constexpr bool V16 = (Q8V || I4V) && NC == 2;
+  constexpr bool F8 = QK == DA_FP8, Q8 = QK == DA_FP8 || QK == DA_INT8, I4 = QK == DA_INT4;
+  constexpr int NG = D / 32; /* int4 groups per row */
+  const da_rows rw{(const __nv_bfloat16 *)p.k + (hidx * B) * D,
+                   (const __nv_bfloat16 *)p.v + (hidx * B) * D,
+                   (const uint8_t *)p.k + (hidx * B) * D,
+                   (const uint8_t *)p.v + (hidx * B) * D,
+                   (const uint32_t *)p.k + (hidx * B) * (D / 8),
+                   (const uint32_t *)p.v + (hidx * B) * (D / 8),
+                   Q8 ? p.k_scale + hidx * B : nullptr,
+                   Q8V ? p.v_scale + hidx * B : nullptr,
+                   I4 ? (const uint32_t *)p.k_scale + hidx * B * NG : nullptr,
+                   I4V ? (const uint32_t *)p.v_scale + hidx * B * NG : nullptr,
+                   F8 ? DA_F8_KDOWN * p.scale : p.scale,
+                   F8V ? DA_F8_PUP : 1.0f};
+  float *lg_s = (float *)da_smem;                   /* [chunk_max][G] */
+  float *o_s = lg_s + ((p.chunk_max * G + 3) & ~3); /* [G][D] */
+  float *cw = o_s + G * D;                          /* [S][G] combine weights (last block) */
+
+  /* The tail of the kernel reads vnorm, and pass 2 starts with V of the block's first 128
+   * slots: start both on their way to L2 now, beside pass 1's K loads. */
+  for (int i = tid; i < (s1 - s0 + 31) / 32; i += DA_NT)
+    prefetch_l2(p.vnorm + hidx * B + s0 + 32 * i);
+  {
+    const int nv = min(s1 - s0, DA_NW * DA_UNR * DA_TILE) * RBV / 128; /* 128-byte lines */
+    const char *vb = (const char *)p.v + ((hidx * B) + s0) * RBV;
+    for (int i = tid; i < nv; i += DA_NT)
+      prefetch_l2(vb + 128 * i);
+  }
+
+  const da_slab bs{G, B, s0, s1, ntiles, warp, lane, g, t, hidx};
+  uint4 qf[NJ];
+  float qs0[NJ], qs1[NJ];
+  da_load_q<D, QK>(p, seq, kvh, bs, qf, qs0, qs1);
+
+  /* pass 1: the logits, then the block's max per head */
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+  da_logits<D, QK>(p, bs, rw, qf, qs0, qs1, lg_s, mx0, mx1);
+  for (int o = 4; o < 32; o <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+  }
+  if (g == 0) {
+    red_m[warp][2 * t] = mx0;
+    red_m[warp][2 * t + 1] = mx1;
+  }
+  __syncthreads();
+  float m_g = -INFINITY; /* this block's max for head g */
+#pragma unroll
+  for (int i = 0; i < DA_NW; i++)
+    m_g = fmaxf(m_g, red_m[i][g]);
+
+  if (S > 1 && !CL) { /* publish the logits for the combine; overlaps with pass 2's loads */
+    float *dst = p.lg + (pair * B + s0) * G;
+    const int cnt = (s1 - s0) * G;
+    for (int i = tid; i < cnt; i += DA_NT)
+      __stcg(dst + i, lg_s[i]);
+  }
+
+  /* pass 2: P.V into each warp's accumulators, then their sum into o_s */
+  float oacc[NMT][4];
+#pragma unroll
+  for (int i = 0; i < NMT; i++)
+    oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.0f;
+  float psum = 0.0f;
+  const float mg2 = m_g * DA_LOG2E;
+  da_values<D, QV>(p, bs, rw, mg2, lg_s, oacc, psum);
+  /* K and V are read: what is left (the split combine, the scores) needs no DRAM bandwidth, so
+   * the next kernel (the O GEMV) may launch now and start its weights towards L2; it waits for
+   * this grid's completion before reading the output (cuda_launch.cuh). */
+  if (p.early_trigger) pdl_trigger();
+  if (F8V)
+#pragma unroll
+    for (int i = 0; i < NMT; i++)
+#pragma unroll
+      for (int r = 0; r < 4; r++) oacc[i][r] *= DA_F8_ODOWN;
+  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+  if (t == 0) red_l[warp][g] = psum;
+  da_sum_warps<D, CL, V16>(p, oacc, o_s, cw, S, G, warp, g, t, tid);
 
   const da_tail b{G,    B,    S,      split, n,          wslot, s0,  s1,    tid,
                   pair, hidx, window, posh,  out,        scores_row, lg_s, o_s, cw,
