@@ -49,6 +49,176 @@ template <int MT> struct fl_tile {
 };
 static_assert(fl_tile<1>::M == FL_N, "MT 1 stores its Q tile in a K tile buffer");
 
+/* flash_kernel's phases, one key tile at a time (forced inline: compiled as one body). */
+
+/* S = Q K^T of this warp's 16 MT rows and the FL_N keys of tile tk; MT 1 takes Q from the
+ * fragments qf held in registers, MT 2 from the Q tile sq. */
+template <int D, int MT>
+static __device__ __forceinline__ void fl_qk(float (&s)[MT][FL_N / 8][4],
+                                             const uint32_t (&qf)[MT == 1 ? D / 16 : 1][4],
+                                             const __nv_bfloat16 *sq, const __nv_bfloat16 *tk,
+                                             int wrow, int lane) {
+  constexpr int KS = D / 16;
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int i = 0; i < FL_N / 8; i++)
+      s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ks++) {
+    uint32_t qa[MT][4];
+    if constexpr (MT == 1) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) qa[0][e] = qf[ks][e];
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) fl_load_qa<D>(qa[mt], sq, wrow + 16 * mt, ks, lane);
+    }
+#pragma unroll
+    for (int n2 = 0; n2 < FL_N / 16; n2++) {
+      uint32_t r[4];
+      ldsm_x4(r, fl_smem(tk + fl_sw<D>(n2 * 16 + (lane % 8) + 8 * (lane / 16),
+                                       2 * ks + (lane / 8) % 2)));
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        mma_bf16(s[mt][2 * n2], qa[mt], r[0], r[1]);
+        mma_bf16(s[mt][2 * n2 + 1], qa[mt], r[2], r[3]);
+      }
+    }
+  }
+}
+
+/* The tile's scores into log2 units (sl2), keys a row must not see masked (masked: the tile
+ * reaches past some row's last key, or past nk), then the online softmax: s becomes the rows'
+ * exp2 weights, m and l the running max and this thread's part of the sum, o rescaled. */
+template <int D, int MT>
+static __device__ __forceinline__ void fl_softmax(float (&s)[MT][FL_N / 8][4],
+                                                  float (&o)[MT][D / 8][4], float (&m)[2 * MT],
+                                                  float (&l)[2 * MT], int k0, int r0, int n0,
+                                                  int nk, int q0, int wrow, float sl2, int lane) {
+  const bool masked = k0 + FL_N - 1 > n0 + q0 + wrow || k0 + FL_N > nk;
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    const int lim0 = n0 + r0 + 16 * mt, lim1 = lim0 + 8; /* last key each row sees */
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < FL_N / 8; i++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int kk = k0 + i * 8 + 2 * (lane % 4) + e;
+        float x0 = s[mt][i][e] * sl2, x1 = s[mt][i][2 + e] * sl2;
+        if (masked) {
+          if (kk > lim0 || kk >= nk) x0 = -INFINITY;
+          if (kk > lim1 || kk >= nk) x1 = -INFINITY;
+        }
+        s[mt][i][e] = x0;
+        s[mt][i][2 + e] = x1;
+        mx0 = fmaxf(mx0, x0);
+        mx1 = fmaxf(mx1, x1);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    /* a row sees key 0 in tile 0, so mn is finite from there on; a row that sees none of
+     * this tile's keys keeps m (exp2(-inf - m) = 0 below) */
+    const float mn0 = fmaxf(m[2 * mt], mx0), mn1 = fmaxf(m[2 * mt + 1], mx1);
+    const float c0 = fl_ex2(m[2 * mt] - mn0), c1 = fl_ex2(m[2 * mt + 1] - mn1);
+    m[2 * mt] = mn0;
+    m[2 * mt + 1] = mn1;
+    float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < FL_N / 8; i++) {
+      s[mt][i][0] = fl_ex2(s[mt][i][0] - mn0);
+      s[mt][i][1] = fl_ex2(s[mt][i][1] - mn0);
+      s[mt][i][2] = fl_ex2(s[mt][i][2] - mn1);
+      s[mt][i][3] = fl_ex2(s[mt][i][3] - mn1);
+      ps0 += s[mt][i][0] + s[mt][i][1];
+      ps1 += s[mt][i][2] + s[mt][i][3];
+    }
+    l[2 * mt] = l[2 * mt] * c0 + ps0;
+    l[2 * mt + 1] = l[2 * mt + 1] * c1 + ps1;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+      o[mt][i][0] *= c0;
+      o[mt][i][1] *= c0;
+      o[mt][i][2] *= c1;
+      o[mt][i][3] *= c1;
+    }
+  }
+
+}
+
+/* O += P V over the tile tv, P from the S accumulators as bf16 A fragments. */
+template <int D, int MT>
+static __device__ __forceinline__ void fl_pv(float (&o)[MT][D / 8][4],
+                                             float (&s)[MT][FL_N / 8][4],
+                                             const __nv_bfloat16 *tv, int lane) {
+#pragma unroll
+  for (int kt = 0; kt < FL_N / 16; kt++) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      a[mt][0] = bf16_pack(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+      a[mt][1] = bf16_pack(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+      a[mt][2] = bf16_pack(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+      a[mt][3] = bf16_pack(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+    }
+#pragma unroll
+    for (int d2 = 0; d2 < D / 16; d2++) {
+      uint32_t r[4];
+      ldsm_x4_t(r, fl_smem(tv + fl_sw<D>(kt * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                         2 * d2 + lane / 16)));
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        mma_bf16(o[mt][2 * d2], a[mt], r[0], r[1]);
+        mma_bf16(o[mt][2 * d2 + 1], a[mt], r[2], r[3]);
+      }
+    }
+  }
+}
+
+/* The rows' outputs O / l as bf16 into out [n_tok][n_heads][D] (head h), and with ml their
+ * (max logit, sum of exp(logit - max)) in natural units, as the one-warp kernel writes them. */
+template <int D, int MT>
+static __device__ __forceinline__ void fl_store(const float (&o)[MT][D / 8][4],
+                                                const float (&m)[2 * MT], const float (&l)[2 * MT],
+                                                int r0, int n_tok, int n_heads, int h,
+                                                __nv_bfloat16 *out, float *ml, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    const int ra = r0 + 16 * mt, rb = ra + 8;
+    float la = l[2 * mt], lb = l[2 * mt + 1];
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      la += __shfl_xor_sync(0xffffffffu, la, off);
+      lb += __shfl_xor_sync(0xffffffffu, lb, off);
+    }
+    const float ia = 1.0f / la, ib = 1.0f / lb;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+      const int d = i * 8 + 2 * (lane % 4);
+      if (ra < n_tok)
+        *(uint32_t *)(out + ((size_t)ra * n_heads + h) * D + d) =
+            bf16_pack(o[mt][i][0] * ia, o[mt][i][1] * ia);
+      if (rb < n_tok)
+        *(uint32_t *)(out + ((size_t)rb * n_heads + h) * D + d) =
+            bf16_pack(o[mt][i][2] * ib, o[mt][i][3] * ib);
+    }
+    if (ml && lane % 4 == 0) {
+      if (ra < n_tok) {
+        ml[((size_t)ra * n_heads + h) * 2] = m[2 * mt] / FL_LOG2E;
+        ml[((size_t)ra * n_heads + h) * 2 + 1] = la;
+      }
+      if (rb < n_tok) {
+        ml[((size_t)rb * n_heads + h) * 2] = m[2 * mt + 1] / FL_LOG2E;
+        ml[((size_t)rb * n_heads + h) * 2 + 1] = lb;
+      }
+    }
+  }
+}
+
 template <int D, int MT>
 static __global__ void __launch_bounds__(FL_WARPS * 32, fl_tile<MT>::MIN_BLOCKS)
     flash_kernel(lf_cuda_pool_view p, int pool, int layer, int n0, int n_heads, int n_tok,
@@ -116,148 +286,14 @@ static __global__ void __launch_bounds__(FL_WARPS * 32, fl_tile<MT>::MIN_BLOCKS)
     __syncthreads();
     const __nv_bfloat16 *tk = sk + b * FL_N * D, *tv = sv + b * FL_N * D;
 
-    /* S = Q K^T: 16 MT rows x FL_N keys per warp */
     float s[MT][FL_N / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-      for (int i = 0; i < FL_N / 8; i++)
-        s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++) {
-      uint32_t qa[MT][4];
-      if constexpr (MT == 1) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) qa[0][e] = qf[ks][e];
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) fl_load_qa<D>(qa[mt], sq, wrow + 16 * mt, ks, lane);
-      }
-#pragma unroll
-      for (int n2 = 0; n2 < FL_N / 16; n2++) {
-        uint32_t r[4];
-        ldsm_x4(r, fl_smem(tk + fl_sw<D>(n2 * 16 + (lane % 8) + 8 * (lane / 16),
-                                         2 * ks + (lane / 8) % 2)));
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-          mma_bf16(s[mt][2 * n2], qa[mt], r[0], r[1]);
-          mma_bf16(s[mt][2 * n2 + 1], qa[mt], r[2], r[3]);
-        }
-      }
-    }
-
-    /* scale into log2 units, mask what a row must not see, online softmax */
-    const bool masked = k0 + FL_N - 1 > n0 + q0 + wrow || k0 + FL_N > nk;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-      const int lim0 = n0 + r0 + 16 * mt, lim1 = lim0 + 8; /* last key each row sees */
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < FL_N / 8; i++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int kk = k0 + i * 8 + 2 * (lane % 4) + e;
-          float x0 = s[mt][i][e] * sl2, x1 = s[mt][i][2 + e] * sl2;
-          if (masked) {
-            if (kk > lim0 || kk >= nk) x0 = -INFINITY;
-            if (kk > lim1 || kk >= nk) x1 = -INFINITY;
-          }
-          s[mt][i][e] = x0;
-          s[mt][i][2 + e] = x1;
-          mx0 = fmaxf(mx0, x0);
-          mx1 = fmaxf(mx1, x1);
-        }
-#pragma unroll
-      for (int off = 1; off < 4; off <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-      }
-      /* a row sees key 0 in tile 0, so mn is finite from there on; a row that sees none of
-       * this tile's keys keeps m (exp2(-inf - m) = 0 below) */
-      const float mn0 = fmaxf(m[2 * mt], mx0), mn1 = fmaxf(m[2 * mt + 1], mx1);
-      const float c0 = fl_ex2(m[2 * mt] - mn0), c1 = fl_ex2(m[2 * mt + 1] - mn1);
-      m[2 * mt] = mn0;
-      m[2 * mt + 1] = mn1;
-      float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-      for (int i = 0; i < FL_N / 8; i++) {
-        s[mt][i][0] = fl_ex2(s[mt][i][0] - mn0);
-        s[mt][i][1] = fl_ex2(s[mt][i][1] - mn0);
-        s[mt][i][2] = fl_ex2(s[mt][i][2] - mn1);
-        s[mt][i][3] = fl_ex2(s[mt][i][3] - mn1);
-        ps0 += s[mt][i][0] + s[mt][i][1];
-        ps1 += s[mt][i][2] + s[mt][i][3];
-      }
-      l[2 * mt] = l[2 * mt] * c0 + ps0;
-      l[2 * mt + 1] = l[2 * mt + 1] * c1 + ps1;
-#pragma unroll
-      for (int i = 0; i < D / 8; i++) {
-        o[mt][i][0] *= c0;
-        o[mt][i][1] *= c0;
-        o[mt][i][2] *= c1;
-        o[mt][i][3] *= c1;
-      }
-    }
-
-    /* O += P V, P from the S accumulators as bf16 A fragments */
-#pragma unroll
-    for (int kt = 0; kt < FL_N / 16; kt++) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        a[mt][0] = bf16_pack(s[mt][2 * kt][0], s[mt][2 * kt][1]);
-        a[mt][1] = bf16_pack(s[mt][2 * kt][2], s[mt][2 * kt][3]);
-        a[mt][2] = bf16_pack(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
-        a[mt][3] = bf16_pack(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
-      }
-#pragma unroll
-      for (int d2 = 0; d2 < D / 16; d2++) {
-        uint32_t r[4];
-        ldsm_x4_t(r, fl_smem(tv + fl_sw<D>(kt * 16 + (lane % 8) + 8 * ((lane / 8) % 2),
-                                           2 * d2 + lane / 16)));
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-          mma_bf16(o[mt][2 * d2], a[mt], r[0], r[1]);
-          mma_bf16(o[mt][2 * d2 + 1], a[mt], r[2], r[3]);
-        }
-      }
-    }
+    fl_qk<D, MT>(s, qf, sq, tk, wrow, lane);
+    fl_softmax<D, MT>(s, o, m, l, k0, r0, n0, nk, q0, wrow, sl2, lane);
+    fl_pv<D, MT>(o, s, tv, lane);
     __syncthreads(); /* the next iteration's loads overwrite the other buffer's neighbour */
   }
 
-#pragma unroll
-  for (int mt = 0; mt < MT; mt++) {
-    const int ra = r0 + 16 * mt, rb = ra + 8;
-    float la = l[2 * mt], lb = l[2 * mt + 1];
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      la += __shfl_xor_sync(0xffffffffu, la, off);
-      lb += __shfl_xor_sync(0xffffffffu, lb, off);
-    }
-    const float ia = 1.0f / la, ib = 1.0f / lb;
-#pragma unroll
-    for (int i = 0; i < D / 8; i++) {
-      const int d = i * 8 + 2 * (lane % 4);
-      if (ra < n_tok)
-        *(uint32_t *)(out + ((size_t)ra * n_heads + h) * D + d) =
-            bf16_pack(o[mt][i][0] * ia, o[mt][i][1] * ia);
-      if (rb < n_tok)
-        *(uint32_t *)(out + ((size_t)rb * n_heads + h) * D + d) =
-            bf16_pack(o[mt][i][2] * ib, o[mt][i][3] * ib);
-    }
-    if (ml && lane % 4 == 0) {
-      /* (max logit, sum of exp(logit - max)) in natural units, as the one-warp kernel writes
-       * them */
-      if (ra < n_tok) {
-        ml[((size_t)ra * n_heads + h) * 2] = m[2 * mt] / FL_LOG2E;
-        ml[((size_t)ra * n_heads + h) * 2 + 1] = la;
-      }
-      if (rb < n_tok) {
-        ml[((size_t)rb * n_heads + h) * 2] = m[2 * mt + 1] / FL_LOG2E;
-        ml[((size_t)rb * n_heads + h) * 2 + 1] = lb;
-      }
-    }
-  }
+  fl_store<D, MT>(o, m, l, r0, n_tok, n_heads, h, out, ml, lane);
 }
 
 template <int D, int MT>
