@@ -26,7 +26,8 @@ selection as lfserve's --policy rkv (stage S, lambda, observation queries; -ohal
 kept as H2O keeps its window; -hist: importance from H2O's whole-history mass); emaG-head, emaG-layer: LongFlow's score
 decayed by G per step and accumulated, emaG+rR-head / -layer with a protected window;
 longflow+rR-head, longflow+rR-layer: LongFlow's score
-with h2o's protected window of the R most recent slots, R a number or `half` for B/2). These
+with h2o's protected window of the R most recent slots, R a number or `half` for B/2;
+h2o-half-adainv: h2o with per-layer budgets from --ada-calib, tools/evict/layer_reads.py). These
 diagnostics are not served.
 
     python3 tools/evict/run.py [--texts A,B] [--tokens 1600] [--budgets 0.1,0.2]
@@ -65,6 +66,7 @@ def parse():
     ap.add_argument("--seed", type=int, default=0, help="random eviction")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ada-calib", help="h2o-half-adainv: tools/evict/layer_reads.py's JSON")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "evict_sim_smollm2.json"))
     ap.add_argument("--bucket", type=int, default=200, help="KL curve bucket (positions)")
     ap.add_argument("--lora", help="PEFT LoRA adapter merged into the model (model.merge_lora)")
@@ -143,6 +145,21 @@ def make_specs(sim, a, budgets, n_kv):
                 specs.append(sim.Spec("streaming", B, sink=a.sink, name="streaming/B%d" % B))
             elif p == "h2o-half":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=B // 2, name="h2o-recent-half/B%d" % B))
+            elif p == "h2o-half-adainv":
+                # diagnostic: h2o with per-layer budgets from --ada-calib (tools/evict/
+                # layer_reads.py on another problem): B_l proportional to 1 / (0.1 + the mean mass
+                # the layer's heads put beyond B), the total L * B kept (layers that read little
+                # far back get more slots; the other way round lost, docs/TASK.md §11)
+                cal = json.load(open(a.ada_calib))
+                w = [1.0 / (0.1 + sum(r) / len(r)) for r in cal["old_b"]]
+                L = len(w)
+                bl = [max(16, int(B * L * x / sum(w))) for x in w]
+                i = 0
+                while sum(bl) < B * L:
+                    bl[i % L] += 1
+                    i += 1
+                specs.append(sim.Spec("h2o", B, sink=a.sink, layer_budgets=bl,
+                                      name="%s/B%d" % (p, B)))
             elif p == "h2o-32":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=32, name="h2o-recent-32/B%d" % B))
             elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o([0-9]+|half))?(-hist)?", p):
@@ -246,7 +263,7 @@ def main():
         t_full = time.time() - t0
         specs = make_specs(evs, a, budgets, m.cfg.n_kv_heads)
         s = evs.Sim(m, specs, uses=uses, harm_window=a.harm_window)
-        P0 = min(budgets) - 1
+        P0 = min(sp.budget for sp in specs) - 1
         s.feed(ids[:P0])
         R = len(specs)
         kl = np.zeros((R, T))
@@ -273,7 +290,7 @@ def main():
         full_nll = np.array([-logp_full[t, ids[t + 1]] for t in range(T - 1)] + [0.0])
         runs = {}
         for r, sp in enumerate(specs):
-            B = sp.budget
+            B = sp.nominal
             sl = slice(B, T)
             sl_nll = slice(B, T - 1)
             sl_tf = slice(max(B, n_prompt - 1), T - 1)

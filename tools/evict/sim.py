@@ -68,14 +68,16 @@ class Spec:
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
                  tau=None, name=None, gamma=0.0, recent=None, stage=32, obs=8, lam=0.1,
-                 sim_thr=0.5, pool_kernel=7, hist=False):
+                 sim_thr=0.5, pool_kernel=7, hist=False, layer_budgets=None):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
-        self.budget = int(budget)
+        self.budget = int(min(layer_budgets)) if layer_budgets else int(budget)
         self.sink = int(sink)
         self.window = int(window)
         self.h2o_recent = int(self.budget // 2 if h2o_recent is None else h2o_recent)
+        if layer_budgets and policy != "h2o":
+            raise ValueError("layer_budgets: h2o only")
         self.scope = scope
         self.seed = seed
         self.tau = tau  # oracle: which StrongUses table (None: the first)
@@ -93,6 +95,11 @@ class Spec:
         # rkv, a diagnostic (not served): importance = H2O's mass accumulated over the whole
         # history (never reset), normalized to sum 1 over the candidates as redundancy does
         self.hist = bool(hist)
+        # a diagnostic (not served): per-layer budgets (a list over layers) in place of one
+        # budget, their sum the layers times `budget`; h2o's window is each layer's B_l / 2, and
+        # `budget` below becomes the smallest (what a prompt chunk may fill), `nominal` the mean
+        self.layer_budgets = [int(b) for b in layer_budgets] if layer_budgets else None
+        self.nominal = int(budget)
         self.name = name or "%s/%s/B%d" % (policy, scope, budget)
         if policy != "full" and self.budget < self.sink + 2:
             raise ValueError("%s: budget %d < sink %d + 2" % (self.name, self.budget, self.sink))
@@ -155,7 +162,7 @@ class Sim:
         self.specs = list(specs)
         R = self.R = len(self.specs)
         self.L, self.H, self.D, self.G = c.n_layers, c.n_kv_heads, c.head_dim, c.group
-        self.C = max(s.budget for s in self.specs)
+        self.C = max(max(s.layer_budgets or [s.budget]) for s in self.specs)
         dt = model.dtype
         L, H, C, D = self.L, self.H, self.C, self.D
         self.K = np.zeros((L, R, H, C, D), dt)
@@ -178,6 +185,12 @@ class Sim:
         self.want_centered = any(s.policy == "centered" for s in self.specs)
         self.sink = np.array([s.sink for s in self.specs], np.int64)
         self.recent = np.array([s.recent for s in self.specs], np.int64)
+        # per layer: each run's budget and protected window (they differ by layer only under
+        # layer_budgets)
+        self.budget_l = np.array([[s.layer_budgets[l] if s.layer_budgets else s.budget
+                                   for s in self.specs] for l in range(self.L)], np.int64)
+        self.recent_l = np.array([[s.layer_budgets[l] // 2 if s.layer_budgets else s.recent
+                                   for s in self.specs] for l in range(self.L)], np.int64)
         self.gamma = np.array([s.gamma for s in self.specs], np.float64)
         # strong-use tables: next-use pointers per table for every slot of every run
         self.uses = list(uses)
@@ -232,7 +245,7 @@ class Sim:
         all_runs = Rr == self.R
         sel = slice(None) if all_runs else runs
         n0 = self.n[l, sel]
-        B = self.budget[sel]
+        B = self.budget_l[l, sel]
         was_full = n0 == B
         if np.any(was_full & np.array([not self.specs[r].evicts() for r in runs])):
             raise ContextFull("full policy: all slots filled at position %d" % t)
@@ -364,12 +377,12 @@ class Sim:
             ex |= slot >= n[li][:, None, None]
             ex |= slot < self.sink[ra][:, None, None]
             ex |= slot == w[li][:, first][:, :, None]
-            if np.any(self.recent[ra] > 0):
+            if np.any(self.recent_l[l, ra] > 0):
                 p = self.pos[l, ra][:, first, :]  # [r][ng][C]
                 key = np.where(slot < n[li][:, None, None], p * (np.int64(1) << 32) + slot,
                                np.iinfo(np.int64).min)
                 srt = np.sort(key, axis=-1)
-                rec = self.recent[ra]
+                rec = self.recent_l[l, ra]
                 for a in range(len(ra)):
                     if rec[a] <= 0:
                         continue
