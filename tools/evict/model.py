@@ -345,7 +345,10 @@ def full_pass(model, tokens, tau=None, chunk=None, taus=None, stats=None):
     as a list over layers of (steps int32 [E], offsets int64 [Hkv][T+1]) in CSR form, keyed by
     (head, key position) with steps ascending. taus (a list) instead of tau: one such list per
     threshold. stats (a dict), when given, receives "sink_mass" [layer]: the mean attention
-    weight the first 4 positions get, over query heads and the queries at positions >= 64."""
+    weight the first 4 positions get, over query heads and the queries at positions >= 64; and
+    when it holds "reads_from" (a position t0) and "reads_budget" (B), "old_r" and "old_b"
+    [layer][KV head]: the mass the queries t >= t0 put on keys at least B/2 (old_r) and more
+    than B (old_b) positions back, the first 4 left out, the mean over the group's heads."""
     c = model.cfg
     T = len(tokens)
     D, G, Hkv = c.head_dim, c.group, c.n_kv_heads
@@ -355,14 +358,22 @@ def full_pass(model, tokens, tau=None, chunk=None, taus=None, stats=None):
     causal = np.tril(np.ones((T, T), dtype=bool))
     tau_list = list(taus) if taus is not None else ([tau] if tau is not None else [])
     uses = [[] for _ in tau_list]
+    reads = stats is not None and "reads_from" in stats
     if stats is not None:
         stats["sink_mass"] = []
+    if reads:
+        t0, B = stats["reads_from"], stats["reads_budget"]
+        age = pos[:, None] - pos[None, :]
+        far_r = ((age >= B // 2) & (pos[None, :] >= 4))[t0:]
+        far_b = ((age > B) & (pos[None, :] >= 4))[t0:]
+        stats["old_r"], stats["old_b"] = [], []
     for l in range(c.n_layers):
         h = model.rmsnorm(x, model.layers[l]["rms_att"])
         q, k, v = model.qkv(l, h, pos)
         att = np.empty((T, c.n_heads, D), dtype=model.dtype)
         strong = [np.zeros((Hkv, T, T), dtype=bool) for _ in tau_list]
         sink_mass = 0.0
+        row_r, row_b = [0.0] * Hkv, [0.0] * Hkv
         for g in range(Hkv):
             kg, vg = k[:, g, :], v[:, g, :]
             for j in range(G):
@@ -377,8 +388,14 @@ def full_pass(model, tokens, tau=None, chunk=None, taus=None, stats=None):
                     strong[ti][g] |= a >= tv
                 if stats is not None and T > 64:
                     sink_mass += float(a[64:, :4].sum(1).mean()) / c.n_heads
+                if reads:
+                    row_r[g] += float((a[t0:] * far_r).sum(1).mean()) / G
+                    row_b[g] += float((a[t0:] * far_b).sum(1).mean()) / G
         if stats is not None:
             stats["sink_mass"].append(sink_mass)
+        if reads:
+            stats["old_r"].append([round(x, 4) for x in row_r])
+            stats["old_b"].append([round(x, 4) for x in row_b])
         for ti in range(len(tau_list)):
             # CSR by (head, key): transpose to [head][key][query] and list the queries
             st = strong[ti].transpose(0, 2, 1)
