@@ -184,7 +184,6 @@ class Sim:
         self.decide_groups = [(p, gs, np.array(rs)) for (p, gs), rs in groups.items()]
         self.want_centered = any(s.policy == "centered" for s in self.specs)
         self.sink = np.array([s.sink for s in self.specs], np.int64)
-        self.recent = np.array([s.recent for s in self.specs], np.int64)
         # per layer: each run's budget and protected window (they differ by layer only under
         # layer_budgets)
         self.budget_l = np.array([[s.layer_budgets[l] if s.layer_budgets else s.budget
