@@ -22,7 +22,9 @@ every KL figure) equals lfserve's full-policy logits at every position; scope ra
 or layer scope where it must; the oracle always evicts a candidate whose next strong use is the
 furthest; the harmful-eviction counts equal a brute-force recount; random eviction is
 reproducible from its seed; the diagnostic scores (attn, vnorm, centered: LongFlow's score taken
-apart) choose the argmin of the score recomputed slot by slot from the pool and the query.
+apart) choose the argmin of the score recomputed slot by slot from the pool and the query;
+per-layer budgets (h2o, rkv) equal to the uniform one change nothing, and uneven ones fill each
+layer to its own budget and keep its own window.
 
 With --smollm2 instead: SmolLM2-135M-Instruct's GGUF (the model of tools/evict/run.py's figures:
 Q4_1 dequantized by the gguf package, llama's Q/K rows un-permuted) in the same lockstep, in
@@ -320,6 +322,42 @@ def check_sim_only(m, model_dir, tokens, fails):
               name, N, ", ".join("%s %.2f" % (sp.name, x) for sp, x in zip(specs, rate))))
 
 
+def check_layer_budgets(m, model_dir, tokens, fails):
+    """Per-layer budgets (h2o and rkv, run.py's -adainv diagnostics): equal ones are the uniform
+    run step for step; uneven ones fill each layer to its own budget and never evict from its
+    own protected window (h2o: the B_l/2 newest; rkv with obs_half: B_l/2, lowered to leave room
+    for the sinks and a stage)."""
+    name = os.path.basename(model_dir)
+    L = m.cfg.n_layers
+    uneven = [24 + 16 * (l % 2) for l in range(L)]
+    specs = [evs.Spec("h2o", 32), evs.Spec("h2o", 32, layer_budgets=[32] * L),
+             evs.Spec("rkv", 32, stage=8, obs_half=True),
+             evs.Spec("rkv", 32, stage=8, obs_half=True, layer_budgets=[32] * L),
+             evs.Spec("h2o", 32, layer_budgets=uneven),
+             evs.Spec("rkv", 32, stage=8, obs_half=True, layer_budgets=uneven)]
+    s = evs.Sim(m, specs)
+    s.feed(tokens[:10])
+    missing = 0
+    for t in range(10, len(tokens)):
+        s.feed([tokens[t]])
+        for r, keep in ((4, lambda b: b // 2), (5, lambda b: min(b // 2, b - 4 - 8 - 1))):
+            for l in range(L):
+                n, w = int(s.n[l, r]), keep(uneven[l])
+                if n > uneven[l] or (t + 1 >= uneven[l] and n != uneven[l]):
+                    fails.add("%s: %s layer %d holds %d slots at t %d, budget %d" % (
+                        name, specs[r].name, l, n, t, uneven[l]))
+                for g in range(m.cfg.n_kv_heads):
+                    held = set(s.pos[l, r, g, :n].tolist())
+                    missing += sum(p not in held for p in range(max(0, t + 1 - w), t + 1))
+    if missing:
+        fails.add("%s: per-layer budgets evicted %d positions inside a protected window" % (
+            name, missing))
+    for a, b, what in ((0, 1, "h2o"), (2, 3, "rkv")):
+        if not np.array_equal(s.pos[:, a], s.pos[:, b]):
+            fails.add("%s: %s with equal per-layer budgets differs from the uniform run" % (name, what))
+    print("  %s: per-layer budgets (equal = uniform; uneven: each layer's fill and window) done" % name)
+
+
 def check_diagnostic_scores(m, model_dir, tokens, fails):
     """attn / vnorm / centered / ema, and LongFlow with a protected recent window, in head and
     layer scope: every decode decision is recomputed by loops over the pool (K, V after the
@@ -462,6 +500,7 @@ def main():
             lockstep(a.evict_trace, m, d, case, tokens, tmp, fails, batch=runs)
             check_full_pass(a.evict_trace, m, d, tokens, tmp, fails)
             check_sim_only(m, d, tokens, fails)
+            check_layer_budgets(m, d, tokens, fails)
             check_diagnostic_scores(m, d, tokens, fails)
     if fails.items:
         print("FAIL: %d problem(s)" % len(fails.items))

@@ -27,7 +27,8 @@ kept as H2O keeps its window; -hist: importance from H2O's whole-history mass); 
 decayed by G per step and accumulated, emaG+rR-head / -layer with a protected window;
 longflow+rR-head, longflow+rR-layer: LongFlow's score
 with h2o's protected window of the R most recent slots, R a number or `half` for B/2;
-h2o-half-adainv: h2o with per-layer budgets from --ada-calib, tools/evict/layer_reads.py). These
+h2o-half-adainv: h2o with per-layer budgets from --ada-calib, tools/evict/layer_reads.py; an rkv
+name ending in -adainv takes the same budgets, its -ohalf window then each layer's B_l/2). These
 diagnostics are not served.
 
     python3 tools/evict/run.py [--texts A,B] [--tokens 1600] [--budgets 0.1,0.2]
@@ -146,23 +147,11 @@ def make_specs(sim, a, budgets, n_kv):
             elif p == "h2o-half":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=B // 2, name="h2o-recent-half/B%d" % B))
             elif p == "h2o-half-adainv":
-                # diagnostic: h2o with per-layer budgets from --ada-calib (tools/evict/
-                # layer_reads.py on another problem): B_l proportional to 1 / (0.1 + the mean mass
-                # the layer's heads put beyond B), the total L * B kept (layers that read little
-                # far back get more slots; the other way round lost, docs/TASK.md §11)
-                cal = json.load(open(a.ada_calib))
-                w = [1.0 / (0.1 + sum(r) / len(r)) for r in cal["old_b"]]
-                L = len(w)
-                bl = [max(16, int(B * L * x / sum(w))) for x in w]
-                i = 0
-                while sum(bl) < B * L:
-                    bl[i % L] += 1
-                    i += 1
-                specs.append(sim.Spec("h2o", B, sink=a.sink, layer_budgets=bl,
+                specs.append(sim.Spec("h2o", B, sink=a.sink, layer_budgets=ada_budgets(a, B),
                                       name="%s/B%d" % (p, B)))
             elif p == "h2o-32":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=32, name="h2o-recent-32/B%d" % B))
-            elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o([0-9]+|half))?(-hist)?", p):
+            elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o([0-9]+|half))?(-hist)?(-adainv)?", p):
                 # R-KV: a selection every S steps (default 32) of the S slots to overwrite next,
                 # lam (default 0.1) mixing importance and redundancy, o observation queries (8;
                 # `half`: B/2); -hist: importance is H2O's whole-history mass instead
@@ -170,8 +159,10 @@ def make_specs(sim, a, budgets, n_kv):
                 for part in p.split("-")[1:]:
                     if part == "hist":
                         kw["hist"] = True
+                    elif part == "adainv":  # per-layer budgets as h2o-half-adainv's
+                        kw["layer_budgets"] = ada_budgets(a, B)
                     elif part == "ohalf":
-                        kw["obs"] = B // 2
+                        kw["obs_half"] = True
                     else:
                         kw[{"S": "stage", "l": "lam", "o": "obs"}[part[0]]] = \
                             float(part[1:]) if part[0] == "l" else int(part[1:])
@@ -192,6 +183,24 @@ def make_specs(sim, a, budgets, n_kv):
             else:
                 raise SystemExit("unknown policy %s" % p)
     return specs
+
+
+def ada_budgets(a, B):
+    """Per-layer budgets (h2o-half-adainv, rkv-...-adainv) from --ada-calib (tools/evict/
+    layer_reads.py on another problem): B_l proportional to 1 / (0.1 + the mean mass the layer's
+    heads put beyond B), at least 16, the total L * B kept (layers that read little far back get
+    more slots; the other way round lost, docs/TASK.md section 11)."""
+    if not a.ada_calib:
+        raise SystemExit("the -adainv policies need --ada-calib")
+    cal = json.load(open(a.ada_calib))
+    w = [1.0 / (0.1 + sum(r) / len(r)) for r in cal["old_b"]]
+    L = len(w)
+    bl = [max(16, int(B * L * x / sum(w))) for x in w]
+    i = 0
+    while sum(bl) < B * L:
+        bl[i % L] += 1
+        i += 1
+    return bl
 
 
 def main():

@@ -68,7 +68,7 @@ class Spec:
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
                  tau=None, name=None, gamma=0.0, recent=None, stage=32, obs=8, lam=0.1,
-                 sim_thr=0.5, pool_kernel=7, hist=False, layer_budgets=None):
+                 sim_thr=0.5, pool_kernel=7, hist=False, layer_budgets=None, obs_half=False):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
@@ -76,8 +76,8 @@ class Spec:
         self.sink = int(sink)
         self.window = int(window)
         self.h2o_recent = int(self.budget // 2 if h2o_recent is None else h2o_recent)
-        if layer_budgets and policy != "h2o":
-            raise ValueError("layer_budgets: h2o only")
+        if layer_budgets and policy not in ("h2o", "rkv"):
+            raise ValueError("layer_budgets: h2o and rkv only")
         self.scope = scope
         self.seed = seed
         self.tau = tau  # oracle: which StrongUses table (None: the first)
@@ -91,6 +91,10 @@ class Spec:
         # cosine similarity to the others (its most recent look-alike above sim_thr left out),
         # score = lam * importance - (1 - lam) * redundancy; the `obs` newest are kept
         self.stage, self.obs, self.lam = int(stage), int(obs), float(lam)
+        # rkv: the window is each layer's budget / 2 (obs is then the smallest layer's), lowered
+        # where a layer's budget leaves no room beside the sinks and a stage, as
+        # lf_rkv_obs_resolve does
+        self.obs_half = bool(obs_half)
         self.sim_thr, self.pool_kernel = float(sim_thr), int(pool_kernel)
         # rkv, a diagnostic (not served): importance = H2O's mass accumulated over the whole
         # history (never reset), normalized to sum 1 over the candidates as redundancy does
@@ -100,6 +104,8 @@ class Spec:
         # `budget` below becomes the smallest (what a prompt chunk may fill), `nominal` the mean
         self.layer_budgets = [int(b) for b in layer_budgets] if layer_budgets else None
         self.nominal = int(budget)
+        if self.obs_half:
+            self.obs = self.obs_at(self.budget)
         self.name = name or "%s/%s/B%d" % (policy, scope, budget)
         if policy != "full" and self.budget < self.sink + 2:
             raise ValueError("%s: budget %d < sink %d + 2" % (self.name, self.budget, self.sink))
@@ -107,6 +113,12 @@ class Spec:
             raise ValueError("%s: budget %d < sink + obs + stage + 1" % (self.name, self.budget))
         if policy == "h2o" and self.budget < self.sink + self.h2o_recent + 2:
             raise ValueError("%s: budget %d < sink + h2o_recent + 2" % (self.name, self.budget))
+
+    def obs_at(self, B):
+        """rkv's observation window in a pool of B slots."""
+        if not self.obs_half:
+            return self.obs
+        return max(1, min(B // 2, B - self.sink - self.stage - 1))
 
     def group_size(self, n_kv):
         s = self.scope
@@ -404,7 +416,8 @@ class Sim:
         H, G = self.H, self.G
         for a, r in zip(li, ra):
             sp = self.specs[r]
-            B, S, obs = sp.budget, sp.stage, sp.obs
+            B, S = int(self.budget_l[l, r]), sp.stage
+            obs = sp.obs_at(B)
             nr = int(n[a])
             if self.rk_since[l, r] < 0:
                 k_left = B - nr  # the first selection when the pool fills
@@ -438,8 +451,9 @@ class Sim:
         heads = list(heads)
         pos = self.pos[l, r, heads[0], :nr]
         order = np.argsort(pos, kind="stable")          # slots in position order
-        rest = order[:nr - sp.obs]                       # all but the observation window (kept)
-        score = sum(self._rkv_head_score(l, r, g, sp, rest) for g in heads)
+        obs = sp.obs_at(int(self.budget_l[l, r]))
+        rest = order[:nr - obs]                          # all but the observation window (kept)
+        score = sum(self._rkv_head_score(l, r, g, sp, rest, obs) for g in heads)
         cand = rest >= sp.sink
         idx = np.nonzero(cand)[0]
         if len(idx) < sp.stage:
@@ -447,10 +461,10 @@ class Sim:
         pick = idx[np.lexsort((rest[idx], score[idx]))[:sp.stage]]  # ties: lower slot first
         return rest[pick]
 
-    def _rkv_head_score(self, l, r, g, sp, rest):
+    def _rkv_head_score(self, l, r, g, sp, rest, obs):
         """R-KV's score of the slots `rest` (in position order) of KV head g."""
         imp = self.acc[l, r, g, rest].astype(np.float64)
-        imp = imp / max(imp.sum(), 1e-30) if sp.hist else imp / (self.G * sp.obs)
+        imp = imp / max(imp.sum(), 1e-30) if sp.hist else imp / (self.G * obs)
         if sp.pool_kernel > 1:                           # max over neighbours in position order
             h = sp.pool_kernel // 2
             pad = np.concatenate([np.full(h, -np.inf), imp, np.full(h, -np.inf)])
