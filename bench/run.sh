@@ -31,8 +31,11 @@
 #                                 longflow (SERVE_ARGS replaces the options)
 #   bench/run.sh ab DIR           DIR holds another source tree (e.g. `git archive REV`): lfgen and
 #                                 lfbench of both are built, then lfgen greedy outputs (must be
-#                                 bit-identical) and `lfbench step` of both, interleaved twice
-#                                 (add `test` for this tree's gpu tests)
+#                                 bit-identical; short prompts, and 700/1900-token prompts
+#                                 chunked over filled pools) and `lfbench step` of both,
+#                                 interleaved twice (AB_PARTS: "step", "attn" (`lfbench attn`,
+#                                 ATTN_ARGS adds options) or both; add `test` for this tree's gpu
+#                                 tests)
 #   bench/run.sh prefill          the transformers peer (bench/prefill_peer.py), then `lfbench
 #                                 prefill --peer` on random:qwen3-8b: TTFT of B prompts of P tokens,
 #                                 P 512..32768, B 1 and 8; each program stops starting rows after
@@ -401,6 +404,19 @@ greedy_ids() { # BUILD_DIR FILE
         2>/dev/null | tr '\n' ' ')" >>"$f"
     done
   done
+  # long prompts, chunked prefill over filled pools (the prefill attention kernel's masked and
+  # pool tiles), per pool dtype and policy
+  local ids n kv pol bud mn cfg
+  for mn in "random:qwen3-8b 1900" "random:tiny-qwen3 700" "random:tiny-qwen3 1900"; do
+    read -r m n <<<"$mn"
+    ids=$(awk -v n="$n" 'BEGIN { for (i = 0; i < n; i++) printf "%s%d", (i ? "," : ""), (i * 37) % 200 + 1 }')
+    for cfg in "bf16 full 2048" "bf16 h2o 256" "k8v4 h2o 256" "int4 rkv 256" "bf16 longflow 256"; do
+      read -r kv pol bud <<<"$cfg"
+      echo "$m P$n $kv $pol $("$dir/lfgen" --model "$m" --backend cuda --prompt-ids "$ids" \
+        --max-tokens 64 --temperature 0 --policy "$pol" --budget "$bud" --kv-dtype "$kv" \
+        --max-batch-tokens 256 --ignore-eos --print-ids 2>/dev/null | tr '\n' ' ')" >>"$f"
+    done
+  done
 }
 
 run_ab() { # OTHER_SRC
@@ -419,10 +435,22 @@ run_ab() { # OTHER_SRC
   else
     say "greedy ids DIFFER"; diff "$OUT/greedy_other.txt" "$OUT/greedy_this.txt" | head -20; rc=1
   fi
-  run_step "$B-other" _other
-  run_step "$B" _this
-  run_step "$B-other" _other2
-  run_step "$B" _this2
+  local part tag
+  for part in ${AB_PARTS:-step}; do
+    for tag in _other _this _other2 _this2; do
+      local dir=$B
+      [ "${tag#_other}" != "$tag" ] && dir=$B-other
+      case $part in
+      step) run_step "$dir" "$tag" ;;
+      attn)
+        say "lfbench attn $tag"
+        # shellcheck disable=SC2086
+        "$dir/lfbench" attn ${ATTN_ARGS:-} --json "$OUT/lfbench_attn$tag.json" 2>&1 |
+          grep -v "^# device" | tee -a "$LOG" || rc=1 ;;
+      *) say "ab: unknown AB_PARTS part '$part'"; rc=1 ;;
+      esac
+    done
+  done
 }
 
 # The throughput targets, each run then printed against its target (bench/targets.py).
