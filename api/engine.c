@@ -98,6 +98,8 @@ static lf_status engine_init_local(lf_engine_t e) {
     LF_TRY(lf_checkpoint_apply_lora(&e->ck, e->cfg.lora_path));
   const lf_model_config *mc = &e->ck.cfg;
   if (e->cfg.budget == 0) e->cfg.budget = mc->max_seq_len;
+  e->cfg.rkv_stage =
+      lf_rkv_stage_resolve(e->cfg.rkv_stage, e->cfg.budget, e->cfg.sink, e->cfg.rkv_obs);
   int n_kv = mc->n_kv_heads; /* KV heads this rank holds */
   if (e->comm) {
     lf_shard sh;
@@ -213,7 +215,6 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   lf_engine_t e = calloc(1, sizeof *e);
   if (!e) return lf_error(LF_ERR_OUT_OF_MEMORY, "engine");
   e->cfg = *cfg_in;
-  if (e->cfg.rkv_stage == 0) e->cfg.rkv_stage = LF_RKV_STAGE_DEFAULT;
   e->comm = comm && comm->size > 1 ? comm : NULL;
   lf_status s = engine_init_local(e);
   if (e->comm) {

@@ -46,6 +46,14 @@ int lf_rkv_obs_resolve(int requested, int budget, int sink, int stage) {
   return obs >= 1 ? obs : LF_RKV_OBS;
 }
 
+int lf_rkv_stage_resolve(int requested, int budget, int sink, int obs) {
+  if (requested > 0) return requested;
+  int stage = LF_RKV_STAGE_DEFAULT;
+  while (stage > 1 && (long long)budget < (long long)sink + lf_rkv_obs_of(obs) + stage + 1)
+    stage /= 2;
+  return stage;
+}
+
 int lf_policy_accumulates(lf_policy p) { return p == LF_POLICY_H2O || p == LF_POLICY_RKV; }
 
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {

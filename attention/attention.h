@@ -81,6 +81,11 @@ int lf_h2o_recent(int requested, int budget);
  * and 3.0x (docs/TASK.md §11). */
 int lf_rkv_obs_resolve(int requested, int budget, int sink, int stage);
 
+/* rkv's stage: requested when > 0; else (the engine's default) LF_RKV_STAGE_DEFAULT, halved
+ * while the budget has no room for it beside the sinks and the smallest window
+ * (budget >= sink + lf_rkv_obs_of(obs) + stage + 1, obs as requested) and it is above 1. */
+int lf_rkv_stage_resolve(int requested, int budget, int sink, int obs);
+
 /* Whether the policy keeps a per-slot accumulator (the pools' acc): h2o and rkv. */
 int lf_policy_accumulates(lf_policy p);
 

@@ -22,6 +22,7 @@
 
 #include "bench_util.h"
 
+#include "attention/attention.h"
 #include "base/clock.h"
 #include "base/error.h"
 #include "engine/backend.h"
@@ -74,7 +75,7 @@ static void nat_usage(FILE *f) {
           "  --budgets LIST      budgets in slots instead (a budget past prompt + answer never\n"
           "                      evicts: its KL is 0, its top-1 1)\n"
           "  --scope S           head | layer (default head)\n"
-          "  --rkv-stage S       rkv's stage (default 0: %d)\n"
+          "  --rkv-stage S       rkv's stage (default 0: %d, halved to fit the budget)\n"
           "  --kv-dtype T        bf16|fp8|int8|int4|k8v4 (default bf16; the full run too)\n"
           "  --backend B         auto | cpu | cuda (default auto)\n"
           "  --threads T         cpu backend threads (default 0: OpenMP's default)\n"
@@ -214,7 +215,7 @@ static lf_status nat_backend(const nat_opts *o, const lf_checkpoint *ck, lf_poli
   lf_backend_params p = {.policy = policy, .scope = o->scope, .budget = budget, .sink = 4,
                          .window = 32, .kv_dtype = o->kv_dtype, .n_pools = n_pools,
                          .n_threads = o->threads, .no_graphs = 0,
-                         .rkv_stage = o->rkv_stage ? o->rkv_stage : LF_RKV_STAGE_DEFAULT};
+                         .rkv_stage = lf_rkv_stage_resolve(o->rkv_stage, budget, 4, 0)};
   LF_TRY(lf_backend_create(o->backend, ck, &p, b));
   for (int i = 0; i < n_pools; i++) LF_TRY((*b)->pool_take(*b, &pools[i]));
   return LF_OK;

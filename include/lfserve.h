@@ -110,11 +110,11 @@ lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out);
  * 1.3x of an isolated prefill (bench/RESULTS.md, "Serving under arrivals"). */
 #define LF_MAX_BATCH_TOKENS_DEFAULT 512
 
-/* lf_engine_config.rkv_stage's default: stage 64 had the lower or equal token error of 32 and
- * 64 on every task problem no choice was made on where both ran (an unseen seed and two
- * train-split problems, the simulator; docs/TASK.md §11), and a selection every 64 steps costs half as much
- * per step. */
-#define LF_RKV_STAGE_DEFAULT 64
+/* lf_engine_config.rkv_stage's default, halved where a pool has no room for it (rkv_stage):
+ * stage 128 had 0.93x and 0.95x stage 64's teacher-forced token error on the 32 held-out task
+ * problems at 10% and 20% of the output (level at 30%), and a selection every 128 steps brings
+ * rkv's mean decode step from 1.07x LongFlow's to 1.05x (docs/TASK.md §11, bench/RESULTS.md). */
+#define LF_RKV_STAGE_DEFAULT 128
 
 typedef struct lf_engine_config {
   const char *model_path; /* HF model dir (config.json + safetensors), GGUF file or llama2.c .bin */
@@ -173,7 +173,8 @@ typedef struct lf_engine_config {
                              backend's free memory, host_mem_util); 0: none. An explicit n_pools
                              is never capped */
   int rkv_stage;          /* LF_POLICY_RKV: steps between selections, each of which chooses the
-                             next rkv_stage slots to overwrite; 0 (default): LF_RKV_STAGE_DEFAULT.
+                             next rkv_stage slots to overwrite; 0 (default): LF_RKV_STAGE_DEFAULT,
+                             halved until it fits beside the sinks and the smallest window.
                              budget >= sink + rkv_obs + rkv_stage + 1; the CUDA backend takes
                              budgets up to 4096 and head_dim up to 128 */
   int rkv_obs;            /* Since 0.3. LF_POLICY_RKV: its observation window: the rkv_obs
@@ -211,8 +212,8 @@ typedef struct lf_resolved_config {
   int sink;                    /* as given */
   int window;                  /* as given (a prompt shorter than it keeps every token) */
   int h2o_recent;              /* LF_POLICY_H2O: budget / 2 when 0 was given; 0 otherwise */
-  int rkv_stage;               /* LF_POLICY_RKV: LF_RKV_STAGE_DEFAULT when 0 was given; 0
-                                  otherwise */
+  int rkv_stage;               /* LF_POLICY_RKV: LF_RKV_STAGE_DEFAULT (halved to fit the
+                                  budget) when 0 was given; 0 otherwise */
   int n_pools;                 /* pools this rank holds (lf_engine_pool_sizing says why) */
   int max_batch_tokens;        /* prompt tokens per step (the chunk size); 0: unbounded */
   int max_queue;               /* 0: unbounded */

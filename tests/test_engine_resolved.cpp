@@ -1,6 +1,6 @@
 // lf_engine_resolved_config: the settings the engine reports are the ones it runs with, defaults
 // resolved (a budget of 0 is the model's context, h2o_recent 0 is B/2, rkv_stage 0 is
-// LF_RKV_STAGE_DEFAULT, rkv_obs 0 is B/2 where it fits, the pool count comes from kv_memory_bytes), and where the engine's
+// LF_RKV_STAGE_DEFAULT halved to fit, rkv_obs 0 is B/2 where it fits, the pool count comes from kv_memory_bytes), and where the engine's
 // behaviour shows a setting (pools held, prompt chunks) it agrees with the report.
 #include <gtest/gtest.h>
 
@@ -51,22 +51,37 @@ TEST(EngineResolved, H2oRecentDefaultsToHalfTheBudget) {
   EXPECT_EQ(resolved(cfg).h2o_recent, 10);
 }
 
+/* rkv_stage 0 is LF_RKV_STAGE_DEFAULT where the budget has room for it beside the sinks and the
+ * smallest window (sink + 8 + stage + 1), else halved until it has; a given stage is kept (and
+ * refused by the backend's check when it does not fit). */
 TEST(EngineResolved, RkvStageDefault) {
-  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 128, 1, 16);
-  EXPECT_EQ(resolved(cfg).rkv_stage, LF_RKV_STAGE_DEFAULT);
-  EXPECT_EQ(LF_RKV_STAGE_DEFAULT, 64);
+  EXPECT_EQ(LF_RKV_STAGE_DEFAULT, 128);
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 4 + 8 + 128 + 1, 1, 16);
+  EXPECT_EQ(resolved(cfg).rkv_stage, 128);
+  cfg.budget = 4 + 8 + 128; /* one short: 64 */
+  EXPECT_EQ(resolved(cfg).rkv_stage, 64);
+  cfg.budget = 4 + 8 + 32 + 1;
+  EXPECT_EQ(resolved(cfg).rkv_stage, 32);
+  cfg.budget = 4 + 8 + 1 + 1;
+  EXPECT_EQ(resolved(cfg).rkv_stage, 1);
+  cfg.budget = 128;
   cfg.rkv_stage = 8;
   EXPECT_EQ(resolved(cfg).rkv_stage, 8);
+  EXPECT_EQ(lf_rkv_stage_resolve(0, 4 + 8 + 1, 4, 0), 1) << "no room at all: 1, then refused";
+  EXPECT_EQ(lf_rkv_stage_resolve(0, 4 + 32 + 64 + 1, 4, 32), 64) << "a given window counts";
+  EXPECT_EQ(lf_rkv_stage_resolve(96, 50, 4, 0), 96) << "a given stage is kept";
 }
 
 /* rkv_obs 0 is budget / 2, lowered to what the budget leaves beside sink + stage + 1; a given
  * window is kept as given. */
 TEST(EngineResolved, RkvObsDefaultsToHalfTheBudget) {
-  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 256, 1, 16);
-  EXPECT_EQ(resolved(cfg).rkv_obs, 128);
-  cfg.budget = 257;
-  EXPECT_EQ(resolved(cfg).rkv_obs, 128);
-  cfg.budget = 128; /* 128 - 4 - 64 - 1 = 59 < 64 */
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_RKV, 400, 1, 16);
+  EXPECT_EQ(resolved(cfg).rkv_obs, 200);
+  cfg.budget = 401;
+  EXPECT_EQ(resolved(cfg).rkv_obs, 200);
+  cfg.budget = 256; /* 256 - 4 - 128 - 1 = 123 < 128 */
+  EXPECT_EQ(resolved(cfg).rkv_obs, 123);
+  cfg.budget = 128; /* stage 64: 128 - 4 - 64 - 1 = 59 < 64 */
   EXPECT_EQ(resolved(cfg).rkv_obs, 59);
   cfg.rkv_obs = 8;
   EXPECT_EQ(resolved(cfg).rkv_obs, 8);

@@ -550,19 +550,22 @@ TEST(LayerScope, Stories260KWithLayerScope) {
 }
 
 /* rkv through the engine (the policy's step semantics are held to the simulator by
- * tests/test_evict_sim.py): rkv_stage 0 is LF_RKV_STAGE_DEFAULT and reaches the backend, every
- * scope evicts, the default window (budget / 2, lowered to fit) reaches it too, a budget without
- * room for a window and a stage is refused, and a pool taken again starts with no selection. */
+ * tests/test_evict_sim.py): rkv_stage 0 is LF_RKV_STAGE_DEFAULT (halved where it does not fit)
+ * and reaches the backend, every scope evicts, the default window (budget / 2, lowered to fit)
+ * reaches it too, a budget without room for a window and a given stage is refused, and a pool
+ * taken again starts with no selection. */
 TEST(Rkv, EngineStageAndBudget) {
   const std::string dir = lf_repo_data_dir() + "/hf_tiny/llama";
   const std::vector<int32_t> prompt = {1, 17, 42, 99, 7, 3, 250, 11};
   auto run = [&](lf_evict_scope scope, int budget, int stage, int obs = 0) {
     return generate(dir, scope, LF_BACKEND_CPU, budget, prompt, 150, LF_POLICY_RKV, 0, stage, obs);
   };
-  /* sink + window + stage + 1, where the default window is min(budget / 2, what is left) = 8 */
-  const int need = 4 + LF_RKV_OBS + LF_RKV_STAGE_DEFAULT + 1;
+  /* sink + window + stage + 1 for half the default stage, which is what stage 0 becomes here
+   * (the full default does not fit), the default window min(budget / 2, what is left) = 8; the
+   * tiny model's 158 tokens tell stages apart at this budget, not at the full default's 141 */
+  const int half_stage = LF_RKV_STAGE_DEFAULT / 2, need = 4 + LF_RKV_OBS + half_stage + 1;
   for (lf_evict_scope scope : {LF_EVICT_HEAD, LF_EVICT_LAYER}) {
-    const GenRun def = run(scope, need, 0), same = run(scope, need, LF_RKV_STAGE_DEFAULT),
+    const GenRun def = run(scope, need, 0), same = run(scope, need, half_stage),
                  other = run(scope, need, 4);
     ASSERT_EQ(def.init, LF_OK) << lf_last_error();
     ASSERT_EQ(same.init, LF_OK) << lf_last_error();
@@ -572,21 +575,27 @@ TEST(Rkv, EngineStageAndBudget) {
     EXPECT_EQ(def.stats.evictions, (uint64_t)((int)prompt.size() + 150 - 1 - need) * 2 * 2);
     EXPECT_EQ(def.tokens, same.tokens) << lf_evict_scope_str(scope);
     EXPECT_NE(def.tokens, other.tokens) << lf_evict_scope_str(scope);
+    EXPECT_EQ(run(scope, need + half_stage, 0).tokens,
+              run(scope, need + half_stage, LF_RKV_STAGE_DEFAULT).tokens)
+        << "the full default where it fits";
     /* the default window here is 8 (min(need / 2, need - 4 - 64 - 1)): R-KV's, as given */
     EXPECT_EQ(def.tokens, run(scope, need, 0, LF_RKV_OBS).tokens) << lf_evict_scope_str(scope);
     EXPECT_NE(def.tokens, run(scope, need, 0, 4).tokens) << lf_evict_scope_str(scope);
-    /* a larger budget's default window is budget / 2 (140: 70, which fits beside 4 + 64 + 1;
-     * 158 tokens, so a selection runs; the tiny model's tokens do not tell 70 from 8 apart: the
-     * window's semantics are test_evict_sim.py's), and one that leaves no stage is refused by
-     * the backend's check */
+    /* a budget below the full default's halves the stage (140: 64) and its default window is
+     * budget / 2 (70, which fits beside 4 + 64 + 1; 158 tokens, so a selection runs; the tiny
+     * model's tokens do not tell 70 from 8 apart: the window's semantics are
+     * test_evict_sim.py's), and a given stage and window that leave no room are refused by the
+     * backend's check */
     const GenRun half = run(scope, 140, 0);
     EXPECT_GT(half.stats.evictions, 0u);
-    EXPECT_EQ(half.tokens, run(scope, 140, 0, 70).tokens) << lf_evict_scope_str(scope);
-    EXPECT_EQ(run(scope, 140, 0, 72).init, LF_ERR_INVALID_ARG) << "140 < 4 + 72 + 64 + 1";
-    EXPECT_EQ(run(scope, need, 0, LF_RKV_OBS + 1).init, LF_ERR_INVALID_ARG) << "no room";
+    EXPECT_EQ(half.tokens, run(scope, 140, 64, 70).tokens) << lf_evict_scope_str(scope);
+    EXPECT_EQ(run(scope, 140, 64, 72).init, LF_ERR_INVALID_ARG) << "140 < 4 + 72 + 64 + 1";
+    EXPECT_EQ(run(scope, need, LF_RKV_STAGE_DEFAULT, LF_RKV_OBS + 1).init, LF_ERR_INVALID_ARG)
+        << "no room";
     EXPECT_NE(std::string(lf_last_error()).find("rkv_obs"), std::string::npos) << lf_last_error();
-    /* no room beside the sinks and a stage at all */
-    EXPECT_EQ(run(scope, 4 + LF_RKV_STAGE_DEFAULT + 1, 0).init, LF_ERR_INVALID_ARG);
+    /* no room beside the sinks and a given stage at all */
+    EXPECT_EQ(run(scope, 4 + LF_RKV_STAGE_DEFAULT + 1, LF_RKV_STAGE_DEFAULT).init,
+              LF_ERR_INVALID_ARG);
     EXPECT_NE(std::string(lf_last_error()).find("rkv_stage"), std::string::npos) << lf_last_error();
     EXPECT_EQ(run(scope, need, -1).init, LF_ERR_INVALID_ARG);
   }
