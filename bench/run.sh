@@ -339,7 +339,7 @@ run_attn() {
 # lfserve started under NP ranks (1: alone) with --tp TP, driven by bench/http_load.py at each
 # rate of DP_RATES, then stopped through rank 0. dp_serve NAME NP TP KV_GB
 dp_serve() {
-  local name=$1 np=$2 tp=$3 kv=$4 port=$((18000 + RANDOM % 2000)) log rate n pid t
+  local name=$1 np=$2 tp=$3 kv=$4 port=$((18000 + RANDOM % 2000)) log rate n pid
   log="$OUT/dp_${name}_server.txt"
   local cmd=("$B/lfserve" --model "${DP_MODEL:-random:llama3-8b}" --backend "${DP_BACKEND:-cuda}" --port "$port"
     --budget "${DP_BUDGET:-3200}" --kv-memory-gb "$kv" --max-pools 512 --queue-timeout 0)
@@ -349,7 +349,7 @@ dp_serve() {
   else
     "${cmd[@]}" >"$log" 2>&1 &
   fi
-  for t in $(seq 600); do
+  for _ in $(seq 600); do # up to 300 s for the server to answer /health
     python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
       >/dev/null 2>&1 && break
     sleep 0.5
