@@ -214,8 +214,8 @@ static lf_status nat_backend(const nat_opts *o, const lf_checkpoint *ck, lf_poli
                              int budget, int n_pools, lf_backend **b, int *pools) {
   lf_backend_params p = {.policy = policy, .scope = o->scope, .budget = budget, .sink = 4,
                          .window = 32, .kv_dtype = o->kv_dtype, .n_pools = n_pools,
-                         .n_threads = o->threads, .no_graphs = 0,
-                         .rkv_stage = lf_rkv_stage_resolve(o->rkv_stage, budget, 4, 0)};
+                         .n_threads = o->threads, .no_graphs = 0};
+  p.rkv_stage = lf_rkv_stage_resolve(o->rkv_stage, p.budget, p.sink, p.rkv_obs);
   LF_TRY(lf_backend_create(o->backend, ck, &p, b));
   for (int i = 0; i < n_pools; i++) LF_TRY((*b)->pool_take(*b, &pools[i]));
   return LF_OK;

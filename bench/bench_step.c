@@ -31,6 +31,7 @@
 #include "bench_gpu.h"
 #include "bench_util.h"
 
+#include "attention/attention.h"
 #include "base/clock.h"
 #include "lfserve.h"
 
@@ -260,11 +261,11 @@ int bench_step(int argc, char **argv) {
       return 2;
     }
   }
-  if (rkv_stage <= 0) rkv_stage = LF_RKV_STAGE_DEFAULT;
   if (budget < 2 || steps < 1 || warmup < 0) {
     fprintf(stderr, "lfbench step: budget >= 2, steps >= 1, warmup >= 0\n");
     return 2;
   }
+  rkv_stage = lf_rkv_stage_resolve(rkv_stage, budget, 4, 0); /* the engine's rule; sink 4 below */
   lf_comm_t comm = NULL;
   const int env = getenv("LF_TP_RANK") != NULL; /* tests/tp_run.sh instead of mpirun */
   if (tp) {

@@ -435,10 +435,10 @@ run_ab() { # OTHER_SRC
   else
     say "greedy ids DIFFER"; diff "$OUT/greedy_other.txt" "$OUT/greedy_this.txt" | head -20; rc=1
   fi
-  local part tag
+  local part tag dir
   for part in ${AB_PARTS:-step}; do
     for tag in _other _this _other2 _this2; do
-      local dir=$B
+      dir=$B
       [ "${tag#_other}" != "$tag" ] && dir=$B-other
       case $part in
       step) run_step "$dir" "$tag" ;;

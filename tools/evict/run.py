@@ -38,6 +38,7 @@ The model defaults to SmolLM2-135M-Instruct (tools/smollm2.sh). float32 througho
 scores (float64) and the metrics; one BLAS thread unless --threads.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -185,6 +186,13 @@ def make_specs(sim, a, budgets, n_kv):
     return specs
 
 
+@functools.lru_cache(maxsize=None)
+def ada_weights(path):
+    """The calibration's per-layer weights 1 / (0.1 + mean mass beyond B), read once."""
+    cal = json.load(open(path))
+    return tuple(1.0 / (0.1 + sum(r) / len(r)) for r in cal["old_b"])
+
+
 def ada_budgets(a, B):
     """Per-layer budgets (h2o-half-adainv, rkv-...-adainv) from --ada-calib (tools/evict/
     layer_reads.py on another problem): B_l proportional to 1 / (0.1 + the mean mass the layer's
@@ -192,8 +200,7 @@ def ada_budgets(a, B):
     more slots; the other way round lost, docs/TASK.md section 11)."""
     if not a.ada_calib:
         raise SystemExit("the -adainv policies need --ada-calib")
-    cal = json.load(open(a.ada_calib))
-    w = [1.0 / (0.1 + sum(r) / len(r)) for r in cal["old_b"]]
+    w = ada_weights(a.ada_calib)
     L = len(w)
     bl = [max(16, int(B * L * x / sum(w))) for x in w]
     i = 0
