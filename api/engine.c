@@ -27,6 +27,8 @@ struct lf_engine {
   lf_sched *sched; /* NULL on followers */
   lf_comm_t comm;  /* NULL on a single rank */
   lf_pool_sizing sizing;
+  int *layer_budget; /* [n_layers] from cfg.layer_weights, or NULL (every layer `budget`) */
+  int budget_min, budget_max;
 };
 
 void lf_engine_config_default(lf_engine_config *cfg) {
@@ -45,6 +47,7 @@ void lf_engine_free(lf_engine_t e) {
   lf_sched_free(e->sched); /* gives running requests' pools back to the backend */
   if (e->be) e->be->free(e->be); /* rank 0 of T > 1: also releases the followers */
   if (e->ck_open) lf_checkpoint_close(&e->ck);
+  free(e->layer_budget);
   free(e);
 }
 
@@ -52,7 +55,7 @@ void lf_engine_free(lf_engine_t e) {
  * bytes), a pool's bytes in the chosen backend's own arena for the KV heads this rank holds; else
  * left to the backend (cuda: free device memory; cpu: 1). cfg->backend is resolved by now. */
 static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc, int n_kv,
-                               lf_pool_sizing *sz) {
+                               const int *layer_budget, lf_pool_sizing *sz) {
   const double util = cfg->mem_util > 0 ? cfg->mem_util : LF_MEM_UTIL_DEFAULT;
   if (!(util <= 1.0))
     return lf_error(LF_ERR_INVALID_ARG, "mem_util %g must be in (0, 1]", cfg->mem_util);
@@ -65,7 +68,7 @@ static lf_status resolve_pools(lf_engine_config *cfg, const lf_model_config *mc,
     return lf_error(LF_ERR_INVALID_ARG, "max_pools %d must be >= 0, host_mem_util %g in [0, 1]",
                     cfg->max_pools, cfg->host_mem_util);
   lf_pool_shape ps = {1, mc->n_layers, n_kv, cfg->budget, mc->head_dim, (int)cfg->kv_dtype,
-                      cfg->policy == LF_POLICY_RKV ? cfg->rkv_stage : 0};
+                      cfg->policy == LF_POLICY_RKV ? cfg->rkv_stage : 0, layer_budget};
   const uint64_t pool_bytes = cfg->backend == LF_BACKEND_CUDA
                                   ? lf_pool_bytes_device(&ps, lf_policy_accumulates(cfg->policy))
                                   : lf_pool_bytes(&ps);
@@ -98,8 +101,26 @@ static lf_status engine_init_local(lf_engine_t e) {
     LF_TRY(lf_checkpoint_apply_lora(&e->ck, e->cfg.lora_path));
   const lf_model_config *mc = &e->ck.cfg;
   if (e->cfg.budget == 0) e->cfg.budget = mc->max_seq_len;
+  e->budget_min = e->budget_max = e->cfg.budget;
+  if (e->cfg.layer_weights || e->cfg.n_layer_weights) {
+    if (!e->cfg.layer_weights || e->cfg.n_layer_weights != mc->n_layers)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "layer_weights: %d weights for a model of %d layers (one per layer)",
+                      e->cfg.layer_weights ? e->cfg.n_layer_weights : 0, mc->n_layers);
+    if (e->cfg.policy == LF_POLICY_FULL)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "layer_weights: per-layer budgets need an evicting policy, not full");
+    if (!(e->layer_budget = malloc(sizeof(int) * (size_t)mc->n_layers)))
+      return lf_error(LF_ERR_OUT_OF_MEMORY, "layer budgets");
+    LF_TRY(lf_layer_budgets_from_weights(e->cfg.layer_weights, mc->n_layers, e->cfg.budget,
+                                         e->layer_budget));
+    const lf_pool_shape one = {1, mc->n_layers, 1, e->cfg.budget, 1, 0, 0, e->layer_budget};
+    e->budget_min = lf_pool_budget_min(&one);
+    e->budget_max = lf_pool_budget_max(&one);
+  }
+  /* rkv's default stage fits the smallest layer (every layer shares it) */
   e->cfg.rkv_stage =
-      lf_rkv_stage_resolve(e->cfg.rkv_stage, e->cfg.budget, e->cfg.sink, e->cfg.rkv_obs);
+      lf_rkv_stage_resolve(e->cfg.rkv_stage, e->budget_min, e->cfg.sink, e->cfg.rkv_obs);
   int n_kv = mc->n_kv_heads; /* KV heads this rank holds */
   if (e->comm) {
     lf_shard sh;
@@ -137,13 +158,14 @@ static lf_status engine_init_local(lf_engine_t e) {
                       e->cfg.evict_groups, mc->n_kv_heads);
   }
   e->cfg.backend = lf_backend_resolve(e->cfg.backend);
-  LF_TRY(resolve_pools(&e->cfg, mc, n_kv, &e->sizing));
+  LF_TRY(resolve_pools(&e->cfg, mc, n_kv, e->layer_budget, &e->sizing));
   lf_backend_params bp = {.policy = e->cfg.policy,
                           .scope = e->cfg.evict_scope,
                           .scope_groups = e->cfg.evict_groups,
                           .budget = e->cfg.budget,
                           .sink = e->cfg.sink,
                           .window = e->cfg.window,
+                          .layer_budget = e->layer_budget,
                           .h2o_recent = e->cfg.h2o_recent,
                           .rkv_stage = e->cfg.rkv_stage,
                           .rkv_obs = e->cfg.rkv_obs,
@@ -238,7 +260,7 @@ lf_status lf_engine_init(const lf_engine_config *cfg_in, lf_comm_t comm, lf_engi
   lf_sched_config sc = {.max_batch_tokens = e->cfg.max_batch_tokens,
                         .max_queue = e->cfg.max_queue,
                         .policy = e->cfg.policy,
-                        .budget = e->cfg.budget,
+                        .budget = e->budget_min, /* a prompt fits when it fits every layer */
                         .max_seq_len = mc->max_seq_len,
                         .vocab_size = mc->vocab_size,
                         .n_eos = mc->n_eos < 8 ? mc->n_eos : 8};
@@ -288,11 +310,14 @@ lf_status lf_engine_resolved_config(lf_engine_t e, lf_resolved_config *o) {
   o->sink = c->sink;
   o->window = c->window;
   /* the backends' own rule (attention/attention.h), so this is the window they keep */
-  o->h2o_recent = c->policy == LF_POLICY_H2O ? lf_h2o_recent(c->h2o_recent, c->budget) : 0;
+  o->h2o_recent =
+      c->policy == LF_POLICY_H2O ? lf_h2o_recent(c->h2o_recent, e->budget_min) : 0;
   o->rkv_stage = c->policy == LF_POLICY_RKV ? c->rkv_stage : 0;
   o->rkv_obs = c->policy == LF_POLICY_RKV
-                   ? lf_rkv_obs_resolve(c->rkv_obs, c->budget, c->sink, c->rkv_stage)
+                   ? lf_rkv_obs_resolve(c->rkv_obs, e->budget_min, c->sink, c->rkv_stage)
                    : 0;
+  o->budget_min = e->budget_min;
+  o->budget_max = e->budget_max;
   o->n_pools = e->sizing.n_pools;
   o->max_batch_tokens = c->max_batch_tokens;
   o->max_queue = c->max_queue;

@@ -54,6 +54,17 @@ int lf_rkv_stage_resolve(int requested, int budget, int sink, int obs) {
   return stage;
 }
 
+lf_attn_params lf_attn_params_for_budget(const lf_attn_params *base, int req_recent, int req_obs,
+                                         int budget, int bmin) {
+  lf_attn_params a = *base;
+  a.h2o_recent = base->policy == LF_POLICY_H2O ? lf_h2o_recent(req_recent, budget) : 0;
+  a.rkv_obs = base->policy == LF_POLICY_RKV
+                  ? lf_rkv_obs_resolve(req_obs, budget, base->sink, base->rkv_stage)
+                  : 0;
+  a.prefill_budget = bmin < budget ? bmin : 0;
+  return a;
+}
+
 int lf_policy_accumulates(lf_policy p) { return p == LF_POLICY_H2O || p == LF_POLICY_RKV; }
 
 lf_status lf_attn_params_check(const lf_attn_params *p, int budget) {
@@ -794,7 +805,10 @@ static lf_status prefill_impl(const lf_attn_params *p, lf_kv_head *hs, int n_kv,
 
   /* Evicting policy, a non-empty pool and a chunk that does not leave a free slot: the chunk is
    * a run of ordinary decode steps, so eviction decisions stay per token. */
-  const lf_prefill_kind kind = lf_prefill_kind_of(p->policy, B, n0, n_tok);
+  lf_prefill_kind kind = lf_prefill_kind_of(p->policy, B, n0, n_tok);
+  if (kind == LF_PREFILL_APPEND && p->prefill_budget > 0 && p->prefill_budget < B &&
+      lf_prefill_kind_of(p->policy, p->prefill_budget, n0, n_tok) == LF_PREFILL_DECODE_STEPS)
+    kind = LF_PREFILL_DECODE_STEPS;
   if (kind == LF_PREFILL_DECODE_STEPS) {
     for (int t = 0; t < n_tok; t++) {
       int ev = 0;

@@ -37,6 +37,9 @@ typedef struct lf_attn_params {
                            The forward reads it; the functions below see one group's heads */
   int rkv_stage;        /* rkv: slots chosen per selection, one selection every rkv_stage steps */
   int rkv_obs;          /* rkv: its observation window (lf_rkv_obs_of: 0 is LF_RKV_OBS) */
+  int prefill_budget;   /* per-layer budgets: the pool's smallest layer budget (0: this pool's
+                           own). A chunk into a non-empty pool that overflows it runs as decode
+                           steps in every layer, as the cuda backend decides once per pool */
 } lf_attn_params;
 
 /* rkv's fixed parameters, R-KV's published values (Cai et al. 2025, "R-KV: Redundancy-aware KV
@@ -85,6 +88,13 @@ int lf_rkv_obs_resolve(int requested, int budget, int sink, int stage);
  * while the budget has no room for it beside the sinks and the smallest window
  * (budget >= sink + lf_rkv_obs_of(obs) + stage + 1, obs as requested) and it is above 1. */
 int lf_rkv_stage_resolve(int requested, int budget, int sink, int obs);
+
+/* The params of a layer whose pools hold `budget` slots, from base (policy, sink, stage, ...):
+ * h2o_recent and rkv_obs resolved for that budget from the requested values (lf_h2o_recent,
+ * lf_rkv_obs_resolve; 0 where the policy has none), prefill_budget = bmin when per-layer budgets
+ * differ (else 0). Every backend derives its per-layer params here. */
+lf_attn_params lf_attn_params_for_budget(const lf_attn_params *base, int req_recent, int req_obs,
+                                         int budget, int bmin);
 
 /* Whether the policy keeps a per-slot accumulator (the pools' acc): h2o and rkv. */
 int lf_policy_accumulates(lf_policy p);

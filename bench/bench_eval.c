@@ -167,6 +167,10 @@ static void run_group(ev_ctx *c, ev_group *g) {
   cfg.h2o_recent = o->h2o_recent;
   cfg.rkv_stage = o->rkv_stage;
   cfg.rkv_obs = o->rkv_obs;
+  if (se->policy != LF_POLICY_FULL) { /* per-layer budgets: the evicting series */
+    cfg.layer_weights = o->layer_weights;
+    cfg.n_layer_weights = o->n_layer_weights;
+  }
   cfg.kv_dtype = o->kv_dtype;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;

@@ -35,6 +35,10 @@ typedef struct ev_opts {
   int h2o_recent; /* lf_engine_config.h2o_recent (0: each budget's B/2) */
   int rkv_stage;  /* lf_engine_config.rkv_stage (0: LF_RKV_STAGE_DEFAULT) */
   int rkv_obs;    /* lf_engine_config.rkv_obs (0: budget / 2) */
+  const char *layer_weights_path; /* --layer-weights F, or NULL */
+  double *layer_weights;          /* its weights (lf_engine_config.layer_weights; the evicting
+                                     series only), n_layer_weights of them */
+  int n_layer_weights;
   lf_kv_dtype kv_dtype; /* lf_engine_config.kv_dtype of every series */
   int evict_groups; /* layer-scope series: lf_engine_config.evict_groups */
   int full_ctx, limit, ids, quiet;

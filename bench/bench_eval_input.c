@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "base/clock.h"
+#include "launch/cli.h"
 #include "bench/bench_eval.h"
 #include "engine/backend.h"
 #include "engine/model.h"
@@ -57,6 +58,7 @@ void ev_usage(FILE *f) {
           "  --rkv-stage S        rkv's slots per selection as lfgen (default 0: 128, halved to\n"
           "                       fit)\n"
           "  --rkv-obs O          rkv's observation window as lfgen (default 0: budget/2)\n"
+          "  --layer-weights F    per-layer budgets (lfgen's option) for the evicting series\n"
           "  --kv-dtype T         bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16);\n"
           "                       the fractions stay in slots, not bytes\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
@@ -180,7 +182,7 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--sink",           "--window",    "--max-batch-tokens",
                                          "--budget-round",   "--evict-groups",
                                          "--budget-of",      "--h2o-recent", "--kv-dtype",
-                                         "--rkv-stage",      "--rkv-obs"};
+                                         "--rkv-stage",      "--rkv-obs",     "--layer-weights"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -249,6 +251,15 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       r = parse_int_opt(a, v, 0, INT_MAX, &o->rkv_stage);
     else if (!strcmp(a, "--rkv-obs"))
       r = parse_int_opt(a, v, 0, INT_MAX, &o->rkv_obs);
+    else if (!strcmp(a, "--layer-weights")) {
+      char why[256];
+      free(o->layer_weights);
+      o->layer_weights_path = v;
+      if (lf_cli_read_weights(v, &o->layer_weights, &o->n_layer_weights, why, sizeof why)) {
+        fprintf(stderr, EV_NAME ": --layer-weights: %s\n", why);
+        r = -1;
+      }
+    }
     else if (!strcmp(a, "--kv-dtype")) {
       if (lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK) {
         fprintf(stderr, EV_NAME ": %s\n", lf_last_error());

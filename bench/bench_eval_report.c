@@ -247,14 +247,20 @@ static void json_write_header(FILE *f, const ev_opts *o, const char *backend, do
   fprintf(f,
           ", \"backend\": \"%s\",\n \"engine\": {\"sink\": %d, \"window\": %d, \"h2o_recent\": %d, "
           "\"rkv_stage\": %d, \"rkv_obs\": %d, \"max_batch_tokens\": %d, \"threads\": %d, \"jobs\": %d, \"max_concurrent\": %d, "
-          "\"full_budget\": \"%s\", \"evict_groups\": %d, \"kv_dtype\": \"%s\"},\n "
-          "\"teacher_forced\": %s, "
-          "\"budget_of\": \"%s\", \"budget_round\": %d, \"fractions\": [",
+          "\"full_budget\": \"%s\", \"evict_groups\": %d, \"kv_dtype\": \"%s\", "
+          "\"layer_weights\": ",
           backend, o->sink, o->window, o->h2o_recent,
           o->rkv_stage ? o->rkv_stage : LF_RKV_STAGE_DEFAULT, o->rkv_obs, o->max_batch_tokens, o->threads, o->jobs,
           o->max_concurrent, o->full_ctx ? "ctx" : "fit", o->evict_groups,
-          lf_kv_dtype_str(o->kv_dtype), o->teacher_forced ? "true" : "false",
-          o->budget_of_live ? "live" : "output", o->budget_round);
+          lf_kv_dtype_str(o->kv_dtype));
+  if (o->layer_weights_path)
+    json_cstr(f, o->layer_weights_path);
+  else
+    fputs("null", f);
+  fprintf(f, "},\n \"teacher_forced\": %s, \"budget_of\": \"%s\", \"budget_round\": %d, "
+          "\"fractions\": [",
+          o->teacher_forced ? "true" : "false", o->budget_of_live ? "live" : "output",
+          o->budget_round);
   for (int i = 0; i < o->n_fractions; i++) {
     if (i) fputs(", ", f);
     json_num(f, o->fractions[i]);

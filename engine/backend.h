@@ -55,6 +55,8 @@ typedef struct lf_backend_params {
   int scope_groups;     /* LF_EVICT_LAYER on one rank: the layer's KV heads in this many groups
                            of one slot each (0/1: one); lf_engine_config.evict_groups */
   int budget, sink, window;
+  const int *layer_budget; /* NULL: `budget` slots in every layer; else [n_layers] per-layer
+                              budgets (lf_engine_config.layer_weights), budget their mean */
   int h2o_recent;  /* LF_POLICY_H2O: recent slots never evicted; 0: budget / 2 (lf_h2o_recent) */
   int rkv_stage;   /* LF_POLICY_RKV: slots per selection (lf_engine_config.rkv_stage, resolved) */
   int rkv_obs;     /* LF_POLICY_RKV: its observation window; 0: lf_rkv_obs_resolve's default */
@@ -89,7 +91,8 @@ struct lf_backend {
   lf_status (*pool_take)(lf_backend *b, int *pool);
   lf_status (*pool_give)(lf_backend *b, int pool);
   int (*pools_free)(lf_backend *b);
-  int (*pool_slots_filled)(lf_backend *b, int pool); /* layer 0, KV head 0 */
+  int (*pool_slots_filled)(lf_backend *b, int pool); /* KV head 0 of the layer with the
+                                                         smallest budget (the first such) */
   void (*free)(lf_backend *b);
   /* The longest prompt chunk it SnapKV-compresses in one forward (lf_prefill_kind_of's
    * LF_PREFILL_COMPRESS); 0: no limit. The scheduler runs a prompt that does not fit its pool

@@ -255,7 +255,12 @@ static int cpu_pools_free(lf_backend *b) {
 }
 
 static int cpu_pool_slots_filled(lf_backend *b, int pool) {
-  return *lf_kv_arena_head(&((cpu_backend *)b)->arena, pool, 0, 0).n;
+  const lf_kv_arena *a = &((cpu_backend *)b)->arena;
+  int lmin = 0; /* the layer a prompt chunk is measured against (scheduler/README.md) */
+  for (int l = 1; l < a->shape.n_layers; l++)
+    if (lf_pool_layer_budget(&a->shape, l) < lf_pool_layer_budget(&a->shape, lmin)) lmin = l;
+  const lf_kv_head h = lf_kv_arena_head(a, pool, lmin, 0);
+  return h.n ? *h.n : 0;
 }
 
 static void cpu_free(lf_backend *b) {
@@ -356,10 +361,26 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   const int from_host = p->n_pools <= 0 && p->host_mem_util > 0;
   lf_pool_shape ps = {p->n_pools > 0 ? p->n_pools : 1, mc->n_layers, sh.n_kv, p->budget,
                       mc->head_dim, (int)p->kv_dtype,
-                      p->policy == LF_POLICY_RKV ? p->rkv_stage : 0};
+                      p->policy == LF_POLICY_RKV ? p->rkv_stage : 0, p->layer_budget};
   if (from_host && !(p->host_mem_util <= 1.0))
     s = lf_error(LF_ERR_INVALID_ARG, "host_mem_util %g must be in (0, 1]", p->host_mem_util);
   if (s == LF_OK) s = lf_attn_params_check(&ap, p->budget);
+  /* per-layer budgets: each layer's windows from its own budget, checked layer by layer */
+  lf_attn_params *lap = NULL;
+  if (s == LF_OK && p->layer_budget) {
+    if (!(lap = malloc(sizeof *lap * (size_t)mc->n_layers)))
+      s = lf_error(LF_ERR_OUT_OF_MEMORY, "per-layer attention params");
+    for (int l = 0; s == LF_OK && l < mc->n_layers; l++) {
+      lap[l] = lf_attn_params_for_budget(&ap, p->h2o_recent, p->rkv_obs, p->layer_budget[l],
+                                         lf_pool_budget_min(&ps));
+      s = lf_attn_params_check(&lap[l], p->layer_budget[l]);
+      if (s != LF_OK) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", lf_last_error());
+        s = lf_error(s, "layer %d (budget %d): %s", l, p->layer_budget[l], why);
+      }
+    }
+  }
   if (s == LF_OK)
     s = check_memory(mc, &sh, &ps,
                      lf_tensor_set_find(&ck->tensors, "lm_head.weight") || !mc->tie_embeddings);
@@ -394,6 +415,8 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   }
   if (s == LF_OK) s = lf_kv_arena_init(&c->arena, &ps);
   if (s == LF_OK) s = lf_cpu_forward_init_tp(&c->fwd, mc, &c->w, &c->arena, &ap, &sh, comm);
+  if (s == LF_OK && lap) s = lf_cpu_forward_set_layer_params(&c->fwd, lap);
+  free(lap);
   if (s == LF_OK) c->fwd.n_threads = p->n_threads;
   if (s == LF_OK) s = lf_sampler_init(&c->sampler, mc->vocab_size);
   if (s == LF_OK && (!(c->logits = malloc(sizeof(float) * (size_t)mc->vocab_size)) ||

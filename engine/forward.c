@@ -195,7 +195,20 @@ void lf_cpu_forward_free(lf_cpu_forward *f) {
   f->inv_freq = NULL;
   free(f->heads);
   f->heads = NULL;
+  free(f->layer_ap);
+  f->layer_ap = NULL;
   lf_attn_scratch_free(&f->ws);
+}
+
+lf_status lf_cpu_forward_set_layer_params(lf_cpu_forward *f, const lf_attn_params *per_layer) {
+  free(f->layer_ap);
+  f->layer_ap = NULL;
+  if (!per_layer) return LF_OK;
+  const size_t L = (size_t)f->cfg->n_layers;
+  if (!(f->layer_ap = malloc(L * sizeof *f->layer_ap)))
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "per-layer attention params");
+  memcpy(f->layer_ap, per_layer, L * sizeof *f->layer_ap);
+  return LF_OK;
 }
 
 /* The forward pass over n_tok rows. One sequence (pools NULL): rows are its tokens at
@@ -272,7 +285,8 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
      * call, prefill's decode steps included. An error here (only LF_ERR_CONTEXT_FULL in
      * practice) depends on the pool's fill alone, which is the same on every rank, so all ranks
      * leave at the same point and no collective is left half-entered. */
-    const int per = lf_evict_group_heads(f->ap.scope, f->ap.scope_groups, hkv);
+    const lf_attn_params *ap = f->layer_ap ? &f->layer_ap[l] : &f->ap;
+    const int per = lf_evict_group_heads(ap->scope, ap->scope_groups, hkv);
     for (int t = 0; pools && t < n_tok; t++) {
       float *att = f->att + (size_t)t * qd;
       if (status[t] != LF_OK) {
@@ -285,7 +299,7 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
         const size_t qo = (size_t)t * qd + (size_t)g0 * group * hd;
         const size_t ko = (size_t)t * kd + (size_t)g0 * hd;
         int ev = 0;
-        status[t] = lf_attn_decode_layer_ref(&f->ap, f->heads, per, f->q + qo, f->k + ko,
+        status[t] = lf_attn_decode_layer_ref(ap, f->heads, per, f->q + qo, f->k + ko,
                                              f->v + ko, pos[t], f->att + qo, &ev, NULL, &f->ws);
         evictions[t] += (uint64_t)ev;
       }
@@ -297,11 +311,11 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
       const size_t qo = (size_t)g0 * group * hd, ko = (size_t)g0 * hd;
       if (n_tok == 1) {
         int ev = 0;
-        LF_TRY(lf_attn_decode_layer_ref(&f->ap, f->heads, per, f->q + qo, f->k + ko, f->v + ko,
+        LF_TRY(lf_attn_decode_layer_ref(ap, f->heads, per, f->q + qo, f->k + ko, f->v + ko,
                                         pos0, f->att + qo, &ev, NULL, &f->ws));
         if (evictions) *evictions += (uint64_t)ev;
       } else {
-        LF_TRY(lf_attn_prefill_layer_ref(&f->ap, f->heads, per, n_tok, pos0, f->q + qo, qd,
+        LF_TRY(lf_attn_prefill_layer_ref(ap, f->heads, per, n_tok, pos0, f->q + qo, qd,
                                          f->k + ko, f->v + ko, kd, f->att + qo, qd, evictions,
                                          &f->ws));
       }

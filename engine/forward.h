@@ -37,6 +37,7 @@ typedef struct lf_cpu_forward {
   const lf_weights *w;
   lf_kv_arena *arena;
   lf_attn_params ap;
+  lf_attn_params *layer_ap; /* [n_layers] per-layer params (per-layer budgets), or NULL: ap */
   lf_shard sh;     /* this rank's slices (the whole model on one rank) */
   lf_comm_t comm;  /* NULL or a single rank: no collectives */
   int n_threads;   /* OpenMP threads for the matmuls (0: OpenMP's default) */
@@ -63,6 +64,9 @@ lf_status lf_cpu_forward_init_tp(lf_cpu_forward *f, const lf_model_config *cfg,
                                  const lf_weights *w, lf_kv_arena *arena, const lf_attn_params *ap,
                                  const lf_shard *sh, lf_comm_t comm);
 void lf_cpu_forward_free(lf_cpu_forward *f);
+/* Per-layer attention params (per-layer budgets: each layer's h2o window and rkv observation
+ * window, lf_attn_params_for_budget): copies cfg->n_layers of them; NULL goes back to ap. */
+lf_status lf_cpu_forward_set_layer_params(lf_cpu_forward *f, const lf_attn_params *per_layer);
 
 /* Runs n_tok tokens at positions pos0.. of the sequence that owns `pool` through the model,
  * writing their K/V into the pool (with the policy's eviction).

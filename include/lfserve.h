@@ -186,6 +186,17 @@ typedef struct lf_engine_config {
                              on the trace task budget / 2 measured 0.59x H2O's token error on
                              three train-split problems and 0.96x on four held-out ones, where
                              8 had 0.95x and 3.0x: docs/TASK.md §11) */
+  const double *layer_weights; /* Since 0.4. Per-layer budgets within the same total: NULL
+                             (default) gives every layer `budget` slots. Else n_layer_weights
+                             (the model's layer count) positive weights: layer l gets
+                             max(16, floor(budget x L x w_l / sum w)) slots, then one more to
+                             layers 0, 1, ... in turn until they sum to budget x L; h2o's recent
+                             and rkv's observation windows are each layer's own budget / 2, rkv's
+                             default stage fits the smallest. A prompt fits its pool when it
+                             fits the smallest layer. Not with the full policy. lfgen/lfbench/
+                             lfserve: --layer-weights FILE (tools/evict/layer_reads.py --weights
+                             writes one; docs/TASK.md §11 says which rule and why) */
+  int n_layer_weights;
 } lf_engine_config;
 
 /* How the engine's pool count was reached (lf_engine_pool_sizing). */
@@ -211,7 +222,8 @@ typedef struct lf_resolved_config {
   int budget;                  /* KV slots per pool: the model's context when 0 was given */
   int sink;                    /* as given */
   int window;                  /* as given (a prompt shorter than it keeps every token) */
-  int h2o_recent;              /* LF_POLICY_H2O: budget / 2 when 0 was given; 0 otherwise */
+  int h2o_recent;              /* LF_POLICY_H2O: budget / 2 when 0 was given (the smallest
+                                  layer's, per-layer budgets); 0 otherwise */
   int rkv_stage;               /* LF_POLICY_RKV: LF_RKV_STAGE_DEFAULT (halved to fit the
                                   budget) when 0 was given; 0 otherwise */
   int n_pools;                 /* pools this rank holds (lf_engine_pool_sizing says why) */
@@ -221,6 +233,8 @@ typedef struct lf_resolved_config {
   int n_ranks;                 /* tensor-parallel ranks (1: a single rank) */
   int rkv_obs;                 /* Since 0.3. LF_POLICY_RKV: its observation window, the default
                                   resolved; 0 otherwise */
+  int budget_min, budget_max;  /* Since 0.4. The smallest and largest layer budget (both budget
+                                  without layer_weights); rkv_obs is the smallest layer's */
 } lf_resolved_config;
 
 /* Fills defaults: backend auto, longflow, budget 0, sink 4, window 32, mem_util 0.9, scope layer,
@@ -521,7 +535,7 @@ lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m);
 
 /* The library's version, "MAJOR.MINOR.PATCH" (also LFSERVE_VERSION_* below). */
 #define LFSERVE_VERSION_MAJOR 0
-#define LFSERVE_VERSION_MINOR 3
+#define LFSERVE_VERSION_MINOR 4
 #define LFSERVE_VERSION_PATCH 0
 const char *lf_version(void);
 

@@ -25,6 +25,12 @@ const lf_cli_int *lf_cli_int_find(const lf_cli_int *opts, size_t n, const char *
 /* Sets *o->dst from v: 0, or -1 when v is not an integer in o's bounds (*dst unchanged). */
 int lf_cli_int_set(const lf_cli_int *o, const char *v);
 
+/* --layer-weights FILE: reads a text file of per-layer weights (lf_engine_config.layer_weights):
+ * numbers separated by whitespace or commas, '#' to the end of a line a comment. *out (malloc'd,
+ * the caller frees) and *n on success (0); -1 with a message in err otherwise (unreadable file,
+ * a token that is not a finite number > 0, no numbers, more than 4096). */
+int lf_cli_read_weights(const char *path, double **out, int *n, char *err, size_t err_len);
+
 /* Report a command-line error on stderr ("<prog>: unknown option '<a>'" then the usage;
  * "<prog>: bad value '<v>' for <a>") and return 2, the programs' exit status for one. */
 int lf_cli_unknown_option(const char *prog, const char *a, void (*usage)(FILE *));

@@ -51,6 +51,8 @@ static void usage(FILE *f) {
           "                      halved to fit the budget)\n"
           "  --rkv-obs O         rkv: its observation window, the O newest slots kept (default 0:\n"
           "                      budget/2)\n"
+          "  --layer-weights F   per-layer budgets within the same total: F lists one weight per\n"
+          "                      layer (lf_engine_config.layer_weights; docs/USAGE.md)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts that fit the pool are "
           "chunked (default 512; 0 = whole prompt)\n"
           "  --temperature T     0 = greedy (default 0)\n"
@@ -151,6 +153,8 @@ typedef struct gen_opts {
 
 enum { GEN_GO = -1 }; /* parse_args: carry on (otherwise it returns main's exit status) */
 
+static double *layer_weights; /* --layer-weights, kept to the process's exit */
+
 static int parse_args(int argc, char **argv, gen_opts *o) {
   lf_engine_config_default(&o->cfg);
   memset(&o->rq, 0, sizeof o->rq);
@@ -193,6 +197,15 @@ static int parse_args(int argc, char **argv, gen_opts *o) {
     } else if (!strcmp(a, "--lora")) {
       NEED_VALUE;
       cfg->lora_path = v;
+    } else if (!strcmp(a, "--layer-weights")) {
+      NEED_VALUE;
+      char why[256];
+      free(layer_weights);
+      if (lf_cli_read_weights(v, &layer_weights, &cfg->n_layer_weights, why, sizeof why)) {
+        fprintf(stderr, "lfgen: --layer-weights: %s\n", why);
+        return 2;
+      }
+      cfg->layer_weights = layer_weights;
     } else if (!strcmp(a, "--prompt-ids")) {
       NEED_VALUE;
       free(o->ids);

@@ -50,6 +50,7 @@ static void usage(FILE *f) {
           "                          halved to fit the budget)\n"
           "  --rkv-obs O             rkv: its observation window, the O newest slots kept\n"
           "                          (default 0: budget/2)\n"
+          "  --layer-weights F       per-layer budgets within the same total: one weight per layer\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T            bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
@@ -212,7 +213,17 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       cfg->model_path = v;
     else if (!strcmp(a, "--lora"))
       cfg->lora_path = v;
-    else if (!strcmp(a, "--served-model-name"))
+    else if (!strcmp(a, "--layer-weights")) {
+      static double *lw; /* kept to the process's exit */
+      char why[256];
+      free(lw);
+      lw = NULL;
+      if (lf_cli_read_weights(v, &lw, &cfg->n_layer_weights, why, sizeof why)) {
+        fprintf(stderr, "lfserve: --layer-weights: %s\n", why);
+        return 2;
+      }
+      cfg->layer_weights = lw;
+    } else if (!strcmp(a, "--served-model-name"))
       o->name = v;
     else if (!strcmp(a, "--host"))
       o->host = v;

@@ -20,9 +20,64 @@ static int mul_size(size_t a, size_t b, size_t *out) {
   return 1;
 }
 
+int lf_pool_layer_budget(const lf_pool_shape *s, int layer) {
+  if (!s || layer < 0 || layer >= s->n_layers) return 0;
+  return s->layer_budget ? s->layer_budget[layer] : s->budget;
+}
+
+int lf_pool_budget_min(const lf_pool_shape *s) {
+  if (!s || s->n_layers < 1) return 0;
+  int m = lf_pool_layer_budget(s, 0);
+  for (int l = 1; l < s->n_layers; l++)
+    if (lf_pool_layer_budget(s, l) < m) m = lf_pool_layer_budget(s, l);
+  return m;
+}
+
+int lf_pool_budget_max(const lf_pool_shape *s) {
+  if (!s || s->n_layers < 1) return 0;
+  int m = lf_pool_layer_budget(s, 0);
+  for (int l = 1; l < s->n_layers; l++)
+    if (lf_pool_layer_budget(s, l) > m) m = lf_pool_layer_budget(s, l);
+  return m;
+}
+
+uint64_t lf_pool_layer_slots(const lf_pool_shape *s) {
+  if (!s || s->n_layers < 1 || s->budget < 1) return 0;
+  uint64_t t = 0;
+  for (int l = 0; l < s->n_layers; l++) {
+    const int b = lf_pool_layer_budget(s, l);
+    if (b < 1) return 0;
+    t += (uint64_t)b;
+  }
+  return t;
+}
+
+lf_status lf_layer_budgets_from_weights(const double *w, int n_layers, int budget, int *out) {
+  if (!w || !out || n_layers < 1 || budget < 1)
+    return lf_error(LF_ERR_INVALID_ARG, "layer budgets: %d layers, budget %d", n_layers, budget);
+  double sum = 0.0;
+  for (int l = 0; l < n_layers; l++) {
+    if (!(w[l] > 0.0) || !isfinite(w[l]))
+      return lf_error(LF_ERR_INVALID_ARG, "layer weight %d is %g: each must be finite and > 0", l,
+                      w[l]);
+    sum += w[l];
+  }
+  const double total = (double)budget * (double)n_layers;
+  long long have = 0;
+  for (int l = 0; l < n_layers; l++) {
+    const double b = floor(total * w[l] / sum); /* Python: int(B * L * x / sum(w)) */
+    out[l] = b > (double)INT_MAX / 2 ? INT_MAX / 2 : (b < 16.0 ? 16 : (int)b);
+    have += out[l];
+  }
+  for (int i = 0; have < (long long)budget * n_layers; i++, have++)
+    out[i % n_layers]++;
+  return LF_OK;
+}
+
 static int shape_valid(const lf_pool_shape *s) {
   return s && s->n_pools >= 1 && s->n_layers >= 1 && s->n_kv_heads >= 1 && s->budget >= 1 &&
-         s->head_dim >= 1 && s->stage >= 0 && s->stage < s->budget;
+         s->head_dim >= 1 && s->stage >= 0 && lf_pool_layer_slots(s) > 0 &&
+         s->stage < lf_pool_budget_min(s);
 }
 
 /* Bytes of every per-pool array of the arena for one pool, so n_pools * lf_pool_bytes() is the
@@ -31,17 +86,18 @@ static int shape_valid(const lf_pool_shape *s) {
 uint64_t lf_pool_bytes(const lf_pool_shape *s) {
   if (!s || s->n_layers < 1 || s->n_kv_heads < 1 || s->budget < 1 || s->head_dim < 1) return 0;
   /* Each factor is < 2^31, so the products below are checked in steps. */
-  uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
-  uint64_t slot_bytes = 2u * (uint64_t)s->head_dim * sizeof(float) /* k, v */
-                        + sizeof(int32_t) + 2u * sizeof(float);    /* pos, vnorm, acc */
-  uint64_t head_bytes;
-  if ((uint64_t)s->budget > UINT64_MAX / slot_bytes) return 0;
-  head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t); /* + n, next */
+  const uint64_t heads = (uint64_t)s->n_layers * (uint64_t)s->n_kv_heads;
+  const uint64_t lslots = lf_pool_layer_slots(s); /* per KV head, over the layers */
+  const uint64_t slot_bytes = 2u * (uint64_t)s->head_dim * sizeof(float) /* k, v */
+                              + sizeof(int32_t) + 2u * sizeof(float);    /* pos, vnorm, acc */
+  if (lslots == 0 || lslots > UINT64_MAX / slot_bytes / (uint64_t)s->n_kv_heads) return 0;
+  uint64_t head_bytes = 2u * sizeof(int32_t); /* n, next */
   if (s->stage > 0) /* rkv: the staged overwrite order and the steps since its selection */
     head_bytes += ((uint64_t)s->stage + 1u) * sizeof(int32_t);
-  if (head_bytes > (UINT64_MAX - 64u) / heads) return 0;
-  return heads * head_bytes + sizeof(uint64_t) /* evictions */ + sizeof(int) /* free_list */ +
-         sizeof(uint8_t) /* in_use */;
+  const uint64_t slots = lslots * (uint64_t)s->n_kv_heads * slot_bytes;
+  if (head_bytes > (UINT64_MAX - 64u - slots) / heads) return 0;
+  return slots + heads * head_bytes + sizeof(uint64_t) /* evictions */ +
+         sizeof(int) /* free_list */ + sizeof(uint8_t) /* in_use */;
 }
 
 /* The CUDA backend's device arena (engine/cuda/): K and V (bf16, or e4m3 bytes and an fp32 scale
@@ -59,10 +115,13 @@ uint64_t lf_pool_bytes_device(const lf_pool_shape *s, int acc) {
   const uint64_t kv_bytes = (uint64_t)lf_kvq_row_bytes(lf_kvq_k_row(s->kv_dtype), s->head_dim) +
                             (uint64_t)lf_kvq_row_bytes(lf_kvq_v_row(s->kv_dtype), s->head_dim);
   const uint64_t slot_bytes = kv_bytes + 4u + 4u + (acc ? 4u : 0u);
-  const uint64_t head_bytes = (uint64_t)s->budget * slot_bytes + 2u * sizeof(int32_t) +
+  const uint64_t lslots = lf_pool_layer_slots(s); /* per KV head, over the layers */
+  const uint64_t head_bytes = 2u * sizeof(int32_t) +
                               (s->stage > 0 ? ((uint64_t)s->stage + 1u) * sizeof(int32_t) : 0u);
-  if (head_bytes > UINT64_MAX / heads) return 0;
-  return heads * head_bytes;
+  if (lslots == 0 || lslots > UINT64_MAX / slot_bytes / (uint64_t)s->n_kv_heads) return 0;
+  const uint64_t slots = lslots * (uint64_t)s->n_kv_heads * slot_bytes;
+  if (head_bytes > (UINT64_MAX - slots) / heads) return 0;
+  return slots + heads * head_bytes;
 }
 
 int lf_pools_for_memory(uint64_t bytes, double util, uint64_t pool_bytes) {
@@ -140,14 +199,19 @@ lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
   memset(a, 0, sizeof *a);
   if (!shape_valid(s))
     return lf_error(LF_ERR_INVALID_ARG,
-                    "lf_kv_arena_init: every shape field must be >= 1 (pools %d, layers %d, "
-                    "kv heads %d, budget %d, head_dim %d)",
+                    "lf_kv_arena_init: every shape field and layer budget must be >= 1 and the "
+                    "rkv stage below the smallest budget (pools %d, layers %d, kv heads %d, "
+                    "budget %d (smallest layer %d), head_dim %d, stage %d)",
                     s ? s->n_pools : 0, s ? s->n_layers : 0, s ? s->n_kv_heads : 0,
-                    s ? s->budget : 0, s ? s->head_dim : 0);
+                    s ? s->budget : 0, lf_pool_budget_min(s), s ? s->head_dim : 0,
+                    s ? s->stage : 0);
   size_t n_heads, n_slots, n_vals; /* element counts: (pool, layer, head), slots, floats of K */
-  if (!mul_size((size_t)s->n_pools, (size_t)s->n_layers, &n_heads) ||
+  size_t pool_slots;
+  const uint64_t lslots = lf_pool_layer_slots(s);
+  if (lslots > SIZE_MAX || !mul_size((size_t)lslots, (size_t)s->n_kv_heads, &pool_slots) ||
+      !mul_size((size_t)s->n_pools, (size_t)s->n_layers, &n_heads) ||
       !mul_size(n_heads, (size_t)s->n_kv_heads, &n_heads) ||
-      !mul_size(n_heads, (size_t)s->budget, &n_slots) ||
+      !mul_size(pool_slots, (size_t)s->n_pools, &n_slots) ||
       !mul_size(n_slots, (size_t)s->head_dim, &n_vals) || n_vals > SIZE_MAX / sizeof(float))
     return lf_error(LF_ERR_OUT_OF_MEMORY,
                     "lf_kv_arena_init: arena of %d pools x %d layers x %d heads x %d slots x %d "
@@ -162,6 +226,16 @@ lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
                     s->kv_dtype, s->head_dim, LF_I4_GROUP, LF_I4_MAX_DIM);
 
   a->shape = *s;
+  a->shape.layer_budget = NULL;
+  a->pool_slots = pool_slots;
+  a->layer_off = calloc((size_t)s->n_layers, sizeof(size_t));
+  if (s->layer_budget && (a->layer_budget = calloc((size_t)s->n_layers, sizeof(int)))) {
+    memcpy(a->layer_budget, s->layer_budget, sizeof(int) * (size_t)s->n_layers);
+    a->shape.layer_budget = a->layer_budget;
+  }
+  for (int l = 1; a->layer_off && l < s->n_layers; l++)
+    a->layer_off[l] = a->layer_off[l - 1] +
+                      (size_t)s->n_kv_heads * (size_t)lf_pool_layer_budget(s, l - 1);
   a->k = calloc(n_vals, sizeof(float));
   a->v = calloc(n_vals, sizeof(float));
   a->pos = calloc(n_slots, sizeof(int32_t));
@@ -173,7 +247,7 @@ lf_status lf_kv_arena_init(lf_kv_arena *a, const lf_pool_shape *s) {
   const int rkv_bad = s->stage > 0 && (!(a->queue = calloc(n_heads * (size_t)s->stage,
                                                            sizeof(int32_t))) ||
                                        !(a->since = calloc(n_heads, sizeof(int32_t))));
-  if (rkv_bad || !a->k || !a->v || !a->pos || !a->vnorm || !a->acc || !a->n || !a->next ||
+  if (rkv_bad || !a->layer_off || (s->layer_budget && !a->layer_budget) || !a->k || !a->v || !a->pos || !a->vnorm || !a->acc || !a->n || !a->next ||
       !a->evictions ||
       lf_pool_list_init(&a->pools, s->n_pools) != LF_OK) {
     lf_kv_arena_free(a);
@@ -198,6 +272,8 @@ void lf_kv_arena_free(lf_kv_arena *a) {
   free(a->queue);
   free(a->since);
   free(a->evictions);
+  free(a->layer_budget);
+  free(a->layer_off);
   lf_pool_list_free(&a->pools);
   memset(a, 0, sizeof *a);
 }
@@ -220,7 +296,7 @@ void lf_kv_arena_reset_pool(lf_kv_arena *a, int pool) {
   const lf_pool_shape *s = &a->shape;
   size_t heads = (size_t)s->n_layers * (size_t)s->n_kv_heads;
   size_t h0 = (size_t)pool * heads; /* first (layer, head) of the pool */
-  size_t slot0 = h0 * (size_t)s->budget, n_slots = heads * (size_t)s->budget;
+  size_t slot0 = (size_t)pool * a->pool_slots, n_slots = a->pool_slots;
   for (size_t i = 0; i < heads; i++) {
     a->n[h0 + i] = 0;
     a->next[h0 + i] = -1;
@@ -244,7 +320,8 @@ lf_kv_head lf_kv_arena_head(const lf_kv_arena *a, int pool, int layer, int kv_he
   const lf_pool_shape *s = &a->shape;
   size_t idx = ((size_t)pool * (size_t)s->n_layers + (size_t)layer) * (size_t)s->n_kv_heads +
                (size_t)kv_head; /* index of the (pool, layer, head) */
-  size_t slot0 = idx * (size_t)s->budget;
+  const int B = lf_pool_layer_budget(s, layer);
+  size_t slot0 = (size_t)pool * a->pool_slots + a->layer_off[layer] + (size_t)kv_head * (size_t)B;
   h.k = a->k + slot0 * (size_t)s->head_dim;
   h.v = a->v + slot0 * (size_t)s->head_dim;
   h.pos = a->pos + slot0;
@@ -257,7 +334,7 @@ lf_kv_head lf_kv_arena_head(const lf_kv_arena *a, int pool, int layer, int kv_he
     h.since = a->since + idx;
     h.stage = s->stage;
   }
-  h.budget = s->budget;
+  h.budget = B;
   h.head_dim = s->head_dim;
   h.kv_dtype = s->kv_dtype;
   return h;

@@ -26,7 +26,27 @@ typedef struct lf_pool_shape {
                      arena stores fp32 in any case, holding a quantized dtype's dequantized values */
   int stage;      /* LF_POLICY_RKV: slots chosen per selection (the staged overwrite order kept
                      per (pool, layer, head)); 0: no such state */
+  const int *layer_budget; /* NULL: every layer holds `budget` slots. Else [n_layers] per-layer
+                              budgets (each >= 1; budget is then only their nominal mean): a
+                              layer's (pool, head) blocks hold layer_budget[l] slots. The arena
+                              keeps its own copy */
 } lf_pool_shape;
+
+/* Slots of layer l in shape s (its layer_budget, else budget). */
+int lf_pool_layer_budget(const lf_pool_shape *s, int layer);
+/* The smallest and largest layer budget of s (budget when uniform). */
+int lf_pool_budget_min(const lf_pool_shape *s);
+int lf_pool_budget_max(const lf_pool_shape *s);
+/* Slots of one pool summed over layers, per KV head: sum of the layer budgets (L * budget when
+ * uniform); 0 on an invalid shape. */
+uint64_t lf_pool_layer_slots(const lf_pool_shape *s);
+
+/* Per-layer budgets from per-layer weights (lf_engine_config.layer_weights): B_l =
+ * max(16, floor(budget * L * w_l / sum(w))) (the sum taken in layer order, in double), then one
+ * more slot to layers 0, 1, 2, ... in turn until the budgets sum to at least budget * L; the
+ * same rule as tools/evict/run.py's ada_budgets, so the simulator and the engine agree slot for
+ * slot. LF_ERR_INVALID_ARG when a weight is not finite and > 0, or budget < 1. */
+lf_status lf_layer_budgets_from_weights(const double *w, int n_layers, int budget, int *out);
 
 /* A view of one (pool, layer, kv head): everything the attention step reads and writes. */
 typedef struct lf_kv_head {
@@ -70,8 +90,12 @@ lf_status lf_pool_list_limit(lf_pool_list *l, int n_pools);
 int lf_pool_list_in_use(const lf_pool_list *l, int pool);
 
 typedef struct lf_kv_arena {
-  lf_pool_shape shape;
-  float *k, *v;        /* [pool][layer][kv_head][slot][dim] */
+  lf_pool_shape shape; /* shape.layer_budget points at layer_budget below (or is NULL) */
+  int *layer_budget;   /* [n_layers] the arena's copy of the per-layer budgets (NULL: uniform) */
+  size_t *layer_off;   /* [n_layers] first slot of layer l within a pool, per KV head: the sum of
+                          the budgets before it (times the KV heads it is a slot index) */
+  size_t pool_slots;   /* slots of one pool: KV heads x the sum of the layer budgets */
+  float *k, *v;        /* [pool][layer][kv_head][slot of the layer's budget][dim] */
   int32_t *pos;        /* [pool][layer][kv_head][slot] */
   float *vnorm;        /* [pool][layer][kv_head][slot] */
   float *acc;          /* [pool][layer][kv_head][slot] */
@@ -82,9 +106,11 @@ typedef struct lf_kv_arena {
   lf_pool_list pools;  /* which pools are free */
 } lf_kv_arena;
 
-/* The CUDA backend's device arena as its kernels address it: the layout of lf_kv_arena
- * ([pool][layer][kv_head][slot]) with bf16 K/V, and h2o's accumulator only under that policy.
- * Every pointer is device memory; kernels take it by value. */
+/* The CUDA backend's device arena as its kernels address it: [pool][layer][kv_head][slot] with
+ * bf16 K/V, and h2o's accumulator only under that policy. Every pointer is device memory;
+ * kernels take it by value. The engine's arena is layer-major and hands its kernels one layer at
+ * a time as a view of n_layers 1 (engine/cuda/create.cu), so each layer may have its own budget;
+ * kernels index (pool, layer, head) as ((pool * n_layers + layer) * n_kv_heads + head). */
 typedef struct lf_cuda_pool_view {
   void *k, *v;       /* [n_pools][n_layers][n_kv_heads][budget][head_dim] (K post-RoPE): bf16, or
                         e4m3 / int8 bytes under LF_KV_FP8 / LF_KV_INT8, or head_dim / 8 words of

@@ -45,7 +45,7 @@ struct OnePool {
   lf_kv_arena a{};
   int pool = -1;
   OnePool(int n_kv, int budget, int head_dim) {
-    lf_pool_shape s{1, 1, n_kv, budget, head_dim, 0, 0};
+    lf_pool_shape s{1, 1, n_kv, budget, head_dim, 0, 0, nullptr};
     EXPECT_EQ(lf_kv_arena_init(&a, &s), LF_OK) << lf_last_error();
     EXPECT_EQ(lf_kv_arena_take(&a, &pool), LF_OK) << lf_last_error();
   }

@@ -2,7 +2,13 @@
  * dumps the KV pool after every chunk, so a reference simulator can be held against lfserve's
  * eviction step by step (tests/test_evict_sim.py, tools/evict/).
  *
- *   evict_trace MODEL POLICY SCOPE BUDGET SINK WINDOW IDS_FILE OUT_FILE
+ *   evict_trace MODEL POLICY SCOPE BUDGET SINK WINDOW IDS_FILE OUT_FILE [RKV_OBS [LAYER_BUDGETS]]
+ *
+ * LAYER_BUDGETS (comma-separated, one per layer): per-layer pools (lf_pool_shape.layer_budget);
+ * each layer's params then come from lf_attn_params_for_budget with h2o's window its budget / 2
+ * (WINDOW stays rkv's stage) and rkv's window RKV_OBS (0: its budget / 2, lowered to fit), and
+ * the dump pads every layer's slot arrays to the largest budget (pos -1, zeros), the header's
+ * BUDGET being that largest.
  *
  * MODEL is anything lf_checkpoint_open takes; POLICY longflow|full|streaming|h2o|rkv; SCOPE
  * head|layer. The attention parameters are the cpu backend's (engine/backend_cpu.c): h2o's recent
@@ -50,8 +56,10 @@ static int read_ids(const char *path, int *n_chunks, int **chunks, int32_t **tok
 }
 
 int main(int argc, char **argv) {
-  if (argc != 9 && argc != 10) {
-    fprintf(stderr, "usage: %s MODEL POLICY SCOPE BUDGET SINK WINDOW IDS_FILE OUT_FILE [RKV_OBS]\n",
+  if (argc < 9 || argc > 11) {
+    fprintf(stderr,
+            "usage: %s MODEL POLICY SCOPE BUDGET SINK WINDOW IDS_FILE OUT_FILE [RKV_OBS "
+            "[LAYER_BUDGETS]]\n",
             argv[0]);
     return 2;
   }
@@ -81,7 +89,27 @@ int main(int argc, char **argv) {
     return 1;
   }
   const lf_model_config *mc = &ck.cfg;
-  const int L = mc->n_layers, H = mc->n_kv_heads, B = budget, V = mc->vocab_size;
+  const int L = mc->n_layers, H = mc->n_kv_heads, V = mc->vocab_size;
+  int *lb = NULL; /* per-layer budgets, or NULL */
+  if (argc == 11) {
+    lb = malloc(sizeof(int) * (size_t)L);
+    const char *q = argv[10];
+    for (int l = 0; lb && l < L; l++) {
+      char *end;
+      const long v = strtol(q, &end, 10);
+      if (end == q || v < 1 || v > (1 << 24) || (l + 1 < L ? *end != ',' : *end != 0)) {
+        fprintf(stderr, "evict_trace: LAYER_BUDGETS wants %d comma-separated budgets, got '%s'\n",
+                L, argv[10]);
+        free(lb);
+        lf_checkpoint_close(&ck);
+        return 2;
+      }
+      lb[l] = (int)v;
+      q = end + 1;
+    }
+  }
+  int B = budget; /* the dump's slot count: the largest layer budget */
+  for (int l = 0; lb && l < L; l++) B = l == 0 || lb[l] > B ? lb[l] : B;
   const lf_attn_params ap = {.policy = policy,
                              .scope = scope,
                              .sink = sink,
@@ -92,15 +120,26 @@ int main(int argc, char **argv) {
                              .group = mc->n_heads / mc->n_kv_heads,
                              .head_dim = mc->head_dim,
                              .scale = 1.0f / sqrtf((float)mc->head_dim)};
-  const lf_pool_shape ps = {1, L, H, B, mc->head_dim, 0, policy == LF_POLICY_RKV ? window : 0};
+  const lf_pool_shape ps = {1, L, H, budget, mc->head_dim, 0, policy == LF_POLICY_RKV ? window : 0,
+                            lb};
+  lf_attn_params *lap = lb ? malloc(sizeof *lap * (size_t)L) : NULL;
   int pool = -1, rc = 1;
   float *logits = malloc(sizeof(float) * (size_t)V);
   FILE *out = fopen(argv[8], "wb");
   lf_status s = logits && out ? LF_OK : lf_error(LF_ERR_IO, "cannot open %s", argv[8]);
-  if (s == LF_OK) s = lf_attn_params_check(&ap, B);
+  if (s == LF_OK && !lb) s = lf_attn_params_check(&ap, budget);
+  for (int l = 0; s == LF_OK && lb && l < L; l++) {
+    if (!lap) {
+      s = lf_error(LF_ERR_OUT_OF_MEMORY, "layer params");
+      break;
+    }
+    lap[l] = lf_attn_params_for_budget(&ap, 0, ap.rkv_obs, lb[l], lf_pool_budget_min(&ps));
+    s = lf_attn_params_check(&lap[l], lb[l]);
+  }
   if (s == LF_OK) s = lf_weights_load_f32(&ck, &w);
   if (s == LF_OK) s = lf_kv_arena_init(&arena, &ps);
   if (s == LF_OK) s = lf_cpu_forward_init(&fwd, mc, &w, &arena, &ap);
+  if (s == LF_OK && lap) s = lf_cpu_forward_set_layer_params(&fwd, lap);
   if (s == LF_OK) s = lf_kv_arena_take(&arena, &pool);
   if (s != LF_OK) {
     fprintf(stderr, "evict_trace: %s\n", lf_last_error());
@@ -136,15 +175,16 @@ int main(int argc, char **argv) {
     for (int l = 0; l < L; l++)
       for (int g = 0; g < H; g++)
         fwrite(lf_kv_arena_head(&arena, pool, l, g).next, sizeof(int32_t), 1, out);
-    for (int l = 0; l < L; l++)
-      for (int g = 0; g < H; g++)
-        fwrite(lf_kv_arena_head(&arena, pool, l, g).pos, sizeof(int32_t), (size_t)B, out);
-    for (int l = 0; l < L; l++)
-      for (int g = 0; g < H; g++)
-        fwrite(lf_kv_arena_head(&arena, pool, l, g).vnorm, sizeof(float), (size_t)B, out);
-    for (int l = 0; l < L; l++)
-      for (int g = 0; g < H; g++)
-        fwrite(lf_kv_arena_head(&arena, pool, l, g).acc, sizeof(float), (size_t)B, out);
+    for (int a = 0; a < 3; a++) /* pos, vnorm, acc; each layer padded to B slots */
+      for (int l = 0; l < L; l++)
+        for (int g = 0; g < H; g++) {
+          const lf_kv_head h = lf_kv_arena_head(&arena, pool, l, g);
+          const void *src = a == 0 ? (const void *)h.pos : a == 1 ? (const void *)h.vnorm
+                                                                  : (const void *)h.acc;
+          fwrite(src, 4, (size_t)h.budget, out);
+          const int32_t pad = a == 0 ? -1 : 0;
+          for (int i = h.budget; i < B; i++) fwrite(&pad, 4, 1, out);
+        }
     fwrite(logits, sizeof(float), (size_t)V, out);
     pos0 += n;
   }
@@ -160,6 +200,8 @@ done:
   if (w.layers) lf_weights_free(mc, &w);
   lf_checkpoint_close(&ck);
   free(logits);
+  free(lb);
+  free(lap);
   free(chunks);
   free(toks);
   return rc;

@@ -144,7 +144,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
           for (int fill : {0, 1}) { // partly filled, full
             const int hkv = 2, hq = hkv * G, P = 3, NS = 2;
             if (pol == LF_POLICY_FULL && fill) continue;
-            lf_pool_shape ps{P, 1, hkv, B, D, 0, 0};
+            lf_pool_shape ps{P, 1, hkv, B, D, 0, 0, nullptr};
             lf_kv_arena a;
             ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
             std::vector<int32_t> pools = {2, 0};
@@ -198,7 +198,7 @@ TEST(GpuKernels, DecodeAttnVsReference) {
             CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(acc.data(), dp.v.acc, dp.slots * 4, cudaMemcpyDeviceToHost));
-            lf_attn_params ap{pol, 4, 32, recent, G, D, scale, LF_EVICT_HEAD, 0, 0, 0};
+            lf_attn_params ap{pol, 4, 32, recent, G, D, scale, LF_EVICT_HEAD, 0, 0, 0, 0};
             for (int s2 = 0; s2 < NS; s2++)
               for (int g = 0; g < hkv; g++) {
                 lf_kv_head h = lf_kv_arena_head(&a, pools[size_t(s2)], 0, g);
@@ -280,7 +280,7 @@ TEST_P(PrefillVsReference, Cases) {
     // every slot written must read back bit-identically.
     const int hkv = 2, hq = hkv * c.G, D = c.D, B = c.B;
     if (!lf_kvq_fits(kvd, D)) continue; // int4: whole groups of 32 dims
-    lf_pool_shape ps{1, 1, hkv, B, D, kvd, 0};
+    lf_pool_shape ps{1, 1, hkv, B, D, kvd, 0, nullptr};
     lf_kv_arena a;
     ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
     int pool = -1;
@@ -290,7 +290,7 @@ TEST_P(PrefillVsReference, Cases) {
     dp.upload(a);
     // h2o: recent window 8 (the smallest budget, 40, holds sink + 8 + 2)
     lf_attn_params ap{pol, 4, 32, pol == LF_POLICY_H2O ? 8 : 32, c.G, D,
-                     1.0f / std::sqrt(float(D)), LF_EVICT_HEAD, 0, 0, 0};
+                     1.0f / std::sqrt(float(D)), LF_EVICT_HEAD, 0, 0, 0, 0};
     const bool h2o = pol == LF_POLICY_H2O;
     int32_t pos0 = 0;
     for (int T : {c.T1, c.T2}) {
@@ -492,7 +492,7 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
       for (int G : {1, 4})
         for (int B : {40, 700}) {
           const int hkv = 4, hq = hkv * G, P = 3, NS = 2, sink = 4, recent = 8;
-          lf_pool_shape ps{P, 1, hkv, B, D, 0, 0};
+          lf_pool_shape ps{P, 1, hkv, B, D, 0, 0, nullptr};
           lf_kv_arena a;
           ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
           const std::vector<int32_t> pools = {2, 0};
@@ -572,7 +572,7 @@ TEST(GpuKernels, LayerScopeDecodeVsReference) {
               << lf_last_error();
           std::vector<int32_t> next(dp.heads);
           CK(cudaMemcpy(next.data(), dp.v.next, dp.heads * 4, cudaMemcpyDeviceToHost));
-          lf_attn_params ap{pol, sink, 32, recent, G, D, scale, LF_EVICT_LAYER, 0, 0, 0};
+          lf_attn_params ap{pol, sink, 32, recent, G, D, scale, LF_EVICT_LAYER, 0, 0, 0, 0};
           lf_attn_scratch aws{};
           for (int s2 = 0; s2 < NS; s2++)
             for (int g0 = 0; g0 < hkv; g0 += per) {
@@ -637,13 +637,13 @@ TEST(GpuKernels, LayerScopeSnapKV) {
       for (auto &x : q) x = bfr(4.0f * nd(r));
       for (auto &x : k) x = bfr(nd(r));
       for (auto &x : v) x = bfr(nd(r));
-      lf_pool_shape ps{1, 1, hkv, B, D, 0, 0};
+      lf_pool_shape ps{1, 1, hkv, B, D, 0, 0, nullptr};
       lf_kv_arena a;
       ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
       int pool = -1;
       ASSERT_EQ(lf_kv_arena_take(&a, &pool), LF_OK);
       lf_attn_params ap{LF_POLICY_LONGFLOW, sink, 32, 32, G, D, 1.0f / std::sqrt(float(D)),
-                        LF_EVICT_LAYER, 0, 0, 0};
+                        LF_EVICT_LAYER, 0, 0, 0, 0};
       lf_attn_scratch aws{};
       std::vector<float> ref(q.size());
       for (int g0 = 0; g0 < hkv; g0 += per) {

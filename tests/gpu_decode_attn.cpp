@@ -133,7 +133,7 @@ void run_case(const Case &c, int kv_dtype) {
   const int stage = rkv ? c.recent : 0;
   const int rot = lf_kv_rotates(kv_dtype); /* as the engine sets it for this pool dtype */
 
-  lf_pool_shape shape = {NP, L, H, B, D, kv_dtype, stage};
+  lf_pool_shape shape = {NP, L, H, B, D, kv_dtype, stage, nullptr};
   lf_kv_arena cpu;
   LF_OK_(lf_kv_arena_init(&cpu, &shape));
   struct arena_guard {

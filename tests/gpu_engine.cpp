@@ -75,11 +75,13 @@ struct Run {
 // Greedy generation of n_gen tokens after `prompt`, one sequence (or several at once).
 std::vector<Run> generate(lf_backend_kind kind, const lf_checkpoint &ck, lf_policy policy,
                           int budget, const std::vector<std::vector<int32_t>> &prompts, int n_gen,
-                          int no_graphs = 0, lf_evict_scope scope = LF_EVICT_HEAD) {
+                          int no_graphs = 0, lf_evict_scope scope = LF_EVICT_HEAD,
+                          const std::vector<int> *layer_budget = nullptr) {
   const int ns = int(prompts.size());
   const int vocab = ck.cfg.vocab_size;
   lf_backend_params p = lf_test_backend_params(policy, budget, ns + 1);
   p.scope = scope;
+  p.layer_budget = layer_budget ? layer_budget->data() : nullptr;
   p.rkv_stage = policy == LF_POLICY_RKV ? 8 : 0; // a selection every 8 steps
   p.no_graphs = no_graphs;
   lf_backend *b = nullptr;
@@ -189,19 +191,25 @@ struct E2E {
   }
   ~E2E() { lf_checkpoint_close(&src); }
 
+  // layer_budget: per-layer budgets (budget is then their mean; a prompt longer than the
+  // smallest layer's room is compressed in some layers)
   void check(lf_policy policy, int budget, const std::vector<std::vector<int32_t>> &prompts,
-             int n_gen, size_t want, lf_evict_scope scope = LF_EVICT_HEAD) {
+             int n_gen, size_t want, lf_evict_scope scope = LF_EVICT_HEAD,
+             const std::vector<int> *layer_budget = nullptr) {
     const lf_checkpoint &ck = src.random_weights ? src : b16.ck;
-    auto cpu = generate(LF_BACKEND_CPU, ck, policy, budget, prompts, n_gen, 0, scope);
-    auto gpu = generate(LF_BACKEND_CUDA, ck, policy, budget, prompts, n_gen, 0, scope);
+    auto cpu = generate(LF_BACKEND_CPU, ck, policy, budget, prompts, n_gen, 0, scope, layer_budget);
+    auto gpu = generate(LF_BACKEND_CUDA, ck, policy, budget, prompts, n_gen, 0, scope, layer_budget);
+    const int bmin =
+        layer_budget ? *std::min_element(layer_budget->begin(), layer_budget->end()) : budget;
     for (size_t i = 0; i < prompts.size(); i++) {
       const std::string what = name + " " + lf_policy_str(policy) + " scope " +
                                lf_evict_scope_str(scope) + " B=" +
-                               std::to_string(budget) + " seq " + std::to_string(i) + "/" +
+                               std::to_string(budget) + (layer_budget ? " per layer" : "") +
+                               " seq " + std::to_string(i) + "/" +
                                std::to_string(prompts.size()) + " prompt " +
                                std::to_string(prompts[i].size());
       EXPECT_EQ(cpu[i].status, gpu[i].status) << what;
-      const bool compressed = policy != LF_POLICY_FULL && int(prompts[i].size()) > budget - 1;
+      const bool compressed = policy != LF_POLICY_FULL && int(prompts[i].size()) > bmin - 1;
       size_t exact = compressed ? 0 : want;
       if (policy != LF_POLICY_FULL && cpu[i].first_evict >= 0)
         exact = std::min(exact, size_t(cpu[i].first_evict));
@@ -251,6 +259,39 @@ void e2e_model(const std::string &path) {
           LF_EVICT_LAYER);
   // full policy outgrowing its pool: LF_ERR_CONTEXT_FULL on both
   m.check(LF_POLICY_FULL, 16, {prompt_of(6, V, 8)}, 20, 10);
+}
+
+// Per-layer budgets (lf_backend_params.layer_budget): the layer-major device arena with one view
+// per layer against the cpu reference, for each evicting policy the budgets serve: prompts that
+// append everywhere and one that overflows the smallest layers (compressed there, appended in
+// the larger ones), every layer evicting at its own point.
+void e2e_layer_budgets(const std::string &path) {
+  E2E m;
+  ASSERT_TRUE(m.open(path));
+  const int V = m.src.cfg.vocab_size, ctx = m.src.cfg.max_seq_len, L = m.src.cfg.n_layers;
+  const int n_gen = std::min(220, ctx - 80);
+  std::vector<int> lb(static_cast<size_t>(L));
+  const int pattern[] = {36, 60, 44, 52};
+  int sum = 0;
+  for (int l = 0; l < L; l++) sum += lb[size_t(l)] = pattern[l % 4];
+  const int B = sum / L;
+  const std::vector<std::vector<int32_t>> fit = {prompt_of(9, V, 5), prompt_of(30, V, 6)};
+  const std::vector<std::vector<int32_t>> over = {prompt_of(50, V, 7)};
+  for (lf_policy pol : {LF_POLICY_LONGFLOW, LF_POLICY_H2O, LF_POLICY_RKV}) {
+    m.check(pol, B, fit, n_gen, 200, LF_EVICT_HEAD, &lb);
+    m.check(pol, B, fit, n_gen, 200, LF_EVICT_LAYER, &lb);
+    m.check(pol, B, over, n_gen, 100, LF_EVICT_LAYER, &lb);
+  }
+}
+
+TEST(GpuEngine, LayerBudgetsRandomTinyQwen3) {
+  NEED_GPU();
+  e2e_layer_budgets("random:tiny-qwen3:11");
+}
+
+TEST(GpuEngine, LayerBudgetsRandomTinyLlama) {
+  NEED_GPU();
+  e2e_layer_budgets("random:tiny-llama:7");
 }
 
 TEST(GpuEngine, Stories260K) {
@@ -412,7 +453,7 @@ TEST(GpuEngine, PoolsFromKvMemoryBytes) {
   cfg.budget = 256;
   lf_checkpoint ck{};
   ASSERT_EQ(lf_checkpoint_open(cfg.model_path, &ck), LF_OK);
-  const lf_pool_shape ps = {1, ck.cfg.n_layers, ck.cfg.n_kv_heads, cfg.budget, ck.cfg.head_dim, 0, 0};
+  const lf_pool_shape ps = {1, ck.cfg.n_layers, ck.cfg.n_kv_heads, cfg.budget, ck.cfg.head_dim, 0, 0, nullptr};
   lf_checkpoint_close(&ck);
   const uint64_t dev_pool = lf_pool_bytes_device(&ps, 0);
   ASSERT_LT(dev_pool, lf_pool_bytes(&ps) * 6 / 10); // bf16 against fp32: the sizes differ

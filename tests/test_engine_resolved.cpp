@@ -4,10 +4,12 @@
 // behaviour shows a setting (pools held, prompt chunks) it agrees with the report.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <vector>
 
 #include "attention/attention.h"
 #include "lfserve.h"
+#include "memory/pool.h"
 #include "sched_util.h"
 
 namespace {
@@ -148,6 +150,118 @@ TEST(EngineResolved, NullArgumentsAndAbiSize) {
   EXPECT_EQ(lf_engine_resolved_config(nullptr, &r), LF_ERR_INVALID_ARG);
   EXPECT_EQ(lf_abi_sizeof("lf_resolved_config"), sizeof(lf_resolved_config));
   EXPECT_EQ(lf_abi_sizeof("lf_pool_sizing"), sizeof(lf_pool_sizing));
+}
+
+} // namespace
+
+namespace {
+
+/* The rule of lf_engine_config.layer_weights (tools/evict/run.py's ada_budgets): floor of the
+ * share, at least 16, then one slot to layers 0, 1, ... until the total is budget x L. */
+TEST(LayerBudgets, RuleFromWeights) {
+  int b[3];
+  const double even[3] = {1, 1, 1};
+  ASSERT_EQ(lf_layer_budgets_from_weights(even, 3, 10, b), LF_OK);
+  EXPECT_EQ(std::vector<int>(b, b + 3), (std::vector<int>{16, 16, 16})) << "at least 16 each";
+  const double w[3] = {1, 2, 4}; /* 300 slots: 42.86, 85.71, 171.43 -> 42, 85, 171 (+2) */
+  ASSERT_EQ(lf_layer_budgets_from_weights(w, 3, 100, b), LF_OK);
+  EXPECT_EQ(std::vector<int>(b, b + 3), (std::vector<int>{43, 86, 171}));
+  const double skew[2] = {1, 100}; /* 40 slots: 0.40 -> 16, 39.6 -> 39; over the total, kept */
+  ASSERT_EQ(lf_layer_budgets_from_weights(skew, 2, 20, b), LF_OK);
+  EXPECT_EQ(std::vector<int>(b, b + 2), (std::vector<int>{16, 39}));
+  const double bad[2] = {1, 0};
+  EXPECT_EQ(lf_layer_budgets_from_weights(bad, 2, 20, b), LF_ERR_INVALID_ARG);
+  const double nan[2] = {1, NAN};
+  EXPECT_EQ(lf_layer_budgets_from_weights(nan, 2, 20, b), LF_ERR_INVALID_ARG);
+}
+
+/* Per-layer pools on the cpu arena: each (pool, layer, head) view has its layer's budget, the
+ * views tile the arena without overlap, and the pool's bytes count the per-layer slots. */
+TEST(LayerBudgets, ArenaViews) {
+  const int lb[3] = {5, 9, 7};
+  lf_pool_shape s = {2, 3, 2, 7, 4, 0, 0, lb};
+  lf_pool_shape uni = {2, 3, 2, 7, 4, 0, 0, nullptr};
+  EXPECT_EQ(lf_pool_layer_slots(&s), 21u);
+  EXPECT_EQ(lf_pool_bytes(&s), lf_pool_bytes(&uni)) << "the same 21 slots per head over layers";
+  EXPECT_EQ(lf_pool_bytes_device(&s, 1), lf_pool_bytes_device(&uni, 1));
+  EXPECT_EQ(lf_pool_budget_min(&s), 5);
+  EXPECT_EQ(lf_pool_budget_max(&s), 9);
+  lf_kv_arena a;
+  ASSERT_EQ(lf_kv_arena_init(&a, &s), LF_OK) << lf_last_error();
+  std::vector<int> hits(size_t(2 * 21 * 2 * 4), 0);
+  for (int p = 0; p < 2; p++)
+    for (int l = 0; l < 3; l++)
+      for (int h = 0; h < 2; h++) {
+        lf_kv_head v = lf_kv_arena_head(&a, p, l, h);
+        ASSERT_EQ(v.budget, lb[l]);
+        for (int i = 0; i < v.budget * v.head_dim; i++) {
+          const ptrdiff_t at = v.k + i - a.k;
+          ASSERT_GE(at, 0);
+          ASSERT_LT(size_t(at), hits.size());
+          hits[size_t(at)]++;
+        }
+        EXPECT_EQ(v.pos[0], -1);
+      }
+  for (int x : hits) EXPECT_EQ(x, 1) << "every float of K in exactly one view";
+  lf_kv_arena_free(&a);
+  const int tiny[3] = {5, 1, 7};
+  lf_pool_shape st = {1, 3, 1, 4, 4, 0, 2, tiny};
+  EXPECT_EQ(lf_kv_arena_init(&a, &st), LF_ERR_INVALID_ARG) << "a stage must fit the smallest layer";
+}
+
+/* The engine with layer_weights: budgets from the rule, reported; windows from the smallest
+ * layer; bad weights refused. Equal weights run exactly as uniform pools; uneven ones evict in
+ * each layer from its own budget on (the eviction count, against the uniform run's). */
+TEST(LayerBudgets, Engine) {
+  const double w13[2] = {1.0, 3.0}; /* tiny llama: 2 layers; budget 48: 24 and 72 */
+  lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_H2O, 48, 1, 0);
+  cfg.layer_weights = w13;
+  cfg.n_layer_weights = 2;
+  lf_resolved_config r = resolved(cfg);
+  EXPECT_EQ(r.budget, 48);
+  EXPECT_EQ(r.budget_min, 24);
+  EXPECT_EQ(r.budget_max, 72);
+  EXPECT_EQ(r.h2o_recent, 12) << "the smallest layer's B/2";
+  cfg.layer_weights = nullptr;
+  cfg.n_layer_weights = 0;
+  r = resolved(cfg);
+  EXPECT_EQ(r.budget_min, 48);
+  EXPECT_EQ(r.budget_max, 48);
+
+  lf_engine_t e = nullptr;
+  const double three[3] = {1, 1, 1};
+  cfg.layer_weights = three;
+  cfg.n_layer_weights = 3;
+  EXPECT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_ERR_INVALID_ARG) << "one weight per layer";
+  cfg.n_layer_weights = 2;
+  cfg.policy = LF_POLICY_FULL;
+  EXPECT_EQ(lf_engine_init(&cfg, nullptr, &e), LF_ERR_INVALID_ARG) << "full keeps everything";
+  cfg.policy = LF_POLICY_RKV;
+  cfg.budget = 100;
+  r = resolved(cfg); /* equal weights: 100 slots each; the default stage fits 100 as 64 */
+  EXPECT_EQ(r.rkv_stage, 64);
+
+  for (lf_policy pol : {LF_POLICY_H2O, LF_POLICY_RKV, LF_POLICY_LONGFLOW}) {
+    lf_engine_config c = base_config(tiny_llama(), pol, 48, 1, 0);
+    c.rkv_stage = 8;
+    TestReq q;
+    for (int i = 0; i < 20; i++) q.prompt.push_back(int32_t(3 + (i * 37) % 200));
+    q.max_tokens = 120;
+    const Outcome uni = run_alone(c, q);
+    const double even[2] = {2.0, 2.0};
+    c.layer_weights = even;
+    c.n_layer_weights = 2;
+    const Outcome eq = run_alone(c, q);
+    EXPECT_EQ(eq.tokens, uni.tokens) << lf_policy_str(pol) << ": equal weights are uniform pools";
+    EXPECT_EQ(eq.stats.evictions, uni.stats.evictions);
+    c.layer_weights = w13;
+    const Outcome un = run_alone(c, q);
+    EXPECT_EQ(un.tokens.size(), uni.tokens.size());
+    /* uniform: 2 layers x 2 KV heads evict per write past 48; per layer: past 24 and past 72 */
+    ASSERT_GT(uni.stats.evictions, 0u);
+    const uint64_t written = 48 + uni.stats.evictions / 4;
+    EXPECT_EQ(un.stats.evictions, 2 * (written - 24) + 2 * (written - 72)) << lf_policy_str(pol);
+  }
 }
 
 } // namespace

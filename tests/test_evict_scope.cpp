@@ -376,7 +376,7 @@ GroupRun run_groups(const std::string &model, lf_evict_scope scope, int groups, 
   EXPECT_EQ(lf_weights_load_f32(&ck, &w), LF_OK) << lf_last_error();
   const lf_model_config &c = ck.cfg;
   lf_kv_arena arena;
-  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, B, c.head_dim, 0, 0};
+  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, B, c.head_dim, 0, 0, nullptr};
   EXPECT_EQ(lf_kv_arena_init(&arena, &ps), LF_OK);
   int pool = -1;
   EXPECT_EQ(lf_kv_arena_take(&arena, &pool), LF_OK);
@@ -603,7 +603,7 @@ TEST(Rkv, EngineStageAndBudget) {
 
 TEST(Rkv, PoolStateResetOnTake) {
   lf_kv_arena a;
-  lf_pool_shape ps = {2, 2, 2, 32, 8, 0, 5};
+  lf_pool_shape ps = {2, 2, 2, 32, 8, 0, 5, nullptr};
   ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK) << lf_last_error();
   int pool = -1;
   ASSERT_EQ(lf_kv_arena_take(&a, &pool), LF_OK);
@@ -619,10 +619,10 @@ TEST(Rkv, PoolStateResetOnTake) {
   EXPECT_EQ(*lf_kv_arena_head(&a, again, 1, 1).since, -1);
   /* without rkv the arena holds no such state; a stage as large as the budget is refused */
   lf_kv_arena b;
-  lf_pool_shape plain = {1, 1, 1, 8, 8, 0, 0};
+  lf_pool_shape plain = {1, 1, 1, 8, 8, 0, 0, nullptr};
   ASSERT_EQ(lf_kv_arena_init(&b, &plain), LF_OK);
   EXPECT_EQ(lf_kv_arena_head(&b, 0, 0, 0).queue, nullptr);
-  lf_pool_shape bad = {1, 1, 1, 8, 8, 0, 8};
+  lf_pool_shape bad = {1, 1, 1, 8, 8, 0, 8, nullptr};
   lf_kv_arena c;
   EXPECT_EQ(lf_kv_arena_init(&c, &bad), LF_ERR_INVALID_ARG);
   lf_kv_arena_free(&a);

@@ -88,14 +88,17 @@ def split_policy(policy):
     return base, int(obs) if obs else None
 
 
-def run_trace(exe, model_dir, policy, scope, budget, sink, window, chunks, tokens, tmp):
+def run_trace(exe, model_dir, policy, scope, budget, sink, window, chunks, tokens, tmp,
+              layer_budgets=None):
     policy, obs = split_policy(policy)
     ids = os.path.join(tmp, "ids.txt")
     with open(ids, "w") as f:
         f.write("%d %s\n%s\n" % (len(chunks), " ".join(map(str, chunks)), " ".join(map(str, tokens))))
     outp = os.path.join(tmp, "trace.bin")
+    extra = [str(obs or 0), ",".join(map(str, layer_budgets))] if layer_budgets else (
+        [str(obs)] if obs else [])
     p = subprocess.run([exe, model_dir, policy, scope, str(budget), str(sink), str(window), ids, outp]
-                       + ([str(obs)] if obs else []), capture_output=True, text=True, timeout=120)
+                       + extra, capture_output=True, text=True, timeout=120)
     if p.returncode not in (0, 3):
         raise RuntimeError("evict_trace failed (%d): %s" % (p.returncode, p.stderr))
     return read_trace(outp)
@@ -112,22 +115,26 @@ class Failures:
 
 def lockstep(exe, m, model_dir, case, tokens, tmp, fails, batch=None):
     """One case (policy, scope, budget, sink, window, chunks) in lockstep with lfserve; with
-    batch, a list of (policy, scope, budget, sink, window, h2o_recent) run side by side in one
-    Sim over the same chunks (case[5]), each held against its own lfserve run."""
+    batch, a list of (policy, scope, budget, sink, window, h2o_recent[, layer_budgets]) run side
+    by side in one Sim over the same chunks (case[5]), each held against its own lfserve run.
+    With layer_budgets (per-layer pools), h2o's window is each layer's B_l / 2 and rkv's the
+    engine's default (obs_half), as lf_attn_params_for_budget resolves them."""
     chunks = case[5]
     runs = batch or [case[:5] + (case[4],)]
     specs, traces, labels = [], [], []
-    for (policy, scope, budget, sink, window, recent) in runs:
-        labels.append("%s %s/%s B=%d sink=%d window=%d chunks=%s%s" % (
+    for run in runs:
+        (policy, scope, budget, sink, window, recent), lb = run[:6], (run[6] if len(run) > 6 else None)
+        labels.append("%s %s/%s B=%d sink=%d window=%d chunks=%s%s%s" % (
             os.path.basename(model_dir), policy, scope, budget, sink, window,
             chunks[:3] + (["..."] if len(chunks) > 3 else []),
-            " (batch of %d)" % len(runs) if batch else ""))
+            " per-layer %s" % lb if lb else "", " (batch of %d)" % len(runs) if batch else ""))
         traces.append(run_trace(exe, model_dir, policy, scope, budget, sink, window, chunks,
-                                tokens, tmp))
+                                tokens, tmp, layer_budgets=lb))
         base, obs = split_policy(policy)
-        specs.append(evs.Spec(base, budget, sink=sink, window=window, h2o_recent=recent,
+        specs.append(evs.Spec(base, budget, sink=sink, window=window,
+                              h2o_recent=None if lb else recent,
                               scope=scope, stage=window,  # rkv: evict_trace's WINDOW is its stage
-                              obs=obs or 8))
+                              obs=obs or 8, layer_budgets=lb, obs_half=bool(lb) and not obs))
     s = evs.Sim(m, specs)
     R = len(specs)
     pos0 = 0
@@ -358,6 +365,19 @@ def check_layer_budgets(m, model_dir, tokens, fails):
     print("  %s: per-layer budgets (equal = uniform; uneven: each layer's fill and window) done" % name)
 
 
+def lockstep_layer_budgets(exe, m, model_dir, tokens, tmp, fails):
+    """Per-layer pools in lfserve (evict_trace's LAYER_BUDGETS) in lockstep with the simulator's
+    per-layer budgets, h2o and rkv in head and layer scope: a prompt that fits the smallest
+    layer, then decode steps that fill and evict each layer at its own budget."""
+    L = m.cfg.n_layers
+    lb = [24 + 16 * (l % 2) for l in range(L)]
+    B = sum(lb) // L
+    chunks = [10] + [1] * (len(tokens) - 10)
+    runs = [(p, sc, B, 4, 8, None, lb) for p in ("h2o", "rkv") for sc in ("head", "layer")]
+    lockstep(exe, m, model_dir, (None, None, None, None, None, chunks), tokens, tmp, fails,
+             batch=runs)
+
+
 def check_diagnostic_scores(m, model_dir, tokens, fails):
     """attn / vnorm / centered / ema, and LongFlow with a protected recent window, in head and
     layer scope: every decode decision is recomputed by loops over the pool (K, V after the
@@ -501,6 +521,7 @@ def main():
             check_full_pass(a.evict_trace, m, d, tokens, tmp, fails)
             check_sim_only(m, d, tokens, fails)
             check_layer_budgets(m, d, tokens, fails)
+            lockstep_layer_budgets(a.evict_trace, m, d, tokens, tmp, fails)
             check_diagnostic_scores(m, d, tokens, fails)
     if fails.items:
         print("FAIL: %d problem(s)" % len(fails.items))

@@ -155,7 +155,7 @@ TEST_P(HfTiny, LogitsAndGreedyMatchTransformers) {
   const lf_model_config &c = ck.cfg;
   ASSERT_EQ(logits_ref.size(), prompt.size() * size_t(c.vocab_size));
   lf_kv_arena arena;
-  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, c.max_seq_len, c.head_dim, 0, 0};
+  lf_pool_shape ps = {1, c.n_layers, c.n_kv_heads, c.max_seq_len, c.head_dim, 0, 0, nullptr};
   ASSERT_EQ(lf_kv_arena_init(&arena, &ps), LF_OK);
   int pool;
   ASSERT_EQ(lf_kv_arena_take(&arena, &pool), LF_OK);

@@ -417,7 +417,7 @@ class QuantPool : public ::testing::TestWithParam<int> {};
 
 TEST_P(QuantPool, CpuPoolsStoreWhatTheCodesReadBack) {
   const int D = 32, G = 2, B = 12, kvd = GetParam();
-  lf_pool_shape ps{1, 1, 1, B, D, kvd, 0};
+  lf_pool_shape ps{1, 1, 1, B, D, kvd, 0, nullptr};
   lf_kv_arena a;
   ASSERT_EQ(lf_kv_arena_init(&a, &ps), LF_OK);
   std::mt19937_64 r(lf_test_seed_for("QuantPool.CpuPoolsStoreWhatTheCodesReadBack"));
@@ -485,12 +485,12 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, QuantPool,
                          });
 
 TEST(Fp8Pool, DeviceBytesCountCodesAndScales) {
-  lf_pool_shape s{3, 2, 4, 16, 8, LF_KV_FP8, 0};
+  lf_pool_shape s{3, 2, 4, 16, 8, LF_KV_FP8, 0, nullptr};
   const uint64_t slots = 2ull * 4 * 16, heads = 2ull * 4;
   EXPECT_EQ(lf_pool_bytes_device(&s, 0), slots * (2 * (8 + 4) + 4 + 4) + heads * 2 * 4);
   EXPECT_EQ(lf_pool_bytes_device(&s, 1), slots * (2 * (8 + 4) + 4 + 4 + 4) + heads * 2 * 4);
   /* head_dim 128: 264 bytes of K/V a slot against bf16's 512 */
-  lf_pool_shape b{1, 1, 1, 1, 128, LF_KV_BF16, 0}, f = b;
+  lf_pool_shape b{1, 1, 1, 1, 128, LF_KV_BF16, 0, nullptr}, f = b;
   f.kv_dtype = LF_KV_FP8;
   EXPECT_EQ(lf_pool_bytes_device(&b, 0) - lf_pool_bytes_device(&f, 0), 512u - 264u);
   lf_pool_shape i8 = f;
@@ -516,13 +516,13 @@ TEST(Fp8Pool, DeviceBytesCountCodesAndScales) {
   s.kv_dtype = 7;
   EXPECT_EQ(lf_pool_bytes_device(&s, 0), 0u);
   /* rkv (stage 5): the accumulators, and per head a queue of 5 slots and its step count */
-  lf_pool_shape r{3, 2, 4, 16, 8, LF_KV_FP8, 5};
+  lf_pool_shape r{3, 2, 4, 16, 8, LF_KV_FP8, 5, nullptr};
   EXPECT_EQ(lf_pool_bytes_device(&r, 1), slots * (2 * (8 + 4) + 4 + 4 + 4) + heads * (2 + 5 + 1) * 4);
 }
 
 /* int4 rows need whole groups of 32 dims: any other head_dim is refused with a clear error. */
 TEST(Int4Pool, ArenaRefusesPartialGroups) {
-  lf_pool_shape ps{1, 1, 1, 4, 48, LF_KV_INT4, 0};
+  lf_pool_shape ps{1, 1, 1, 4, 48, LF_KV_INT4, 0, nullptr};
   lf_kv_arena a;
   EXPECT_EQ(lf_kv_arena_init(&a, &ps), LF_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(lf_last_error()).find("multiple of 32"), std::string::npos)

@@ -403,21 +403,21 @@ TEST(AttnDecode, RejectsBadArgumentsAndCorruptState) {
 /* ------------------------------------------------------------------------------------------- */
 
 TEST(Pool, BytesMatchArenaFootprint) {
-  lf_pool_shape s{3, 2, 4, 16, 8, 0, 0};
+  lf_pool_shape s{3, 2, 4, 16, 8, 0, 0, nullptr};
   const uint64_t slots = 2ull * 4 * 16;
   EXPECT_EQ(lf_pool_bytes(&s),
             slots * (2 * 8 * 4 + 4 + 4 + 4) + 2ull * 4 * 2 * 4 + 8 + sizeof(int) + 1);
   lf_pool_shape bad = s;
   bad.budget = 0;
   EXPECT_EQ(lf_pool_bytes(&bad), 0u);
-  lf_pool_shape huge{1, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 0, 0};
+  lf_pool_shape huge{1, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 0, 0, nullptr};
   EXPECT_EQ(lf_pool_bytes(&huge), 0u); /* overflows 64 bits */
 }
 
 // The device arena: bf16 K and V, ||v||_1 and position per slot, and h2o's accumulator only
 // when the shape asks for it; n and next per head.
 TEST(Pool, DeviceBytesCountH2oAccumulatorsOnlyForH2o) {
-  lf_pool_shape s{3, 2, 4, 16, 8, 0, 0};
+  lf_pool_shape s{3, 2, 4, 16, 8, 0, 0, nullptr};
   const uint64_t slots = 2ull * 4 * 16, heads = 2ull * 4;
   EXPECT_EQ(lf_pool_bytes_device(&s, 0), slots * (2 * 8 * 2 + 4 + 4) + heads * 2 * 4);
   EXPECT_EQ(lf_pool_bytes_device(&s, 1), slots * (2 * 8 * 2 + 4 + 4 + 4) + heads * 2 * 4);
@@ -425,17 +425,17 @@ TEST(Pool, DeviceBytesCountH2oAccumulatorsOnlyForH2o) {
 
 TEST(Pool, InitRejectsBadShapes) {
   lf_kv_arena a;
-  lf_pool_shape s{2, 1, 1, 0, 8, 0, 0};
+  lf_pool_shape s{2, 1, 1, 0, 8, 0, 0, nullptr};
   EXPECT_EQ(lf_kv_arena_init(&a, &s), LF_ERR_INVALID_ARG);
   EXPECT_EQ(a.k, nullptr);
-  lf_pool_shape huge{1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 0, 0};
+  lf_pool_shape huge{1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 0, 0, nullptr};
   EXPECT_EQ(lf_kv_arena_init(&a, &huge), LF_ERR_OUT_OF_MEMORY);
   EXPECT_STRNE(lf_last_error(), "");
   lf_kv_arena_free(&a); /* safe on a failed init */
 }
 
 TEST(Pool, TakeGiveLifoAndErrors) {
-  lf_pool_shape s{3, 2, 2, 4, 4, 0, 0};
+  lf_pool_shape s{3, 2, 2, 4, 4, 0, 0, nullptr};
   lf_kv_arena a;
   ASSERT_EQ(lf_kv_arena_init(&a, &s), LF_OK);
   int p0, p1, p2, p3;
@@ -459,7 +459,7 @@ TEST(Pool, TakeGiveLifoAndErrors) {
 
 TEST(Pool, TakeResetsMetadataAndViewsAreDisjoint) {
   Rng rng(lf_test_seed_for("Pool.TakeResetsMetadataAndViewsAreDisjoint"));
-  const lf_pool_shape s{2, 3, 2, 6, 4, 0, 0};
+  const lf_pool_shape s{2, 3, 2, 6, 4, 0, 0, nullptr};
   lf_kv_arena a;
   ASSERT_EQ(lf_kv_arena_init(&a, &s), LF_OK);
   int p;

@@ -599,7 +599,7 @@ TEST(Scheduler, PoolsForMemory) {
 
   // The engine sizes its pools from kv_memory_bytes when n_pools is 0.
   lf_engine_config cfg = base_config(tiny_llama(), LF_POLICY_LONGFLOW, 64, 0, 0);
-  lf_pool_shape ps = {1, 2, 2, 64, 16, 0, 0}; // tiny llama: 2 layers, 2 KV heads, head_dim 16
+  lf_pool_shape ps = {1, 2, 2, 64, 16, 0, 0, nullptr}; // tiny llama: 2 layers, 2 KV heads, head_dim 16
   const uint64_t pb = lf_pool_bytes(&ps);
   cfg.kv_memory_bytes = pb * 7 + pb / 2;
   cfg.mem_util = 0.9; // 6.75 pools

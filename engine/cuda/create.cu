@@ -88,6 +88,7 @@ static void free_device_side_locked(cuda_backend *c) {
   cudaFree(c->pv.pos);
   cudaFree(c->pv.n);
   cudaFree(c->pv.next);
+  cudaFree(c->d_lbud);
   void *bufs[] = {c->x,     c->xb,    c->qkv,  c->qb,      c->kb,       c->vb,
                   c->att,   c->gu,    c->hb,   c->xf,      c->logits,   c->probs,
                   c->w,     c->ml,    c->snap, c->slot_of, c->ptok,     c->attn_ws,
@@ -133,6 +134,9 @@ static void cuda_free(lf_backend *b) {
   free(c->tunes);
   lf_pool_list_free(&c->pools);
   free(c->host_n);
+  free(c->lv);
+  free(c->lbud);
+  free(c->lrecent);
   free(c->segs);
   free(c->kinds);
   free(c);
@@ -148,7 +152,7 @@ static lf_status size_pools(cuda_backend *c) {
   const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
   const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim,
                             (int)c->p.kv_dtype,
-                            c->p.policy == LF_POLICY_RKV ? c->p.rkv_stage : 0};
+                            c->p.policy == LF_POLICY_RKV ? c->p.rkv_stage : 0, c->p.layer_budget};
   const uint64_t arena = lf_pool_bytes_device(&ps, lf_policy_accumulates(c->p.policy));
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
@@ -160,13 +164,13 @@ static lf_status size_pools(cuda_backend *c) {
   const uint64_t item = vbytes + (uint64_t)m->dim * 2 + (uint64_t)m->n_kv_heads * 4 + 64 +
                         sizeof(lf_sample_params) + row; /* row: charged even below max_chunk */
   const uint64_t h2o_cs = c->p.policy == LF_POLICY_H2O
-                              ? (uint64_t)m->n_heads * ((uint64_t)c->p.budget + T) * 4
+                              ? (uint64_t)m->n_heads * ((uint64_t)c->bmax + T) * 4
                               : 0; /* h2o's prefill column sums */
   const uint64_t fixed = T * row + 2 * T * (uint64_t)c->kd * 2 + T * m->n_heads * 8 +
                          (uint64_t)m->n_kv_heads * T * 12 + lf_cuda_sample_sort_bytes(m->vocab_size) +
                          h2o_cs +
                          (c->p.kv_dtype != LF_KV_BF16 /* a chunk's dequantized slots */
-                              ? 2 * (uint64_t)m->n_kv_heads * c->p.budget * m->head_dim * 2
+                              ? 2 * (uint64_t)m->n_kv_heads * c->bmax * m->head_dim * 2
                               : 0) +
                          ((uint64_t)64 << 20) /* attention split workspace, graphs, slack */;
   size_t free_b = 0, total_b = 0;
@@ -213,6 +217,16 @@ static lf_status check_config(cuda_backend *c) {
                     "even head_dim; int4 and k8v4 need a multiple of %d)",
                     lf_kv_dtype_str(p->kv_dtype), D, LF_I4_GROUP);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
+  for (int l = 0; p->layer_budget && l < c->cfg.n_layers; l++) {
+    const lf_attn_params a =
+        lf_attn_params_for_budget(&c->ap, p->h2o_recent, p->rkv_obs, c->lbud[l], c->bmin);
+    if (lf_attn_params_check(&a, c->lbud[l]) != LF_OK) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", lf_last_error());
+      return lf_error(LF_ERR_INVALID_ARG, "cuda backend: layer %d (budget %d): %s", l, c->lbud[l],
+                      why);
+    }
+  }
   if (p->n_pools < 0) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: n_pools %d", p->n_pools);
   if (c->comm && !c->comm->device)
     return lf_error(LF_ERR_INVALID_ARG,
@@ -252,7 +266,7 @@ static lf_status create_tables(cuda_backend *c) {
   const lf_backend_params *p = &c->p;
   const int D = c->cfg.head_dim;
   LF_TRY(lf_pool_list_init(&c->pools, p->n_pools));
-  c->host_n = (int *)calloc((size_t)p->n_pools, sizeof(int));
+  c->host_n = (int *)calloc((size_t)p->n_pools * c->cfg.n_layers, sizeof(int));
   c->segs = (pass_seg *)calloc((size_t)p->n_pools, sizeof(pass_seg));
   c->kinds = (uint8_t *)calloc((size_t)p->n_pools, 1);
   if (!c->host_n || !c->segs || !c->kinds)
@@ -267,13 +281,18 @@ static lf_status create_tables(cuda_backend *c) {
   return LF_OK;
 }
 
-/* The pool arena: K/V in the pool dtype, per-slot metadata and each policy's state. */
+/* The pool arena: K/V in the pool dtype, per-slot metadata and each policy's state, layer-major
+ * ([layer][pool][head][slot]) so that layer l's part is a view of one layer with its own budget
+ * (lv[l]); pv keeps the allocations. */
 static lf_status create_arena(cuda_backend *c) {
   const lf_model_config *m = &c->cfg;
   const lf_backend_params *p = &c->p;
-  const int hkv = m->n_kv_heads, D = m->head_dim;
-  const size_t heads = (size_t)p->n_pools * m->n_layers * hkv, slots = heads * p->budget;
-  c->pv.n_layers = m->n_layers;
+  const int hkv = m->n_kv_heads, D = m->head_dim, L = m->n_layers;
+  const size_t heads = (size_t)p->n_pools * L * hkv, ph = (size_t)p->n_pools * hkv;
+  size_t slots = 0;
+  for (int l = 0; l < L; l++) slots += ph * (size_t)c->lbud[l];
+  c->pv_pools = p->n_pools;
+  c->pv.n_layers = L;
   c->pv.n_kv_heads = hkv;
   c->pv.budget = p->budget;
   c->pv.head_dim = D;
@@ -287,8 +306,8 @@ static lf_status create_arena(cuda_backend *c) {
   if (p->kv_dtype != LF_KV_BF16) {
     CB_ALLOC(c->pv.k_scale, slots * kmb);
     CB_ALLOC(c->pv.v_scale, slots * vmb);
-    CB_ALLOC(c->pv.deq_k, (size_t)hkv * p->budget * D * 2);
-    CB_ALLOC(c->pv.deq_v, (size_t)hkv * p->budget * D * 2);
+    CB_ALLOC(c->pv.deq_k, (size_t)hkv * c->bmax * D * 2);
+    CB_ALLOC(c->pv.deq_v, (size_t)hkv * c->bmax * D * 2);
   }
   CB_ALLOC(c->pv.vnorm, slots * 4);
   CB_ALLOC(c->pv.pos, slots * 4);
@@ -303,17 +322,47 @@ static lf_status create_arena(cuda_backend *c) {
     LF_CUDA_CHECK(cudaMemset(c->pv.acc, 0, slots * 4));
   }
   if (p->policy == LF_POLICY_H2O) /* the prefill column sums of one chunk over the pool's slots
-                                   * and the chunk ([n_heads][budget + max_chunk]) */
-    CB_ALLOC(c->h2o_cs, (size_t)m->n_heads * ((size_t)p->budget + (size_t)c->max_chunk) * 4);
+                                   * and the chunk ([n_heads][bmax + max_chunk]) */
+    CB_ALLOC(c->h2o_cs, (size_t)m->n_heads * ((size_t)c->bmax + (size_t)c->max_chunk) * 4);
   if (p->policy == LF_POLICY_RKV) {
-    /* rkv: per (pool, layer, head) the staged overwrite order and the steps since its
+    /* rkv: per (layer, pool, head) the staged overwrite order and the steps since its
      * selection (cb_pool_take resets both) */
     CB_ALLOC(c->pv.queue, heads * (size_t)p->rkv_stage * 4);
     LF_CUDA_CHECK(cudaMemset(c->pv.queue, 0xff, heads * (size_t)p->rkv_stage * 4));
     CB_ALLOC(c->pv.since, heads * 4);
     LF_CUDA_CHECK(cudaMemset(c->pv.since, 0xff, heads * 4));
     c->pv.stage = p->rkv_stage;
-    c->pv.obs = c->ap.rkv_obs; /* resolved once, in lf_backend_cuda_create */
+  }
+  CB_ALLOC(c->d_lbud, (size_t)L * sizeof(int));
+  LF_CUDA_CHECK(cudaMemcpy(c->d_lbud, c->lbud, (size_t)L * sizeof(int), cudaMemcpyHostToDevice));
+  /* the per-layer views */
+  c->lv = (lf_cuda_pool_view *)calloc((size_t)L, sizeof *c->lv);
+  if (!c->lv) return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: layer views");
+  size_t s0 = 0; /* first slot of layer l */
+  for (int l = 0; l < L; l++) {
+    lf_cuda_pool_view *v = &c->lv[l];
+    const size_t h0 = (size_t)l * ph;
+    *v = c->pv;
+    v->n_layers = 1;
+    v->budget = c->lbud[l];
+    v->k = (uint8_t *)c->pv.k + s0 * krb;
+    v->v = (uint8_t *)c->pv.v + s0 * vrb;
+    if (c->pv.k_scale) {
+      v->k_scale = (float *)((uint8_t *)c->pv.k_scale + s0 * kmb);
+      v->v_scale = (float *)((uint8_t *)c->pv.v_scale + s0 * vmb);
+    }
+    v->vnorm = c->pv.vnorm + s0;
+    v->pos = c->pv.pos + s0;
+    if (c->pv.acc) v->acc = c->pv.acc + s0;
+    v->n = c->pv.n + h0;
+    v->next = c->pv.next + h0;
+    if (c->pv.queue) {
+      v->queue = c->pv.queue + h0 * (size_t)p->rkv_stage;
+      v->since = c->pv.since + h0;
+      /* rkv's window of this layer's budget (lf_attn_params_for_budget) */
+      v->obs = lf_rkv_obs_resolve(p->rkv_obs, c->lbud[l], p->sink, p->rkv_stage);
+    }
+    s0 += ph * (size_t)c->lbud[l];
   }
   return LF_OK;
 }
@@ -372,7 +421,7 @@ static lf_status create_attention(cuda_backend *c) {
     /* Split counts fall as the batch grows and are at their minimum once a batch fills the
      * SMs: the sizes up to a few hundred, and the largest, cover every batch. */
     for (int ns = 1; ns <= c->max_items; ns = ns < 512 ? ns + 1 : c->max_items) {
-      const size_t wb = lf_cuda_decode_attn_workspace_bytes(ns, hkv, p->budget, c->group, D, 0);
+      const size_t wb = lf_cuda_decode_attn_workspace_bytes(ns, hkv, c->bmax, c->group, D, 0);
       if (wb > c->attn_ws_bytes) c->attn_ws_bytes = wb;
       if (ns == c->max_items) break;
     }
@@ -380,14 +429,14 @@ static lf_status create_attention(cuda_backend *c) {
     LF_TRY(lf_cuda_decode_attn_workspace_init(c->attn_ws, c->attn_ws_bytes, c->stream));
   } else {
     CB_ALLOC(c->simple_scratch,
-             lf_cuda_decode_attn_simple_scratch(c->max_items, m->n_heads, p->budget) * 4);
+             lf_cuda_decode_attn_simple_scratch(c->max_items, m->n_heads, c->bmax) * 4);
   }
   c->evict_per = lf_evict_group_heads(p->scope, p->scope_groups, hkv);
   if (!c->evict_per)
     return lf_error(LF_ERR_INVALID_ARG, "cuda backend: %d KV heads do not split into %d "
                     "eviction groups", hkv, p->scope_groups);
   if (c->evict_per > 1 && (p->policy == LF_POLICY_LONGFLOW || p->policy == LF_POLICY_H2O))
-    CB_ALLOC(c->scores, (size_t)c->max_items * hkv * p->budget * 4);
+    CB_ALLOC(c->scores, (size_t)c->max_items * hkv * c->bmax * 4);
   c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
   CB_ALLOC(c->sort_ws, c->sort_ws_bytes);
   return LF_OK;
@@ -441,12 +490,17 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
                                             lf_backend **out) {
   if (!ck || !p || !out) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: NULL argument");
   *out = NULL;
-  if (p->policy == LF_POLICY_RKV && (p->budget > LF_CUDA_RKV_MAX_BUDGET || p->rkv_stage < 1))
-    return lf_error(LF_ERR_UNSUPPORTED,
-                    "cuda backend: policy rkv takes budgets up to %d slots and rkv_stage >= 1 "
-                    "(budget %d, rkv_stage %d; the cpu backend takes any)",
-                    LF_CUDA_RKV_MAX_BUDGET, p->budget, p->rkv_stage);
   const lf_model_config *m = &ck->cfg;
+  {
+    const lf_pool_shape one = {1, m->n_layers, 1, p->budget, 1, 0, 0, p->layer_budget};
+    const int bmax = lf_pool_budget_max(&one);
+    if (p->policy == LF_POLICY_RKV && (bmax > LF_CUDA_RKV_MAX_BUDGET || p->rkv_stage < 1))
+      return lf_error(LF_ERR_UNSUPPORTED,
+                      "cuda backend: policy rkv takes budgets up to %d slots and rkv_stage >= 1 "
+                      "(budget %d%s, rkv_stage %d; the cpu backend takes any)",
+                      LF_CUDA_RKV_MAX_BUDGET, bmax, p->layer_budget ? " in a layer" : "",
+                      p->rkv_stage);
+  }
   const lf_comm_t comm = p->comm && p->comm->size > 1 ? p->comm : NULL;
   lf_shard sh;
   LF_TRY(lf_shard_plan(comm ? comm->rank : 0, comm ? comm->size : 1, m->n_heads, m->n_kv_heads,
@@ -463,7 +517,21 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->sh = sh;
   c->nv = sh.n_vocab;
   c->p = *p;
+  c->p.layer_budget = NULL; /* lbud holds them */
   m = &c->cfg;
+  c->lbud = (int *)malloc(sizeof(int) * (size_t)m->n_layers);
+  c->lrecent = (int *)malloc(sizeof(int) * (size_t)m->n_layers);
+  if (!c->lbud || !c->lrecent) {
+    cuda_free(&c->base);
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: layer tables");
+  }
+  for (int l = 0; l < m->n_layers; l++) c->lbud[l] = p->layer_budget ? p->layer_budget[l] : p->budget;
+  c->lmin = 0;
+  c->bmin = c->bmax = c->lbud[0];
+  for (int l = 1; l < m->n_layers; l++) {
+    if (c->lbud[l] < c->bmin) c->bmin = c->lbud[l], c->lmin = l;
+    if (c->lbud[l] > c->bmax) c->bmax = c->lbud[l];
+  }
   /* lf_backend's fields in order (name, forward, pool_take, pool_give, pools_free,
    * pool_slots_filled, free, max_compress_tokens: set below, once max_chunk is): C++17 has no
    * designated initializers */
@@ -485,6 +553,9 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->ap.group = c->group;
   c->ap.head_dim = m->head_dim;
   c->ap.scale = 1.0f / sqrtf((float)m->head_dim);
+  for (int l = 0; l < m->n_layers; l++)
+    c->lrecent[l] = lf_attn_params_for_budget(&c->ap, p->h2o_recent, p->rkv_obs, c->lbud[l], c->bmin)
+                        .h2o_recent;
   c->max_items = p->n_pools; /* n_pools 0: set by create() */
   lf_status s = apply_tuning(c);
   if (s == LF_OK) s = create(c);

@@ -29,10 +29,12 @@
  *   LM head GEMM over xf [items][dim] -> argmax / sampling on the device -> tokens to the host.
  * Residual adds are the GEMMs' beta = 1: the fp32 residual stream x is cuBLAS's C.
  *
- * Pools: the device arena has the memory/pool.h layout [pool][layer][kv_head][slot][dim] (bf16
- * K and V) with per-slot ||v||_1 and position and per-(pool, layer, head) n and next. The free
- * list and each pool's fill count n (the same for every layer and head) are mirrored on the
- * host, so admission, context-full checks and eviction counts never read the device.
+ * Pools: the device arena is layer-major, [layer][pool][kv_head][slot][dim] (bf16 K and V) with
+ * per-slot ||v||_1 and position and per-(layer, pool, head) n and next, and every kernel gets one
+ * layer of it as a view of n_layers 1 (lv[l]), so each layer may hold its own number of slots
+ * (per-layer budgets, lf_engine_config.layer_weights). The free list and each (pool, layer)'s
+ * fill count n (the same for every head) are mirrored on the host, so admission, context-full
+ * checks and eviction counts never read the device.
  * Every buffer is allocated at create for n_pools decode items and max_chunk prefill tokens; a
  * forward allocates nothing.
  */
@@ -144,9 +146,18 @@ typedef struct cuda_backend {
   float *inv_freq;    /* [head_dim / 2] */
 
   /* pools */
-  lf_cuda_pool_view pv; /* k, v, vnorm, pos, n, next: the device arena */
+  lf_cuda_pool_view pv; /* the device arena's allocations (layer-major; kernels get lv[l]) */
+  lf_cuda_pool_view *lv; /* [n_layers] layer l's part of the arena as a view of one layer */
+  int *lbud;    /* [n_layers] slots per (pool, head) of each layer (p.budget in each, unless
+                   p.layer_budget) */
+  int *lrecent; /* [n_layers] h2o's recent window of each layer (lf_attn_params_for_budget) */
+  int bmin, bmax, lmin; /* the smallest and largest layer budget; lmin: the first layer of bmin,
+                           whose fill decides how a prompt chunk enters a pool */
+  int *d_lbud;      /* device copy of lbud (the pool-reset kernel) */
+  int pv_pools;     /* the pools the arena was laid out for (its per-layer stride; a later
+                       lf_backend_cuda_limit_pools leaves it) */
   lf_pool_list pools; /* which pools are free (memory/pool.h) */
-  int *host_n; /* [n_pools] fill count mirror */
+  int *host_n; /* [n_pools][n_layers] fill count mirror */
 
   /* activations, rows = max_items + max_chunk (a mixed pass: a prompt chunk and every decode
    * item) */
@@ -164,7 +175,7 @@ typedef struct cuda_backend {
   int32_t *w;    /* [max_items][n_kv_heads] slot written this step */
   float *ml;     /* [max_chunk][n_heads][2] prefill softmax (max, sum) */
   float *snap;   /* [n_kv_heads][2][max_chunk] */
-  float *h2o_cs; /* h2o only: [n_heads][budget + max_chunk] a chunk's column sums */
+  float *h2o_cs; /* h2o only: [n_heads][bmax + max_chunk] a chunk's column sums */
   int32_t *slot_of; /* [n_kv_heads][max_chunk] */
   int32_t *ptok;    /* [rows] a pass's tokens: prompt chunks, then the decode items' */
   int32_t *h_ptok;  /* pinned host staging of ptok */
@@ -173,7 +184,7 @@ typedef struct cuda_backend {
   float *simple_scratch; /* generic decode attention logits */
   int evict_per;  /* KV heads per eviction decision: 1 (scope head), or a group of the layer's
                      (scope layer: all this rank's, or n_kv / scope_groups) */
-  float *scores;  /* [max_items][n_kv_heads][budget] layer scope, longflow or h2o: every
+  float *scores;  /* [max_items][n_kv_heads][bmax] layer scope, longflow or h2o: every
                      candidate's score for lf_cuda_layer_argmin (NULL otherwise) */
   void *sort_ws;
   size_t sort_ws_bytes;
@@ -255,7 +266,13 @@ enum {
 lf_status cb_pool_take(lf_backend *b, int *pool);
 /* rkv: n_heads (pool, layer, KV head) entries from h0 on back to no selection and an empty
  * observation window (since -1, acc 0), on c->stream. */
-lf_status cb_rkv_reset(cuda_backend *c, size_t h0, size_t n_heads);
+/* rkv after a prompt chunk: no selection and an empty observation window for pool's heads of
+ * layer l. */
+lf_status cb_rkv_reset(cuda_backend *c, int pool, int l);
+/* The host mirror of pool's fill count in layer l, and in the layer that decides prompt kinds. */
+static inline int *cb_host_n(cuda_backend *c, int pool, int l) {
+  return &c->host_n[(size_t)pool * c->cfg.n_layers + l];
+}
 lf_status cb_pool_give(lf_backend *b, int pool);
 int cb_pools_free(lf_backend *b);
 int cb_pool_slots_filled(lf_backend *b, int pool);

@@ -100,9 +100,9 @@ static lf_status decode_rope(cuda_backend *c, const cuda_layer *L, int l, int Tp
   a.qkv = c->qkv + (size_t)Tp * c->qkv_dim;
   a.q_out = c->qb + (size_t)Tp * c->qd;
   a.pos = c->d_step.pos;
-  a.pool = c->pv;
+  a.pool = c->lv[l];
   a.pool_ids = c->d_step.pool;
-  a.layer = l;
+  a.layer = 0; /* lv[l]: layer l as a view of one layer */
   a.sink = c->p.sink;
   a.policy = c->p.policy;
   a.w = c->w;
@@ -114,8 +114,8 @@ static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, b
                                         cudaStream_t st) {
   lf_decode_attn_args d;
   memset(&d, 0, sizeof d);
-  d.pool = c->pv;
-  d.layer = l;
+  d.pool = c->lv[l];
+  d.layer = 0;
   d.n_seq = nd;
   d.pool_ids = c->d_step.pool;
   d.w = c->w;
@@ -125,7 +125,7 @@ static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, b
   d.group = c->group;
   d.sink = c->p.sink;
   d.policy = c->p.policy;
-  d.recent = c->ap.h2o_recent;
+  d.recent = c->lrecent[l];
   d.scale = c->ap.scale;
   d.n_splits = 0; /* lf_cuda_decode_attn_splits */
   d.workspace = c->attn_ws;
@@ -139,8 +139,8 @@ static lf_status decode_attention_fused(cuda_backend *c, int l, const bf16 *q, b
 static lf_status rkv_due(cuda_backend *c, int l, int nd, cudaStream_t st) {
   lf_rkv_select_args a;
   memset(&a, 0, sizeof a);
-  a.pool = c->pv;
-  a.layer = l;
+  a.pool = c->lv[l];
+  a.layer = 0;
   a.heads_per_scope = c->evict_per;
   a.n_scopes = nd * (c->cfg.n_kv_heads / c->evict_per);
   a.pool_ids = c->d_step.pool;
@@ -155,8 +155,8 @@ static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd, cudaSt
   const bf16 *q = c->qb + (size_t)Tp * c->qd;
   bf16 *out = c->att + (size_t)Tp * c->qd;
   if (!c->use_fused) {
-    LF_TRY(lf_cuda_decode_attn_simple(&c->pv, l, nd, c->d_step.pool, c->w, c->cfg.n_heads, q,
-                                      c->ap.scale, c->p.sink, c->p.policy, c->ap.h2o_recent, out,
+    LF_TRY(lf_cuda_decode_attn_simple(&c->lv[l], 0, nd, c->d_step.pool, c->w, c->cfg.n_heads, q,
+                                      c->ap.scale, c->p.sink, c->p.policy, c->lrecent[l], out,
                                       c->simple_scratch, c->scores, st));
   } else {
     LF_TRY(decode_attention_fused(c, l, q, out, nd, st));
@@ -164,8 +164,8 @@ static lf_status decode_attention(cuda_backend *c, int l, int Tp, int nd, cudaSt
   if (c->p.policy == LF_POLICY_RKV) return rkv_due(c, l, nd, st);
   /* layer scope: one slot per group of KV heads, from the scores the kernel left */
   if (!c->scores) return LF_OK;
-  return lf_cuda_layer_argmin(&c->pv, l, nd, c->d_step.pool, c->w, c->p.sink,
-                              c->p.policy == LF_POLICY_H2O ? c->ap.h2o_recent : 0, c->evict_per,
+  return lf_cuda_layer_argmin(&c->lv[l], 0, nd, c->d_step.pool, c->w, c->p.sink,
+                              c->p.policy == LF_POLICY_H2O ? c->lrecent[l] : 0, c->evict_per,
                               c->scores, st);
 }
 
@@ -182,7 +182,13 @@ static lf_status decode_rows(cuda_backend *c, const cuda_layer *L, int l, int Tp
  * filled slots and the chunk, then the pool write (append, or SnapKV's selection). */
 static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, const pass_seg *s) {
   const lf_model_config *m = &c->cfg;
-  const int B = c->p.budget;
+  const lf_cuda_pool_view *pv = &c->lv[l]; /* layer l, as a view of one layer */
+  const int B = pv->budget;
+  /* A prompt into an empty pool that overflows the smallest layer: each layer appends it when
+   * it fits that layer, and SnapKV-compresses it to the layer's own budget otherwise (the cpu
+   * reference decides per layer alike, attention.c) */
+  const int compress =
+      s->compress && lf_prefill_kind_of(c->p.policy, B, 0, s->T) == LF_PREFILL_COMPRESS;
   lf_qkv_rope_args a = rope_args(c, L, s->T);
   a.qkv = c->qkv + (size_t)s->row0 * c->qkv_dim;
   a.q_out = c->qb + (size_t)s->row0 * c->qd;
@@ -192,22 +198,19 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
   LF_TRY(lf_cuda_qkv_rope(&a, c->stream));
   bf16 *q = (bf16 *)a.q_out, *k = (bf16 *)a.k_out, *v = (bf16 *)a.v_out;
   const int h2o = c->p.policy == LF_POLICY_H2O;
-  LF_TRY(lf_cuda_prefill_attn(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, v, c->ap.scale,
+  LF_TRY(lf_cuda_prefill_attn(pv, s->pool, 0, s->n0, m->n_heads, s->T, q, k, v, c->ap.scale,
                               c->att + (size_t)s->row0 * c->qd,
-                              s->compress || h2o ? c->ml : NULL, c->stream));
+                              compress || h2o ? c->ml : NULL, c->stream));
   /* rkv after a prompt chunk: no selection yet and an empty observation window for the pool's
    * heads of layer l, as the cpu prefill leaves them (attention.h) */
-  if (c->p.policy == LF_POLICY_RKV) {
-    const size_t hkv = (size_t)m->n_kv_heads;
-    LF_TRY(cb_rkv_reset(c, ((size_t)s->pool * m->n_layers + l) * hkv, hkv));
-  }
-  if (!s->compress) {
+  if (c->p.policy == LF_POLICY_RKV) LF_TRY(cb_rkv_reset(c, s->pool, l));
+  if (!compress) {
     /* h2o's column sums read the pool's n0 slots (8-bit: the copy the attention made), which
      * the append leaves alone */
     if (h2o)
-      LF_TRY(lf_cuda_h2o_prefill_acc(&c->pv, s->pool, l, s->n0, m->n_heads, s->T, q, k, c->ml,
+      LF_TRY(lf_cuda_h2o_prefill_acc(pv, s->pool, 0, s->n0, m->n_heads, s->T, q, k, c->ml,
                                      c->ap.scale, NULL, c->h2o_cs, c->stream));
-    return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, NULL, s->n0, s->n0 + s->T,
+    return lf_cuda_kv_store(pv, s->pool, 0, s->T, s->pos0, k, v, NULL, s->n0, s->n0 + s->T,
                             c->stream);
   }
   LF_TRY(lf_cuda_snapkv_select(m->n_heads, m->n_kv_heads, m->head_dim, s->T, B, c->p.sink,
@@ -215,9 +218,9 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
                                c->ap.scale, c->snap,
                                c->slot_of, c->stream));
   if (h2o)
-    LF_TRY(lf_cuda_h2o_prefill_acc(&c->pv, s->pool, l, 0, m->n_heads, s->T, q, k, c->ml,
+    LF_TRY(lf_cuda_h2o_prefill_acc(pv, s->pool, 0, 0, m->n_heads, s->T, q, k, c->ml,
                                    c->ap.scale, c->slot_of, c->h2o_cs, c->stream));
-  return lf_cuda_kv_store(&c->pv, s->pool, l, s->T, s->pos0, k, v, c->slot_of, 0, B - 1,
+  return lf_cuda_kv_store(pv, s->pool, 0, s->T, s->pos0, k, v, c->slot_of, 0, B - 1,
                           c->stream);
 }
 
@@ -338,7 +341,13 @@ static lf_status mixed_pass(cuda_backend *c, const lf_batch_item *items, const p
   c->in_prefill = 0;
   LF_TRY(st);
   for (int i = 0; i < n_seg; i++)
-    c->host_n[seg[i].pool] = seg[i].compress ? c->p.budget - 1 : seg[i].n0 + seg[i].T;
+    for (int l = 0; l < c->cfg.n_layers; l++) {
+      const int B = c->lbud[l];
+      *cb_host_n(c, seg[i].pool, l) =
+          seg[i].compress && lf_prefill_kind_of(c->p.policy, B, 0, seg[i].T) == LF_PREFILL_COMPRESS
+              ? B - 1
+              : seg[i].n0 + seg[i].T;
+    }
   return LF_OK;
 }
 
@@ -347,8 +356,10 @@ static lf_status mixed_pass(cuda_backend *c, const lf_batch_item *items, const p
  * model's KV heads (gcfg): under tensor parallelism every rank holds a part of them, and each
  * head evicts alike, so this is the model's total with each head counted once. */
 static uint64_t note_decode_write(cuda_backend *c, int pool) {
-  return lf_evict_count_write(&c->host_n[pool], c->p.budget, c->gcfg.n_layers,
-                              c->gcfg.n_kv_heads);
+  uint64_t ev = 0;
+  for (int l = 0; l < c->cfg.n_layers; l++)
+    ev += lf_evict_count_write(cb_host_n(c, pool, l), c->lbud[l], 1, c->gcfg.n_kv_heads);
+  return ev;
 }
 
 /* One decode step of one sequence (a prompt chunk run token by token); xf[row] when last. */
@@ -424,7 +435,8 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
                      float *logits_out) {
   cuda_backend *c = (cuda_backend *)b;
   const lf_model_config *m = &c->cfg;
-  const int B = c->p.budget, evicts = c->p.policy != LF_POLICY_FULL;
+  /* per-layer budgets: a prompt chunk's kind follows the smallest layer (lmin) */
+  const int B = c->bmin, evicts = c->p.policy != LF_POLICY_FULL;
   LF_CUDA_CHECK(cudaSetDevice(c->device));
   if (n < 0 || n > c->max_items)
     return lf_error(LF_ERR_INVALID_ARG, "cuda forward: %d items (at most %d, one per pool)", n,
@@ -456,7 +468,7 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
         r->status = lf_error(LF_ERR_INVALID_ARG, "token id %d out of range [0, %d)",
                              it->tokens[t], m->vocab_size);
     if (r->status != LF_OK) continue;
-    const int n0 = c->host_n[it->pool];
+    const int n0 = *cb_host_n(c, it->pool, c->lmin);
     if (!evicts && n0 + it->n_tok > B)
       r->status = lf_error(LF_ERR_CONTEXT_FULL,
                            "full policy: %d filled + %d new tokens exceed the budget of %d slots",
@@ -472,7 +484,7 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
   /* Every prompt's kind first: the ones run as decode steps change their pool's fill count. */
   for (int i = 0; i < n; i++)
     c->kinds[i] = res[i].status == LF_OK && items[i].n_tok > 1
-                      ? (uint8_t)lf_prefill_kind_of(c->p.policy, B, c->host_n[items[i].pool],
+                      ? (uint8_t)lf_prefill_kind_of(c->p.policy, B, *cb_host_n(c, items[i].pool, c->lmin),
                                                     items[i].n_tok)
                       : KIND_NONE;
   for (int i = 0; i < n; i++)
@@ -510,7 +522,7 @@ lf_status cb_forward(lf_backend *b, const lf_batch_item *items, int n, lf_batch_
   for (int i = 0; i < n; i++) {
     if (c->kinds[i] != LF_PREFILL_APPEND && c->kinds[i] != LF_PREFILL_COMPRESS) continue;
     const lf_batch_item *it = &items[i];
-    const int compress = c->kinds[i] == LF_PREFILL_COMPRESS, n0 = c->host_n[it->pool];
+    const int compress = c->kinds[i] == LF_PREFILL_COMPRESS, n0 = *cb_host_n(c, it->pool, c->lmin);
     for (int off = 0; off < it->n_tok; off += c->max_chunk) {
       const int T = it->n_tok - off < c->max_chunk ? it->n_tok - off : c->max_chunk;
       if (Tp + T > c->max_chunk) {

@@ -19,7 +19,7 @@ from typing import Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Uni
 from . import _lib
 
 __all__ = ["Engine", "LfserveError", "Prompt", "library_version", "library_path"]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, str]]]
@@ -44,7 +44,7 @@ def _check(code: int, what: str) -> None:
 
 
 def library_version() -> str:
-    """The loaded C library's version ("0.3.0")."""
+    """The loaded C library's version ("0.4.0")."""
     return _lib.load().lf_version().decode()
 
 
@@ -172,7 +172,7 @@ class Engine:
         """The settings the engine runs with, defaults resolved (lf_engine_resolved_config):
         backend, policy, evict_scope, kv_dtype (names), budget (the model's context when 0 was
         given), sink, window, h2o_recent, rkv_stage, n_pools, max_batch_tokens, max_queue,
-        max_seq_len, n_ranks, rkv_obs."""
+        max_seq_len, n_ranks, rkv_obs, budget_min, budget_max (per-layer budgets)."""
         rc = _lib.ResolvedConfig()
         _check(self._lib.lf_engine_resolved_config(self._live(), ctypes.byref(rc)),
                "resolved_config")

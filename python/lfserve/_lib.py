@@ -34,7 +34,8 @@ class EngineConfig(ctypes.Structure):
         ("evict_scope", ctypes.c_int), ("evict_groups", ctypes.c_int),
         ("lora_path", ctypes.c_char_p), ("h2o_recent", ctypes.c_int), ("kv_dtype", ctypes.c_int),
         ("host_mem_util", ctypes.c_double), ("max_pools", ctypes.c_int), ("rkv_stage", ctypes.c_int),
-        ("rkv_obs", ctypes.c_int),
+        ("rkv_obs", ctypes.c_int), ("layer_weights", ctypes.POINTER(ctypes.c_double)),
+        ("n_layer_weights", ctypes.c_int),
     ]
 
 
@@ -55,7 +56,7 @@ class ResolvedConfig(ctypes.Structure):
         ("window", ctypes.c_int), ("h2o_recent", ctypes.c_int), ("rkv_stage", ctypes.c_int),
         ("n_pools", ctypes.c_int), ("max_batch_tokens", ctypes.c_int),
         ("max_queue", ctypes.c_int), ("max_seq_len", ctypes.c_int), ("n_ranks", ctypes.c_int),
-        ("rkv_obs", ctypes.c_int),
+        ("rkv_obs", ctypes.c_int), ("budget_min", ctypes.c_int), ("budget_max", ctypes.c_int),
     ]
 
 

@@ -3,11 +3,15 @@
 queries (t >= prompt + B) put on keys older than B/2 (old_r) and older than B (old_b), the
 first four positions (sinks) left out, averaged over the group's query heads; B = --budget of
 the output. One full-KV pass of one task problem (tools/task/gen.py records, tokenized as
-tools/evict/run.py does), float32, through model.full_pass. The JSON feeds run.py's h2o-half-adainv diagnostic
-(per-layer budgets).
+tools/evict/run.py does), float32, through model.full_pass. The JSON feeds run.py's -adainv
+policies (per-layer budgets, --ada-calib); --weights also writes the engine's per-layer weights
+1 / (0.1 + the layer's mean mass beyond B) (run.py's ada_weights), one line per layer, for
+lfgen / lfbench / lfserve --layer-weights (lf_engine_config.layer_weights). --from converts a
+JSON written earlier without the pass.
 
     python3 tools/evict/layer_reads.py --lora models/smollm2-trace-lora --task train.jsonl \\
-        --tokenizer tok.json [--task-skip K] [--budget 0.2] --out reads.json
+        --tokenizer tok.json [--task-skip K] [--budget 0.2] --out reads.json [--weights w.txt]
+    python3 tools/evict/layer_reads.py --from reads.json --weights w.txt
 """
 import argparse
 import json
@@ -24,14 +28,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF dir or GGUF (default: SmolLM2 via tools/smollm2.sh)")
     ap.add_argument("--lora", default=None)
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--task")
+    ap.add_argument("--tokenizer")
     ap.add_argument("--task-skip", type=int, default=0, help="the record after the K shortest")
     ap.add_argument("--budget", type=float, default=0.2, help="B as a fraction of the output")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the JSON of old_r / old_b per (layer, KV head)")
+    ap.add_argument("--weights", help="also write the per-layer weights (--layer-weights' file)")
+    ap.add_argument("--from", dest="src", help="convert this JSON (no pass) to --weights")
     a = ap.parse_args()
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     sys.path.insert(0, HERE)
+    if a.src:
+        if not a.weights:
+            ap.error("--from needs --weights")
+        write_weights(a.src, a.weights)
+        return
+    if not (a.task and a.tokenizer and a.out):
+        ap.error("--task, --tokenizer and --out are required without --from")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     import numpy as np
     import model as evm
     import run as evr
@@ -48,6 +61,22 @@ def main():
            "old_r": stats["old_r"], "old_b": stats["old_b"]}
     with open(a.out, "w") as f:
         json.dump(res, f)
+    if a.weights:
+        write_weights(a.out, a.weights)
+
+
+def write_weights(src, dst):
+    """One weight per layer, repr precision, so lf_layer_budgets_from_weights gives exactly the
+    budgets run.py's ada_budgets does."""
+    import run as evr
+    cal = json.load(open(src))
+    w = evr.ada_weights(src)
+    with open(dst, "w") as f:
+        f.write("# per-layer budget weights, 1 / (0.1 + mean attention mass beyond B), from %s\n"
+                "# (problem %s, B %d; tools/evict/layer_reads.py)\n"
+                % (os.path.basename(src), cal.get("problem"), cal.get("B", 0)))
+        for x in w:
+            f.write("%r\n" % x)
 
 
 if __name__ == "__main__":
