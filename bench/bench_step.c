@@ -33,7 +33,9 @@
 
 #include "attention/attention.h"
 #include "base/clock.h"
+#include "launch/cli.h"
 #include "lfserve.h"
+#include "memory/pool.h"
 
 #if defined(LF_HAVE_CUDA) && defined(LF_HAVE_CUDA_BACKEND)
 #include <cuda_profiler_api.h>
@@ -75,8 +77,10 @@ static double weight_bytes(const lf_model_config *m) {
 /* One model: create, fill the pools, time each batch size; rows appended to json. */
 static int run_model(const char *model, const int *batches, int nb, int budget, int steps,
                      int warmup, double copy_gbs, FILE *json, int *first_row, lf_comm_t comm,
-                     lf_kv_dtype kv_dtype, lf_policy policy, int rkv_stage) {
+                     lf_kv_dtype kv_dtype, lf_policy policy, int rkv_stage,
+                     const double *lw, int n_lw) {
   int rc = 0, max_b = 0;
+  int *lb = NULL; /* per-layer budgets from --layer-weights */
   for (int i = 0; i < nb; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
   lf_checkpoint ck;
   memset(&ck, 0, sizeof ck);
@@ -94,6 +98,31 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   lf_backend_params p = {.policy = policy, .budget = budget, .sink = 4, .window = 32,
                          .n_pools = max_b, .comm = comm, .kv_dtype = kv_dtype,
                          .rkv_stage = policy == LF_POLICY_RKV ? rkv_stage : 0};
+  int fill = budget - 1, extra = 0; /* prompt tokens per pool; decode steps that fill the rest */
+  if (lw) {
+    if (n_lw != m->n_layers) {
+      fprintf(stderr, "lfbench step: %s has %d layers, --layer-weights %d weights\n", model,
+              m->n_layers, n_lw);
+      lf_checkpoint_close(&ck);
+      return 1;
+    }
+    lb = malloc(sizeof(int) * (size_t)m->n_layers);
+    if (!lb || lf_layer_budgets_from_weights(lw, m->n_layers, budget, lb) != LF_OK) {
+      fprintf(stderr, "lfbench step: layer budgets: %s\n", lb ? lf_last_error() : "no memory");
+      free(lb);
+      lf_checkpoint_close(&ck);
+      return 1;
+    }
+    int bmin = lb[0], bmax = lb[0];
+    for (int l = 1; l < m->n_layers; l++) {
+      bmin = lb[l] < bmin ? lb[l] : bmin;
+      bmax = lb[l] > bmax ? lb[l] : bmax;
+    }
+    p.layer_budget = lb;
+    p.rkv_stage = policy == LF_POLICY_RKV ? lf_rkv_stage_resolve(rkv_stage, bmin, 4, 0) : 0;
+    fill = bmin - 1; /* appended in every layer; decode steps then fill the larger ones */
+    extra = bmax - bmin + 1;
+  }
   const int tp = comm ? comm->size : 1;
   double t0 = lf_now_s();
   if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);
@@ -122,18 +151,29 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   t0 = lf_now_s();
   for (int i = 0; i < max_b; i++) {
     if (b->pool_take(b, &pools[i]) != LF_OK) STEP_FAIL("pool_take");
-    for (int k = 0; k < budget - 1; k++) prompt[k] = (int32_t)rnd((uint32_t)m->vocab_size);
+    for (int k = 0; k < fill; k++) prompt[k] = (int32_t)rnd((uint32_t)m->vocab_size);
     lf_batch_item it;
     memset(&it, 0, sizeof it);
     it.pool = pools[i];
-    it.n_tok = budget - 1;
+    it.n_tok = fill;
     it.tokens = prompt;
     if (b->forward(b, &it, 1, &res[0], NULL) != LF_OK || res[0].status != LF_OK)
       STEP_FAIL("prefill of pool %d", i);
     last[i] = res[0].token;
   }
+  int32_t pos = fill;
+  for (int st = 0; st < extra; st++, pos++) { /* per-layer budgets: every layer full */
+    for (int i = 0; i < max_b; i++) {
+      memset(&items[i], 0, sizeof items[i]);
+      items[i].pool = pools[i];
+      items[i].pos0 = pos;
+      items[i].n_tok = 1;
+      items[i].tokens = &last[i];
+    }
+    if (b->forward(b, items, max_b, res, NULL) != LF_OK) STEP_FAIL("filling decode step");
+    for (int i = 0; i < max_b; i++) last[i] = res[i].token;
+  }
   const double t_fill = lf_now_s() - t0;
-  int32_t pos = budget - 1;
   const double wb = weight_bytes(m);
   for (int bi = 0; bi < nb; bi++) {
     const int bs = batches[bi];
@@ -199,6 +239,7 @@ done:
   free(items);
   free(res);
   free(t);
+  free(lb);
   return rc;
 }
 
@@ -208,7 +249,8 @@ int bench_step(int argc, char **argv) {
   int batches[STEP_MAX_LIST] = {1, 64}, nb = 2, budget = 1024, steps = 50, warmup = 5, tp = 0;
   lf_kv_dtype kv_dtype = LF_KV_BF16;
   lf_policy policy = LF_POLICY_LONGFLOW;
-  int rkv_stage = 0;
+  int rkv_stage = 0, n_lw = 0;
+  double *lw = NULL; /* --layer-weights */
   for (int i = 1; i < argc; i++) {
     const char *o = argv[i];
     if (!strcmp(o, "--tp")) {
@@ -224,6 +266,9 @@ int bench_step(int argc, char **argv) {
              "  --kv-dtype bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
              "  --policy P: the eviction policy (default longflow; h2o keeps budget / 2 recent)\n"
              "  --rkv-stage S: rkv's stage (default 0: LF_RKV_STAGE_DEFAULT)\n"
+             "  --layer-weights F: per-layer budgets (lfgen's option; one weight per layer of\n"
+             "    each model): pools filled with the smallest layer's room, then decode steps\n"
+             "    until every layer is full\n"
              "  --tp: tensor parallel over the ranks of mpirun -np T (NCCL, one GPU each)\n");
       return 0;
     }
@@ -251,6 +296,13 @@ int bench_step(int argc, char **argv) {
       }
     } else if (!strcmp(o, "--rkv-stage")) {
       rkv_stage = atoi(v);
+    } else if (!strcmp(o, "--layer-weights")) {
+      char why[256];
+      free(lw);
+      if (lf_cli_read_weights(v, &lw, &n_lw, why, sizeof why)) {
+        fprintf(stderr, "lfbench step: --layer-weights: %s\n", why);
+        return 2;
+      }
     } else if (!strcmp(o, "--kv-dtype")) {
       if (lf_kv_dtype_parse(v, &kv_dtype) != LF_OK) {
         fprintf(stderr, "lfbench step: %s\n", lf_last_error());
@@ -321,7 +373,8 @@ int bench_step(int argc, char **argv) {
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))
     rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first, comm,
-                    kv_dtype, policy, rkv_stage);
+                    kv_dtype, policy, rkv_stage, lw, n_lw);
+  free(lw);
   if (json) {
     fprintf(json, "\n  ]\n}\n");
     fclose(json);
