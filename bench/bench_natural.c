@@ -27,7 +27,9 @@
 #include "base/error.h"
 #include "engine/backend.h"
 #include "engine/model.h"
+#include "launch/cli.h"
 #include "lfserve.h"
+#include "memory/pool.h"
 
 #define NAT_MAX_LIST 16
 #define NAT_MAX_PROMPTS 64
@@ -44,6 +46,9 @@ typedef struct nat_opts {
   int n_fractions;
   int budgets[NAT_MAX_LIST]; /* --budgets: slots, instead of the fractions */
   int n_budgets;
+  const char *lw_path; /* --layer-weights: per-layer budgets for every policy run */
+  double *lw;
+  int n_lw;
 } nat_opts;
 
 typedef struct nat_run {
@@ -76,6 +81,7 @@ static void nat_usage(FILE *f) {
           "                      evicts: its KL is 0, its top-1 1)\n"
           "  --scope S           head | layer (default head)\n"
           "  --rkv-stage S       rkv's stage (default 0: %d, halved to fit the budget)\n"
+          "  --layer-weights F   per-layer budgets for the policy runs (lfgen's option)\n"
           "  --kv-dtype T        bf16|fp8|int8|int4|k8v4 (default bf16; the full run too)\n"
           "  --backend B         auto | cpu | cuda (default auto)\n"
           "  --threads T         cpu backend threads (default 0: OpenMP's default)\n"
@@ -128,6 +134,15 @@ static int nat_parse(int argc, char **argv, nat_opts *o) {
     else if (!strcmp(a, "--prompts")) o->prompts = v;
     else if (!strcmp(a, "--json")) o->json = v;
     else if (!strcmp(a, "--chat-format")) o->chat_format = v;
+    else if (!strcmp(a, "--layer-weights")) {
+      char why[256];
+      free(o->lw);
+      o->lw_path = v;
+      if (lf_cli_read_weights(v, &o->lw, &o->n_lw, why, sizeof why)) {
+        fprintf(stderr, "lfbench natural: --layer-weights: %s\n", why);
+        return 2;
+      }
+    }
     else if (!strcmp(a, "--n") || !strcmp(a, "--max-tokens") || !strcmp(a, "--threads") ||
              !strcmp(a, "--rkv-stage")) {
       errno = 0;
@@ -215,8 +230,24 @@ static lf_status nat_backend(const nat_opts *o, const lf_checkpoint *ck, lf_poli
   lf_backend_params p = {.policy = policy, .scope = o->scope, .budget = budget, .sink = 4,
                          .window = 32, .kv_dtype = o->kv_dtype, .n_pools = n_pools,
                          .n_threads = o->threads, .no_graphs = 0};
-  p.rkv_stage = lf_rkv_stage_resolve(o->rkv_stage, p.budget, p.sink, p.rkv_obs);
-  LF_TRY(lf_backend_create(o->backend, ck, &p, b));
+  int bmin = budget, *lb = NULL;
+  if (o->lw) { /* per-layer budgets: the engine's rule (lf_layer_budgets_from_weights) */
+    const int L = ck->cfg.n_layers;
+    if (o->n_lw != L)
+      return lf_error(LF_ERR_INVALID_ARG, "--layer-weights: %d weights for %d layers", o->n_lw, L);
+    if (!(lb = malloc(sizeof(int) * (size_t)L))) return lf_error(LF_ERR_OUT_OF_MEMORY, "budgets");
+    lf_status s = lf_layer_budgets_from_weights(o->lw, L, budget, lb);
+    if (s != LF_OK) {
+      free(lb);
+      return s;
+    }
+    for (int l = 0; l < L; l++) bmin = lb[l] < bmin ? lb[l] : bmin;
+    p.layer_budget = lb;
+  }
+  p.rkv_stage = lf_rkv_stage_resolve(o->rkv_stage, bmin, p.sink, p.rkv_obs);
+  const lf_status cs = lf_backend_create(o->backend, ck, &p, b); /* it keeps its own copy */
+  free(lb);
+  LF_TRY(cs);
   for (int i = 0; i < n_pools; i++) LF_TRY((*b)->pool_take(*b, &pools[i]));
   return LF_OK;
 }
@@ -243,9 +274,9 @@ static void nat_json(const nat_opts *o, const char *model_name, int P, const int
   }
   fprintf(f, "{\n  \"bench\": \"natural\", \"model\": \"%s\", \"backend\": \"%s\", \"prompts\": %d, "
              "\"answer_tokens\": %d, \"scope\": \"%s\", \"kv_dtype\": \"%s\", \"wall_s\": %.1f,\n"
-             "  \"prompt_tokens\": [",
+             "  \"layer_weights\": \"%s\", \"prompt_tokens\": [",
           model_name, backend_name, P, T, lf_evict_scope_str(o->scope),
-          lf_kv_dtype_str(o->kv_dtype), wall);
+          lf_kv_dtype_str(o->kv_dtype), wall, o->lw_path ? o->lw_path : "");
   for (int i = 0; i < P; i++) fprintf(f, "%s%d", i ? ", " : "", plen[i]);
   fprintf(f, "],\n  \"runs\": [");
   for (int r = 0; r < R; r++) {
@@ -350,11 +381,15 @@ static void nat_report(const nat_opts *o, const nat_run *runs, int R, int P, con
 int bench_natural(int argc, char **argv) {
   nat_opts o;
   const int pr = nat_parse(argc, argv, &o);
-  if (pr) return pr == 1 ? 0 : pr;
+  if (pr) {
+    free(o.lw);
+    return pr == 1 ? 0 : pr;
+  }
   const double t0 = lf_now_s();
   lf_tokenizer *tok = NULL;
   if (lf_tokenizer_open(o.model, &tok) != LF_OK) {
     fprintf(stderr, "lfbench natural: %s: %s\n", o.model, lf_last_error());
+    free(o.lw);
     return 1;
   }
   int32_t *ids[NAT_MAX_PROMPTS] = {0};
@@ -465,6 +500,7 @@ done:
   lf_checkpoint_close(&ck);
   for (int i = 0; i < P; i++) lf_free(ids[i]);
   lf_tokenizer_free(tok);
+  free(o.lw);
   free(runs);
   free(fpools);
   free(next);
