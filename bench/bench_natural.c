@@ -231,7 +231,7 @@ static lf_status nat_backend(const nat_opts *o, const lf_checkpoint *ck, lf_poli
                          .window = 32, .kv_dtype = o->kv_dtype, .n_pools = n_pools,
                          .n_threads = o->threads, .no_graphs = 0};
   int bmin = budget, *lb = NULL;
-  if (o->lw) { /* per-layer budgets: the engine's rule (lf_layer_budgets_from_weights) */
+  if (o->lw && policy != LF_POLICY_FULL) { /* per-layer budgets, the engine's rule */
     const int L = ck->cfg.n_layers;
     if (o->n_lw != L)
       return lf_error(LF_ERR_INVALID_ARG, "--layer-weights: %d weights for %d layers", o->n_lw, L);
