@@ -39,47 +39,82 @@ int lf_cli_bad_value(const char *prog, const char *a, const char *v) {
   return 2;
 }
 
-int lf_cli_read_weights(const char *path, double **out, int *n, char *err, size_t err_len) {
+int lf_cli_parse_weights(const char *text, size_t len, const char *name, double **out, int *n,
+                         char *err, size_t err_len) {
   enum { MAX_W = 4096 };
   *out = NULL;
   *n = 0;
-  FILE *f = fopen(path, "r");
-  if (!f) {
-    snprintf(err, err_len, "cannot open layer weights file '%s'", path);
+  double *w = malloc(sizeof(double) * MAX_W);
+  if (!w) {
+    snprintf(err, err_len, "out of memory");
     return -1;
   }
-  double *w = malloc(sizeof(double) * MAX_W);
-  char line[4096];
-  int k = 0, ln = 0, ok = w != NULL;
-  if (!ok) snprintf(err, err_len, "out of memory");
-  while (ok && fgets(line, sizeof line, f)) {
-    ln++;
-    char *hash = strchr(line, '#');
-    if (hash) *hash = 0;
-    for (char *t = strtok(line, " \t\r\n,"); ok && t; t = strtok(NULL, " \t\r\n,")) {
-      char *end;
-      errno = 0;
-      const double v = strtod(t, &end);
-      if (*end || errno || !(v > 0.0) || !isfinite(v) || k >= MAX_W) {
-        snprintf(err, err_len,
-                 "%s:%d: '%.32s' is not a layer weight (a finite number > 0, at most %d)", path,
-                 ln, t, MAX_W);
-        ok = 0;
-      } else {
-        w[k++] = v;
+  int k = 0, ln = 1;
+  size_t i = 0;
+  while (i < len) {
+    const char c = text[i];
+    if (c == '\n') {
+      ln++;
+      i++;
+    } else if (c == ' ' || c == '\t' || c == '\r' || c == ',') {
+      i++;
+    } else if (c == '#') {
+      while (i < len && text[i] != '\n') i++;
+    } else {
+      size_t j = i;
+      while (j < len && !strchr(" \t\r\n,#", text[j]) && text[j] != 0) j++;
+      char tok[64];
+      const size_t tl = j - i;
+      int ok = tl > 0 && tl < sizeof tok && k < MAX_W;
+      double v = 0.0;
+      if (ok) {
+        memcpy(tok, text + i, tl);
+        tok[tl] = 0;
+        char *end;
+        errno = 0;
+        v = strtod(tok, &end);
+        ok = !*end && !errno && v > 0.0 && isfinite(v);
       }
+      if (!ok) {
+        snprintf(err, err_len,
+                 "%s:%d: '%.*s' is not a layer weight (a finite number > 0, at most %d of them)",
+                 name, ln, (int)(tl < 32 ? tl : 32), text + i, MAX_W);
+        free(w);
+        return -1;
+      }
+      w[k++] = v;
+      i = j; /* tl > 0 here: a NUL byte ends no token and is refused above */
     }
   }
-  fclose(f);
-  if (ok && k == 0) {
-    snprintf(err, err_len, "%s: no layer weights", path);
-    ok = 0;
-  }
-  if (!ok) {
+  if (k == 0) {
+    snprintf(err, err_len, "%s: no layer weights", name);
     free(w);
     return -1;
   }
   *out = w;
   *n = k;
   return 0;
+}
+
+int lf_cli_read_weights(const char *path, double **out, int *n, char *err, size_t err_len) {
+  enum { MAX_BYTES = 1 << 20 };
+  *out = NULL;
+  *n = 0;
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    snprintf(err, err_len, "cannot open layer weights file '%s'", path);
+    return -1;
+  }
+  char *buf = malloc(MAX_BYTES + 1);
+  const size_t len = buf ? fread(buf, 1, MAX_BYTES + 1, f) : 0;
+  const int bad = !buf || ferror(f);
+  fclose(f);
+  if (bad || len > MAX_BYTES) {
+    snprintf(err, err_len, "%s: %s", path, bad ? "cannot read it" : "larger than 1 MiB");
+    free(buf);
+    return -1;
+  }
+  const int r = lf_cli_parse_weights(buf, len, path, out, n, err, err_len);
+  free(buf);
+  return r;
 }

@@ -28,8 +28,11 @@ int lf_cli_int_set(const lf_cli_int *o, const char *v);
 /* --layer-weights FILE: reads a text file of per-layer weights (lf_engine_config.layer_weights):
  * numbers separated by whitespace or commas, '#' to the end of a line a comment. *out (malloc'd,
  * the caller frees) and *n on success (0); -1 with a message in err otherwise (unreadable file,
- * a token that is not a finite number > 0, no numbers, more than 4096). */
+ * a token that is not a finite number > 0, no numbers, more than 4096, over 1 MiB). */
 int lf_cli_read_weights(const char *path, double **out, int *n, char *err, size_t err_len);
+/* The same over text[0..len) (a file's bytes; NUL bytes are refused), messages naming `name`. */
+int lf_cli_parse_weights(const char *text, size_t len, const char *name, double **out, int *n,
+                         char *err, size_t err_len);
 
 /* Report a command-line error on stderr ("<prog>: unknown option '<a>'" then the usage;
  * "<prog>: bad value '<v>' for <a>") and return 2, the programs' exit status for one. */

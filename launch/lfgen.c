@@ -468,11 +468,15 @@ static int run_events(lf_engine_t e, const lf_request *rq, const lf_resolved_con
 static void print_loaded(const gen_opts *o, const lf_model_info *mi, const lf_resolved_config *rc,
                          double load_s) {
   const char *lora = o->cfg.lora_path;
+  char per_layer[64] = "";
+  if (rc->budget_min != rc->budget_max)
+    snprintf(per_layer, sizeof per_layer, " (per layer %d-%d)", rc->budget_min, rc->budget_max);
   fprintf(stderr, "lfgen: %s model%s%s, %d layers, %d/%d heads, vocab %d; policy %s, scope %s, "
-                  "kv %s, budget %d, loaded in %.2f s\n",
+                  "kv %s, budget %d%s, loaded in %.2f s\n",
           mi->model_type, lora && lora[0] ? " + LoRA adapter " : "", lora ? lora : "",
           mi->n_layers, mi->n_heads, mi->n_kv_heads, mi->vocab_size, lf_policy_str(rc->policy),
-          lf_evict_scope_str(rc->evict_scope), lf_kv_dtype_str(rc->kv_dtype), rc->budget, load_s);
+          lf_evict_scope_str(rc->evict_scope), lf_kv_dtype_str(rc->kv_dtype), rc->budget,
+          per_layer, load_s);
 }
 
 static void print_stats(lf_engine_t e, uint64_t id, lf_finish_reason why,

@@ -55,6 +55,32 @@ def tests_cli(lfgen):
     assert "evicting --policy" in err, err
     print("ok  --policy full past --budget: %s" % err.strip().splitlines()[-1][:120])
 
+    # --layer-weights: per-layer budgets; a malformed file or a count that is not the model's
+    # layers is a clear error at start-up
+    wdir = tempfile.mkdtemp(prefix="lfgen-weights-")
+    try:
+        def weights(name, text):
+            path = os.path.join(wdir, name)
+            with open(path, "w") as f:
+                f.write(text)
+            return path
+        tiny = os.path.join(ROOT, "tests", "data", "hf_tiny", "llama")  # two layers
+        base = [lfgen, "--model", tiny, "--prompt-ids", "1,2,3", "--max-tokens", "60",
+                "--ignore-eos", "--backend", "cpu", "--budget", "40", "--policy", "h2o"]
+        rc, out, err, _ = run(base + ["--layer-weights", weights("ok", "# two layers\n1, 3\n")])
+        assert rc == 0 and "budget 40 (per layer 20-60)" in err, (rc, err)
+        rc, out, err, _ = run(base + ["--layer-weights", weights("bad", "1\n-2\n")])
+        assert rc == 2 and "bad:2: '-2' is not a layer weight" in err, (rc, err)
+        rc, out, err, _ = run(base + ["--layer-weights", weights("three", "1 1 1")])
+        assert rc == 1 and "3 weights for a model of 2 layers" in err, (rc, err)
+        rc, out, err, _ = run(base[:-1] + ["full", "--layer-weights", weights("ok2", "1 3")])
+        assert rc == 1 and "evicting policy" in err, (rc, err)
+        rc, out, err, _ = run(base + ["--layer-weights", os.path.join(wdir, "missing")])
+        assert rc == 2 and "cannot open" in err, (rc, err)
+    finally:
+        shutil.rmtree(wdir, ignore_errors=True)
+    print("ok  --layer-weights: runs; a bad weight, a wrong count, full, a missing file refused")
+
     tmp = tempfile.mkdtemp(prefix="lfgen-test-")
     try:
         bare = make_tiny_chat_model(os.path.join(tmp, "bare"))
