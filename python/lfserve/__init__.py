@@ -81,14 +81,16 @@ class Engine:
     backend decides; the cpu backend's default is 1, so give more to run requests together);
     kv_dtype "bf16" | "fp8" | "int8" | "int4" | "k8v4"; evict_scope "layer" | "head"; lora: a PEFT
     adapter directory; chat_template: a built-in chat format ("chatml", "llama3", "deepseek-r1")
-    for message prompts, instead of the model's own.
+    for message prompts, instead of the model's own; layer_weights: one weight per layer for
+    per-layer budgets in the same total (lf_engine_config.layer_weights).
     """
 
     def __init__(self, model: str, *, backend: str = "auto", policy: str = "longflow",
                  budget: int = 0, n_pools: int = 0, kv_dtype: str = "bf16",
                  evict_scope: Optional[str] = None, max_batch_tokens: Optional[int] = None,
                  n_threads: int = 0, lora: Optional[str] = None,
-                 chat_template: Optional[str] = None) -> None:
+                 chat_template: Optional[str] = None,
+                 layer_weights: Optional[Sequence[float]] = None) -> None:
         lib = _lib.load()
         self._lib = lib
         self._engine = ctypes.c_void_p()
@@ -110,6 +112,11 @@ class Engine:
             cfg.max_batch_tokens = max_batch_tokens
         cfg.budget, cfg.n_pools, cfg.n_threads = budget, n_pools, n_threads
         cfg.lora_path = self._lora_bytes
+        if layer_weights is not None:  # per-layer budgets (lf_engine_config.layer_weights)
+            w = [float(x) for x in layer_weights]
+            self._layer_weights = (ctypes.c_double * len(w))(*w)
+            cfg.layer_weights = ctypes.cast(self._layer_weights, ctypes.POINTER(ctypes.c_double))
+            cfg.n_layer_weights = len(w)
         _check(lib.lf_engine_init(ctypes.byref(cfg), None, ctypes.byref(self._engine)),
                f"loading {model}")
         # the tokenizer is optional: without one, prompts and outputs are token ids

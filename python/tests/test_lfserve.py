@@ -106,6 +106,21 @@ def test_tokenize_round_trip_and_stats() -> None:
         assert len(text) > 0
 
 
+def test_layer_weights() -> None:
+    # six layers: 64 x 6 = 384 slots, the last layer weighted 3x (a share of 3/8: 144)
+    with lfserve.Engine(TRACE, backend="cpu", budget=64, policy="h2o",
+                        layer_weights=[1, 1, 1, 1, 1, 3]) as eng:
+        rc = eng.resolved_config
+        assert rc["budget"] == 64 and rc["budget_min"] == 48 and rc["budget_max"] == 144, rc
+        rid = eng.submit(PROMPT, max_tokens=60, ignore_eos=True)
+        assert len("".join(eng.stream_request(rid))) > 0
+    try:
+        lfserve.Engine(TRACE, backend="cpu", budget=64, policy="h2o", layer_weights=[1, 2])
+        raise AssertionError("two weights for six layers were accepted")
+    except lfserve.LfserveError as e:
+        assert "2 weights for a model of 6 layers" in str(e), e
+
+
 def test_abandoned_stream_is_cancelled() -> None:
     with lfserve.Engine(TRACE, backend="cpu") as eng:
         it = eng.stream(PROMPT, max_tokens=200, ignore_eos=True)
