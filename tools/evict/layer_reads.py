@@ -11,6 +11,7 @@ JSON written earlier without the pass.
 
     python3 tools/evict/layer_reads.py --lora models/smollm2-trace-lora --task train.jsonl \\
         --tokenizer tok.json [--task-skip K] [--budget 0.2] --out reads.json [--weights w.txt]
+    python3 tools/evict/layer_reads.py --text A --out reads.json --weights w.txt  # natural text
     python3 tools/evict/layer_reads.py --from reads.json --weights w.txt
 """
 import argparse
@@ -29,6 +30,9 @@ def main():
     ap.add_argument("--model", default=None, help="HF dir or GGUF (default: SmolLM2 via tools/smollm2.sh)")
     ap.add_argument("--lora", default=None)
     ap.add_argument("--task")
+    ap.add_argument("--text", help="instead of --task: a text of tools/evict/texts.py (A, B), "
+                    "its first --tokens tokens read as output (no prompt)")
+    ap.add_argument("--tokens", type=int, default=1600)
     ap.add_argument("--tokenizer")
     ap.add_argument("--task-skip", type=int, default=0, help="the record after the K shortest")
     ap.add_argument("--budget", type=float, default=0.2, help="B as a fraction of the output")
@@ -42,17 +46,28 @@ def main():
             ap.error("--from needs --weights")
         write_weights(a.src, a.weights)
         return
-    if not (a.task and a.tokenizer and a.out):
-        ap.error("--task, --tokenizer and --out are required without --from")
+    if not ((a.text or (a.task and a.tokenizer)) and a.out):
+        ap.error("--task and --tokenizer (or --text), and --out, are required without --from")
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     import numpy as np
     import model as evm
     import run as evr
-    items = evr.task_items(types.SimpleNamespace(task=a.task, tokenizer=a.tokenizer,
-                                                 task_skip=a.task_skip, task_n=1))
-    name, ids, n_prompt, n_out = items[0]
     path = a.model or subprocess.run(["bash", os.path.join(ROOT, "tools", "smollm2.sh")],
                                      capture_output=True, text=True, check=True).stdout.strip()
+    if a.text:
+        import texts as evt
+        if a.tokenizer:  # a tokenizer.json (tokenizers), as --task reads it
+            sys.path.insert(0, os.path.join(ROOT, "tools", "task"))
+            import gen
+            ids = gen.load_hf_tokenizer(a.tokenizer).encode(
+                evt.TEXTS[a.text], add_special_tokens=False).ids[:a.tokens]
+        else:  # transformers, as run.py --texts does
+            ids = [int(x) for x in evr.tokenizer_for(path)(evt.TEXTS[a.text])["input_ids"]][:a.tokens]
+        name, n_prompt, n_out = "text " + a.text, 0, len(ids)
+    else:
+        items = evr.task_items(types.SimpleNamespace(task=a.task, tokenizer=a.tokenizer,
+                                                     task_skip=a.task_skip, task_n=1))
+        name, ids, n_prompt, n_out = items[0]
     m = evm.Model(path, np.float32, lora=a.lora)
     B = int(a.budget * n_out)
     stats = {"reads_from": n_prompt + B, "reads_budget": B}
