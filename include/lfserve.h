@@ -195,7 +195,8 @@ typedef struct lf_engine_config {
                              default stage fits the smallest. A prompt fits its pool when it
                              fits the smallest layer. Not with the full policy. lfgen/lfbench/
                              lfserve: --layer-weights FILE (tools/evict/layer_reads.py --weights
-                             writes one; docs/TASK.md §11 says which rule and why) */
+                             writes one; docs/TASK.md §11 says which rule and why). Read by
+                             lf_engine_init only */
   int n_layer_weights;
 } lf_engine_config;
 

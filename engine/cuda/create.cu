@@ -152,7 +152,7 @@ static lf_status size_pools(cuda_backend *c) {
   const uint64_t V = (uint64_t)m->vocab_size, T = (uint64_t)c->max_chunk;
   const lf_pool_shape ps = {1, m->n_layers, m->n_kv_heads, c->p.budget, m->head_dim,
                             (int)c->p.kv_dtype,
-                            c->p.policy == LF_POLICY_RKV ? c->p.rkv_stage : 0, c->p.layer_budget};
+                            c->p.policy == LF_POLICY_RKV ? c->p.rkv_stage : 0, c->lbud};
   const uint64_t arena = lf_pool_bytes_device(&ps, lf_policy_accumulates(c->p.policy));
   const uint64_t row = (uint64_t)m->dim * (4 + 2) + (uint64_t)c->qkv_dim * 4 +
                        (uint64_t)c->qd * (2 + 2) + (uint64_t)m->hidden_dim * (2 * 4 + 2);
@@ -217,7 +217,7 @@ static lf_status check_config(cuda_backend *c) {
                     "even head_dim; int4 and k8v4 need a multiple of %d)",
                     lf_kv_dtype_str(p->kv_dtype), D, LF_I4_GROUP);
   LF_TRY(lf_attn_params_check(&c->ap, p->budget));
-  for (int l = 0; p->layer_budget && l < c->cfg.n_layers; l++) {
+  for (int l = 0; l < c->cfg.n_layers; l++) { /* each layer's windows from its own budget */
     const lf_attn_params a =
         lf_attn_params_for_budget(&c->ap, p->h2o_recent, p->rkv_obs, c->lbud[l], c->bmin);
     if (lf_attn_params_check(&a, c->lbud[l]) != LF_OK) {
@@ -517,7 +517,7 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->sh = sh;
   c->nv = sh.n_vocab;
   c->p = *p;
-  c->p.layer_budget = NULL; /* lbud holds them */
+  c->p.layer_budget = NULL; /* the caller's array: lbud holds a copy (every layer's budget) */
   m = &c->cfg;
   c->lbud = (int *)malloc(sizeof(int) * (size_t)m->n_layers);
   c->lrecent = (int *)malloc(sizeof(int) * (size_t)m->n_layers);
