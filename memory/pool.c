@@ -63,14 +63,21 @@ lf_status lf_layer_budgets_from_weights(const double *w, int n_layers, int budge
     sum += w[l];
   }
   const double total = (double)budget * (double)n_layers;
+  if (!isfinite(sum))
+    return lf_error(LF_ERR_INVALID_ARG, "layer weights: their sum overflows (scale them down)");
   long long have = 0;
   for (int l = 0; l < n_layers; l++) {
     const double b = floor(total * w[l] / sum); /* Python: int(B * L * x / sum(w)) */
-    out[l] = b > (double)INT_MAX / 2 ? INT_MAX / 2 : (b < 16.0 ? 16 : (int)b);
+    if (!isfinite(b) || b > (double)INT_MAX / 2)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "layer budgets: layer %d's share of %d x %d slots is out of range (weight "
+                      "%g of %g)",
+                      l, budget, n_layers, w[l], sum);
+    out[l] = b < 16.0 ? 16 : (int)b;
     have += out[l];
   }
-  for (int i = 0; have < (long long)budget * n_layers; i++, have++)
-    out[i % n_layers]++;
+  /* the floors lose less than one slot a layer: fewer than n_layers to hand out */
+  for (int l = 0; have < (long long)budget * n_layers && l < n_layers; l++, have++) out[l]++;
   return LF_OK;
 }
 

@@ -4,6 +4,7 @@
 // behaviour shows a setting (pools held, prompt chunks) it agrees with the report.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
 #include <vector>
 
@@ -173,6 +174,10 @@ TEST(LayerBudgets, RuleFromWeights) {
   EXPECT_EQ(lf_layer_budgets_from_weights(bad, 2, 20, b), LF_ERR_INVALID_ARG);
   const double nan[2] = {1, NAN};
   EXPECT_EQ(lf_layer_budgets_from_weights(nan, 2, 20, b), LF_ERR_INVALID_ARG);
+  const double huge[4] = {8, 1e308, 8, 1e308}; /* the sum overflows (found by fuzz_weights) */
+  EXPECT_EQ(lf_layer_budgets_from_weights(huge, 4, 20, b), LF_ERR_INVALID_ARG);
+  const double big[2] = {1, 1};
+  EXPECT_EQ(lf_layer_budgets_from_weights(big, 2, INT_MAX, b), LF_ERR_INVALID_ARG);
 }
 
 /* Per-layer pools on the cpu arena: each (pool, layer, head) view has its layer's budget, the
