@@ -501,7 +501,10 @@ int main(int argc, char **argv) {
   gen_opts o;
   memset(&o, 0, sizeof o);
   int rc = parse_args(argc, argv, &o);
-  if (rc != GEN_GO) return rc;
+  if (rc != GEN_GO) { /* a refused option after --prompt-ids: its ids are ours to free */
+    free(o.ids);
+    return rc;
+  }
   lf_tokenizer *tok = NULL;
   char no_tok[4200] = "";
   if (open_tokenizer(&o, &tok, no_tok, sizeof no_tok)) {
