@@ -74,7 +74,20 @@ static double weight_bytes(const lf_model_config *m) {
     goto done;                                                                                     \
   } while (0)
 
-/* One model: create, fill the pools, time each batch size; rows appended to json. */
+/* items[0..n): one decode token of each pool at position pos (each pool's last token). */
+static void stage_decode(lf_batch_item *items, const int *pools, const int32_t *last, int n,
+                         int32_t pos) {
+  for (int i = 0; i < n; i++) {
+    memset(&items[i], 0, sizeof items[i]);
+    items[i].pool = pools[i];
+    items[i].pos0 = pos;
+    items[i].n_tok = 1;
+    items[i].tokens = &last[i];
+  }
+}
+
+/* One model: create, fill the pools, time each batch size; rows appended to json. rkv_stage as
+ * requested (0: the engine's default for the smallest layer budget). */
 static int run_model(const char *model, const int *batches, int nb, int budget, int steps,
                      int warmup, double copy_gbs, FILE *json, int *first_row, lf_comm_t comm,
                      lf_kv_dtype kv_dtype, lf_policy policy, int rkv_stage,
@@ -97,7 +110,9 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   const lf_model_config *m = &ck.cfg;
   lf_backend_params p = {.policy = policy, .budget = budget, .sink = 4, .window = 32,
                          .n_pools = max_b, .comm = comm, .kv_dtype = kv_dtype,
-                         .rkv_stage = policy == LF_POLICY_RKV ? rkv_stage : 0};
+                         .rkv_stage = policy == LF_POLICY_RKV
+                                          ? lf_rkv_stage_resolve(rkv_stage, budget, 4, 0)
+                                          : 0};
   int fill = budget - 1, extra = 0; /* prompt tokens per pool; decode steps that fill the rest */
   if (lw) {
     if (n_lw != m->n_layers) {
@@ -163,13 +178,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   }
   int32_t pos = fill;
   for (int st = 0; st < extra; st++, pos++) { /* per-layer budgets: every layer full */
-    for (int i = 0; i < max_b; i++) {
-      memset(&items[i], 0, sizeof items[i]);
-      items[i].pool = pools[i];
-      items[i].pos0 = pos;
-      items[i].n_tok = 1;
-      items[i].tokens = &last[i];
-    }
+    stage_decode(items, pools, last, max_b, pos);
     if (b->forward(b, items, max_b, res, NULL) != LF_OK) STEP_FAIL("filling decode step");
     for (int i = 0; i < max_b; i++) last[i] = res[i].token;
   }
@@ -179,13 +188,7 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
     const int bs = batches[bi];
     double best = 1e30;
     for (int st = 0; st < warmup + steps; st++) {
-      for (int i = 0; i < bs; i++) {
-        memset(&items[i], 0, sizeof items[i]);
-        items[i].pool = pools[i];
-        items[i].pos0 = pos;
-        items[i].n_tok = 1;
-        items[i].tokens = &last[i];
-      }
+      stage_decode(items, pools, last, bs, pos);
       /* LF_PROFILE_STEP=1: the last step of each batch size is the profiler's range
        * (`ncu --profile-from-start off` then sees exactly one decode step) */
       const int prof = st == warmup + steps - 1 && getenv("LF_PROFILE_STEP") != NULL;
@@ -317,6 +320,7 @@ int bench_step(int argc, char **argv) {
     fprintf(stderr, "lfbench step: budget >= 2, steps >= 1, warmup >= 0\n");
     return 2;
   }
+  const int rkv_req = rkv_stage; /* run_model resolves it per model (per-layer: the smallest) */
   rkv_stage = lf_rkv_stage_resolve(rkv_stage, budget, 4, 0); /* the engine's rule; sink 4 below */
   lf_comm_t comm = NULL;
   const int env = getenv("LF_TP_RANK") != NULL; /* tests/tp_run.sh instead of mpirun */
@@ -373,7 +377,7 @@ int bench_step(int argc, char **argv) {
   for (char *save = NULL, *mdl = strtok_r(models_buf, ",", &save); mdl;
        mdl = strtok_r(NULL, ",", &save))
     rc |= run_model(mdl, batches, nb, budget, steps, warmup, copy_gbs, json, &first, comm,
-                    kv_dtype, policy, rkv_stage, lw, n_lw);
+                    kv_dtype, policy, rkv_req, lw, n_lw);
   free(lw);
   if (json) {
     fprintf(json, "\n  ]\n}\n");

@@ -256,10 +256,8 @@ static int cpu_pools_free(lf_backend *b) {
 
 static int cpu_pool_slots_filled(lf_backend *b, int pool) {
   const lf_kv_arena *a = &((cpu_backend *)b)->arena;
-  int lmin = 0; /* the layer a prompt chunk is measured against (scheduler/README.md) */
-  for (int l = 1; l < a->shape.n_layers; l++)
-    if (lf_pool_layer_budget(&a->shape, l) < lf_pool_layer_budget(&a->shape, lmin)) lmin = l;
-  const lf_kv_head h = lf_kv_arena_head(a, pool, lmin, 0);
+  /* the layer a prompt chunk is measured against (scheduler/README.md) */
+  const lf_kv_head h = lf_kv_arena_head(a, pool, lf_pool_layer_min(&a->shape), 0);
   return h.n ? *h.n : 0;
 }
 
@@ -368,11 +366,12 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   /* per-layer budgets: each layer's windows from its own budget, checked layer by layer */
   lf_attn_params *lap = NULL;
   if (s == LF_OK && p->layer_budget) {
+    const int bmin = lf_pool_budget_min(&ps);
     if (!(lap = malloc(sizeof *lap * (size_t)mc->n_layers)))
       s = lf_error(LF_ERR_OUT_OF_MEMORY, "per-layer attention params");
     for (int l = 0; s == LF_OK && l < mc->n_layers; l++) {
       lap[l] = lf_attn_params_for_budget(&ap, p->h2o_recent, p->rkv_obs, p->layer_budget[l],
-                                         lf_pool_budget_min(&ps));
+                                         bmin);
       s = lf_attn_params_check(&lap[l], p->layer_budget[l]);
       if (s != LF_OK) {
         char why[256];

@@ -25,12 +25,15 @@ int lf_pool_layer_budget(const lf_pool_shape *s, int layer) {
   return s->layer_budget ? s->layer_budget[layer] : s->budget;
 }
 
-int lf_pool_budget_min(const lf_pool_shape *s) {
-  if (!s || s->n_layers < 1) return 0;
-  int m = lf_pool_layer_budget(s, 0);
-  for (int l = 1; l < s->n_layers; l++)
-    if (lf_pool_layer_budget(s, l) < m) m = lf_pool_layer_budget(s, l);
+int lf_pool_layer_min(const lf_pool_shape *s) {
+  int m = 0;
+  for (int l = 1; s && l < s->n_layers; l++)
+    if (lf_pool_layer_budget(s, l) < lf_pool_layer_budget(s, m)) m = l;
   return m;
+}
+
+int lf_pool_budget_min(const lf_pool_shape *s) {
+  return lf_pool_layer_budget(s, lf_pool_layer_min(s));
 }
 
 int lf_pool_budget_max(const lf_pool_shape *s) {

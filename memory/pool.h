@@ -34,6 +34,8 @@ typedef struct lf_pool_shape {
 
 /* Slots of layer l in shape s (its layer_budget, else budget). */
 int lf_pool_layer_budget(const lf_pool_shape *s, int layer);
+/* The first layer holding the smallest budget of s (0 when uniform). */
+int lf_pool_layer_min(const lf_pool_shape *s);
 /* The smallest and largest layer budget of s (budget when uniform). */
 int lf_pool_budget_min(const lf_pool_shape *s);
 int lf_pool_budget_max(const lf_pool_shape *s);

@@ -491,16 +491,14 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   if (!ck || !p || !out) return lf_error(LF_ERR_INVALID_ARG, "cuda backend: NULL argument");
   *out = NULL;
   const lf_model_config *m = &ck->cfg;
-  {
-    const lf_pool_shape one = {1, m->n_layers, 1, p->budget, 1, 0, 0, p->layer_budget};
-    const int bmax = lf_pool_budget_max(&one);
-    if (p->policy == LF_POLICY_RKV && (bmax > LF_CUDA_RKV_MAX_BUDGET || p->rkv_stage < 1))
-      return lf_error(LF_ERR_UNSUPPORTED,
-                      "cuda backend: policy rkv takes budgets up to %d slots and rkv_stage >= 1 "
-                      "(budget %d%s, rkv_stage %d; the cpu backend takes any)",
-                      LF_CUDA_RKV_MAX_BUDGET, bmax, p->layer_budget ? " in a layer" : "",
-                      p->rkv_stage);
-  }
+  const lf_pool_shape layers = {1, m->n_layers, 1, p->budget, 1, 0, 0, p->layer_budget};
+  const int bmax = lf_pool_budget_max(&layers);
+  if (p->policy == LF_POLICY_RKV && (bmax > LF_CUDA_RKV_MAX_BUDGET || p->rkv_stage < 1))
+    return lf_error(LF_ERR_UNSUPPORTED,
+                    "cuda backend: policy rkv takes budgets up to %d slots and rkv_stage >= 1 "
+                    "(budget %d%s, rkv_stage %d; the cpu backend takes any)",
+                    LF_CUDA_RKV_MAX_BUDGET, bmax, p->layer_budget ? " in a layer" : "",
+                    p->rkv_stage);
   const lf_comm_t comm = p->comm && p->comm->size > 1 ? p->comm : NULL;
   lf_shard sh;
   LF_TRY(lf_shard_plan(comm ? comm->rank : 0, comm ? comm->size : 1, m->n_heads, m->n_kv_heads,
@@ -525,13 +523,10 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
     cuda_free(&c->base);
     return lf_error(LF_ERR_OUT_OF_MEMORY, "cuda backend: layer tables");
   }
-  for (int l = 0; l < m->n_layers; l++) c->lbud[l] = p->layer_budget ? p->layer_budget[l] : p->budget;
-  c->lmin = 0;
-  c->bmin = c->bmax = c->lbud[0];
-  for (int l = 1; l < m->n_layers; l++) {
-    if (c->lbud[l] < c->bmin) c->bmin = c->lbud[l], c->lmin = l;
-    if (c->lbud[l] > c->bmax) c->bmax = c->lbud[l];
-  }
+  for (int l = 0; l < m->n_layers; l++) c->lbud[l] = lf_pool_layer_budget(&layers, l);
+  c->lmin = lf_pool_layer_min(&layers);
+  c->bmin = c->lbud[c->lmin];
+  c->bmax = bmax;
   /* lf_backend's fields in order (name, forward, pool_take, pool_give, pools_free,
    * pool_slots_filled, free, max_compress_tokens: set below, once max_chunk is): C++17 has no
    * designated initializers */

@@ -264,12 +264,10 @@ enum {
 
 /* pools.cu: the vtable's pool functions */
 lf_status cb_pool_take(lf_backend *b, int *pool);
-/* rkv: n_heads (pool, layer, KV head) entries from h0 on back to no selection and an empty
- * observation window (since -1, acc 0), on c->stream. */
-/* rkv after a prompt chunk: no selection and an empty observation window for pool's heads of
- * layer l. */
+/* rkv after a prompt chunk: no selection and an empty observation window (since -1, acc 0) for
+ * pool's heads of layer l, on c->stream. */
 lf_status cb_rkv_reset(cuda_backend *c, int pool, int l);
-/* The host mirror of pool's fill count in layer l, and in the layer that decides prompt kinds. */
+/* The host mirror of pool's fill count in layer l (lmin: the layer that decides prompt kinds). */
 static inline int *cb_host_n(cuda_backend *c, int pool, int l) {
   return &c->host_n[(size_t)pool * c->cfg.n_layers + l];
 }

@@ -178,17 +178,19 @@ static lf_status decode_rows(cuda_backend *c, const cuda_layer *L, int l, int Tp
   return LF_OK;
 }
 
+/* Whether segment s is SnapKV-compressed in a layer of B slots: a prompt into an empty pool that
+ * overflows the smallest layer is appended in each layer it fits and compressed to that layer's
+ * own budget in the others (the cpu reference decides per layer alike, attention.c). */
+static int seg_compresses(const cuda_backend *c, const pass_seg *s, int B) {
+  return s->compress && lf_prefill_kind_of(c->p.policy, B, 0, s->T) == LF_PREFILL_COMPRESS;
+}
+
 /* One prompt chunk's part of a layer: RoPE into bf16 q, k, v, causal attention over the pool's
  * filled slots and the chunk, then the pool write (append, or SnapKV's selection). */
 static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, const pass_seg *s) {
   const lf_model_config *m = &c->cfg;
   const lf_cuda_pool_view *pv = &c->lv[l]; /* layer l, as a view of one layer */
-  const int B = pv->budget;
-  /* A prompt into an empty pool that overflows the smallest layer: each layer appends it when
-   * it fits that layer, and SnapKV-compresses it to the layer's own budget otherwise (the cpu
-   * reference decides per layer alike, attention.c) */
-  const int compress =
-      s->compress && lf_prefill_kind_of(c->p.policy, B, 0, s->T) == LF_PREFILL_COMPRESS;
+  const int B = pv->budget, compress = seg_compresses(c, s, B);
   lf_qkv_rope_args a = rope_args(c, L, s->T);
   a.qkv = c->qkv + (size_t)s->row0 * c->qkv_dim;
   a.q_out = c->qb + (size_t)s->row0 * c->qd;
@@ -341,13 +343,9 @@ static lf_status mixed_pass(cuda_backend *c, const lf_batch_item *items, const p
   c->in_prefill = 0;
   LF_TRY(st);
   for (int i = 0; i < n_seg; i++)
-    for (int l = 0; l < c->cfg.n_layers; l++) {
-      const int B = c->lbud[l];
+    for (int l = 0; l < c->cfg.n_layers; l++)
       *cb_host_n(c, seg[i].pool, l) =
-          seg[i].compress && lf_prefill_kind_of(c->p.policy, B, 0, seg[i].T) == LF_PREFILL_COMPRESS
-              ? B - 1
-              : seg[i].n0 + seg[i].T;
-    }
+          seg_compresses(c, &seg[i], c->lbud[l]) ? c->lbud[l] - 1 : seg[i].n0 + seg[i].T;
   return LF_OK;
 }
 
