@@ -22,9 +22,10 @@
 
 #define LF_ROT_MAX_BLOCK 128
 
-/* Whether pools of this dtype store rotated keys: int4 (docs/DESIGN.md §3 has the measurement). */
+/* Whether pools of this dtype store rotated keys: int4, fp8 and int8; not k8v4, whose error is its
+ * int4 values' (docs/DESIGN.md §3 has the measurements). */
 LF_HD int lf_kv_rotates(int kv_dtype) {
-  return kv_dtype == LF_KV_INT4;
+  return kv_dtype == LF_KV_INT4 || kv_dtype == LF_KV_FP8 || kv_dtype == LF_KV_INT8;
 }
 
 /* The block: the largest power of two dividing head_dim, at most LF_ROT_MAX_BLOCK. */

@@ -89,20 +89,21 @@ typedef enum lf_kv_dtype {
   LF_KV_FP8,      /* OCP fp8 e4m3, one fp32 scale per (slot, KV head) for K and one for V:
                      about half of bf16's bytes per slot, so twice the slots in the same memory.
                      Every policy, both backends (the cpu stores the dequantized values, so it
-                     computes on exactly what the cuda kernels read), fp8 hardware not needed. */
+                     computes on exactly what the cuda kernels read), fp8 hardware not needed;
+                     keys stored rotated (DESIGN §3) */
   LF_KV_INT8,     /* int8 with the same per-row scales and bytes as fp8; its uniform step keeps
-                     keys' large channels more exact than e4m3's 3-bit mantissa, which is most
-                     of fp8's error (docs/DESIGN.md §3, "Quantized pools") */
+                     keys more exact than e4m3's 3-bit mantissa, which is most of fp8's error
+                     (docs/DESIGN.md §3, "Quantized pools"); keys stored rotated */
   LF_KV_INT4,     /* 4-bit codes with a bf16 step and floor per 32 dims (head_dim a multiple
                      of 32): 0.31 of bf16's bytes per slot; keys stored rotated (DESIGN §3) */
   LF_KV_K8V4,     /* keys as LF_KV_INT8, values as LF_KV_INT4 (head_dim a multiple of 32):
-                     0.42 of bf16's bytes per slot at head_dim 64. Keys carry int4's error,
-                     values hardly any (docs/DESIGN.md §3). cpu backend only so far: the cuda
-                     backend refuses it at creation */
+                     0.42 of bf16's bytes per slot at head_dim 64: int4 keys carry most of
+                     int4's error, int4 values little (docs/DESIGN.md §3). Both backends; keys
+                     not rotated */
 } lf_kv_dtype;
 
 const char *lf_kv_dtype_str(lf_kv_dtype d);
-/* Parses "bf16", "fp8", "int8", "int4"; LF_ERR_INVALID_ARG naming the choices otherwise. */
+/* Parses "bf16", "fp8", "int8", "int4", "k8v4"; LF_ERR_INVALID_ARG naming the choices otherwise. */
 lf_status lf_kv_dtype_parse(const char *s, lf_kv_dtype *out);
 
 /* lf_engine_config.max_batch_tokens's default: at Poisson arrivals of 2048-token prompts on one

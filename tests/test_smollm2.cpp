@@ -193,11 +193,12 @@ TEST(SmolLM2, CpuGreedyAndLogitsMatchReference) {
 
 // 8-bit pools on the cpu backend, full KV, teacher-forced: the greedy token at each decode
 // position against the fp64 reference's top-1 (the unquantized cpu pools match it to fp32
-// rounding, CpuGreedyAndLogitsMatchReference). int8 must agree at >= 99% of all decode positions
-// (the quantized-pool issue's target); fp8 (e4m3) reaches 97.9% (1755/1792): its 3-bit mantissa
-// moves keys' large channels by up to 6%, which is most of its error (int8 keys with fp8 values
-// measured 99.5%, fp8 keys alone 97.8%), so its floor is 97.5%. Both must agree at every position
-// whose fp64 top-2 gap exceeds 0.5 std (a misread code or scale moves logits by whole stds).
+// rounding, CpuGreedyAndLogitsMatchReference). Keys are stored rotated (base/kvrot.h). int8 must
+// agree at >= 99.5% of all decode positions (measured 1786/1792, 99.67%; unrotated 99.33%; the
+// quantized-pool issue's target is 99%); fp8 (e4m3) reaches 98.21% (1760/1792; unrotated 97.94%):
+// its 3-bit mantissa rounds each value by up to 6%, which rotation does not change, so its floor
+// is 98%. Both must agree at every position whose fp64 top-2 gap exceeds 0.5 std (a misread code
+// or scale moves logits by whole stds).
 struct QuantCase {
   lf_kv_dtype dtype;
   double min_agree;    /* of all decode positions */
@@ -242,8 +243,8 @@ TEST_P(SmolLM2Quant, CpuPoolsAgreeWithReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, SmolLM2Quant,
-                         ::testing::Values(QuantCase{LF_KV_INT8, 0.99, 1.0},
-                                           QuantCase{LF_KV_FP8, 0.975, 1.0},
+                         ::testing::Values(QuantCase{LF_KV_INT8, 0.995, 1.0},
+                                           QuantCase{LF_KV_FP8, 0.98, 1.0},
                                            /* measured 1671/1792 (93.25%), 1092/1093, keys rotated */
                                            QuantCase{LF_KV_INT4, 0.92, 0.995},
                                            /* measured 1754/1792 (97.88%), every decisive one */
