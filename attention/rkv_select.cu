@@ -143,11 +143,6 @@ static __device__ __forceinline__ double rk_cos_warp(const lf_cuda_pool_view &p,
   return rk_warp_sum(s) / ny;
 }
 
-static size_t rk_pow2(int n) {
-  size_t p = 1;
-  while (p < (size_t)n) p <<= 1;
-  return p;
-}
 
 /* Where the scratch area starts: 16-byte aligned, as the scan's asynchronous copies need. */
 static __host__ __device__ size_t rk_scratch_at(int n, size_t pow2) {
@@ -158,9 +153,26 @@ static __host__ __device__ size_t rk_scratch_at(int n, size_t pow2) {
  * position order, three fp64 arrays (norms, redundancy, totals), the look-alikes and the scan's
  * inverse norms, and a scratch area (the unit keys' partial sums, then the scan's y tile, two
  * under SPLIT). */
-static __host__ __device__ size_t rk_smem_bytes(int n, size_t pow2, bool two_tiles) {
+static __host__ __device__ size_t rk_scratch_bytes(bool two_tiles) {
   const size_t tile = (two_tiles ? 2 : 1) * (size_t)RK_YT * RK_LDW * 4, sums = (size_t)RK_NW * RK_DMAX * 8;
-  return rk_scratch_at(n, pow2) + (tile > sums ? tile : sums);
+  return tile > sums ? tile : sums;
+}
+
+static __host__ __device__ size_t rk_smem_bytes(int n, size_t pow2, bool two_tiles) {
+  return rk_scratch_at(n, pow2) + rk_scratch_bytes(two_tiles);
+}
+
+/* The smallest power of two >= n. */
+static __host__ __device__ size_t rk_pow2(int n) {
+  size_t p = 1;
+  while (p < (size_t)n) p <<= 1;
+  return p;
+}
+
+/* A block's room in the workspace (budgets over LF_CUDA_RKV_SMEM_BUDGET): the arrays of
+ * rk_scratch_at for a full pool of B slots, in whole 256 bytes. */
+static __host__ __device__ size_t rk_ws_stride(int B) {
+  return (rk_scratch_at(B, rk_pow2(B)) + 255) & ~(size_t)255;
 }
 
 /* The y tile whose first row is rank ybase (rows outside the ranks zero) into tile (and its lo
@@ -522,6 +534,7 @@ static __device__ void rk_stage(int M, const int *slot_of, double *total, int si
   }
 }
 
+/* One block per scope, or (workspace) each block over scopes blockIdx.x, + gridDim.x, ... */
 template <bool CP, bool SPLIT>
 static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_select_args a) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -529,48 +542,65 @@ static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_sele
   __shared__ double ksum[RK_DMAX]; /* the sum of the unit keys */
   const int B = a.pool.budget, nkv = a.pool.n_kv_heads, tid = (int)threadIdx.x;
   const int per_seq = nkv / a.heads_per_scope;
-  const int seq = (int)blockIdx.x / per_seq, h0 = ((int)blockIdx.x % per_seq) * a.heads_per_scope;
-  const size_t hidx0 = ((size_t)a.pool_ids[seq] * a.pool.n_layers + a.layer) * nkv + h0;
-  const int n = a.pool.n[hidx0];
-  /* due only: since is the count the decode kernel just left (block-uniform) */
-  if (a.due_only && lf_rkv_k_left(a.pool.since[hidx0], n, B, a.pool.stage) > 0) return;
-  int P = 1;
-  while (P < n) P <<= 1;
-  long long *key = (long long *)smem;
-  double *pooled = (double *)smem; /* the keys' room, once the slots are ranked */
-  int *slot_of = (int *)(smem + 8 * (size_t)P);
-  double *nrm = (double *)(smem + 8 * (size_t)P + 8 * (size_t)((n + 1) / 2));
-  double *csum = nrm + n, *total = csum + n; /* csum: importance, then redundancy */
-  int *lastidx = (int *)(total + n);
-  float *ninv = (float *)(lastidx + n);
-  unsigned char *scratch = smem + rk_scratch_at(n, (size_t)P);
+  /* the arrays: in shared memory before the scratch area, or in this block's workspace room */
+  unsigned char *arr = a.ws ? (unsigned char *)a.ws + (size_t)blockIdx.x * rk_ws_stride(B) : smem;
+  for (int sc = (int)blockIdx.x; sc < a.n_scopes; sc += (int)gridDim.x) {
+    const int seq = sc / per_seq, h0 = (sc % per_seq) * a.heads_per_scope;
+    const size_t hidx0 = ((size_t)a.pool_ids[seq] * a.pool.n_layers + a.layer) * nkv + h0;
+    const int n = a.pool.n[hidx0];
+    /* due only: since is the count the decode kernel just left (block-uniform) */
+    if (a.due_only && lf_rkv_k_left(a.pool.since[hidx0], n, B, a.pool.stage) > 0) continue;
+    int P = 1;
+    while (P < n) P <<= 1;
+    long long *key = (long long *)arr;
+    double *pooled = (double *)arr; /* the keys' room, once the slots are ranked */
+    int *slot_of = (int *)(arr + 8 * (size_t)P);
+    double *nrm = (double *)(arr + 8 * (size_t)P + 8 * (size_t)((n + 1) / 2));
+    double *csum = nrm + n, *total = csum + n; /* csum: importance, then redundancy */
+    int *lastidx = (int *)(total + n);
+    float *ninv = (float *)(lastidx + n);
+    unsigned char *scratch = a.ws ? smem : smem + rk_scratch_at(n, (size_t)P);
 
-  rk_rank(a.pool.pos + hidx0 * B, n, P, key, slot_of);
-  const int M = n - lf_rkv_obs_of(a.pool.obs);
-  for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
-  for (int g = 0; g < a.heads_per_scope; g++) {
-    const size_t hidx = hidx0 + g;
-    rk_rows(a.pool, hidx, M, slot_of, a.group, nrm, ninv, csum, (double *)scratch, ksum);
-    rk_maxpool(csum, M, pooled);
-    __syncthreads();
-    rk_scan<CP, SPLIT>(a.pool, hidx, M, slot_of, nrm, ninv, lastidx, (uint32_t *)scratch);
-    rk_redundancy(a.pool, hidx, M, slot_of, nrm, lastidx, ksum, csum);
-    __syncthreads();
-    rk_add_scores(M, pooled, csum, total, red);
-  }
+    rk_rank(a.pool.pos + hidx0 * B, n, P, key, slot_of);
+    const int M = n - lf_rkv_obs_of(a.pool.obs);
+    for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
+    for (int g = 0; g < a.heads_per_scope; g++) {
+      const size_t hidx = hidx0 + g;
+      rk_rows(a.pool, hidx, M, slot_of, a.group, nrm, ninv, csum, (double *)scratch, ksum);
+      rk_maxpool(csum, M, pooled);
+      __syncthreads();
+      rk_scan<CP, SPLIT>(a.pool, hidx, M, slot_of, nrm, ninv, lastidx, (uint32_t *)scratch);
+      rk_redundancy(a.pool, hidx, M, slot_of, nrm, lastidx, ksum, csum);
+      __syncthreads();
+      rk_add_scores(M, pooled, csum, total, red);
+    }
 
-  if (a.totals) {
-    double *o = a.totals + (size_t)blockIdx.x * B;
-    for (int i = tid; i < B; i += RK_NT) o[i] = NAN;
-    __syncthreads();
-    for (int j = tid; j < M; j += RK_NT) o[slot_of[j]] = total[j];
+    if (a.totals) {
+      double *o = a.totals + (size_t)sc * B;
+      for (int i = tid; i < B; i += RK_NT) o[i] = NAN;
+      __syncthreads();
+      for (int j = tid; j < M; j += RK_NT) o[slot_of[j]] = total[j];
+    }
+    rk_stage(M, slot_of, total, a.sink, a.pool.stage, a.heads_per_scope,
+             a.pool.queue + hidx0 * a.pool.stage);
+    if (tid < a.heads_per_scope) {
+      a.pool.since[hidx0 + tid] = 0;
+      if (a.due_only) a.pool.next[hidx0 + tid] = a.pool.queue[(hidx0 + tid) * a.pool.stage];
+    }
+    __syncthreads(); /* the arrays are the next scope's */
   }
-  rk_stage(M, slot_of, total, a.sink, a.pool.stage, a.heads_per_scope,
-           a.pool.queue + hidx0 * a.pool.stage);
-  if (tid < a.heads_per_scope) {
-    a.pool.since[hidx0 + tid] = 0;
-    if (a.due_only) a.pool.next[hidx0 + tid] = a.pool.queue[(hidx0 + tid) * a.pool.stage];
+}
+
+extern "C" size_t lf_cuda_rkv_select_ws_bytes(int budget, int max_scopes) {
+  if (budget <= LF_CUDA_RKV_SMEM_BUDGET || max_scopes < 1) return 0;
+  int dev = 0, n_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n_sm < 1) {
+    cudaGetLastError();
+    n_sm = 132;
   }
+  const int blocks = max_scopes < 2 * n_sm ? max_scopes : 2 * n_sm;
+  return (size_t)blocks * rk_ws_stride(budget);
 }
 
 extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUstream_st *stream) {
@@ -582,6 +612,12 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_rkv_select: budget %d outside [1, %d] (policy rkv on the cuda "
                     "backend)", B, LF_CUDA_RKV_MAX_BUDGET);
+  const bool in_ws = B > LF_CUDA_RKV_SMEM_BUDGET;
+  if (in_ws && (!a->ws || a->ws_bytes < rk_ws_stride(B)))
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "lf_cuda_rkv_select: budget %d over %d needs a workspace of at least %zu "
+                    "bytes (%zu given)", B, LF_CUDA_RKV_SMEM_BUDGET, rk_ws_stride(B),
+                    a->ws ? a->ws_bytes : (size_t)0);
   if (a->pool.head_dim < 1 || a->pool.head_dim > RK_DMAX)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_rkv_select: head_dim %d outside [1, %d]",
                     a->pool.head_dim, RK_DMAX);
@@ -593,7 +629,15 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
                     a->heads_per_scope, nkv, a->n_scopes, a->pool.stage, a->group, a->sink, a->layer);
   const bool split = lf_kvq_k_row(a->pool.kv_dtype) == LF_KV_INT4;
   const bool cp = a->pool.kv_dtype == LF_KV_BF16 && a->pool.head_dim % 8 == 0;
-  const size_t smem = rk_smem_bytes(B, rk_pow2(B), split || cp);
+  const size_t smem = in_ws ? rk_scratch_bytes(split || cp) : rk_smem_bytes(B, rk_pow2(B), split || cp);
+  lf_rkv_select_args k = *a;
+  int grid = a->n_scopes;
+  if (in_ws) {
+    const size_t room = a->ws_bytes / rk_ws_stride(B);
+    if ((size_t)grid > room) grid = (int)room;
+  } else {
+    k.ws = NULL; /* the arrays in shared memory */
+  }
   const cudaError_t lim = split ? lf_smem_optin<rkv_select_kernel<false, true>>()
                           : cp  ? lf_smem_optin<rkv_select_kernel<true, false>>()
                                 : lf_smem_optin<rkv_select_kernel<false, false>>();
@@ -603,11 +647,11 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
                     cudaGetErrorString(lim));
   }
   if (split)
-    rkv_select_kernel<false, true><<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
+    rkv_select_kernel<false, true><<<grid, RK_NT, smem, (cudaStream_t)stream>>>(k);
   else if (cp)
-    rkv_select_kernel<true, false><<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
+    rkv_select_kernel<true, false><<<grid, RK_NT, smem, (cudaStream_t)stream>>>(k);
   else
-    rkv_select_kernel<false, false><<<a->n_scopes, RK_NT, smem, (cudaStream_t)stream>>>(*a);
+    rkv_select_kernel<false, false><<<grid, RK_NT, smem, (cudaStream_t)stream>>>(k);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return lf_error(LF_ERR_BACKEND, "lf_cuda_rkv_select: launch failed: %s", cudaGetErrorString(e));

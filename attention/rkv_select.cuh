@@ -21,9 +21,11 @@
  * threshold (the fp32 sums are within ~1e-5) is decided again in fp64 by the whole warp, so the
  * choice of look-alike is the fp64 one; its cosine, the sums and the scores are fp64. The sort,
  * the norms and the sums are O(n x head_dim); the scan O(n^2 x head_dim) for keys without a
- * look-alike, less for those with a recent one. n <= 4096 (the ranks and the fp64 arrays live
- * in shared memory). K is read as attention reads it (pool_val: bf16, or a quantized dtype's
- * values). Includable from C. Every pointer is device memory.
+ * look-alike, less for those with a recent one. Up to LF_CUDA_RKV_SMEM_BUDGET slots the ranks
+ * and the fp64 arrays live in shared memory; above it, in a device workspace the caller sizes by
+ * lf_cuda_rkv_select_ws_bytes (a block's room per resident block, the blocks looping over the
+ * scopes), only the scan's tiles in shared memory. K is read as attention reads it (pool_val:
+ * bf16, or a quantized dtype's values). Includable from C. Every pointer is device memory.
  */
 #ifndef LF_RKV_SELECT_CUH
 #define LF_RKV_SELECT_CUH
@@ -39,8 +41,10 @@ extern "C" {
 
 struct CUstream_st;
 
-/* The largest budget and head_dim the kernel takes. */
-#define LF_CUDA_RKV_MAX_BUDGET 4096
+/* The largest budget whose selection state fits in shared memory, the largest budget the kernel
+ * takes (through the workspace above the first), and the largest head_dim. */
+#define LF_CUDA_RKV_SMEM_BUDGET 4096
+#define LF_CUDA_RKV_MAX_BUDGET (1 << 20)
 #define LF_CUDA_RKV_MAX_HEAD_DIM 128
 
 typedef struct lf_rkv_select_args {
@@ -56,13 +60,22 @@ typedef struct lf_rkv_select_args {
                                candidates), for tests */
   int due_only;             /* 1: only the scopes whose selection is due after a decode step
                                (since == -1 with a full pool, or since >= stage: the count the
-                               decode kernel left); they also set next = queue[0]. The others'
-                               blocks return at once. 0: every scope. */
+                               decode kernel left); they also set next = queue[0]. The others
+                               are skipped. 0: every scope. */
+  void *ws;                 /* budgets over LF_CUDA_RKV_SMEM_BUDGET: ws_bytes of device memory,
+                               lf_cuda_rkv_select_ws_bytes(budget, ...) or more; else unused */
+  size_t ws_bytes;
 } lf_rkv_select_args;
 
+/* The workspace a selection over pools of `budget` slots needs: 0 up to LF_CUDA_RKV_SMEM_BUDGET;
+ * above it one block's arrays for each block that can be resident on the current device (two
+ * per SM), at most max_scopes. A selection of a smaller budget runs in the same workspace. */
+size_t lf_cuda_rkv_select_ws_bytes(int budget, int max_scopes);
+
 /* Launches the selection on stream; asynchronous. Argument errors (a budget over
- * LF_CUDA_RKV_MAX_BUDGET, too few filled slots is the caller's to avoid) are LF_ERR_INVALID_ARG;
- * launch failures LF_ERR_BACKEND. */
+ * LF_CUDA_RKV_MAX_BUDGET, one over LF_CUDA_RKV_SMEM_BUDGET without room for one block's arrays
+ * in ws; too few filled slots is the caller's to avoid) are LF_ERR_INVALID_ARG; launch failures
+ * LF_ERR_BACKEND. */
 lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUstream_st *stream);
 
 #ifdef __cplusplus

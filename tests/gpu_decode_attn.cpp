@@ -274,6 +274,10 @@ void run_case(const Case &c, int kv_dtype) {
   ASSERT_GT(ws_bytes, 0u) << lf_last_error();
   CUDA_OK(dws.alloc(ws_bytes));
   LF_OK_(lf_cuda_decode_attn_workspace_init(dws.p, ws_bytes, nullptr));
+  /* rkv over shared memory's budget: the selection's workspace, as the engine sizes it */
+  const size_t rws_bytes = rkv ? lf_cuda_rkv_select_ws_bytes(B, NS * H) : 0;
+  dev_buf<char> drws;
+  if (rws_bytes) CUDA_OK(drws.alloc(rws_bytes));
 
   lf_attn_params prm = {};
   prm.policy = c.policy;
@@ -392,6 +396,8 @@ void run_case(const Case &c, int kv_dtype) {
       ra.group = G;
       ra.sink = c.sink;
       ra.due_only = 1;
+      ra.ws = drws.p;
+      ra.ws_bytes = rws_bytes;
       LF_OK_(lf_cuda_rkv_select(&ra, nullptr));
     }
     CUDA_OK(cudaDeviceSynchronize());
@@ -669,6 +675,7 @@ std::vector<Case> cases() {
   v.push_back({128, 2, 77, 3, 5, 1, RK, 4, 2, 30, 1});
   v.push_back({64, 4, 300, 4, 8, 2, RK, 0, 0, 30, 17});
   v.push_back({128, 4, 200, 2, 2, 0, RK, 4, 5, 40, 12});
+  v.push_back({64, 3, 4500, 1, 2, 1, RK, 4, 0, 8, 4}); /* over shared memory: the workspace */
   return v;
 }
 

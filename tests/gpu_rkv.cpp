@@ -33,6 +33,8 @@ struct Case {
   lf_kv_dtype dtype;
   uint64_t seed;
   bool near = false; // look-alikes at a cosine of 0.5 +- 2e-3 before rounding
+  int ws_blocks = 0;  // over LF_CUDA_RKV_SMEM_BUDGET: a workspace of this many blocks' room (0:
+                      // lf_cuda_rkv_select_ws_bytes's)
 };
 
 void run_case(const Case &c) {
@@ -158,7 +160,17 @@ void run_case(const Case &c) {
   CK(cudaMalloc(&dids, 4));
   CK(cudaMemcpy(dids, ids.data(), 4, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&dtot, want.size() * 8));
+  // budgets over shared memory: the arrays in a workspace, fewer blocks than scopes if asked
+  size_t ws_bytes = lf_cuda_rkv_select_ws_bytes(B, scopes);
+  if (c.ws_blocks > 0) ws_bytes = size_t(c.ws_blocks) * lf_cuda_rkv_select_ws_bytes(B, 1);
+  EXPECT_EQ(ws_bytes > 0, B > LF_CUDA_RKV_SMEM_BUDGET);
+  void *dws = nullptr;
+  if (ws_bytes) {
+    CK(cudaMalloc(&dws, ws_bytes));
+  }
   lf_rkv_select_args a{};
+  a.ws = dws;
+  a.ws_bytes = ws_bytes;
   a.pool.k = dk;
   a.pool.k_scale = dscale;
   a.pool.pos = dpos;
@@ -188,7 +200,7 @@ void run_case(const Case &c) {
   CK(cudaMemcpy(gq.data(), dq, gq.size() * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(gs.data(), dsince, H * 4, cudaMemcpyDeviceToHost));
   for (void *ptr : {dk, (void *)dscale, (void *)dacc, (void *)dpos, (void *)dn, (void *)dnext,
-                    (void *)dq, (void *)dsince, (void *)dids, (void *)dtot})
+                    (void *)dq, (void *)dsince, (void *)dids, (void *)dtot, dws})
     cudaFree(ptr);
 
   int ties = 0;
@@ -232,7 +244,10 @@ TEST(GpuRkv, SelectionMatchesCpuTwin) {
       {256, 256, 4, 4, 2, 4, 32, 128, LF_KV_BF16, 3},  // layer scope, head_dim 128
       {300, 300, 3, 3, 3, 0, 17, 64, LF_KV_INT8, 4},   // int8 codes, sink 0, odd stage
       {1024, 1024, 2, 1, 4, 4, 32, 128, LF_KV_BF16, 5}, // a serving budget
-      {4096, 4096, 1, 1, 1, 4, 64, 64, LF_KV_BF16, 6}, // the largest budget
+      {4096, 4096, 1, 1, 1, 4, 64, 64, LF_KV_BF16, 6}, // the largest in shared memory
+      {6000, 6000, 3, 1, 2, 4, 64, 64, LF_KV_BF16, 16}, // the arrays in the workspace
+      {5000, 4900, 4, 1, 2, 4, 32, 128, LF_KV_INT8, 17, true, 2}, // 4 scopes through 2 blocks
+      {4500, 4500, 2, 2, 2, 4, 32, 64, LF_KV_INT4, 18}, // workspace, layer scope, int4 split
       {1024, 1024, 2, 1, 4, 4, 32, 128, LF_KV_BF16, 7, true}, // cosines at the threshold
       {512, 512, 2, 2, 2, 4, 32, 128, LF_KV_FP8, 8},   // fp8 codes, layer scope
       {300, 300, 2, 1, 2, 4, 16, 64, LF_KV_INT8, 9, true},  // int8 at the threshold
@@ -346,6 +361,14 @@ TEST(GpuRkv, RefusesWhatItCannotRun) {
   a.group = 1;
   EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);
   EXPECT_NE(std::string(lf_last_error()).find("budget"), std::string::npos) << lf_last_error();
+  a.pool.budget = LF_CUDA_RKV_SMEM_BUDGET + 1; // over shared memory, without a workspace
+  EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);
+  EXPECT_NE(std::string(lf_last_error()).find("workspace"), std::string::npos) << lf_last_error();
+  a.ws = d;
+  a.ws_bytes = 64; // too small for one block's arrays
+  EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);
+  a.ws = nullptr;
+  a.ws_bytes = 0;
   a.pool.budget = 64;
   a.heads_per_scope = 3; // does not divide 2 KV heads
   EXPECT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_ERR_INVALID_ARG);

@@ -93,7 +93,7 @@ static void free_device_side_locked(cuda_backend *c) {
                   c->att,   c->gu,    c->hb,   c->xf,      c->logits,   c->probs,
                   c->w,     c->ml,    c->snap, c->slot_of, c->ptok,     c->attn_ws,
                   c->simple_scratch, c->sort_ws, c->io,   c->lsend,    c->pairs,
-                  c->pairs_all, c->scores};
+                  c->pairs_all, c->scores, c->rkv_ws};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
   if (c->llocal != c->logits) cudaFree(c->llocal);
   cudaFreeHost(c->h_io);
@@ -171,6 +171,9 @@ static lf_status size_pools(cuda_backend *c) {
                          h2o_cs +
                          (c->p.kv_dtype != LF_KV_BF16 /* a chunk's dequantized slots */
                               ? 2 * (uint64_t)m->n_kv_heads * c->bmax * m->head_dim * 2
+                              : 0) +
+                         (c->p.policy == LF_POLICY_RKV /* rkv's arrays past shared memory */
+                              ? (uint64_t)lf_cuda_rkv_select_ws_bytes(c->bmax, INT_MAX)
                               : 0) +
                          ((uint64_t)64 << 20) /* attention split workspace, graphs, slack */;
   size_t free_b = 0, total_b = 0;
@@ -437,6 +440,10 @@ static lf_status create_attention(cuda_backend *c) {
                     "eviction groups", hkv, p->scope_groups);
   if (c->evict_per > 1 && (p->policy == LF_POLICY_LONGFLOW || p->policy == LF_POLICY_H2O))
     CB_ALLOC(c->scores, (size_t)c->max_items * hkv * c->bmax * 4);
+  if (p->policy == LF_POLICY_RKV) { /* selections of layers over the shared-memory budget */
+    c->rkv_ws_bytes = lf_cuda_rkv_select_ws_bytes(c->bmax, c->max_items * (hkv / c->evict_per));
+    if (c->rkv_ws_bytes) CB_ALLOC(c->rkv_ws, c->rkv_ws_bytes);
+  }
   c->sort_ws_bytes = lf_cuda_sample_sort_bytes(m->vocab_size);
   CB_ALLOC(c->sort_ws, c->sort_ws_bytes);
   return LF_OK;

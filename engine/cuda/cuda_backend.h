@@ -181,6 +181,8 @@ typedef struct cuda_backend {
   int32_t *h_ptok;  /* pinned host staging of ptok */
   void *attn_ws;
   size_t attn_ws_bytes;
+  void *rkv_ws; /* rkv with a layer over LF_CUDA_RKV_SMEM_BUDGET slots: the selection's arrays */
+  size_t rkv_ws_bytes;
   float *simple_scratch; /* generic decode attention logits */
   int evict_per;  /* KV heads per eviction decision: 1 (scope head), or a group of the layer's
                      (scope layer: all this rank's, or n_kv / scope_groups) */

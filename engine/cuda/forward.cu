@@ -147,6 +147,8 @@ static lf_status rkv_due(cuda_backend *c, int l, int nd, cudaStream_t st) {
   a.group = c->group;
   a.sink = c->p.sink;
   a.due_only = 1;
+  a.ws = c->rkv_ws;
+  a.ws_bytes = c->rkv_ws_bytes;
   return lf_cuda_rkv_select(&a, st);
 }
 
