@@ -177,7 +177,7 @@ typedef struct lf_engine_config {
                              next rkv_stage slots to overwrite; 0 (default): LF_RKV_STAGE_DEFAULT,
                              halved until it fits beside the sinks and the smallest window.
                              budget >= sink + rkv_obs + rkv_stage + 1; the CUDA backend takes
-                             budgets up to 4096 and head_dim up to 128 */
+                             head_dim up to 128 */
   int rkv_obs;            /* Since 0.3. LF_POLICY_RKV: its observation window: the rkv_obs
                              newest slots are never evicted, and a selection scores the others
                              by the attention mass of the steps inside it (at most the rkv_stage
