@@ -40,6 +40,8 @@ typedef struct nat_opts {
   lf_backend_kind backend;
   lf_evict_scope scope;
   lf_kv_dtype kv_dtype;
+  lf_kv_dtype ref_kv_dtype; /* the full-KV run's pools (--ref-kv-dtype; default kv_dtype) */
+  int ref_set;
   lf_policy policies[NAT_MAX_LIST];
   int n_policies;
   double fractions[NAT_MAX_LIST];
@@ -83,6 +85,8 @@ static void nat_usage(FILE *f) {
           "  --rkv-stage S       rkv's stage (default 0: %d, halved to fit the budget)\n"
           "  --layer-weights F   per-layer budgets for the policy runs (lfgen's option)\n"
           "  --kv-dtype T        bf16|fp8|int8|int4|k8v4 (default bf16; the full run too)\n"
+          "  --ref-kv-dtype T    the full run's pools instead (e.g. bf16 against quantized\n"
+          "                      policy runs: quantization and eviction together)\n"
           "  --backend B         auto | cpu | cuda (default auto)\n"
           "  --threads T         cpu backend threads (default 0: OpenMP's default)\n"
           "  --chat-format F     chatml | llama3 | deepseek-r1 (default: the model's template)\n"
@@ -173,6 +177,9 @@ static int nat_parse(int argc, char **argv, nat_opts *o) {
       bad = lf_evict_scope_parse(v, &o->scope) != LF_OK;
     } else if (!strcmp(a, "--kv-dtype")) {
       bad = lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK;
+    } else if (!strcmp(a, "--ref-kv-dtype")) {
+      bad = lf_kv_dtype_parse(v, &o->ref_kv_dtype) != LF_OK;
+      o->ref_set = 1;
     } else if (!strcmp(a, "--backend")) {
       bad = lf_backend_parse(v, &o->backend) != LF_OK;
     } else {
@@ -190,6 +197,7 @@ static int nat_parse(int argc, char **argv, nat_opts *o) {
     nat_usage(stderr);
     return 2;
   }
+  if (!o->ref_set) o->ref_kv_dtype = o->kv_dtype;
   return 0;
 }
 
@@ -227,8 +235,9 @@ static int nat_prompts(const nat_opts *o, const lf_tokenizer *tok, int32_t **ids
 
 static lf_status nat_backend(const nat_opts *o, const lf_checkpoint *ck, lf_policy policy,
                              int budget, int n_pools, lf_backend **b, int *pools) {
+  const lf_kv_dtype dt = policy == LF_POLICY_FULL ? o->ref_kv_dtype : o->kv_dtype;
   lf_backend_params p = {.policy = policy, .scope = o->scope, .budget = budget, .sink = 4,
-                         .window = 32, .kv_dtype = o->kv_dtype, .n_pools = n_pools,
+                         .window = 32, .kv_dtype = dt, .n_pools = n_pools,
                          .n_threads = o->threads, .no_graphs = 0};
   int bmin = budget, *lb = NULL;
   if (o->lw && policy != LF_POLICY_FULL) { /* per-layer budgets, the engine's rule */
@@ -273,10 +282,12 @@ static void nat_json(const nat_opts *o, const char *model_name, int P, const int
     return;
   }
   fprintf(f, "{\n  \"bench\": \"natural\", \"model\": \"%s\", \"backend\": \"%s\", \"prompts\": %d, "
-             "\"answer_tokens\": %d, \"scope\": \"%s\", \"kv_dtype\": \"%s\", \"wall_s\": %.1f,\n"
+             "\"answer_tokens\": %d, \"scope\": \"%s\", \"kv_dtype\": \"%s\", "
+             "\"ref_kv_dtype\": \"%s\", \"wall_s\": %.1f,\n"
              "  \"layer_weights\": \"%s\", \"prompt_tokens\": [",
           model_name, backend_name, P, T, lf_evict_scope_str(o->scope),
-          lf_kv_dtype_str(o->kv_dtype), wall, o->lw_path ? o->lw_path : "");
+          lf_kv_dtype_str(o->kv_dtype), lf_kv_dtype_str(o->ref_kv_dtype), wall,
+          o->lw_path ? o->lw_path : "");
   for (int i = 0; i < P; i++) fprintf(f, "%s%d", i ? ", " : "", plen[i]);
   fprintf(f, "],\n  \"runs\": [");
   for (int r = 0; r < R; r++) {
