@@ -153,7 +153,8 @@ TEST(MpiTp, PenaltiesAndBiasMatchSingleRank) {
 
 // Quantized pools under tensor parallelism: every rank quantizes the rows of the KV heads it holds,
 // so T ranks must give a single rank's tokens (head scope, evicting from the first decode step),
-// and not the bf16 pools' tokens (so the dtype reached the ranks and changed the pools).
+// and for at least one dtype per model not the bf16 pools' tokens (so the dtype reached the ranks
+// and changed the pools; with rotated keys int8 can give bf16's tokens on these small models).
 TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
   for (const Model &m : models()) {
     if (!all_agree(m.fits)) continue;
@@ -164,6 +165,7 @@ TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
     std::vector<std::vector<int32_t>> bf16;
     if (g_comm->rank == 0) bf16 = lf_tp_test_run_single(cfg, gens);
     const int hd = head_dim_of(m.path); /* the same file on every rank */
+    int differ = 0;
     for (lf_kv_dtype dt : {LF_KV_FP8, LF_KV_INT8, LF_KV_INT4}) {
       if (!lf_kvq_fits(int(dt), hd)) continue; /* int4: whole groups of 32 dims (qwen3 here) */
       cfg.kv_dtype = dt;
@@ -172,7 +174,11 @@ TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
       ASSERT_EQ(ref.size(), gens.size());
       for (size_t k = 0; k < gens.size(); k++)
         EXPECT_EQ(tp[k], ref[k]) << m.path << " " << lf_kv_dtype_str(dt) << " request " << k;
-      EXPECT_NE(ref, bf16) << m.path << " " << lf_kv_dtype_str(dt) << ": as bf16's pools";
+      differ += ref != bf16;
+      if (ref == bf16) printf("%s %s: the bf16 pools' tokens\n", m.path.c_str(), lf_kv_dtype_str(dt));
+    }
+    if (g_comm->rank == 0) {
+      EXPECT_GE(differ, 1) << m.path << ": every dtype as bf16's pools";
     }
   }
 }
