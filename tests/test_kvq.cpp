@@ -341,8 +341,9 @@ TEST(KeyRotation, HalvesInt4ErrorOnOutlierChannels) {
 /* Why 8-bit pools rotate too: where a query and a key share large channels (the few channels that
  * dominate q . k in real models' attention), an 8-bit row's error on those channels is most of the
  * product's; spread over the block, the same bytes carry less of it: int8's step follows the row's
- * largest value, which the rotation shrinks (under 0.6 of the plain rms error), while fp8's error
- * follows each value's own size, so it gains less (under 0.85; on SmolLM2 both gain, DESIGN §3). */
+ * largest value, which the rotation shrinks (0.35-0.37 of the plain rms error over 20000 draws,
+ * bound 0.45), while fp8's error follows each value's own size, so it gains less (0.77-0.82,
+ * bound 0.9; on SmolLM2 both gain, DESIGN §3). Unrotated, both ratios are 1. */
 TEST(KeyRotation, CutsEightBitErrorOnSharedOutlierChannels) {
   std::mt19937_64 r(lf_test_seed_for("KeyRotation.CutsEightBitErrorOnSharedOutlierChannels"));
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -353,7 +354,7 @@ TEST(KeyRotation, CutsEightBitErrorOnSharedOutlierChannels) {
   for (int dt : {int(LF_KV_FP8), int(LF_KV_INT8)}) {
     double err_plain = 0, err_rot = 0;
     std::vector<uint8_t> codes(D);
-    for (int it = 0; it < 2000; it++) {
+    for (int it = 0; it < 20000; it++) {
       std::vector<float> q(D), k(D);
       for (int d = 0; d < D; d++) {
         q[d] = (d == 5 || d == 40 ? 0.5f * gain[d] : 1.0f) * nd(r);
@@ -373,7 +374,9 @@ TEST(KeyRotation, CutsEightBitErrorOnSharedOutlierChannels) {
         (rot ? err_rot : err_plain) += (got - exact) * (got - exact);
       }
     }
-    const double bound = dt == LF_KV_FP8 ? 0.85 : 0.6; /* of the plain rms error */
+    const double bound = dt == LF_KV_FP8 ? 0.9 : 0.45; /* of the plain rms error */
+    std::printf("[ rotation ] %s: rms error of q.k rotated / plain %.3f\n",
+                lf_kv_dtype_str(lf_kv_dtype(dt)), std::sqrt(err_rot / err_plain));
     EXPECT_LT(err_rot, bound * bound * err_plain)
         << lf_kv_dtype_str(lf_kv_dtype(dt)) << ": rms error of q.k: rotated "
         << std::sqrt(err_rot / 2000) << ", plain " << std::sqrt(err_plain / 2000);
