@@ -143,7 +143,6 @@ static __device__ __forceinline__ double rk_cos_warp(const lf_cuda_pool_view &p,
   return rk_warp_sum(s) / ny;
 }
 
-
 /* Where the scratch area starts: 16-byte aligned, as the scan's asynchronous copies need. */
 static __host__ __device__ size_t rk_scratch_at(int n, size_t pow2) {
   return (8 * pow2 + 8 * (size_t)((n + 1) / 2) + 3 * 8 * (size_t)n + 8 * (size_t)n + 15) & ~(size_t)15;
@@ -550,8 +549,7 @@ static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_sele
     const int n = a.pool.n[hidx0];
     /* due only: since is the count the decode kernel just left (block-uniform) */
     if (a.due_only && lf_rkv_k_left(a.pool.since[hidx0], n, B, a.pool.stage) > 0) continue;
-    int P = 1;
-    while (P < n) P <<= 1;
+    const int P = (int)rk_pow2(n);
     long long *key = (long long *)arr;
     double *pooled = (double *)arr; /* the keys' room, once the slots are ranked */
     int *slot_of = (int *)(arr + 8 * (size_t)P);

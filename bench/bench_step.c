@@ -109,11 +109,9 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
   }
   const lf_model_config *m = &ck.cfg;
   lf_backend_params p = {.policy = policy, .budget = budget, .sink = 4, .window = 32,
-                         .n_pools = max_b, .comm = comm, .kv_dtype = kv_dtype,
-                         .rkv_stage = policy == LF_POLICY_RKV
-                                          ? lf_rkv_stage_resolve(rkv_stage, budget, 4, 0)
-                                          : 0};
+                         .n_pools = max_b, .comm = comm, .kv_dtype = kv_dtype};
   int fill = budget - 1, extra = 0; /* prompt tokens per pool; decode steps that fill the rest */
+  int bmin = budget;                /* rkv's stage fits the smallest layer, as the engine's */
   if (lw) {
     if (n_lw != m->n_layers) {
       fprintf(stderr, "lfbench step: %s has %d layers, --layer-weights %d weights\n", model,
@@ -128,16 +126,13 @@ static int run_model(const char *model, const int *batches, int nb, int budget, 
       lf_checkpoint_close(&ck);
       return 1;
     }
-    int bmin = lb[0], bmax = lb[0];
-    for (int l = 1; l < m->n_layers; l++) {
-      bmin = lb[l] < bmin ? lb[l] : bmin;
-      bmax = lb[l] > bmax ? lb[l] : bmax;
-    }
+    const lf_pool_shape layers = {1, m->n_layers, 1, budget, 1, 0, 0, lb};
+    bmin = lf_pool_budget_min(&layers);
     p.layer_budget = lb;
-    p.rkv_stage = policy == LF_POLICY_RKV ? lf_rkv_stage_resolve(rkv_stage, bmin, 4, 0) : 0;
     fill = bmin - 1; /* appended in every layer; decode steps then fill the larger ones */
-    extra = bmax - bmin + 1;
+    extra = lf_pool_budget_max(&layers) - bmin + 1;
   }
+  p.rkv_stage = policy == LF_POLICY_RKV ? lf_rkv_stage_resolve(rkv_stage, bmin, 4, 0) : 0;
   const int tp = comm ? comm->size : 1;
   double t0 = lf_now_s();
   if (lf_backend_create(LF_BACKEND_CUDA, &ck, &p, &b) != LF_OK) STEP_FAIL("create %s", model);
