@@ -611,10 +611,11 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
                     "lf_cuda_rkv_select: budget %d outside [1, %d] (policy rkv on the cuda "
                     "backend)", B, LF_CUDA_RKV_MAX_BUDGET);
   const bool in_ws = B > LF_CUDA_RKV_SMEM_BUDGET;
-  if (in_ws && (!a->ws || a->ws_bytes < rk_ws_stride(B)))
+  const size_t stride = in_ws ? rk_ws_stride(B) : 0; /* one block's room in the workspace */
+  if (in_ws && (!a->ws || a->ws_bytes < stride))
     return lf_error(LF_ERR_INVALID_ARG,
                     "lf_cuda_rkv_select: budget %d over %d needs a workspace of at least %zu "
-                    "bytes (%zu given)", B, LF_CUDA_RKV_SMEM_BUDGET, rk_ws_stride(B),
+                    "bytes (%zu given)", B, LF_CUDA_RKV_SMEM_BUDGET, stride,
                     a->ws ? a->ws_bytes : (size_t)0);
   if (a->pool.head_dim < 1 || a->pool.head_dim > RK_DMAX)
     return lf_error(LF_ERR_INVALID_ARG, "lf_cuda_rkv_select: head_dim %d outside [1, %d]",
@@ -631,7 +632,7 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
   lf_rkv_select_args k = *a;
   int grid = a->n_scopes;
   if (in_ws) {
-    const size_t room = a->ws_bytes / rk_ws_stride(B);
+    const size_t room = a->ws_bytes / stride;
     if ((size_t)grid > room) grid = (int)room;
   } else {
     k.ws = NULL; /* the arrays in shared memory */
