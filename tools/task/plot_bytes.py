@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Accuracy against KV bytes: teacher-forced token error and greedy answers of `lfbench eval`
-runs against the KV cache's bytes per output token, one line per (policy, scope, pool dtype).
+runs against the KV cache's bytes per output token, one line per (policy, scope, pool dtype);
+runs with per-layer pools (`--layer-weights`) are their own line ("POLICY/layers").
 
     python3 tools/task/plot_bytes.py OUT.png --tf A.json,B.json --free C.json,D.json \\
         [--full E.json,F.json] [--layers 30 --kv-heads 3 --head-dim 64] [--title TEXT]
@@ -51,7 +52,8 @@ def series(docs, a):
         dt = d["engine"].get("kv_dtype", "bf16")
         rb = slot_bytes(dt, a.head_dim) * a.layers * a.kv_heads  # K and V
         for r in d["runs"]:
-            key = (r["policy"], r.get("scope", "head") if r["policy"] != "full" else "-", dt)
+            pol = r["policy"] + ("/layers" if d["engine"].get("layer_weights") else "")
+            key = (pol, r.get("scope", "head") if r["policy"] != "full" else "-", dt)
             s = acc[key][r["fraction"]]
             s["bytes"] += r["budget"] * rb / r["output_tokens"]
             s["n"] += 1
@@ -79,17 +81,20 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.6))
+    # one colour per series in both panels
+    colours = {k: plt.cm.tab10(i % 10) for i, k in enumerate(sorted(set(tf) | set(free)))}
     for key in sorted(tf):
         pts = sorted((v["bytes"] / v["n"] / 1024, 100.0 * v["wrong"] / max(v["pos"], 1))
                      for v in tf[key].values())
-        ax[0].plot(*zip(*pts), "o-", label="%s %s %s" % key)
+        ax[0].plot(*zip(*pts), "o-", color=colours[key], label="%s %s %s" % key)
         for x, y in pts:
-            print("tf   %-4s %-5s %-5s %8.1f KiB/token  token error %.3f%%" % (*key, x, y))
+            print("tf   %-10s %-5s %-5s %8.1f KiB/token  token error %.3f%%" % (*key, x, y))
     for key in sorted(free):
         pts = sorted((v["bytes"] / v["n"] / 1024, v["right"], v["n"]) for v in free[key].values())
-        ax[1].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="%s %s %s" % key)
+        ax[1].plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colours[key],
+                   label="%s %s %s" % key)
         for x, r, n in pts:
-            print("free %-4s %-5s %-5s %8.1f KiB/token  answers %d of %d" % (*key, x, r, n))
+            print("free %-10s %-5s %-5s %8.1f KiB/token  answers %d of %d" % (*key, x, r, n))
     for key, v in sorted(full.items()):
         v = next(iter(v.values()))
         if v["pos"]:
