@@ -19,7 +19,14 @@ norot (keys not Walsh-Hadamard-rotated). The formats follow base/kvq.h's definit
 with a row scale amax/448, round to nearest even; int8 symmetric, amax/127; int4 per group of 32,
 floor and step (kept in float64 here, where lfserve rounds them to bf16).
 
+With --task (tools/task/gen.py --format hf records, the adapter of --lora merged) the sequences
+are each record's prompt and completion instead, and the figures add the teacher-forced token
+error: the share of completion tokens whose argmax is not the text's next token (the float64
+pass's own error beside it); mode c then takes mu from the other records, or from those of --calib.
+
     python3 tools/evict/kv_center.py none,int4,int4:c,int4:p [--out F.json]
+    python3 tools/evict/kv_center.py none,int4,int4:p --task P.jsonl --tokenizer tok.json \
+        --lora models/smollm2-trace-lora
 """
 import argparse
 import json
@@ -137,35 +144,76 @@ def main():
     ap.add_argument("--golden", default=os.path.join(ROOT, "tests/data/fidelity/smollm2/golden.json"))
     ap.add_argument("--model", help="the GGUF (default: tools/smollm2.sh)")
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--task", help="task records (gen.py --format hf) instead of --golden")
+    ap.add_argument("--tokenizer", help="tokenizer.json for --task (gen.py --save-hf-tokenizer)")
+    ap.add_argument("--lora", help="a PEFT LoRA adapter merged into the model")
+    ap.add_argument("--calib", help="with --task: mode c takes mu from these records (gen.py "
+                    "--format hf) instead of the other records of --task")
     a = ap.parse_args()
     path = a.model or subprocess.run(["bash", os.path.join(ROOT, "tools", "smollm2.sh")],
                                      capture_output=True, text=True, check=True).stdout.strip()
-    m = evm.Model(path, np.float64)
+    m = evm.Model(path, np.float64, lora=a.lora)
     pr = Probe(m)
-    g = json.load(open(a.golden))["prompts"]
-    seqs = [(p["prompt_ids"] + p["gen_ids"], len(p["prompt_ids"])) for p in g]
-    rows = [[q for q in p["positions"] if q >= n - 1] for p, (_, n) in zip(g, seqs)]
-    top_ref = [[t for q, t in zip(p["positions"], p["fp64_top1"]) if q >= n - 1]
-               for p, (_, n) in zip(g, seqs)]
+    mu_cal = None
+    if a.task:
+        sys.path.insert(0, os.path.join(ROOT, "tools", "task"))
+        import gen
+        tok = gen.load_hf_tokenizer(a.tokenizer)
+
+        def records(path):
+            out = []
+            for line in open(path):
+                if line.strip():
+                    r = json.loads(line)
+                    p_ids = tok.encode(r["prompt"], add_special_tokens=False).ids
+                    c_ids = tok.encode(r["completion"], add_special_tokens=False).ids
+                    out.append((p_ids + c_ids, len(p_ids), r["id"]))
+            return out
+        recs = records(a.task)
+        seqs, names = [(ids, n) for ids, n, _ in recs], [x for _, _, x in recs]
+        if a.calib:
+            tot, cnt = 0.0, 0
+            for ids, n, _ in records(a.calib):
+                _, ks = pr.run(ids, n, want_keys=True)
+                tot, cnt = tot + ks, cnt + len(ids)
+            mu_cal = tot / cnt
+        # every position that predicts a completion token
+        rows = [list(range(n - 1, len(ids) - 1)) for ids, n in seqs]
+        top_ref = None
+    else:
+        g = json.load(open(a.golden))["prompts"]
+        names = [p["name"] for p in g]
+        seqs = [(p["prompt_ids"] + p["gen_ids"], len(p["prompt_ids"])) for p in g]
+        rows = [[q for q in p["positions"] if q >= n - 1] for p, (_, n) in zip(g, seqs)]
+        top_ref = [[t for q, t in zip(p["positions"], p["fp64_top1"]) if q >= n - 1]
+                   for p, (_, n) in zip(g, seqs)]
     # the float64 pass (the reference) and each prompt's key sums, rotated and not
     ref, sums = [], {True: [], False: []}
+    rots = (True, False) if "norot" in a.variants else (True,)
     for ids, n in seqs:
-        for rot in (True, False):
+        for rot in rots:
             z, ks = pr.run(ids, n, rot=rot, want_keys=True)
             sums[rot].append((ks, len(ids)))
             if rot:
                 ref.append(z)
-    res = {"model": os.path.basename(path), "golden": os.path.relpath(a.golden, ROOT), "variants": {}}
+    if top_ref is None:
+        top_ref = [list(z[r].argmax(-1)) for z, r in zip(ref, rows)]
+    src = {"task": a.task, "lora": a.lora, "calib": a.calib} if a.task else {"golden": os.path.relpath(a.golden, ROOT)}
+    res = {"model": os.path.basename(path), **src, "sequences": names, "variants": {}}
     for name in a.variants.split(","):
         spec, *mode = name.split(":")
         kq, vq = (spec.split("/") + [None])[:2]
         vq = vq or kq
         rot = "norot" not in mode
-        agree = n_pos = 0
+        agree = n_pos = wrong = 0
         kl = 0.0
         for i, (ids, n) in enumerate(seqs):
             mu = None
-            if "c" in mode:
+            if "c" in mode and mu_cal is not None:
+                if not rot:
+                    raise SystemExit("--calib: mode c with norot is not measured")
+                mu = mu_cal
+            elif "c" in mode:
                 others = [s for j, s in enumerate(sums[rot]) if j != i]
                 mu = sum(s for s, _ in others) / sum(t for _, t in others)
             elif "p" in mode:
@@ -174,12 +222,17 @@ def main():
             z = pr.run(ids, n, kq, vq, rot, mu)[rows[i]]
             zr = ref[i][rows[i]]
             agree += int((z.argmax(-1) == np.array(top_ref[i])).sum())
+            wrong += int((z.argmax(-1) != np.array([ids[t + 1] for t in rows[i]])).sum())
             kl += float((np.exp(zr) * (zr - z)).sum())
             n_pos += len(rows[i])
         res["variants"][name] = {"top1": agree / n_pos, "agree": agree, "positions": n_pos,
                                  "kl": kl / n_pos}
-        print("%-14s top-1 as float64 %d/%d (%.2f%%), mean KL %.3e" % (
-            name, agree, n_pos, 100.0 * agree / n_pos, kl / n_pos), flush=True)
+        if a.task:
+            res["variants"][name].update(tf_wrong=wrong, tf_error=wrong / n_pos)
+        print("%-14s top-1 as float64 %d/%d (%.2f%%), mean KL %.3e%s" % (
+            name, agree, n_pos, 100.0 * agree / n_pos, kl / n_pos,
+            ", token error %d (%.3f%%)" % (wrong, 100.0 * wrong / n_pos) if a.task else ""),
+            flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
