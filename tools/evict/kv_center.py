@@ -116,26 +116,27 @@ class Probe:
         return att.reshape(T, -1)
 
     def run(self, ids, n_prompt, kq=None, vq=None, rot=True, mu=None, want_keys=False):
-        """Log-softmax logits [T, vocab]; with want_keys, also the sum of the (rotated) keys per
-        (layer, KV head) of the unquantized pass."""
+        """Log-softmax logits [T, vocab]; with want_keys, also the sums of the (rotated) keys per
+        (layer, KV head) of the unquantized pass, over all positions and over the prompt's (a
+        causal pass computes the prompt's keys as a pass over the prompt alone would)."""
         m, T = self.m, len(ids)
         x = m.embed[np.asarray(ids)]
         pos = np.arange(T)
         stored = (pos[:, None] >= n_prompt) | ((pos[None, :] // CHUNK) < (pos[:, None] // CHUNK))
-        ksum = np.zeros((self.c.n_layers, self.c.n_kv_heads, self.c.head_dim))
+        ksum = np.zeros((2, self.c.n_layers, self.c.n_kv_heads, self.c.head_dim))
         for l in range(self.c.n_layers):
             q, k, v = m.qkv(l, m.rmsnorm(x, m.layers[l]["rms_att"]), pos)
             if rot:
                 q, k = q @ self.H.T, k @ self.H.T
             if want_keys:
-                ksum[l] = k.sum(0)
+                ksum[:, l] = k.sum(0), k[:n_prompt].sum(0)
             if mu is not None:
                 k = k - mu[l][None]  # every key, so one query's logits share one offset
             x = m.attn_out_mlp(l, x, self._layer_attn(q, k, v, stored, kq, vq))
         z = m.logits(x)
         z = z - z.max(-1, keepdims=True)
         z = z - np.log(np.exp(z).sum(-1, keepdims=True))
-        return (z, ksum) if want_keys else z
+        return (z, ksum[0], ksum[1]) if want_keys else z
 
 
 def main():
@@ -156,25 +157,18 @@ def main():
     pr = Probe(m)
     mu_cal = None
     if a.task:
-        sys.path.insert(0, os.path.join(ROOT, "tools", "task"))
-        import gen
-        tok = gen.load_hf_tokenizer(a.tokenizer)
+        import run as evr
 
-        def records(path):
-            out = []
-            for line in open(path):
-                if line.strip():
-                    r = json.loads(line)
-                    p_ids = tok.encode(r["prompt"], add_special_tokens=False).ids
-                    c_ids = tok.encode(r["completion"], add_special_tokens=False).ids
-                    out.append((p_ids + c_ids, len(p_ids), r["id"]))
-            return out
+        def records(path):  # (ids, n_prompt, name), tokenized as run.py and lfbench eval do
+            items = evr.task_items(argparse.Namespace(task=path, tokenizer=a.tokenizer,
+                                                      task_skip=0, task_n=sys.maxsize))
+            return [(ids, n, name) for name, ids, n, _ in items]
         recs = records(a.task)
         seqs, names = [(ids, n) for ids, n, _ in recs], [x for _, _, x in recs]
         if a.calib:
             tot, cnt = 0.0, 0
             for ids, n, _ in records(a.calib):
-                _, ks = pr.run(ids, n, want_keys=True)
+                _, ks, _ = pr.run(ids, n, want_keys=True)
                 tot, cnt = tot + ks, cnt + len(ids)
             mu_cal = tot / cnt
         # every position that predicts a completion token
@@ -187,13 +181,13 @@ def main():
         rows = [[q for q in p["positions"] if q >= n - 1] for p, (_, n) in zip(g, seqs)]
         top_ref = [[t for q, t in zip(p["positions"], p["fp64_top1"]) if q >= n - 1]
                    for p, (_, n) in zip(g, seqs)]
-    # the float64 pass (the reference) and each prompt's key sums, rotated and not
+    # the float64 pass (the reference) and each sequence's key sums (all, prompt), rotated and not
     ref, sums = [], {True: [], False: []}
     rots = (True, False) if "norot" in a.variants else (True,)
     for ids, n in seqs:
         for rot in rots:
-            z, ks = pr.run(ids, n, rot=rot, want_keys=True)
-            sums[rot].append((ks, len(ids)))
+            z, ks, kp = pr.run(ids, n, rot=rot, want_keys=True)
+            sums[rot].append((ks, len(ids), kp))
             if rot:
                 ref.append(z)
     if top_ref is None:
@@ -215,11 +209,13 @@ def main():
                 mu = mu_cal
             elif "c" in mode:
                 others = [s for j, s in enumerate(sums[rot]) if j != i]
-                mu = sum(s for s, _ in others) / sum(t for _, t in others)
+                mu = sum(s[0] for s in others) / sum(s[1] for s in others)
             elif "p" in mode:
-                _, ks = pr.run(ids[:n], n, rot=rot, want_keys=True)
-                mu = ks / n
-            z = pr.run(ids, n, kq, vq, rot, mu)[rows[i]]
+                mu = sums[rot][i][2] / n
+            if kq == vq == "none" and mu is None and rot:
+                z = ref[i][rows[i]]  # the reference pass itself
+            else:
+                z = pr.run(ids, n, kq, vq, rot, mu)[rows[i]]
             zr = ref[i][rows[i]]
             agree += int((z.argmax(-1) == np.array(top_ref[i])).sum())
             wrong += int((z.argmax(-1) != np.array([ids[t + 1] for t in rows[i]])).sum())
