@@ -2,6 +2,7 @@
  * include/lfserve.h. The request loop itself (queue, admission, batching, finishing, threading)
  * is scheduler/scheduler.c; its rules are in scheduler/README.md.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,6 +119,18 @@ static lf_status engine_init_local(lf_engine_t e) {
     e->budget_min = lf_pool_budget_min(&one);
     e->budget_max = lf_pool_budget_max(&one);
   }
+  if (e->cfg.key_means || e->cfg.n_key_means) {
+    const long long want = (long long)mc->n_layers * mc->n_kv_heads * mc->head_dim;
+    if (!e->cfg.key_means || e->cfg.n_key_means != want)
+      return lf_error(LF_ERR_INVALID_ARG,
+                      "key_means: %d values for a model of %d layers x %d KV heads x %d dims "
+                      "(%lld)",
+                      e->cfg.key_means ? e->cfg.n_key_means : 0, mc->n_layers, mc->n_kv_heads,
+                      mc->head_dim, want);
+    for (long long i = 0; i < want; i++)
+      if (!isfinite(e->cfg.key_means[i]))
+        return lf_error(LF_ERR_INVALID_ARG, "key_means: value %lld is not finite", i);
+  }
   /* rkv's default stage fits the smallest layer (every layer shares it) */
   e->cfg.rkv_stage =
       lf_rkv_stage_resolve(e->cfg.rkv_stage, e->budget_min, e->cfg.sink, e->cfg.rkv_obs);
@@ -170,6 +183,7 @@ static lf_status engine_init_local(lf_engine_t e) {
                           .rkv_stage = e->cfg.rkv_stage,
                           .rkv_obs = e->cfg.rkv_obs,
                           .kv_dtype = e->cfg.kv_dtype,
+                          .key_means = e->cfg.key_means,
                           .n_pools = e->cfg.n_pools,
                           .mem_util = e->cfg.mem_util,
                           .host_mem_util = e->cfg.host_mem_util,

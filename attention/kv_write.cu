@@ -79,6 +79,11 @@ static __global__ void qkv_rope_kernel(lf_qkv_rope_args a) {
     for (int d = lane; d < D; d += 32) buf[d] *= sc;
     __syncwarp();
   }
+  if (!is_q && a.k_mean) { /* as the cpu forward: after the rotation, in fp32 */
+    const float *mu = a.k_mean + (size_t)g * D;
+    for (int d = lane; d < D; d += 32) buf[d] -= mu[d];
+    __syncwarp();
+  }
 
   if (is_q) {
     __nv_bfloat16 *q = (__nv_bfloat16 *)a.q_out + (size_t)t * qd + (size_t)hx * D;

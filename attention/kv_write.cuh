@@ -52,6 +52,9 @@ typedef struct lf_qkv_rope_args {
   int32_t *w;             /* [n_tok][n_kv_heads] out: slot written, -1 when none */
   int rot;                /* 1: q and k leave rotated (base/kvrot.h), for pools whose dtype
                              stores rotated keys (lf_kv_rotates); 0: as RoPE leaves them */
+  const float *k_mean;    /* fp32 [n_kv_heads][head_dim] or NULL: subtracted from each key after
+                             RoPE (and the rotation), before the rounding to bf16 and the pool
+                             write (lf_engine_config.key_means); queries unchanged */
 } lf_qkv_rope_args;
 
 lf_status lf_cuda_qkv_rope(const lf_qkv_rope_args *a, struct CUstream_st *stream);

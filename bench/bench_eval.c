@@ -172,6 +172,8 @@ static void run_group(ev_ctx *c, ev_group *g) {
     cfg.n_layer_weights = o->n_layer_weights;
   }
   cfg.kv_dtype = o->kv_dtype;
+  cfg.key_means = o->key_means;
+  cfg.n_key_means = o->n_key_means;
   cfg.max_batch_tokens = o->max_batch_tokens;
   cfg.n_threads = o->threads;
   g->pools = g->n < o->max_concurrent ? g->n : o->max_concurrent;

@@ -39,6 +39,9 @@ typedef struct ev_opts {
   double *layer_weights;          /* its weights (lf_engine_config.layer_weights; the evicting
                                      series only), n_layer_weights of them */
   int n_layer_weights;
+  const char *key_means_path; /* --key-means F, or NULL */
+  float *key_means;           /* its values (lf_engine_config.key_means; every series) */
+  int n_key_means;
   lf_kv_dtype kv_dtype; /* lf_engine_config.kv_dtype of every series */
   int evict_groups; /* layer-scope series: lf_engine_config.evict_groups */
   int full_ctx, limit, ids, quiet;

@@ -59,6 +59,7 @@ void ev_usage(FILE *f) {
           "                       fit)\n"
           "  --rkv-obs O          rkv's observation window as lfgen (default 0: budget/2)\n"
           "  --layer-weights F    per-layer budgets (lfgen's option) for the evicting series\n"
+          "  --key-means F        key means (lfgen's option) for every series\n"
           "  --kv-dtype T         bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16);\n"
           "                       the fractions stay in slots, not bytes\n"
           "  --max-batch-tokens N prompt tokens per step (default 0: whole prompts)\n"
@@ -182,7 +183,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
                                          "--sink",           "--window",    "--max-batch-tokens",
                                          "--budget-round",   "--evict-groups",
                                          "--budget-of",      "--h2o-recent", "--kv-dtype",
-                                         "--rkv-stage",      "--rkv-obs",     "--layer-weights"};
+                                         "--rkv-stage",      "--rkv-obs",     "--layer-weights",
+                                         "--key-means"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++)
       known |= !strcmp(a, valued[k]);
@@ -257,6 +259,16 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       o->layer_weights_path = v;
       if (lf_cli_read_weights(v, &o->layer_weights, &o->n_layer_weights, why, sizeof why)) {
         fprintf(stderr, EV_NAME ": --layer-weights: %s\n", why);
+        r = -1;
+      }
+    }
+    else if (!strcmp(a, "--key-means")) {
+      char why[256];
+      int shape[3];
+      free(o->key_means);
+      o->key_means_path = v;
+      if (lf_cli_read_key_means(v, &o->key_means, &o->n_key_means, shape, why, sizeof why)) {
+        fprintf(stderr, EV_NAME ": --key-means: %s\n", why);
         r = -1;
       }
     }

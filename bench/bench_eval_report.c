@@ -257,6 +257,11 @@ static void json_write_header(FILE *f, const ev_opts *o, const char *backend, do
     json_cstr(f, o->layer_weights_path);
   else
     fputs("null", f);
+  fputs(", \"key_means\": ", f);
+  if (o->key_means_path)
+    json_cstr(f, o->key_means_path);
+  else
+    fputs("null", f);
   fprintf(f, "},\n \"teacher_forced\": %s, \"budget_of\": \"%s\", \"budget_round\": %d, "
           "\"fractions\": [",
           o->teacher_forced ? "true" : "false", o->budget_of_live ? "live" : "output",

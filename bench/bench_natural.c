@@ -51,6 +51,9 @@ typedef struct nat_opts {
   const char *lw_path; /* --layer-weights: per-layer budgets for every policy run */
   double *lw;
   int n_lw;
+  const char *km_path; /* --key-means: key means for every policy run */
+  float *km;
+  int n_km;
 } nat_opts;
 
 typedef struct nat_run {
@@ -84,6 +87,7 @@ static void nat_usage(FILE *f) {
           "  --scope S           head | layer (default head)\n"
           "  --rkv-stage S       rkv's stage (default 0: %d, halved to fit the budget)\n"
           "  --layer-weights F   per-layer budgets for the policy runs (lfgen's option)\n"
+          "  --key-means F       key means for the policy runs (lfgen's option)\n"
           "  --kv-dtype T        bf16|fp8|int8|int4|k8v4 (default bf16; the full run too)\n"
           "  --ref-kv-dtype T    the full run's pools instead (e.g. bf16 against quantized\n"
           "                      policy runs: quantization and eviction together)\n"
@@ -144,6 +148,16 @@ static int nat_parse(int argc, char **argv, nat_opts *o) {
       o->lw_path = v;
       if (lf_cli_read_weights(v, &o->lw, &o->n_lw, why, sizeof why)) {
         fprintf(stderr, "lfbench natural: --layer-weights: %s\n", why);
+        return 2;
+      }
+    }
+    else if (!strcmp(a, "--key-means")) {
+      char why[256];
+      int shape[3];
+      free(o->km);
+      o->km_path = v;
+      if (lf_cli_read_key_means(v, &o->km, &o->n_km, shape, why, sizeof why)) {
+        fprintf(stderr, "lfbench natural: --key-means: %s\n", why);
         return 2;
       }
     }
@@ -240,6 +254,13 @@ static lf_status nat_backend(const nat_opts *o, const lf_checkpoint *ck, lf_poli
                          .window = 32, .kv_dtype = dt, .n_pools = n_pools,
                          .n_threads = o->threads, .no_graphs = 0};
   int bmin = budget, *lb = NULL;
+  if (o->km && policy != LF_POLICY_FULL) {
+    const lf_model_config *mc = &ck->cfg;
+    if (o->n_km != mc->n_layers * mc->n_kv_heads * mc->head_dim)
+      return lf_error(LF_ERR_INVALID_ARG, "--key-means: %d values for %d x %d x %d", o->n_km,
+                      mc->n_layers, mc->n_kv_heads, mc->head_dim);
+    p.key_means = o->km;
+  }
   if (o->lw && policy != LF_POLICY_FULL) { /* per-layer budgets, the engine's rule */
     const int L = ck->cfg.n_layers;
     if (o->n_lw != L)
@@ -284,10 +305,10 @@ static void nat_json(const nat_opts *o, const char *model_name, int P, const int
   fprintf(f, "{\n  \"bench\": \"natural\", \"model\": \"%s\", \"backend\": \"%s\", \"prompts\": %d, "
              "\"answer_tokens\": %d, \"scope\": \"%s\", \"kv_dtype\": \"%s\", "
              "\"ref_kv_dtype\": \"%s\", \"wall_s\": %.1f,\n"
-             "  \"layer_weights\": \"%s\", \"prompt_tokens\": [",
+             "  \"layer_weights\": \"%s\", \"key_means\": \"%s\", \"prompt_tokens\": [",
           model_name, backend_name, P, T, lf_evict_scope_str(o->scope),
           lf_kv_dtype_str(o->kv_dtype), lf_kv_dtype_str(o->ref_kv_dtype), wall,
-          o->lw_path ? o->lw_path : "");
+          o->lw_path ? o->lw_path : "", o->km_path ? o->km_path : "");
   for (int i = 0; i < P; i++) fprintf(f, "%s%d", i ? ", " : "", plen[i]);
   fprintf(f, "],\n  \"runs\": [");
   for (int r = 0; r < R; r++) {
@@ -394,6 +415,7 @@ int bench_natural(int argc, char **argv) {
   const int pr = nat_parse(argc, argv, &o);
   if (pr) {
     free(o.lw);
+    free(o.km);
     return pr == 1 ? 0 : pr;
   }
   const double t0 = lf_now_s();
@@ -401,6 +423,7 @@ int bench_natural(int argc, char **argv) {
   if (lf_tokenizer_open(o.model, &tok) != LF_OK) {
     fprintf(stderr, "lfbench natural: %s: %s\n", o.model, lf_last_error());
     free(o.lw);
+    free(o.km);
     return 1;
   }
   int32_t *ids[NAT_MAX_PROMPTS] = {0};
@@ -512,6 +535,7 @@ done:
   for (int i = 0; i < P; i++) lf_free(ids[i]);
   lf_tokenizer_free(tok);
   free(o.lw);
+  free(o.km);
   free(runs);
   free(fpools);
   free(next);

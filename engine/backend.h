@@ -61,6 +61,9 @@ typedef struct lf_backend_params {
   int rkv_stage;   /* LF_POLICY_RKV: slots per selection (lf_engine_config.rkv_stage, resolved) */
   int rkv_obs;     /* LF_POLICY_RKV: its observation window; 0: lf_rkv_obs_resolve's default */
   lf_kv_dtype kv_dtype; /* how the pools store K and V (lf_engine_config.kv_dtype) */
+  const float *key_means; /* NULL or [n_layers][model's n_kv_heads][head_dim]: subtracted from
+                             each key after RoPE (lf_engine_config.key_means); the backend
+                             copies its own KV heads' rows (lf_key_means_rows), valid finite */
   int n_pools;     /* cuda: 0 sizes the pools from the free device memory (see mem_util);
                      pools_free() after create says how many. The cpu backend needs >= 1. */
   int n_threads;

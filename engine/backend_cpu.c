@@ -415,6 +415,7 @@ lf_status lf_backend_cpu_create(const lf_checkpoint *ck, const lf_backend_params
   if (s == LF_OK) s = lf_kv_arena_init(&c->arena, &ps);
   if (s == LF_OK) s = lf_cpu_forward_init_tp(&c->fwd, mc, &c->w, &c->arena, &ap, &sh, comm);
   if (s == LF_OK && lap) s = lf_cpu_forward_set_layer_params(&c->fwd, lap);
+  if (s == LF_OK && p->key_means) s = lf_cpu_forward_set_key_means(&c->fwd, p->key_means);
   free(lap);
   if (s == LF_OK) c->fwd.n_threads = p->n_threads;
   if (s == LF_OK) s = lf_sampler_init(&c->sampler, mc->vocab_size);

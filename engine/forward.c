@@ -197,7 +197,32 @@ void lf_cpu_forward_free(lf_cpu_forward *f) {
   f->heads = NULL;
   free(f->layer_ap);
   f->layer_ap = NULL;
+  free(f->kmu);
+  f->kmu = NULL;
   lf_attn_scratch_free(&f->ws);
+}
+
+void lf_key_means_rows(const float *all, int n_layers, int n_kv_all, int head_dim, int kv0,
+                       int n_kv, int rotate, float *out) {
+  for (int l = 0; l < n_layers; l++)
+    for (int h = 0; h < n_kv; h++) {
+      float *row = out + ((size_t)l * n_kv + h) * head_dim;
+      memcpy(row, all + ((size_t)l * n_kv_all + kv0 + h) * head_dim, sizeof(float) * head_dim);
+      if (rotate) lf_rot_row(row, head_dim, 0);
+    }
+}
+
+lf_status lf_cpu_forward_set_key_means(lf_cpu_forward *f, const float *all) {
+  free(f->kmu);
+  f->kmu = NULL;
+  if (!all) return LF_OK;
+  const lf_model_config *c = f->cfg;
+  const size_t n = (size_t)c->n_layers * f->sh.n_kv * c->head_dim;
+  if (!(f->kmu = malloc(sizeof(float) * n)))
+    return lf_error(LF_ERR_OUT_OF_MEMORY, "key means");
+  lf_key_means_rows(all, c->n_layers, c->n_kv_heads, c->head_dim, f->sh.kv0, f->sh.n_kv,
+                    lf_kv_rotates(f->arena->shape.kv_dtype), f->kmu);
+  return LF_OK;
 }
 
 lf_status lf_cpu_forward_set_layer_params(lf_cpu_forward *f, const lf_attn_params *per_layer) {
@@ -276,6 +301,10 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
       if (lf_kv_rotates(f->arena->shape.kv_dtype)) { /* int4 pools store rotated keys */
         for (int h = 0; h < hq; h++) lf_rot_row(qt + h * hd, hd, 1);
         for (int h = 0; h < hkv; h++) lf_rot_row(kt + h * hd, hd, 0);
+      }
+      if (f->kmu) { /* the layer's key means, as the CUDA qkv kernel takes them */
+        const float *mu = f->kmu + (size_t)l * kd;
+        for (int i = 0; i < kd; i++) kt[i] -= mu[i];
       }
     }
     /* Attention over this sequence's pool, one call per eviction scope: a KV head (head scope)

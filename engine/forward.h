@@ -44,6 +44,8 @@ typedef struct lf_cpu_forward {
   float *inv_freq; /* [head_dim/2] RoPE frequencies (after llama3 scaling) */
   lf_attn_scratch ws; /* the decode step's scratch, reused by every call */
   lf_kv_head *heads;  /* [n_kv] head views of one eviction scope (a head, or a layer's) */
+  float *kmu;         /* [n_layers][n_kv][head_dim] key means as subtracted (rotated like the
+                         keys when the dtype rotates), or NULL */
   /* scratch for up to cap_tok tokens, grown on demand */
   int cap_tok;
   float *x;   /* [tok][dim] residual stream */
@@ -64,6 +66,16 @@ lf_status lf_cpu_forward_init_tp(lf_cpu_forward *f, const lf_model_config *cfg,
                                  const lf_weights *w, lf_kv_arena *arena, const lf_attn_params *ap,
                                  const lf_shard *sh, lf_comm_t comm);
 void lf_cpu_forward_free(lf_cpu_forward *f);
+/* A key mean per (layer, KV head) taken from every key after RoPE (and after the rotation of a
+ * rotating dtype), before attention reads it or the pool stores it (lf_engine_config.key_means):
+ * all is [n_layers][cfg's n_kv_heads][head_dim] in the model's frame, or NULL for none. The
+ * forward keeps its own KV heads' rows, rotated as keys are when the arena's dtype rotates. */
+lf_status lf_cpu_forward_set_key_means(lf_cpu_forward *f, const float *all);
+/* The rows of KV heads [kv0, kv0 + n_kv) of every layer of all ([n_layers][n_kv_all][head_dim])
+ * into out ([n_layers][n_kv][head_dim]), each rotated by lf_rot_row as a key is when rotate is
+ * set: what the CPU forward subtracts and the CUDA backend uploads, so both take the same bits. */
+void lf_key_means_rows(const float *all, int n_layers, int n_kv_all, int head_dim, int kv0,
+                       int n_kv, int rotate, float *out);
 /* Per-layer attention params (per-layer budgets: each layer's h2o window and rkv observation
  * window, lf_attn_params_for_budget): copies cfg->n_layers of them; NULL goes back to ap. */
 lf_status lf_cpu_forward_set_layer_params(lf_cpu_forward *f, const lf_attn_params *per_layer);

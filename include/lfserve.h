@@ -199,6 +199,20 @@ typedef struct lf_engine_config {
                              writes one; docs/TASK.md §11 says which rule and why). Read by
                              lf_engine_init only */
   int n_layer_weights;
+  const float *key_means; /* Since 0.5. A vector per (layer, KV head) taken from every key after
+                             RoPE, before the pools store it: n_key_means = n_layers x
+                             n_kv_heads x head_dim values (the model's KV heads, all of them
+                             under tensor parallelism), layer-major, then KV head, then dim, in
+                             the model's own frame (rotating dtypes rotate it as they rotate
+                             keys). No attention weight changes: a query's logits all move by
+                             q.mu, which the softmax removes. What changes is the range a
+                             quantized pool's keys span: a calibrated mean (the keys' average
+                             over sample text of the workload) cuts int4 keys' error most
+                             (docs/DESIGN.md §3). rkv compares keys as stored, so its
+                             redundancy sees centred keys. NULL (default): none. lfgen/lfbench/
+                             lfserve: --key-means FILE (tools/evict/key_means.py writes one).
+                             Read by lf_engine_init only */
+  int n_key_means;
 } lf_engine_config;
 
 /* How the engine's pool count was reached (lf_engine_pool_sizing). */
@@ -537,7 +551,7 @@ lf_status lf_engine_metrics(lf_engine_t e, lf_metrics *m);
 
 /* The library's version, "MAJOR.MINOR.PATCH" (also LFSERVE_VERSION_* below). */
 #define LFSERVE_VERSION_MAJOR 0
-#define LFSERVE_VERSION_MINOR 4
+#define LFSERVE_VERSION_MINOR 5
 #define LFSERVE_VERSION_PATCH 0
 const char *lf_version(void);
 

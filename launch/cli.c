@@ -118,3 +118,136 @@ int lf_cli_read_weights(const char *path, double **out, int *n, char *err, size_
   free(buf);
   return r;
 }
+
+/* The next token of text[*i..len): skips whitespace, commas and '#' comments (counting lines in
+ * *ln); its start and length, or length 0 at the end. A NUL byte is a token of its own (which no
+ * caller accepts). */
+static size_t next_token(const char *text, size_t len, size_t *i, int *ln, size_t *start) {
+  while (*i < len) {
+    const char c = text[*i];
+    if (c == '\n') {
+      (*ln)++;
+      (*i)++;
+    } else if (c == ' ' || c == '\t' || c == '\r' || c == ',') {
+      (*i)++;
+    } else if (c == '#') {
+      while (*i < len && text[*i] != '\n') (*i)++;
+    } else {
+      break;
+    }
+  }
+  *start = *i;
+  if (*i >= len) return 0;
+  if (text[*i] == 0) return ++*i - *start;
+  while (*i < len && !strchr(" \t\r\n,#", text[*i]) && text[*i] != 0) (*i)++;
+  return *i - *start;
+}
+
+int lf_cli_parse_key_means(const char *text, size_t len, const char *name, float **out, int *n,
+                           int shape[3], char *err, size_t err_len) {
+  enum { MAX_DIM = 1024, MAX_VALUES = 1 << 22 };
+  static const char *const keys[4] = {"lfserve-key-means", "layers", "kv_heads", "head_dim"};
+  *out = NULL;
+  *n = 0;
+  shape[0] = shape[1] = shape[2] = 0;
+  int sh[3] = {0, 0, 0}; /* the header's shape, handed back on success only */
+  size_t i = 0, st, tl;
+  int ln = 1;
+  char tok[64];
+  /* the header: the magic word, then three (name, count) pairs in order */
+  for (int h = 0; h < 4; h++) {
+    tl = next_token(text, len, &i, &ln, &st);
+    if (tl != strlen(keys[h]) || memcmp(text + st, keys[h], tl)) {
+      snprintf(err, err_len,
+               "%s:%d: expected '%s' (the header is 'lfserve-key-means layers L kv_heads H "
+               "head_dim D'), found '%.*s'",
+               name, ln, keys[h], (int)(tl < 32 ? tl : 32), tl ? text + st : "");
+      return -1;
+    }
+    if (h == 0) continue;
+    tl = next_token(text, len, &i, &ln, &st);
+    long v = -1;
+    if (tl > 0 && tl < sizeof tok) {
+      memcpy(tok, text + st, tl);
+      tok[tl] = 0;
+      if (lf_cli_parse_long(tok, 1, MAX_DIM, &v)) v = -1;
+    }
+    if (v < 0) {
+      snprintf(err, err_len, "%s:%d: %s wants an integer in [1, %d], found '%.*s'", name, ln,
+               keys[h], MAX_DIM, (int)(tl < 32 ? tl : 32), tl ? text + st : "");
+      return -1;
+    }
+    sh[h - 1] = (int)v;
+  }
+  const long long want = (long long)sh[0] * sh[1] * sh[2];
+  if (want > MAX_VALUES) {
+    snprintf(err, err_len, "%s: %d x %d x %d values, more than %d", name, sh[0], sh[1], sh[2],
+             MAX_VALUES);
+    return -1;
+  }
+  float *m = malloc(sizeof(float) * (size_t)want);
+  if (!m) {
+    snprintf(err, err_len, "out of memory");
+    return -1;
+  }
+  long long k = 0;
+  while ((tl = next_token(text, len, &i, &ln, &st)) > 0) {
+    int ok = tl < sizeof tok && k < want;
+    double v = 0.0;
+    if (ok) {
+      memcpy(tok, text + st, tl);
+      tok[tl] = 0;
+      char *end;
+      errno = 0;
+      v = strtod(tok, &end);
+      /* finite as a float too: the engine subtracts it in fp32 */
+      ok = end != tok && !*end && !errno && isfinite(v) && fabs(v) <= 3.4028234663852886e38;
+    }
+    if (!ok) {
+      if (k >= want)
+        snprintf(err, err_len, "%s:%d: more than the %lld values the header announces", name, ln,
+                 want);
+      else
+        snprintf(err, err_len, "%s:%d: '%.*s' is not a key mean (a finite number)", name, ln,
+                 (int)(tl < 32 ? tl : 32), text + st);
+      free(m);
+      return -1;
+    }
+    m[k++] = (float)v;
+  }
+  if (k != want) {
+    snprintf(err, err_len, "%s: %lld values where the header announces %d x %d x %d = %lld", name,
+             k, sh[0], sh[1], sh[2], want);
+    free(m);
+    return -1;
+  }
+  *out = m;
+  *n = (int)want;
+  memcpy(shape, sh, sizeof sh);
+  return 0;
+}
+
+int lf_cli_read_key_means(const char *path, float **out, int *n, int shape[3], char *err,
+                          size_t err_len) {
+  enum { MAX_BYTES = 64 << 20 };
+  *out = NULL;
+  *n = 0;
+  shape[0] = shape[1] = shape[2] = 0;
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    snprintf(err, err_len, "cannot open key means file '%s'", path);
+    return -1;
+  }
+  char *buf = malloc((size_t)MAX_BYTES + 1);
+  const size_t len = buf ? fread(buf, 1, (size_t)MAX_BYTES + 1, f) : 0;
+  const int bad = !buf || ferror(f);
+  fclose(f);
+  if (bad || len > MAX_BYTES) {
+    snprintf(err, err_len, "%s: %s", path, bad ? "cannot read it" : "larger than 64 MiB");
+    free(buf);
+    return -1;
+  }
+  const int r = lf_cli_parse_key_means(buf, len, path, out, n, shape, err, err_len);
+  free(buf);
+  return r;
+}

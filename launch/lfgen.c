@@ -53,6 +53,8 @@ static void usage(FILE *f) {
           "                      budget/2)\n"
           "  --layer-weights F   per-layer budgets within the same total: F lists one weight per\n"
           "                      layer (lf_engine_config.layer_weights; docs/USAGE.md)\n"
+          "  --key-means F       a key mean per (layer, KV head) taken from every key before the\n"
+          "                      pool stores it (tools/evict/key_means.py; docs/USAGE.md)\n"
           "  --max-batch-tokens N  prompt tokens per step; longer prompts that fit the pool are "
           "chunked (default 512; 0 = whole prompt)\n"
           "  --temperature T     0 = greedy (default 0)\n"
@@ -154,6 +156,7 @@ typedef struct gen_opts {
 enum { GEN_GO = -1 }; /* parse_args: carry on (otherwise it returns main's exit status) */
 
 static double *layer_weights; /* --layer-weights, kept to the process's exit */
+static float *key_means;      /* --key-means, the same */
 
 static int parse_args(int argc, char **argv, gen_opts *o) {
   lf_engine_config_default(&o->cfg);
@@ -206,6 +209,16 @@ static int parse_args(int argc, char **argv, gen_opts *o) {
         return 2;
       }
       cfg->layer_weights = layer_weights;
+    } else if (!strcmp(a, "--key-means")) {
+      NEED_VALUE;
+      char why[256];
+      int shape[3];
+      free(key_means);
+      if (lf_cli_read_key_means(v, &key_means, &cfg->n_key_means, shape, why, sizeof why)) {
+        fprintf(stderr, "lfgen: --key-means: %s\n", why);
+        return 2;
+      }
+      cfg->key_means = key_means;
     } else if (!strcmp(a, "--prompt-ids")) {
       NEED_VALUE;
       free(o->ids);

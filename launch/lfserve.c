@@ -51,6 +51,8 @@ static void usage(FILE *f) {
           "  --rkv-obs O             rkv: its observation window, the O newest slots kept\n"
           "                          (default 0: budget/2)\n"
           "  --layer-weights F       per-layer budgets within the same total: one weight per layer\n"
+          "  --key-means F           a key mean per (layer, KV head) taken from every key before\n"
+          "                          the pool stores it (tools/evict/key_means.py)\n"
           "  --evict-scope S         layer | head: one eviction slot per layer or per KV head\n"
           "  --kv-dtype T            bf16|fp8|int8|int4|k8v4: the pools' K/V storage (default bf16)\n"
           "                          (default layer; rank-local under mpirun)\n"
@@ -223,6 +225,17 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         return 2;
       }
       cfg->layer_weights = lw;
+    } else if (!strcmp(a, "--key-means")) {
+      static float *km; /* kept to the process's exit */
+      char why[256];
+      int shape[3];
+      free(km);
+      km = NULL;
+      if (lf_cli_read_key_means(v, &km, &cfg->n_key_means, shape, why, sizeof why)) {
+        fprintf(stderr, "lfserve: --key-means: %s\n", why);
+        return 2;
+      }
+      cfg->key_means = km;
     } else if (!strcmp(a, "--served-model-name"))
       o->name = v;
     else if (!strcmp(a, "--host"))

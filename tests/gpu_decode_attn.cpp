@@ -38,6 +38,7 @@
 #include "base/error.h"
 #include "base/kvq.h"
 #include "base/kvrot.h"
+#include "engine/forward.h"
 #include "memory/pool.h"
 #include "tests/test_util.h"
 
@@ -119,11 +120,11 @@ std::string case_name(const Case &c) {
 }
 
 /* Runs one case: set up identical CPU and GPU pools, then `steps` decode steps on both. */
-void run_case(const Case &c, int kv_dtype) {
+void run_case(const Case &c, int kv_dtype, bool key_mean = false) {
   const uint64_t seed = lf_test_seed();
   const bool f8 = kv_dtype != LF_KV_BF16; /* codes and scales (8-bit rows, int4 groups) */
-  SCOPED_TRACE(case_name(c) + " " + lf_kv_dtype_str(lf_kv_dtype(kv_dtype)) + " seed " +
-               std::to_string(seed));
+  SCOPED_TRACE(case_name(c) + " " + lf_kv_dtype_str(lf_kv_dtype(kv_dtype)) +
+               (key_mean ? " key mean" : "") + " seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int D = c.head_dim, G = c.group, B = c.budget, H = c.n_kv, NS = c.n_seq;
@@ -269,6 +270,19 @@ void run_case(const Case &c, int kv_dtype) {
   CUDA_OK(dqkv.alloc((size_t)NS * qkv_dim));
   CUDA_OK(dinv.alloc((size_t)D / 2));
   CUDA_OK(dinv.put(std::vector<float>((size_t)D / 2, 0.0f))); /* no rotation: stored as drawn */
+  /* a key mean per KV head (lf_engine_config.key_means), as the engine uploads it: rotated like
+   * the keys (lf_key_means_rows); large against the keys, so a mean left out or taken twice
+   * moves every stored code */
+  std::vector<float> mu;
+  dev_buf<float> dmu;
+  if (key_mean) {
+    std::vector<float> mu_all((size_t)H * D);
+    for (auto &x : mu_all) x = 3.0f * nd(rng);
+    mu.resize(mu_all.size());
+    lf_key_means_rows(mu_all.data(), 1, H, D, 0, H, rot, mu.data());
+    CUDA_OK(dmu.alloc(mu.size()));
+    CUDA_OK(dmu.put(mu));
+  }
   CUDA_OK(dout.alloc((size_t)NS * HQ * D));
   const size_t ws_bytes = lf_cuda_decode_attn_workspace_bytes(NS, H, B, G, D, c.n_splits);
   ASSERT_GT(ws_bytes, 0u) << lf_last_error();
@@ -312,9 +326,14 @@ void run_case(const Case &c, int kv_dtype) {
       std::memcpy(row + (size_t)(HQ + H) * D, vn.data() + (size_t)s * H * D, (size_t)H * D * 4);
     }
     CUDA_OK(dqkv.put(hqkv));
-    if (rot) { /* the kernel rotates q and k (base/kvrot.h), then rounds them to bf16 */
-      for (size_t i = 0; i < q.size(); i += (size_t)D) lf_rot_row(&q[i], D, 1);
-      for (size_t i = 0; i < kn.size(); i += (size_t)D) lf_rot_row(&kn[i], D, 0);
+    if (rot || key_mean) { /* the kernel rotates q and k (base/kvrot.h), takes the key mean
+                              from k in fp32, then rounds both to bf16 */
+      if (rot) {
+        for (size_t i = 0; i < q.size(); i += (size_t)D) lf_rot_row(&q[i], D, 1);
+        for (size_t i = 0; i < kn.size(); i += (size_t)D) lf_rot_row(&kn[i], D, 0);
+      }
+      if (key_mean)
+        for (size_t i = 0; i < kn.size(); i++) kn[i] -= mu[i % mu.size()];
       for (auto &x : q)
         x = round_bf(x);
       for (auto &x : kn)
@@ -360,6 +379,7 @@ void run_case(const Case &c, int kv_dtype) {
     wa.policy = c.policy;
     wa.w = dw.p;
     wa.rot = rot;
+    wa.k_mean = key_mean ? dmu.p : nullptr;
     LF_OK_(lf_cuda_qkv_rope(&wa, nullptr));
     std::vector<int32_t> gnext;
     CUDA_OK(dnext.get(gnext));
@@ -617,6 +637,17 @@ TEST_P(DecodeAttnK8V4, MatchesCpuReference) {
   run_case(GetParam(), LF_KV_K8V4);
 }
 
+/* int4 and k8v4 pools with a key mean (lf_engine_config.key_means) subtracted in the slot write:
+ * the CPU reference takes the same mean, rotated as the engine rotates it, from its copies. */
+class DecodeAttnKeyMean : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeAttnKeyMean, MatchesCpuReference) {
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(GetParam(), LF_KV_INT4, true);
+  run_case(GetParam(), LF_KV_K8V4, true);
+}
+
 /* Single steps over the shape grid, each with one split and with several (exercising the
  * in-block finish and the cross-block combines: on sm_90, 2..8 splits combine in a thread-block
  * cluster, more through the workspace), then multi-step runs that evict. */
@@ -692,6 +723,17 @@ INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnInt8, ::testing::ValuesIn(cases()),
                            return case_name(i.param);
                          });
 INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnInt4, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case> &i) {
+                           return case_name(i.param);
+                         });
+/* every fifth case: each policy, single and multi-step, both head_dims */
+std::vector<Case> key_mean_cases() {
+  std::vector<Case> all = cases(), v;
+  for (size_t i = 0; i < all.size(); i += 5) v.push_back(all[i]);
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttnKeyMean, ::testing::ValuesIn(key_mean_cases()),
                          [](const ::testing::TestParamInfo<Case> &i) {
                            return case_name(i.param);
                          });

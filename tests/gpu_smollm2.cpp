@@ -169,6 +169,49 @@ TEST_P(SmolLM2GpuQuant, PoolsAgreeWithBf16Pools) {
   }
 }
 
+// int4 pools with the golden's key means (smollm2_key_means, lf_engine_config.key_means) taken
+// from every key before the pools store it, against bf16 pools and against int4 pools without
+// them on the same backend: the means must reach the CUDA pools (prompt chunks and decode
+// writes) and cut int4's error as on the CPU twin (tests/test_smollm2.cpp).
+TEST(SmolLM2Gpu, Int4KeyMeansAgreeMore) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string path = smollm2_gguf_path();
+  if (path.empty()) GTEST_SKIP() << SMOLLM2_INSTALL_HINT;
+  SmolGolden g;
+  std::string err;
+  ASSERT_TRUE(smollm2_golden_load(&g, &err)) << err;
+  const std::vector<float> mu = smollm2_key_means(&err);
+  ASSERT_FALSE(mu.empty()) << err;
+  lf_checkpoint ck{};
+  ASSERT_EQ(lf_checkpoint_open(path.c_str(), &ck), LF_OK) << lf_last_error();
+  std::vector<std::vector<SmolObs>> ob, o4, om;
+  const bool ran = smollm2_teacher_forced(LF_BACKEND_CUDA, ck, g, 1, 0, &ob) &&
+                   smollm2_teacher_forced(LF_BACKEND_CUDA, ck, g, 1, 0, &o4, LF_KV_INT4) &&
+                   smollm2_teacher_forced(LF_BACKEND_CUDA, ck, g, 1, 0, &om, LF_KV_INT4, mu.data());
+  lf_checkpoint_close(&ck);
+  ASSERT_TRUE(ran);
+  int n = 0, same4 = 0, samem = 0, fp4 = 0, fpm = 0;
+  double dl4 = 0, dlm = 0;
+  for (size_t i = 0; i < g.prompts.size(); i++) {
+    const SmolPrompt &p = g.prompts[i];
+    ASSERT_EQ(om[i].size(), p.positions.size());
+    for (size_t j = p.first_decode(); j < om[i].size(); j++) {
+      n++;
+      same4 += o4[i][j].token == ob[i][j].token;
+      samem += om[i][j].token == ob[i][j].token;
+      fp4 += o4[i][j].token == p.top1[j];
+      fpm += om[i][j].token == p.top1[j];
+    }
+    dl4 = std::max(dl4, smollm2_max_dlogit_std(p, o4[i]));
+    dlm = std::max(dlm, smollm2_max_dlogit_std(p, om[i]));
+  }
+  std::printf("[ smollm2  ] cuda int4 pools: top-1 as bf16 pools at %d/%d (%.2f%%), as fp64 %d; "
+              "with key means %d/%d (%.2f%%), as fp64 %d; max |dlogit| %.3f -> %.3f std\n",
+              same4, n, 100.0 * same4 / n, fp4, samem, n, 100.0 * samem / n, fpm, dl4, dlm);
+  EXPECT_GT(samem, same4 + n / 100) << "key means gained less than 1% of positions";
+  EXPECT_GE(samem, 0.95 * n); /* the CPU twin: 96.04% as fp64, from 93.25% without */
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, SmolLM2GpuQuant,
                          ::testing::Values(int(LF_KV_INT8), int(LF_KV_FP8), int(LF_KV_INT4),
                                            int(LF_KV_K8V4)),

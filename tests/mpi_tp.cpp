@@ -183,6 +183,34 @@ TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
   }
 }
 
+// Key means (lf_engine_config.key_means) under tensor parallelism: each rank takes the rows of the
+// KV heads it holds (lf_key_means_rows from the model-wide array). The means are large and differ
+// by head, so on 8-bit pools a rank taking another head's row would store other codes: T ranks
+// must give a single rank's tokens.
+TEST(MpiTp, KeyMeansMatchSingleRank) {
+  for (const Model &m : models()) {
+    if (!all_agree(m.fits)) continue;
+    lf_checkpoint ck;
+    ASSERT_EQ(lf_checkpoint_open(m.path.c_str(), &ck), LF_OK) << lf_last_error();
+    const int n = ck.cfg.n_layers * ck.cfg.n_kv_heads * ck.cfg.head_dim;
+    lf_checkpoint_close(&ck);
+    std::vector<float> mu((size_t)n);
+    for (int i = 0; i < n; i++) mu[(size_t)i] = 4.0f * std::sin(0.37f * (float)i) + (float)(i % 7);
+    const std::vector<TpGen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
+                                     {prompt_of(23, 256, 1), 30, 0.0f, 0}};
+    lf_engine_config cfg =
+        small_cpu_config(m.path.c_str(), LF_POLICY_LONGFLOW, LF_EVICT_HEAD, 16, 2);
+    cfg.kv_dtype = LF_KV_INT8;
+    cfg.key_means = mu.data();
+    cfg.n_key_means = n;
+    const auto [tp, ref] = lf_tp_test_run_both(cfg, g_comm, gens);
+    if (g_comm->rank != 0) continue;
+    ASSERT_EQ(ref.size(), gens.size());
+    for (size_t k = 0; k < gens.size(); k++)
+      EXPECT_EQ(tp[k], ref[k]) << m.path << " key means, request " << k;
+  }
+}
+
 // Layer-scope eviction under tensor parallelism is rank-local: one slot per layer among the KV
 // heads a rank holds. On random:tiny-llama-kv4 (4 KV heads) the sharded engine must give the
 // tokens of a single-rank engine whose layers' KV heads are split into the same groups

@@ -28,6 +28,7 @@
 #include "engine/backend.h"
 #include "text/json.h"
 #include "engine/model.h"
+#include "launch/cli.h"
 #include "lfserve.h"
 #include "test_util.h"
 
@@ -123,6 +124,24 @@ inline bool smollm2_int(const lf_json *v, int *out) {
   if (!lf_json_int(v, &x)) return false;
   *out = int(x);
   return true;
+}
+
+/* tests/data/fidelity/smollm2/key_means.txt (tools/evict/key_means.py over the golden's seven
+ * sequences: a calibration on the very text the tests read, so it shows the mechanism, not a
+ * held-out gain) as lf_engine_config.key_means wants it; empty with *err set on any problem.
+ * The caller links lfserve_launch (launch/cli.h). */
+inline std::vector<float> smollm2_key_means(std::string *err) {
+  const std::string path = lf_repo_data_dir() + "/fidelity/smollm2/key_means.txt";
+  float *m = nullptr;
+  int n = 0, shape[3];
+  char why[256];
+  if (lf_cli_read_key_means(path.c_str(), &m, &n, shape, why, sizeof why)) {
+    *err = why;
+    return {};
+  }
+  std::vector<float> v(m, m + n);
+  free(m);
+  return v;
 }
 
 /* Reads tests/data/fidelity/smollm2/golden.json; false with *err set on any problem. */
@@ -280,7 +299,8 @@ inline double smollm2_max_dlogit_std(const SmolPrompt &p, const std::vector<Smol
 inline bool smollm2_teacher_forced_some(lf_backend_kind kind, const lf_checkpoint &ck,
                                         const SmolGolden &g, const std::vector<int> &which,
                                         int n_threads, std::vector<std::vector<SmolObs>> *out,
-                                        lf_kv_dtype kv_dtype = LF_KV_BF16) {
+                                        lf_kv_dtype kv_dtype = LF_KV_BF16,
+                                        const float *key_means = nullptr) {
   const int ns = int(which.size());
   if (ns == 0) return true;
   const int vocab = ck.cfg.vocab_size;
@@ -290,6 +310,7 @@ inline bool smollm2_teacher_forced_some(lf_backend_kind kind, const lf_checkpoin
   lf_backend_params bp = lf_test_backend_params(LF_POLICY_FULL, max_len, ns);
   bp.n_threads = n_threads;
   bp.kv_dtype = kv_dtype;
+  bp.key_means = key_means;
   lf_backend *b = nullptr;
   lf_status s = lf_backend_create(kind, &ck, &bp, &b);
   EXPECT_EQ(s, LF_OK) << lf_last_error();
@@ -376,7 +397,8 @@ inline bool smollm2_teacher_forced_some(lf_backend_kind kind, const lf_checkpoin
 inline bool smollm2_teacher_forced(lf_backend_kind kind, const lf_checkpoint &ck,
                                    const SmolGolden &g, int workers, int n_threads,
                                    std::vector<std::vector<SmolObs>> *out,
-                                   lf_kv_dtype kv_dtype = LF_KV_BF16) {
+                                   lf_kv_dtype kv_dtype = LF_KV_BF16,
+                                   const float *key_means = nullptr) {
   const int ns = int(g.prompts.size());
   workers = std::max(1, std::min(workers, ns));
   out->assign(size_t(ns), {});
@@ -396,13 +418,15 @@ inline bool smollm2_teacher_forced(lf_backend_kind kind, const lf_checkpoint &ck
     load[w] += cost[size_t(i)];
   }
   if (workers == 1)
-    return smollm2_teacher_forced_some(kind, ck, g, groups[0], n_threads, out, kv_dtype);
+    return smollm2_teacher_forced_some(kind, ck, g, groups[0], n_threads, out, kv_dtype,
+                                       key_means);
   std::vector<char> ok(static_cast<size_t>(workers), 0);
   std::vector<std::thread> th;
   for (int w = 0; w < workers; w++)
     th.emplace_back([&, w] {
       ok[size_t(w)] =
-          smollm2_teacher_forced_some(kind, ck, g, groups[size_t(w)], n_threads, out, kv_dtype);
+          smollm2_teacher_forced_some(kind, ck, g, groups[size_t(w)], n_threads, out, kv_dtype,
+                                      key_means);
     });
   for (auto &t : th) t.join();
   return std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });

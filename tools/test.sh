@@ -35,15 +35,15 @@ bash tools/test_install.sh build
 stage="python package"
 bash tools/test_python.sh build
 
-# Short libFuzzer runs of the request parser, the tokenizer, the GGUF parser and the layer
-# weights file (ASan), where clang has it.
+# Short libFuzzer runs of the request parser, the tokenizer, the GGUF parser, the layer
+# weights file and the key-means file (ASan), where clang has it.
 if command -v clang >/dev/null 2>&1; then
   stage="fuzz build"
   CC=clang CXX=clang++ CFLAGS="-fsanitize=fuzzer-no-link,address -fno-omit-frame-pointer" \
     cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLF_CUDA=OFF -DLF_MPI=OFF \
     -DLF_OPENMP=OFF -DLF_TESTS=OFF
-  if cmake --build build-fuzz -j "$jobs" --target fuzz_request fuzz_tokenizer fuzz_gguf fuzz_weights; then
-    for f in request tokenizer gguf weights; do
+  if cmake --build build-fuzz -j "$jobs" --target fuzz_request fuzz_tokenizer fuzz_gguf fuzz_weights fuzz_key_means; then
+    for f in request tokenizer gguf weights key_means; do
       stage="fuzz_$f"
       echo "fuzz_$f:"
       corpus=$(mktemp -d)

@@ -11,6 +11,7 @@
 #include "attention/rkv_select.cuh"
 #include "base/cuda_launch.cuh"
 #include "base/kvq.h"
+#include "base/kvrot.h"
 #include "base/tuning.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/forward.h"
@@ -70,6 +71,7 @@ static lf_status apply_tuning(cuda_backend *c) {
 static void free_device_side_locked(cuda_backend *c) {
   cb_weights_free(c);
   cudaFree(c->inv_freq);
+  cudaFree(c->kmu);
   cudaFree(c->d_adj);
   cudaFree(c->pl_x);
   cudaFree(c->pl_logits);
@@ -281,6 +283,17 @@ static lf_status create_tables(cuda_backend *c) {
   cudaError_t e = cudaMemcpy(c->inv_freq, f, sizeof(float) * (size_t)(D / 2), cudaMemcpyHostToDevice);
   free(f);
   LF_CUDA_CHECK(e);
+  if (p->key_means) {
+    const size_t n = (size_t)c->cfg.n_layers * c->kd;
+    float *h = (float *)malloc(sizeof(float) * n);
+    if (!h) return lf_error(LF_ERR_OUT_OF_MEMORY, "key means");
+    lf_key_means_rows(p->key_means, c->cfg.n_layers, c->gcfg.n_kv_heads, D, c->sh.kv0,
+                      c->cfg.n_kv_heads, lf_kv_rotates(p->kv_dtype), h);
+    e = cudaMalloc((void **)&c->kmu, sizeof(float) * n);
+    if (e == cudaSuccess) e = cudaMemcpy(c->kmu, h, sizeof(float) * n, cudaMemcpyHostToDevice);
+    free(h);
+    LF_CUDA_CHECK(e);
+  }
   return LF_OK;
 }
 
@@ -561,6 +574,7 @@ extern "C" lf_status lf_backend_cuda_create(const lf_checkpoint *ck, const lf_ba
   c->max_items = p->n_pools; /* n_pools 0: set by create() */
   lf_status s = apply_tuning(c);
   if (s == LF_OK) s = create(c);
+  c->p.key_means = NULL; /* the caller's array: create_tables uploaded kmu from it */
   if (s != LF_OK) {
     cuda_free(&c->base);
     return s;

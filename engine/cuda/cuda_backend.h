@@ -144,6 +144,8 @@ typedef struct cuda_backend {
   float *rms_final; /* [dim] */
   cuda_layer *layers; /* host array [n_layers] of device pointers */
   float *inv_freq;    /* [head_dim / 2] */
+  float *kmu;         /* [n_layers][kd] key means as subtracted (lf_key_means_rows of
+                         p.key_means: this rank's KV heads, rotated as keys are), or NULL */
 
   /* pools */
   lf_cuda_pool_view pv; /* the device arena's allocations (layer-major; kernels get lv[l]) */

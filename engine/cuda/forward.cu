@@ -71,7 +71,7 @@ static lf_status layer_tail(cuda_backend *c, const cuda_layer *L, int rows, cons
   return cb_res_norm(c, rows, AR_SLOT_DOWN, next_w, out, out_rows);
 }
 
-static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows) {
+static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int l, int rows) {
   const lf_model_config *m = &c->cfg;
   lf_qkv_rope_args a;
   memset(&a, 0, sizeof a);
@@ -89,6 +89,7 @@ static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows
   a.n_tok = rows;
   a.q_out = c->qb;
   a.rot = lf_kv_rotates(c->p.kv_dtype);
+  a.k_mean = c->kmu ? c->kmu + (size_t)l * c->kd : NULL;
   return a;
 }
 
@@ -96,7 +97,7 @@ static lf_qkv_rope_args rope_args(cuda_backend *c, const cuda_layer *L, int rows
  * the kernel picks (written to c->w for the attention). On stream st. */
 static lf_status decode_rope(cuda_backend *c, const cuda_layer *L, int l, int Tp, int nd,
                              cudaStream_t st) {
-  lf_qkv_rope_args a = rope_args(c, L, nd);
+  lf_qkv_rope_args a = rope_args(c, L, l, nd);
   a.qkv = c->qkv + (size_t)Tp * c->qkv_dim;
   a.q_out = c->qb + (size_t)Tp * c->qd;
   a.pos = c->d_step.pos;
@@ -193,7 +194,7 @@ static lf_status seg_attention(cuda_backend *c, const cuda_layer *L, int l, cons
   const lf_model_config *m = &c->cfg;
   const lf_cuda_pool_view *pv = &c->lv[l]; /* layer l, as a view of one layer */
   const int B = pv->budget, compress = seg_compresses(c, s, B);
-  lf_qkv_rope_args a = rope_args(c, L, s->T);
+  lf_qkv_rope_args a = rope_args(c, L, l, s->T);
   a.qkv = c->qkv + (size_t)s->row0 * c->qkv_dim;
   a.q_out = c->qb + (size_t)s->row0 * c->qd;
   a.pos0 = s->pos0;

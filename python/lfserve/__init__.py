@@ -18,8 +18,9 @@ from typing import Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Uni
 
 from . import _lib
 
-__all__ = ["Engine", "LfserveError", "Prompt", "library_version", "library_path"]
-__version__ = "0.4.0"
+__all__ = ["Engine", "LfserveError", "Prompt", "library_version", "library_path",
+           "read_key_means"]
+__version__ = "0.5.0"
 
 # A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, str]]]
@@ -44,13 +45,31 @@ def _check(code: int, what: str) -> None:
 
 
 def library_version() -> str:
-    """The loaded C library's version ("0.4.0")."""
+    """The loaded C library's version ("0.5.0")."""
     return _lib.load().lf_version().decode()
 
 
 def library_path() -> str:
     """The path of the loaded liblfserve.so."""
     return _lib.load()._name
+
+
+def read_key_means(path: str) -> List[float]:
+    """The values of a key-means file (lfgen's --key-means; tools/evict/key_means.py writes one):
+    the header `lfserve-key-means layers L kv_heads H head_dim D`, then L x H x D numbers, '#'
+    comments; for Engine(key_means=...), which checks them against the model."""
+    toks = []
+    with open(path) as f:
+        for line in f:
+            toks += line.split("#", 1)[0].replace(",", " ").split()
+    head = ["lfserve-key-means", "layers", None, "kv_heads", None, "head_dim", None]
+    if len(toks) < 7 or any(h is not None and t != h for h, t in zip(head, toks)):
+        raise LfserveError(f"{path}: no 'lfserve-key-means layers L kv_heads H head_dim D' header")
+    L, H, D = int(toks[2]), int(toks[4]), int(toks[6])
+    vals = [float(x) for x in toks[7:]]
+    if len(vals) != L * H * D:
+        raise LfserveError(f"{path}: {len(vals)} values where the header announces {L * H * D}")
+    return vals
 
 
 def _parse(fn_name: str, value: str) -> int:
@@ -82,7 +101,9 @@ class Engine:
     kv_dtype "bf16" | "fp8" | "int8" | "int4" | "k8v4"; evict_scope "layer" | "head"; lora: a PEFT
     adapter directory; chat_template: a built-in chat format ("chatml", "llama3", "deepseek-r1")
     for message prompts, instead of the model's own; layer_weights: one weight per layer for
-    per-layer budgets in the same total (lf_engine_config.layer_weights).
+    per-layer budgets in the same total (lf_engine_config.layer_weights); key_means: the
+    n_layers x n_kv_heads x head_dim values (flat) taken from every key before the pools store it
+    (lf_engine_config.key_means; tools/evict/key_means.py writes them, read_key_means reads a file).
     """
 
     def __init__(self, model: str, *, backend: str = "auto", policy: str = "longflow",
@@ -90,7 +111,8 @@ class Engine:
                  evict_scope: Optional[str] = None, max_batch_tokens: Optional[int] = None,
                  n_threads: int = 0, lora: Optional[str] = None,
                  chat_template: Optional[str] = None,
-                 layer_weights: Optional[Sequence[float]] = None) -> None:
+                 layer_weights: Optional[Sequence[float]] = None,
+                 key_means: Optional[Sequence[float]] = None) -> None:
         lib = _lib.load()
         self._lib = lib
         self._engine = ctypes.c_void_p()
@@ -117,6 +139,11 @@ class Engine:
             self._layer_weights = (ctypes.c_double * len(w))(*w)
             cfg.layer_weights = ctypes.cast(self._layer_weights, ctypes.POINTER(ctypes.c_double))
             cfg.n_layer_weights = len(w)
+        if key_means is not None:  # lf_engine_config.key_means
+            mu = [float(x) for x in key_means]
+            self._key_means = (ctypes.c_float * len(mu))(*mu)
+            cfg.key_means = ctypes.cast(self._key_means, ctypes.POINTER(ctypes.c_float))
+            cfg.n_key_means = len(mu)
         _check(lib.lf_engine_init(ctypes.byref(cfg), None, ctypes.byref(self._engine)),
                f"loading {model}")
         # the tokenizer is optional: without one, prompts and outputs are token ids

@@ -35,7 +35,8 @@ class EngineConfig(ctypes.Structure):
         ("lora_path", ctypes.c_char_p), ("h2o_recent", ctypes.c_int), ("kv_dtype", ctypes.c_int),
         ("host_mem_util", ctypes.c_double), ("max_pools", ctypes.c_int), ("rkv_stage", ctypes.c_int),
         ("rkv_obs", ctypes.c_int), ("layer_weights", ctypes.POINTER(ctypes.c_double)),
-        ("n_layer_weights", ctypes.c_int),
+        ("n_layer_weights", ctypes.c_int), ("key_means", ctypes.POINTER(ctypes.c_float)),
+        ("n_key_means", ctypes.c_int),
     ]
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import lfserve
@@ -119,6 +120,30 @@ def test_layer_weights() -> None:
         raise AssertionError("two weights for six layers were accepted")
     except lfserve.LfserveError as e:
         assert "2 weights for a model of 6 layers" in str(e), e
+
+
+def test_key_means() -> None:
+    with lfserve.Engine(TRACE, backend="cpu") as eng:
+        info = eng.model_info
+    n = info["n_layers"] * info["n_kv_heads"] * info["head_dim"]
+    # a zero mean is no mean: the same greedy text; a file round-trips through read_key_means
+    tmp = tempfile.TemporaryDirectory()
+    f = Path(tmp.name) / "means.txt"
+    f.write_text("# test\nlfserve-key-means layers %d kv_heads %d head_dim %d\n%s\n" % (
+        info["n_layers"], info["n_kv_heads"], info["head_dim"], " ".join(["0"] * n)))
+    mu = lfserve.read_key_means(str(f))
+    assert len(mu) == n and not any(mu), mu[:4]
+    outs = []
+    for km in (None, mu):
+        with lfserve.Engine(TRACE, backend="cpu", budget=64, key_means=km) as eng:
+            rid = eng.submit(PROMPT, max_tokens=40, ignore_eos=True)
+            outs.append("".join(eng.stream_request(rid)))
+    assert outs[0] == outs[1], outs
+    try:
+        lfserve.Engine(TRACE, backend="cpu", key_means=[0.0] * (n - 1))
+        raise AssertionError("a short key mean was accepted")
+    except lfserve.LfserveError as e:
+        assert "key_means" in str(e), e
 
 
 def test_abandoned_stream_is_cancelled() -> None:
