@@ -184,9 +184,11 @@ TEST(MpiTp, QuantizedPoolsMatchSingleRank) {
 }
 
 // Key means (lf_engine_config.key_means) under tensor parallelism: each rank takes the rows of the
-// KV heads it holds (lf_key_means_rows from the model-wide array). The means are large and differ
-// by head, so on 8-bit pools a rank taking another head's row would store other codes: T ranks
-// must give a single rank's tokens.
+// KV heads it holds (lf_key_means_rows from the model-wide array). The means differ by head, so on
+// 8-bit pools a rank taking another head's row stores other codes: T ranks must give a single
+// rank's tokens (every rank taking KV head 0's rows fails here at 2 and 4 ranks). Means several
+// times larger make the test fragile: the int8 steps grow with them and the CPU ranks' sums, not
+// bit-identical to one rank's, then flip a code now and then (4x: request 1 of stories260K at 4).
 TEST(MpiTp, KeyMeansMatchSingleRank) {
   for (const Model &m : models()) {
     if (!all_agree(m.fits)) continue;
@@ -195,7 +197,7 @@ TEST(MpiTp, KeyMeansMatchSingleRank) {
     const int n = ck.cfg.n_layers * ck.cfg.n_kv_heads * ck.cfg.head_dim;
     lf_checkpoint_close(&ck);
     std::vector<float> mu((size_t)n);
-    for (int i = 0; i < n; i++) mu[(size_t)i] = 4.0f * std::sin(0.37f * (float)i) + (float)(i % 7);
+    for (int i = 0; i < n; i++) mu[(size_t)i] = std::sin(0.37f * (float)i) + 0.25f * (float)(i % 7);
     const std::vector<TpGen> gens = {{prompt_of(9, 256, 0), 40, 0.0f, 0},
                                      {prompt_of(23, 256, 1), 30, 0.0f, 0}};
     lf_engine_config cfg =
