@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Accuracy against KV bytes: teacher-forced token error and greedy answers of `lfbench eval`
 runs against the KV cache's bytes per output token, one line per (policy, scope, pool dtype);
-runs with per-layer pools (`--layer-weights`) are their own line ("POLICY/layers").
+runs with per-layer pools (`--layer-weights`) are their own line ("POLICY/layers"), as are runs
+with key means (`--key-means`: "DTYPE+mu").
 
     python3 tools/task/plot_bytes.py OUT.png --tf A.json,B.json --free C.json,D.json \\
         [--full E.json,F.json] [--layers 30 --kv-heads 3 --head-dim 64] [--title TEXT]
@@ -51,6 +52,8 @@ def series(docs, a):
     for d in docs:
         dt = d["engine"].get("kv_dtype", "bf16")
         rb = slot_bytes(dt, a.head_dim) * a.layers * a.kv_heads  # K and V
+        if d["engine"].get("key_means"):  # --key-means: the same bytes, its own line
+            dt += "+mu"
         for r in d["runs"]:
             pol = r["policy"] + ("/layers" if d["engine"].get("layer_weights") else "")
             key = (pol, r.get("scope", "head") if r["policy"] != "full" else "-", dt)
@@ -76,6 +79,13 @@ def main():
     ap.add_argument("--title", default="")
     a = ap.parse_args()
     tf, free, full = series(load(a.tf), a), series(load(a.free), a), series(load(a.full), a)
+    # a file that ran full beside the evicting policies: its full runs are the reference marks
+    # (give it to --full as well), not a line of one point
+    for d in (tf, free):
+        for key in [k for k in d if k[0] == "full"]:
+            del d[key]
+    for key in [k for k in full if k[0] != "full"]:
+        del full[key]
 
     import matplotlib
     matplotlib.use("Agg")
