@@ -2,12 +2,12 @@
  * include/lfserve.h. The request loop itself (queue, admission, batching, finishing, threading)
  * is scheduler/scheduler.c; its rules are in scheduler/README.md.
  */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "engine/backend.h"
+#include "engine/forward.h"
 #include "base/error.h"
 #include "attention/attention.h"
 #include "base/kvq.h"
@@ -119,18 +119,8 @@ static lf_status engine_init_local(lf_engine_t e) {
     e->budget_min = lf_pool_budget_min(&one);
     e->budget_max = lf_pool_budget_max(&one);
   }
-  if (e->cfg.key_means || e->cfg.n_key_means) {
-    const long long want = (long long)mc->n_layers * mc->n_kv_heads * mc->head_dim;
-    if (!e->cfg.key_means || e->cfg.n_key_means != want)
-      return lf_error(LF_ERR_INVALID_ARG,
-                      "key_means: %d values for a model of %d layers x %d KV heads x %d dims "
-                      "(%lld)",
-                      e->cfg.key_means ? e->cfg.n_key_means : 0, mc->n_layers, mc->n_kv_heads,
-                      mc->head_dim, want);
-    for (long long i = 0; i < want; i++)
-      if (!isfinite(e->cfg.key_means[i]))
-        return lf_error(LF_ERR_INVALID_ARG, "key_means: value %lld is not finite", i);
-  }
+  if (e->cfg.key_means || e->cfg.n_key_means)
+    LF_TRY(lf_key_means_check(mc, e->cfg.key_means, e->cfg.n_key_means));
   /* rkv's default stage fits the smallest layer (every layer shares it) */
   e->cfg.rkv_stage =
       lf_rkv_stage_resolve(e->cfg.rkv_stage, e->budget_min, e->cfg.sink, e->cfg.rkv_obs);

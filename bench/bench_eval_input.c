@@ -263,14 +263,8 @@ int ev_parse(int argc, char **argv, ev_opts *o) {
       }
     }
     else if (!strcmp(a, "--key-means")) {
-      char why[256];
-      int shape[3];
-      free(o->key_means);
       o->key_means_path = v;
-      if (lf_cli_read_key_means(v, &o->key_means, &o->n_key_means, shape, why, sizeof why)) {
-        fprintf(stderr, EV_NAME ": --key-means: %s\n", why);
-        r = -1;
-      }
+      r = lf_cli_load_key_means(EV_NAME, v, &o->key_means, &o->n_key_means);
     }
     else if (!strcmp(a, "--kv-dtype")) {
       if (lf_kv_dtype_parse(v, &o->kv_dtype) != LF_OK) {

@@ -26,6 +26,7 @@
 #include "base/clock.h"
 #include "base/error.h"
 #include "engine/backend.h"
+#include "engine/forward.h"
 #include "engine/model.h"
 #include "launch/cli.h"
 #include "lfserve.h"
@@ -152,14 +153,8 @@ static int nat_parse(int argc, char **argv, nat_opts *o) {
       }
     }
     else if (!strcmp(a, "--key-means")) {
-      char why[256];
-      int shape[3];
-      free(o->km);
       o->km_path = v;
-      if (lf_cli_read_key_means(v, &o->km, &o->n_km, shape, why, sizeof why)) {
-        fprintf(stderr, "lfbench natural: --key-means: %s\n", why);
-        return 2;
-      }
+      if (lf_cli_load_key_means("lfbench natural", v, &o->km, &o->n_km)) return 2;
     }
     else if (!strcmp(a, "--n") || !strcmp(a, "--max-tokens") || !strcmp(a, "--threads") ||
              !strcmp(a, "--rkv-stage")) {
@@ -254,11 +249,8 @@ static lf_status nat_backend(const nat_opts *o, const lf_checkpoint *ck, lf_poli
                          .window = 32, .kv_dtype = dt, .n_pools = n_pools,
                          .n_threads = o->threads, .no_graphs = 0};
   int bmin = budget, *lb = NULL;
-  if (o->km && policy != LF_POLICY_FULL) {
-    const lf_model_config *mc = &ck->cfg;
-    if (o->n_km != mc->n_layers * mc->n_kv_heads * mc->head_dim)
-      return lf_error(LF_ERR_INVALID_ARG, "--key-means: %d values for %d x %d x %d", o->n_km,
-                      mc->n_layers, mc->n_kv_heads, mc->head_dim);
+  if (o->km && policy != LF_POLICY_FULL) { /* the backend takes them as checked */
+    LF_TRY(lf_key_means_check(&ck->cfg, o->km, o->n_km));
     p.key_means = o->km;
   }
   if (o->lw && policy != LF_POLICY_FULL) { /* per-layer budgets, the engine's rule */

@@ -202,6 +202,18 @@ void lf_cpu_forward_free(lf_cpu_forward *f) {
   lf_attn_scratch_free(&f->ws);
 }
 
+lf_status lf_key_means_check(const lf_model_config *mc, const float *all, int n) {
+  const long long want = (long long)mc->n_layers * mc->n_kv_heads * mc->head_dim;
+  if (!all || n != want)
+    return lf_error(LF_ERR_INVALID_ARG,
+                    "key_means: %d values for a model of %d layers x %d KV heads x %d dims (%lld)",
+                    all ? n : 0, mc->n_layers, mc->n_kv_heads, mc->head_dim, want);
+  for (long long i = 0; i < want; i++)
+    if (!isfinite(all[i]))
+      return lf_error(LF_ERR_INVALID_ARG, "key_means: value %lld is not finite", i);
+  return LF_OK;
+}
+
 void lf_key_means_rows(const float *all, int n_layers, int n_kv_all, int head_dim, int kv0,
                        int n_kv, int rotate, float *out) {
   for (int l = 0; l < n_layers; l++)

@@ -71,6 +71,9 @@ void lf_cpu_forward_free(lf_cpu_forward *f);
  * all is [n_layers][cfg's n_kv_heads][head_dim] in the model's frame, or NULL for none. The
  * forward keeps its own KV heads' rows, rotated as keys are when the arena's dtype rotates. */
 lf_status lf_cpu_forward_set_key_means(lf_cpu_forward *f, const float *all);
+/* LF_OK when all holds n finite values, [n_layers][n_kv_heads][head_dim] of mc (the whole
+ * model); else LF_ERR_INVALID_ARG naming the shape wanted (lf_engine_config.key_means). */
+lf_status lf_key_means_check(const lf_model_config *mc, const float *all, int n);
 /* The rows of KV heads [kv0, kv0 + n_kv) of every layer of all ([n_layers][n_kv_all][head_dim])
  * into out ([n_layers][n_kv][head_dim]), each rotated by lf_rot_row as a key is when rotate is
  * set: what the CPU forward subtracts and the CUDA backend uploads, so both take the same bits. */

@@ -39,86 +39,6 @@ int lf_cli_bad_value(const char *prog, const char *a, const char *v) {
   return 2;
 }
 
-int lf_cli_parse_weights(const char *text, size_t len, const char *name, double **out, int *n,
-                         char *err, size_t err_len) {
-  enum { MAX_W = 4096 };
-  *out = NULL;
-  *n = 0;
-  double *w = malloc(sizeof(double) * MAX_W);
-  if (!w) {
-    snprintf(err, err_len, "out of memory");
-    return -1;
-  }
-  int k = 0, ln = 1;
-  size_t i = 0;
-  while (i < len) {
-    const char c = text[i];
-    if (c == '\n') {
-      ln++;
-      i++;
-    } else if (c == ' ' || c == '\t' || c == '\r' || c == ',') {
-      i++;
-    } else if (c == '#') {
-      while (i < len && text[i] != '\n') i++;
-    } else {
-      size_t j = i;
-      while (j < len && !strchr(" \t\r\n,#", text[j]) && text[j] != 0) j++;
-      char tok[64];
-      const size_t tl = j - i;
-      int ok = tl > 0 && tl < sizeof tok && k < MAX_W;
-      double v = 0.0;
-      if (ok) {
-        memcpy(tok, text + i, tl);
-        tok[tl] = 0;
-        char *end;
-        errno = 0;
-        v = strtod(tok, &end);
-        ok = !*end && !errno && v > 0.0 && isfinite(v);
-      }
-      if (!ok) {
-        snprintf(err, err_len,
-                 "%s:%d: '%.*s' is not a layer weight (a finite number > 0, at most %d of them)",
-                 name, ln, (int)(tl < 32 ? tl : 32), text + i, MAX_W);
-        free(w);
-        return -1;
-      }
-      w[k++] = v;
-      i = j; /* tl > 0 here: a NUL byte ends no token and is refused above */
-    }
-  }
-  if (k == 0) {
-    snprintf(err, err_len, "%s: no layer weights", name);
-    free(w);
-    return -1;
-  }
-  *out = w;
-  *n = k;
-  return 0;
-}
-
-int lf_cli_read_weights(const char *path, double **out, int *n, char *err, size_t err_len) {
-  enum { MAX_BYTES = 1 << 20 };
-  *out = NULL;
-  *n = 0;
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    snprintf(err, err_len, "cannot open layer weights file '%s'", path);
-    return -1;
-  }
-  char *buf = malloc(MAX_BYTES + 1);
-  const size_t len = buf ? fread(buf, 1, MAX_BYTES + 1, f) : 0;
-  const int bad = !buf || ferror(f);
-  fclose(f);
-  if (bad || len > MAX_BYTES) {
-    snprintf(err, err_len, "%s: %s", path, bad ? "cannot read it" : "larger than 1 MiB");
-    free(buf);
-    return -1;
-  }
-  const int r = lf_cli_parse_weights(buf, len, path, out, n, err, err_len);
-  free(buf);
-  return r;
-}
-
 /* The next token of text[*i..len): skips whitespace, commas and '#' comments (counting lines in
  * *ln); its start and length, or length 0 at the end. A NUL byte is a token of its own (which no
  * caller accepts). */
@@ -143,13 +63,95 @@ static size_t next_token(const char *text, size_t len, size_t *i, int *ln, size_
   return *i - *start;
 }
 
+int lf_cli_parse_weights(const char *text, size_t len, const char *name, double **out, int *n,
+                         char *err, size_t err_len) {
+  enum { MAX_W = 4096 };
+  *out = NULL;
+  *n = 0;
+  double *w = malloc(sizeof(double) * MAX_W);
+  if (!w) {
+    snprintf(err, err_len, "out of memory");
+    return -1;
+  }
+  int k = 0, ln = 1;
+  size_t i = 0, st, tl;
+  while ((tl = next_token(text, len, &i, &ln, &st)) > 0) {
+    char tok[64];
+    int ok = tl < sizeof tok && k < MAX_W;
+    double v = 0.0;
+    if (ok) {
+      memcpy(tok, text + st, tl);
+      tok[tl] = 0;
+      char *end;
+      errno = 0;
+      v = strtod(tok, &end);
+      ok = !*end && !errno && v > 0.0 && isfinite(v);
+    }
+    if (!ok) {
+      snprintf(err, err_len,
+               "%s:%d: '%.*s' is not a layer weight (a finite number > 0, at most %d of them)",
+               name, ln, (int)(tl < 32 ? tl : 32), text + st, MAX_W);
+      free(w);
+      return -1;
+    }
+    w[k++] = v;
+  }
+  if (k == 0) {
+    snprintf(err, err_len, "%s: no layer weights", name);
+    free(w);
+    return -1;
+  }
+  *out = w;
+  *n = k;
+  return 0;
+}
+
+/* Reads a whole file of at most max_bytes into *buf (malloc'd, the caller frees) and *len: 0, or
+ * -1 with a message in err (`what` names the kind of file). */
+static int read_small_file(const char *path, size_t max_bytes, const char *what, char **buf,
+                           size_t *len, char *err, size_t err_len) {
+  *buf = NULL;
+  *len = 0;
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    snprintf(err, err_len, "cannot open %s file '%s'", what, path);
+    return -1;
+  }
+  char *b = malloc(max_bytes + 1);
+  const size_t n = b ? fread(b, 1, max_bytes + 1, f) : 0;
+  const int bad = !b || ferror(f);
+  fclose(f);
+  if (bad || n > max_bytes) {
+    if (bad)
+      snprintf(err, err_len, "%s: cannot read it", path);
+    else
+      snprintf(err, err_len, "%s: larger than %zu MiB", path, max_bytes >> 20);
+    free(b);
+    return -1;
+  }
+  *buf = b;
+  *len = n;
+  return 0;
+}
+
+int lf_cli_read_weights(const char *path, double **out, int *n, char *err, size_t err_len) {
+  *out = NULL;
+  *n = 0;
+  char *buf;
+  size_t len;
+  if (read_small_file(path, (size_t)1 << 20, "layer weights", &buf, &len, err, err_len)) return -1;
+  const int r = lf_cli_parse_weights(buf, len, path, out, n, err, err_len);
+  free(buf);
+  return r;
+}
+
 int lf_cli_parse_key_means(const char *text, size_t len, const char *name, float **out, int *n,
                            int shape[3], char *err, size_t err_len) {
   enum { MAX_DIM = 1024, MAX_VALUES = 1 << 22 };
   static const char *const keys[4] = {"lfserve-key-means", "layers", "kv_heads", "head_dim"};
   *out = NULL;
   *n = 0;
-  shape[0] = shape[1] = shape[2] = 0;
+  if (shape) shape[0] = shape[1] = shape[2] = 0;
   int sh[3] = {0, 0, 0}; /* the header's shape, handed back on success only */
   size_t i = 0, st, tl;
   int ln = 1;
@@ -223,31 +225,29 @@ int lf_cli_parse_key_means(const char *text, size_t len, const char *name, float
   }
   *out = m;
   *n = (int)want;
-  memcpy(shape, sh, sizeof sh);
+  if (shape) memcpy(shape, sh, sizeof sh);
   return 0;
 }
 
 int lf_cli_read_key_means(const char *path, float **out, int *n, int shape[3], char *err,
                           size_t err_len) {
-  enum { MAX_BYTES = 64 << 20 };
   *out = NULL;
   *n = 0;
-  shape[0] = shape[1] = shape[2] = 0;
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    snprintf(err, err_len, "cannot open key means file '%s'", path);
-    return -1;
-  }
-  char *buf = malloc((size_t)MAX_BYTES + 1);
-  const size_t len = buf ? fread(buf, 1, (size_t)MAX_BYTES + 1, f) : 0;
-  const int bad = !buf || ferror(f);
-  fclose(f);
-  if (bad || len > MAX_BYTES) {
-    snprintf(err, err_len, "%s: %s", path, bad ? "cannot read it" : "larger than 64 MiB");
-    free(buf);
-    return -1;
-  }
+  if (shape) shape[0] = shape[1] = shape[2] = 0;
+  char *buf;
+  size_t len;
+  if (read_small_file(path, (size_t)64 << 20, "key means", &buf, &len, err, err_len)) return -1;
   const int r = lf_cli_parse_key_means(buf, len, path, out, n, shape, err, err_len);
   free(buf);
   return r;
+}
+
+int lf_cli_load_key_means(const char *prog, const char *path, float **out, int *n) {
+  char why[256];
+  free(*out);
+  if (lf_cli_read_key_means(path, out, n, NULL, why, sizeof why)) {
+    fprintf(stderr, "%s: --key-means: %s\n", prog, why);
+    return -1;
+  }
+  return 0;
 }

@@ -40,12 +40,17 @@ int lf_cli_parse_weights(const char *text, size_t len, const char *name, double 
  * (layer-major, then KV head, then dim) separated by whitespace or commas. *out (malloc'd, the
  * caller frees), *n = L H D and the shape on success (0); -1 with a message in err otherwise
  * (unreadable file, over 64 MiB, no or a malformed header, a shape past 1024 layers, 1024 KV
- * heads, 1024 dims or 2^22 values, a token that is not a finite number, too few or too many). */
+ * heads, 1024 dims or 2^22 values, a token that is not a finite number, too few or too many).
+ * shape may be NULL. */
 int lf_cli_read_key_means(const char *path, float **out, int *n, int shape[3], char *err,
                           size_t err_len);
 /* The same over text[0..len) (a file's bytes; NUL bytes are refused), messages naming `name`. */
 int lf_cli_parse_key_means(const char *text, size_t len, const char *name, float **out, int *n,
                            int shape[3], char *err, size_t err_len);
+
+/* --key-means PATH for program prog: frees *out, then reads PATH into *out and *n; on failure
+ * prints "<prog>: --key-means: <why>" on stderr and returns -1 (*out NULL). */
+int lf_cli_load_key_means(const char *prog, const char *path, float **out, int *n);
 
 /* Report a command-line error on stderr ("<prog>: unknown option '<a>'" then the usage;
  * "<prog>: bad value '<v>' for <a>") and return 2, the programs' exit status for one. */

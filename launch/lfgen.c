@@ -211,13 +211,7 @@ static int parse_args(int argc, char **argv, gen_opts *o) {
       cfg->layer_weights = layer_weights;
     } else if (!strcmp(a, "--key-means")) {
       NEED_VALUE;
-      char why[256];
-      int shape[3];
-      free(key_means);
-      if (lf_cli_read_key_means(v, &key_means, &cfg->n_key_means, shape, why, sizeof why)) {
-        fprintf(stderr, "lfgen: --key-means: %s\n", why);
-        return 2;
-      }
+      if (lf_cli_load_key_means("lfgen", v, &key_means, &cfg->n_key_means)) return 2;
       cfg->key_means = key_means;
     } else if (!strcmp(a, "--prompt-ids")) {
       NEED_VALUE;

@@ -227,14 +227,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
       cfg->layer_weights = lw;
     } else if (!strcmp(a, "--key-means")) {
       static float *km; /* kept to the process's exit */
-      char why[256];
-      int shape[3];
-      free(km);
-      km = NULL;
-      if (lf_cli_read_key_means(v, &km, &cfg->n_key_means, shape, why, sizeof why)) {
-        fprintf(stderr, "lfserve: --key-means: %s\n", why);
-        return 2;
-      }
+      if (lf_cli_load_key_means("lfserve", v, &km, &cfg->n_key_means)) return 2;
       cfg->key_means = km;
     } else if (!strcmp(a, "--served-model-name"))
       o->name = v;

@@ -133,9 +133,9 @@ inline bool smollm2_int(const lf_json *v, int *out) {
 inline std::vector<float> smollm2_key_means(std::string *err) {
   const std::string path = lf_repo_data_dir() + "/fidelity/smollm2/key_means.txt";
   float *m = nullptr;
-  int n = 0, shape[3];
+  int n = 0;
   char why[256];
-  if (lf_cli_read_key_means(path.c_str(), &m, &n, shape, why, sizeof why)) {
+  if (lf_cli_read_key_means(path.c_str(), &m, &n, nullptr, why, sizeof why)) {
     *err = why;
     return {};
   }

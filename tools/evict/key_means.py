@@ -44,6 +44,22 @@ def write_means(path, mu, source):
                 f.write(" ".join("%.9g" % float(np.float32(x)) for x in mu[l, h]) + "\n")
 
 
+def read_means(path):
+    """A key-means file as [layers][kv_heads][head_dim] float64 (what write_means writes, in the
+    format lf_cli_parse_key_means reads; '#' comments, whitespace or commas)."""
+    toks = []
+    with open(path) as f:
+        for line in f:
+            toks += line.split("#", 1)[0].replace(",", " ").split()
+    if len(toks) < 7 or toks[0] != "lfserve-key-means" or toks[1:7:2] != ["layers", "kv_heads", "head_dim"]:
+        raise SystemExit("%s: no 'lfserve-key-means layers L kv_heads H head_dim D' header" % path)
+    shape = (int(toks[2]), int(toks[4]), int(toks[6]))
+    vals = np.array([float(x) for x in toks[7:]], np.float64)
+    if vals.size != shape[0] * shape[1] * shape[2]:
+        raise SystemExit("%s: %d values for %s" % (path, vals.size, shape))
+    return vals.reshape(shape)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the key-means file to write")

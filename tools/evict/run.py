@@ -111,22 +111,6 @@ def recent_slots(r, B):
     return 0 if not r else B // 2 if r == "half" else int(r)
 
 
-def read_key_means(path):
-    """A key-means file (lfgen's --key-means, tools/evict/key_means.py) as [L][H][D] float64."""
-    toks = []
-    with open(path) as f:
-        for line in f:
-            toks += line.split("#", 1)[0].replace(",", " ").split()
-    if len(toks) < 7 or toks[0] != "lfserve-key-means" or toks[1::2][:3] != ["layers", "kv_heads", "head_dim"]:
-        raise SystemExit("%s: no 'lfserve-key-means layers L kv_heads H head_dim D' header" % path)
-    shape = (int(toks[2]), int(toks[4]), int(toks[6]))
-    import numpy as np
-    vals = np.array([float(x) for x in toks[7:]], np.float64)
-    if vals.size != shape[0] * shape[1] * shape[2]:
-        raise SystemExit("%s: %d values for %s" % (path, vals.size, shape))
-    return vals.reshape(shape)
-
-
 def make_specs(sim, a, budgets, n_kv):
     specs = []
     for B in budgets:
@@ -184,7 +168,8 @@ def make_specs(sim, a, budgets, n_kv):
                     elif part == "c":  # cosines over centred keys, as the engine with --key-means
                         if not a.key_means:
                             raise SystemExit("%s: -c needs --key-means" % p)
-                        kw["key_means"] = read_key_means(a.key_means)
+                        from key_means import read_means
+                        kw["key_means"] = read_means(a.key_means)
                     else:
                         kw[{"S": "stage", "l": "lam", "o": "obs"}[part[0]]] = \
                             float(part[1:]) if part[0] == "l" else int(part[1:])
