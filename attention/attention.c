@@ -453,7 +453,12 @@ static void rkv_select(const lf_attn_params *p, lf_kv_head *hs, int n_kv, int n,
       const int s = (int)slot_of[j];
       imp[j] = (double)h->acc[s] / ((double)p->group * obs);
       double *r = kn + (size_t)j * D;
-      widen(r, h->k + (size_t)s * D, D);
+      const float *kr = h->k + (size_t)s * D;
+      if (h->k_mean) /* the model's key: the stored row plus the mean taken from it, in fp32 */
+        for (int d = 0; d < D; d++)
+          r[d] = (double)(kr[d] + h->k_mean[d]);
+      else
+        widen(r, kr, D);
       const double nrm = sqrt(dot_f64(r, r, D)) + 1e-8;
       for (int d = 0; d < D; d++)
         r[d] /= nrm;

@@ -131,7 +131,8 @@ int lf_kv_write_slot(const lf_kv_head *h);
  * own mass). At k_left == 0 the selection runs over the filled slots
  * in position order less the obs newest (the window, kept): importance = acc / (group * obs),
  * max-pooled over LF_RKV_POOL_KERNEL neighbours; redundancy = softmax over these
- * slots of each key's mean cosine similarity (keys / (||k|| + 1e-8), in fp64) to the others, its
+ * slots of each key's mean cosine similarity (keys / (||k|| + 1e-8), in fp64; a key is the stored
+ * row plus the head's k_mean where the forward set one, memory/pool.h) to the others, its
  * most recent look-alike (cosine > LF_RKV_SIM_THRESHOLD) left out of the mean; the rkv_stage
  * candidates (not sinks) with the lowest score summed over the scope's heads, ties to the
  * lower slot, become queue in that order, and next = queue[since] afterwards. */

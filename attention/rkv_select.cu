@@ -24,8 +24,8 @@
 #define RK_Q 64                   /* a warp's queue of pairs in the band, per tile */
 #define RK_KS_MAX (RK_DMAX / 16)  /* k steps of 16 dims */
 #define RK_LDW (RK_KS_MAX * 8 + 4) /* 32-bit words per tile row: the pad staggers the banks */
-/* The scan's cosines come from fp32 sums of exact bf16 products (under int4, of a two-term bf16
- * split), at most ~1e-5 from the fp64 value; one within RK_BAND of the threshold is decided
+/* The scan's cosines come from fp32 sums of exact bf16 products (under int4 or a key mean, of a
+ * two-term bf16 split), at most ~1e-5 from the fp64 value; one within RK_BAND of the threshold is decided
  * again in fp64 as the twin computes it. */
 #define RK_BAND 5e-4f
 
@@ -60,13 +60,22 @@ static __device__ __forceinline__ bool rk_before(double t, int s, double bt, int
   return t < bt || (t == bt && s < bs);
 }
 
+/* Element d of a key row as the selection compares keys: the pool's value (pool_val) plus the
+ * key mean the engine took from the key (mu, [head_dim], or NULL), an fp32 sum as the twin's. */
+static __device__ __forceinline__ float rk_val(const lf_cuda_pool_view &p, const float *mu,
+                                               size_t hidx, int slot, int d) {
+  const float v = pool_val(p, p.k, p.k_scale, hidx, slot, d);
+  return mu ? v + mu[d] : v;
+}
+
 /* Dims 2w and 2w + 1 of a key row as the scan multiplies them (zero past head_dim), packed as
  * two bf16: bf16 pools their values; fp8 and int8 their codes' values, exact in bf16 (the row's
- * scale is folded into the norm); int4 (SPLIT) its value's bf16 rounding in hi and the rest's in
- * lo. */
+ * scale is folded into the norm); under SPLIT (int4, or any dtype with a key mean) the value's
+ * bf16 rounding in hi and the rest's in lo. */
 template <bool SPLIT>
-static __device__ __forceinline__ void rk_pair(const lf_cuda_pool_view &p, size_t hidx, int slot,
-                                               int w, uint32_t &hi, uint32_t &lo) {
+static __device__ __forceinline__ void rk_pair(const lf_cuda_pool_view &p, const float *mu,
+                                               size_t hidx, int slot, int w, uint32_t &hi,
+                                               uint32_t &lo) {
   const int d = 2 * w, D = p.head_dim;
   lo = 0;
   if (d >= D) {
@@ -74,8 +83,8 @@ static __device__ __forceinline__ void rk_pair(const lf_cuda_pool_view &p, size_
     return;
   }
   if (SPLIT) {
-    const float v0 = pool_val(p, p.k, p.k_scale, hidx, slot, d);
-    const float v1 = d + 1 < D ? pool_val(p, p.k, p.k_scale, hidx, slot, d + 1) : 0.f;
+    const float v0 = rk_val(p, mu, hidx, slot, d);
+    const float v1 = d + 1 < D ? rk_val(p, mu, hidx, slot, d + 1) : 0.f;
     hi = bf16_pack(v0, v1);
     const __nv_bfloat162 h = *(const __nv_bfloat162 *)&hi;
     lo = bf16_pack(v0 - __low2float(h), v1 - __high2float(h));
@@ -94,49 +103,55 @@ static __device__ __forceinline__ void rk_pair(const lf_cuda_pool_view &p, size_
   }
 }
 
-/* The factor from a row's scan values to its values: the row's scale under fp8 and int8. */
-static __device__ __forceinline__ double rk_row_factor(const lf_cuda_pool_view &p, size_t hidx,
-                                                       int slot) {
+/* The factor from a row's scan values to its values: the row's scale under fp8 and int8 without
+ * a key mean (with one the scan takes the values, SPLIT). */
+static __device__ __forceinline__ double rk_row_factor(const lf_cuda_pool_view &p, const float *mu,
+                                                       size_t hidx, int slot) {
+  if (mu) return 1.0;
   const int kf = lf_kvq_k_row(p.kv_dtype);
   return kf == LF_KV_INT8 || kf == LF_KV_FP8 ? (double)p.k_scale[hidx * p.budget + slot] : 1.0;
 }
 
-/* Dims 4 lane .. 4 lane + 3 of a row as attention reads it (pool_val; zero past head_dim): one
- * 8-byte load for bf16 rows of whole groups of 4. */
-static __device__ __forceinline__ void rk_row4(const lf_cuda_pool_view &p, size_t hidx, int slot,
-                                               int lane, float v[4]) {
+/* Dims 4 lane .. 4 lane + 3 of a key row (rk_val; zero past head_dim): one 8-byte load for bf16
+ * rows of whole groups of 4. */
+static __device__ __forceinline__ void rk_row4(const lf_cuda_pool_view &p, const float *mu,
+                                               size_t hidx, int slot, int lane, float v[4]) {
   const int d0 = 4 * lane, D = p.head_dim;
   if (p.kv_dtype == LF_KV_BF16 && !(D & 3)) {
     if (d0 < D) {
       const uint2 u = *(const uint2 *)(pool_row(p, p.k, hidx, slot) + d0);
       v[0] = __uint_as_float(u.x << 16), v[1] = __uint_as_float(u.x & 0xffff0000u);
       v[2] = __uint_as_float(u.y << 16), v[3] = __uint_as_float(u.y & 0xffff0000u);
+      if (mu) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] += mu[d0 + i];
+      }
     } else {
       v[0] = v[1] = v[2] = v[3] = 0.f;
     }
     return;
   }
 #pragma unroll
-  for (int i = 0; i < 4; i++) v[i] = d0 + i < D ? pool_val(p, p.k, p.k_scale, hidx, slot, d0 + i) : 0.f;
+  for (int i = 0; i < 4; i++) v[i] = d0 + i < D ? rk_val(p, mu, hidx, slot, d0 + i) : 0.f;
 }
 
 /* The cosine of two rows in fp64 as the twin computes it: row x over its norm, dotted with row y,
  * over y's norm. */
-static __device__ __forceinline__ double rk_cos(const lf_cuda_pool_view &p, size_t hidx, int sx, int sy, double nx,
-                                double ny) {
+static __device__ __forceinline__ double rk_cos(const lf_cuda_pool_view &p, const float *mu,
+                                                size_t hidx, int sx, int sy, double nx, double ny) {
   double s = 0.0;
   for (int d = 0; d < p.head_dim; d++)
-    s += (double)pool_val(p, p.k, p.k_scale, hidx, sx, d) / nx *
-         (double)pool_val(p, p.k, p.k_scale, hidx, sy, d);
+    s += (double)rk_val(p, mu, hidx, sx, d) / nx * (double)rk_val(p, mu, hidx, sy, d);
   return s / ny;
 }
 
 /* rk_cos by the whole warp (lanes over 4 dims each), in every lane. */
-static __device__ __forceinline__ double rk_cos_warp(const lf_cuda_pool_view &p, size_t hidx,
-                                                     int sx, int sy, double nx, double ny, int lane) {
+static __device__ __forceinline__ double rk_cos_warp(const lf_cuda_pool_view &p, const float *mu,
+                                                     size_t hidx, int sx, int sy, double nx,
+                                                     double ny, int lane) {
   float vx[4], vy[4];
-  rk_row4(p, hidx, sx, lane, vx);
-  rk_row4(p, hidx, sy, lane, vy);
+  rk_row4(p, mu, hidx, sx, lane, vx);
+  rk_row4(p, mu, hidx, sy, lane, vy);
   double s = 0.0;
 #pragma unroll
   for (int i = 0; i < 4; i++) s += (double)vx[i] / nx * (double)vy[i];
@@ -178,9 +193,9 @@ static __host__ __device__ size_t rk_ws_stride(int B) {
  * halves into yl under SPLIT). CP (bf16 rows of whole 16-byte chunks): asynchronous copies the
  * caller waits for (rk_wait); otherwise read, converted and stored here. */
 template <bool CP, bool SPLIT>
-static __device__ __forceinline__ void rk_load_tile(const lf_cuda_pool_view &p, size_t hidx,
-                                                    const int *slot_of, int ybase, int wpr,
-                                                    uint32_t *tile, uint32_t *yl) {
+static __device__ __forceinline__ void rk_load_tile(const lf_cuda_pool_view &p, const float *mu,
+                                                    size_t hidx, const int *slot_of, int ybase,
+                                                    int wpr, uint32_t *tile, uint32_t *yl) {
   if (CP) {
     const int cpr = wpr / 4, D = p.head_dim; /* 16-byte chunks per row */
     for (int q = (int)threadIdx.x; q < RK_YT * cpr; q += RK_NT) {
@@ -198,7 +213,7 @@ static __device__ __forceinline__ void rk_load_tile(const lf_cuda_pool_view &p, 
     for (int q = (int)threadIdx.x; q < RK_YT * wpr; q += RK_NT) {
       const int r = q / wpr, w = q % wpr, y = ybase + r;
       uint32_t hi = 0, lo = 0;
-      if (y >= 0) rk_pair<SPLIT>(p, hidx, slot_of[y], w, hi, lo);
+      if (y >= 0) rk_pair<SPLIT>(p, mu, hidx, slot_of[y], w, hi, lo);
       tile[r * RK_LDW + w] = hi;
       if (SPLIT) yl[r * RK_LDW + w] = lo;
     }
@@ -215,9 +230,9 @@ static __device__ __forceinline__ void rk_wait() {
  * tiles (the next one's copies fly while this one is scanned), else one (two under SPLIT: hi
  * and lo). */
 template <bool CP, bool SPLIT>
-static __device__ void rk_scan(const lf_cuda_pool_view &p, size_t hidx, int M, const int *slot_of,
-                               const double *nrm, const float *ninv, int *lastidx,
-                               uint32_t *tile) {
+static __device__ void rk_scan(const lf_cuda_pool_view &p, const float *mu, size_t hidx, int M,
+                               const int *slot_of, const double *nrm, const float *ninv,
+                               int *lastidx, uint32_t *tile) {
   const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int KS = (p.head_dim + 15) / 16, WPR = KS * 8; /* words per row */
   uint32_t *yl = tile + RK_YT * RK_LDW;                 /* CP: the second buffer; SPLIT: lo */
@@ -239,7 +254,7 @@ static __device__ void rk_scan(const lf_cuda_pool_view &p, size_t hidx, int M, c
       for (int q = 0; q < 4; q++) {
         const int x = q & 1 ? xb : xa, w = kk * 8 + t + (q & 2 ? 4 : 0);
         ah[kk][q] = al[kk][q] = 0;
-        if (kk < KS && x < M) rk_pair<SPLIT>(p, hidx, slot_of[x], w, ah[kk][q], al[kk][q]);
+        if (kk < KS && x < M) rk_pair<SPLIT>(p, mu, hidx, slot_of[x], w, ah[kk][q], al[kk][q]);
       }
     const float nia = xa < M ? ninv[xa] : 0.f, nib = xb < M ? ninv[xb] : 0.f;
     /* a dot over its row's bar may be over the band's floor */
@@ -248,17 +263,17 @@ static __device__ void rk_scan(const lf_cuda_pool_view &p, size_t hidx, int M, c
     int besta = -1, bestb = -1;
     bool done = __all_sync(0xffffffffu, (xa >= M) && (xb >= M));
     int ybase = M - RK_YT, buf = 0;
-    if (CP) rk_load_tile<CP, SPLIT>(p, hidx, slot_of, ybase, WPR, tile, yl);
+    if (CP) rk_load_tile<CP, SPLIT>(p, mu, hidx, slot_of, ybase, WPR, tile, yl);
     for (;;) {
       const uint32_t tb_sh = (uint32_t)__cvta_generic_to_shared(CP && buf ? yl : tile),
                      lb_sh = (uint32_t)__cvta_generic_to_shared(yl);
       if (CP) rk_wait();
-      else rk_load_tile<CP, SPLIT>(p, hidx, slot_of, ybase, WPR, tile, yl);
+      else rk_load_tile<CP, SPLIT>(p, mu, hidx, slot_of, ybase, WPR, tile, yl);
       __syncthreads();
       const int cur = ybase;
       const bool more = cur > 0;
       if (CP && more) /* the next tile's copies fly while this one is scanned */
-        rk_load_tile<CP, SPLIT>(p, hidx, slot_of, cur - RK_YT, WPR, buf ? tile : yl, nullptr);
+        rk_load_tile<CP, SPLIT>(p, mu, hidx, slot_of, cur - RK_YT, WPR, buf ? tile : yl, nullptr);
       if (!done) {
         /* the newest look-alike in this tile of each of the warp's 16 rows: tb */
 #pragma unroll 1
@@ -316,7 +331,8 @@ static __device__ void rk_scan(const lf_cuda_pool_view &p, size_t hidx, int M, c
                 } else if (cs > thr - RK_BAND) { /* for the warp's fp64 check below */
                   const int q = atomicAdd(nq, 1);
                   if (q < RK_Q) rq[q] = make_int2(row, y);
-                  else if (rk_cos(p, hidx, slot_of[x], slot_of[y], nrm[x], nrm[y]) > LF_RKV_SIM_THRESHOLD)
+                  else if (rk_cos(p, mu, hidx, slot_of[x], slot_of[y], nrm[x], nrm[y]) >
+                           LF_RKV_SIM_THRESHOLD)
                     atomicMax(&tb[row], y);
                 }
               }
@@ -330,7 +346,7 @@ static __device__ void rk_scan(const lf_cuda_pool_view &p, size_t hidx, int M, c
           const int2 r = rq[q];
           if (r.y < tb[r.x]) continue;
           const int x = x0 + warp * 16 + r.x;
-          if (rk_cos_warp(p, hidx, slot_of[x], slot_of[r.y], nrm[x], nrm[r.y], lane) >
+          if (rk_cos_warp(p, mu, hidx, slot_of[x], slot_of[r.y], nrm[x], nrm[r.y], lane) >
               LF_RKV_SIM_THRESHOLD && lane == 0)
             tb[r.x] = max(tb[r.x], r.y);
           __syncwarp();
@@ -388,9 +404,9 @@ static __device__ void rk_rank(const int32_t *pos, int n, int P, long long *key,
 /* One head's row pass over ranks < M: each row's norm (nrm, and ninv for the scan), its
  * importance (imp), and the sum of the unit keys (ksum, through each warp's partial sums in
  * part). A warp per row, each lane over 4 dims, RK_ROWS rows at once. */
-static __device__ void rk_rows(const lf_cuda_pool_view &p, size_t hidx, int M, const int *slot_of,
-                               int group, double *nrm, float *ninv, double *imp, double *part,
-                               double *ksum) {
+static __device__ void rk_rows(const lf_cuda_pool_view &p, const float *mu, size_t hidx, int M,
+                               const int *slot_of, int group, double *nrm, float *ninv,
+                               double *imp, double *part, double *ksum) {
   const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const float *acc = p.acc + hidx * p.budget;
   double ks[4] = {0.0, 0.0, 0.0, 0.0};
@@ -400,7 +416,7 @@ static __device__ void rk_rows(const lf_cuda_pool_view &p, size_t hidx, int M, c
 #pragma unroll
     for (int u = 0; u < RK_ROWS; u++) {
       const int j = j0 + u;
-      if (j < M) rk_row4(p, hidx, slot_of[j], lane, v[u]);
+      if (j < M) rk_row4(p, mu, hidx, slot_of[j], lane, v[u]);
       else v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.f;
       ss[u] = 0.0;
 #pragma unroll
@@ -416,7 +432,7 @@ static __device__ void rk_rows(const lf_cuda_pool_view &p, size_t hidx, int M, c
       if (lane == 0) {
         const int s = slot_of[j];
         nrm[j] = nr;
-        ninv[j] = (float)(rk_row_factor(p, hidx, s) / nr);
+        ninv[j] = (float)(rk_row_factor(p, mu, hidx, s) / nr);
         imp[j] = (double)acc[s] / ((double)group * lf_rkv_obs_of(p.obs));
       }
     }
@@ -445,9 +461,9 @@ static __device__ void rk_maxpool(const double *imp, int M, double *pooled) {
 /* One head's redundancy before its softmax: red[x] = (x's cosines with the others, less the
  * one with its look-alike lastidx[x]) / M; the cosines' sum is x's dot with ksum less its own
  * square. A warp per row, RK_ROWS rows at once. */
-static __device__ void rk_redundancy(const lf_cuda_pool_view &p, size_t hidx, int M,
-                                     const int *slot_of, const double *nrm, const int *lastidx,
-                                     const double *ksum, double *red) {
+static __device__ void rk_redundancy(const lf_cuda_pool_view &p, const float *mu, size_t hidx,
+                                     int M, const int *slot_of, const double *nrm,
+                                     const int *lastidx, const double *ksum, double *red) {
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, D = p.head_dim;
   const double inv_m = 1.0 / (double)M;
   for (int x0 = warp * RK_ROWS; x0 < M; x0 += RK_NW * RK_ROWS) {
@@ -457,8 +473,8 @@ static __device__ void rk_redundancy(const lf_cuda_pool_view &p, size_t hidx, in
     for (int u = 0; u < RK_ROWS; u++) {
       const int x = min(x0 + u, M - 1); /* rows past M repeat the last; not written */
       yr[u] = lastidx[x];
-      rk_row4(p, hidx, slot_of[x], lane, vx[u]);
-      rk_row4(p, hidx, slot_of[yr[u] >= 0 ? yr[u] : x], lane, vy[u]);
+      rk_row4(p, mu, hidx, slot_of[x], lane, vx[u]);
+      rk_row4(p, mu, hidx, slot_of[yr[u] >= 0 ? yr[u] : x], lane, vy[u]);
     }
 #pragma unroll
     for (int u = 0; u < RK_ROWS; u++) {
@@ -564,11 +580,12 @@ static __global__ void __launch_bounds__(RK_NT, 2) rkv_select_kernel(lf_rkv_sele
     for (int j = tid; j < M; j += RK_NT) total[j] = 0.0;
     for (int g = 0; g < a.heads_per_scope; g++) {
       const size_t hidx = hidx0 + g;
-      rk_rows(a.pool, hidx, M, slot_of, a.group, nrm, ninv, csum, (double *)scratch, ksum);
+      const float *mu = a.k_mean ? a.k_mean + (size_t)(h0 + g) * a.pool.head_dim : nullptr;
+      rk_rows(a.pool, mu, hidx, M, slot_of, a.group, nrm, ninv, csum, (double *)scratch, ksum);
       rk_maxpool(csum, M, pooled);
       __syncthreads();
-      rk_scan<CP, SPLIT>(a.pool, hidx, M, slot_of, nrm, ninv, lastidx, (uint32_t *)scratch);
-      rk_redundancy(a.pool, hidx, M, slot_of, nrm, lastidx, ksum, csum);
+      rk_scan<CP, SPLIT>(a.pool, mu, hidx, M, slot_of, nrm, ninv, lastidx, (uint32_t *)scratch);
+      rk_redundancy(a.pool, mu, hidx, M, slot_of, nrm, lastidx, ksum, csum);
       __syncthreads();
       rk_add_scores(M, pooled, csum, total, red);
     }
@@ -626,8 +643,9 @@ extern "C" lf_status lf_cuda_rkv_select(const lf_rkv_select_args *a, struct CUst
                     "lf_cuda_rkv_select: bad shape (heads_per_scope %d of %d KV heads, %d "
                     "scopes, stage %d, group %d, sink %d, layer %d)",
                     a->heads_per_scope, nkv, a->n_scopes, a->pool.stage, a->group, a->sink, a->layer);
-  const bool split = lf_kvq_k_row(a->pool.kv_dtype) == LF_KV_INT4;
-  const bool cp = a->pool.kv_dtype == LF_KV_BF16 && a->pool.head_dim % 8 == 0;
+  /* a key mean makes every dtype's values fp32 sums, split as int4's are */
+  const bool split = lf_kvq_k_row(a->pool.kv_dtype) == LF_KV_INT4 || a->k_mean;
+  const bool cp = !split && a->pool.kv_dtype == LF_KV_BF16 && a->pool.head_dim % 8 == 0;
   const size_t smem = in_ws ? rk_scratch_bytes(split || cp) : rk_smem_bytes(B, rk_pow2(B), split || cp);
   lf_rkv_select_args k = *a;
   int grid = a->n_scopes;

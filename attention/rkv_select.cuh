@@ -25,7 +25,9 @@
  * and the fp64 arrays live in shared memory; above it, in a device workspace the caller sizes by
  * lf_cuda_rkv_select_ws_bytes (a block's room per resident block, the blocks looping over the
  * scopes), only the scan's tiles in shared memory. K is read as attention reads it (pool_val:
- * bf16, or a quantized dtype's values). Includable from C. Every pointer is device memory.
+ * bf16, or a quantized dtype's values), plus the key mean where one is given (the model's keys;
+ * the scan then splits every dtype's values as int4's). Includable from C. Every pointer is
+ * device memory.
  */
 #ifndef LF_RKV_SELECT_CUH
 #define LF_RKV_SELECT_CUH
@@ -65,6 +67,10 @@ typedef struct lf_rkv_select_args {
   void *ws;                 /* budgets over LF_CUDA_RKV_SMEM_BUDGET: ws_bytes of device memory,
                                lf_cuda_rkv_select_ws_bytes(budget, ...) or more; else unused */
   size_t ws_bytes;
+  const float *k_mean;      /* NULL, or fp32 [pool.n_kv_heads][head_dim]: the layer's key means
+                               as the engine took them from the keys (lf_engine_config.key_means,
+                               in the stored keys' frame); the cosines compare each stored row
+                               plus its head's mean, as the twin's lf_kv_head.k_mean */
 } lf_rkv_select_args;
 
 /* The workspace a selection over pools of `budget` slots needs: 0 up to LF_CUDA_RKV_SMEM_BUDGET;

@@ -224,6 +224,15 @@ void lf_key_means_rows(const float *all, int n_layers, int n_kv_all, int head_di
     }
 }
 
+/* Pool `pool`'s (layer, KV head) as attention takes it here: with the head's key mean, which rkv's
+ * selection adds back to compare the model's keys (memory/pool.h). */
+static lf_kv_head forward_head(const lf_cpu_forward *f, int pool, int layer, int kv_head) {
+  lf_kv_head h = lf_kv_arena_head(f->arena, pool, layer, kv_head);
+  if (f->kmu)
+    h.k_mean = f->kmu + ((size_t)layer * f->sh.n_kv + (size_t)kv_head) * f->cfg->head_dim;
+  return h;
+}
+
 lf_status lf_cpu_forward_set_key_means(lf_cpu_forward *f, const float *all) {
   free(f->kmu);
   f->kmu = NULL;
@@ -336,7 +345,7 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
       }
       for (int g0 = 0; g0 < hkv && status[t] == LF_OK; g0 += per) {
         for (int g = 0; g < per; g++)
-          f->heads[g] = lf_kv_arena_head(f->arena, pools[t], l, g0 + g);
+          f->heads[g] = forward_head(f, pools[t], l, g0 + g);
         const size_t qo = (size_t)t * qd + (size_t)g0 * group * hd;
         const size_t ko = (size_t)t * kd + (size_t)g0 * hd;
         int ev = 0;
@@ -348,7 +357,7 @@ static lf_status forward_rows(lf_cpu_forward *f, int n_tok, const int32_t *token
     }
     for (int g0 = 0; !pools && g0 < hkv; g0 += per) {
       for (int g = 0; g < per; g++)
-        f->heads[g] = lf_kv_arena_head(f->arena, pool, l, g0 + g);
+        f->heads[g] = forward_head(f, pool, l, g0 + g);
       const size_t qo = (size_t)g0 * group * hd, ko = (size_t)g0 * hd;
       if (n_tok == 1) {
         int ev = 0;

@@ -66,6 +66,11 @@ typedef struct lf_kv_head {
   int head_dim;
   int kv_dtype;  /* lf_kv_dtype: a quantized dtype stores each written row as the values its
                     format reads back (base/kvq.h), in fp32 */
+  const float *k_mean; /* NULL, or [head_dim]: the key mean the forward took from this head's
+                          keys before storing them (lf_engine_config.key_means, in the stored
+                          keys' frame). Only rkv's selection reads it: its cosines compare the
+                          model's keys, each stored row plus k_mean (an fp32 sum). Not set by
+                          lf_kv_arena_head; the forward sets it */
 } lf_kv_head;
 
 /* The free list of a rank's pools, shared by every backend's arena: a LIFO stack of free ids

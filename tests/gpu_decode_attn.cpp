@@ -418,6 +418,7 @@ void run_case(const Case &c, int kv_dtype, bool key_mean = false) {
       ra.due_only = 1;
       ra.ws = drws.p;
       ra.ws_bytes = rws_bytes;
+      ra.k_mean = key_mean ? dmu.p : nullptr;
       LF_OK_(lf_cuda_rkv_select(&ra, nullptr));
     }
     CUDA_OK(cudaDeviceSynchronize());
@@ -440,6 +441,7 @@ void run_case(const Case &c, int kv_dtype, bool key_mean = false) {
     for (int s = 0; s < NS; s++)
       for (int h = 0; h < H; h++) {
         lf_kv_head kh = lf_kv_arena_head(&cpu, pool_ids[s], layer, h);
+        if (key_mean) kh.k_mean = &mu[(size_t)h * D]; /* rkv compares the model's keys */
         const size_t hidx = ((size_t)pool_ids[s] * L + layer) * H + h;
         const int w_cpu = lf_kv_write_slot(&kh);
         int ev = 0;
@@ -638,7 +640,8 @@ TEST_P(DecodeAttnK8V4, MatchesCpuReference) {
 }
 
 /* int4 and k8v4 pools with a key mean (lf_engine_config.key_means) subtracted in the slot write:
- * the CPU reference takes the same mean, rotated as the engine rotates it, from its copies. */
+ * the CPU reference takes the same mean, rotated as the engine rotates it, from its copies; rkv's
+ * selections add it back on both sides (the twin through lf_kv_head.k_mean). */
 class DecodeAttnKeyMean : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DecodeAttnKeyMean, MatchesCpuReference) {

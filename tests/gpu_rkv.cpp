@@ -3,7 +3,8 @@
 // earlier or later one, so the most-recent-look-alike rule matters; in the `near` cases at a
 // cosine within 2e-3 of the threshold, where the kernel's tensor-core scan must hand the pair to
 // its fp64 check), sharp and flat attention mass, positions out of slot order, head and layer
-// scope, every KV dtype, head_dims that are not multiples of 16 or 8. Every
+// scope, every KV dtype, head_dims that are not multiples of 16 or 8, with and without key means
+// (the rows plus the mean compared). Every
 // candidate's total must agree to 1e-12 (relative; the kernel divides the dot by the norms, the
 // twin normalizes the rows first), the non-candidates must be NaN on both, and each queue entry
 // must be the twin's wherever the twin's totals around it are not within 1e-9 of each other
@@ -35,12 +36,14 @@ struct Case {
   bool near = false; // look-alikes at a cosine of 0.5 +- 2e-3 before rounding
   int ws_blocks = 0;  // over LF_CUDA_RKV_SMEM_BUDGET: a workspace of this many blocks' room (0:
                       // lf_cuda_rkv_select_ws_bytes's)
+  bool mean = false;  // a key mean per head: the pool stores key - mean, both sides add it back
 };
 
 void run_case(const Case &c) {
   SCOPED_TRACE("budget " + std::to_string(c.budget) + " n " + std::to_string(c.n) + " kv " +
                std::to_string(c.n_kv) + " per scope " + std::to_string(c.heads_per_scope) +
-               " stage " + std::to_string(c.stage) + " " + lf_kv_dtype_str(c.dtype));
+               " stage " + std::to_string(c.stage) + " " + lf_kv_dtype_str(c.dtype) +
+               (c.mean ? " key mean" : ""));
   const int B = c.budget, D = c.head_dim, H = c.n_kv;
   std::mt19937_64 g(c.seed);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -79,6 +82,14 @@ void run_case(const Case &c) {
       // a few slots take most of the mass (sharp), the rest a little
       acc[size_t(h) * B + i] = g() % 10 == 0 ? 2.f + 3.f * ud(g) : 0.05f * ud(g);
     }
+  // key means (lf_engine_config.key_means): of the keys' size, so cosines of the stored rows
+  // alone would choose other look-alikes; the pool stores key - mean
+  std::vector<float> mu(c.mean ? size_t(H) * D : 0);
+  for (size_t i = 0; i < mu.size(); i++) mu[i] = 1.5f * nd(g) + (i % 5 == 0 ? 2.f : 0.f);
+  if (c.mean)
+    for (int h = 0; h < H; h++)
+      for (int i = 0; i < c.n; i++)
+        for (int d = 0; d < D; d++) k[(size_t(h) * B + i) * D + d] -= mu[size_t(h) * D + d];
   for (size_t row = 0; row < size_t(H) * B; row++) {
     float *r = &k[row * D];
     if (quant) {
@@ -121,6 +132,7 @@ void run_case(const Case &c) {
     kh.budget = B;
     kh.head_dim = D;
     kh.kv_dtype = c.dtype;
+    kh.k_mean = c.mean ? &mu[size_t(h) * D] : nullptr;
   }
   const int scopes = H / c.heads_per_scope;
   std::vector<double> want(size_t(scopes) * B);
@@ -160,6 +172,11 @@ void run_case(const Case &c) {
   CK(cudaMalloc(&dids, 4));
   CK(cudaMemcpy(dids, ids.data(), 4, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&dtot, want.size() * 8));
+  float *dmu = nullptr;
+  if (c.mean) {
+    CK(cudaMalloc(&dmu, mu.size() * 4));
+    CK(cudaMemcpy(dmu, mu.data(), mu.size() * 4, cudaMemcpyHostToDevice));
+  }
   // budgets over shared memory: the arrays in a workspace, fewer blocks than scopes if asked
   size_t ws_bytes = lf_cuda_rkv_select_ws_bytes(B, scopes);
   if (c.ws_blocks > 0) ws_bytes = size_t(c.ws_blocks) * lf_cuda_rkv_select_ws_bytes(B, 1);
@@ -192,6 +209,7 @@ void run_case(const Case &c) {
   a.pool.queue = dq;
   a.pool.since = dsince;
   a.totals = dtot;
+  a.k_mean = dmu;
   ASSERT_EQ(lf_cuda_rkv_select(&a, nullptr), LF_OK) << lf_last_error();
   CK(cudaDeviceSynchronize());
   std::vector<double> got(want.size());
@@ -200,7 +218,7 @@ void run_case(const Case &c) {
   CK(cudaMemcpy(gq.data(), dq, gq.size() * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(gs.data(), dsince, H * 4, cudaMemcpyDeviceToHost));
   for (void *ptr : {dk, (void *)dscale, (void *)dacc, (void *)dpos, (void *)dn, (void *)dnext,
-                    (void *)dq, (void *)dsince, (void *)dids, (void *)dtot, dws})
+                    (void *)dq, (void *)dsince, (void *)dids, (void *)dtot, dws, (void *)dmu})
     cudaFree(ptr);
 
   int ties = 0;
@@ -259,6 +277,28 @@ TEST(GpuRkv, SelectionMatchesCpuTwin) {
       {128, 128, 2, 1, 1, 4, 8, 36, LF_KV_BF16, 14},   // head_dim 36: not whole 16-byte chunks
   };
   for (const Case &c : cases) run_case(c);
+}
+
+// With key means (the engine's --key-means): every dtype's rows plus the mean, through the
+// two-term split scan (bf16 pools leave their asynchronous copies), at and away from the
+// threshold, in shared memory and in the workspace, head and layer scope.
+TEST(GpuRkv, SelectionWithKeyMeansMatchesCpuTwin) {
+  NEED_GPU();
+  Case cases[] = {
+      {256, 256, 2, 1, 2, 4, 16, 128, LF_KV_BF16, 21},
+      {384, 384, 2, 1, 2, 4, 16, 128, LF_KV_BF16, 22, true},
+      {300, 297, 2, 2, 3, 4, 17, 64, LF_KV_INT8, 23, true},
+      {512, 512, 2, 2, 2, 4, 32, 128, LF_KV_FP8, 24},
+      {384, 384, 2, 1, 2, 4, 16, 128, LF_KV_INT4, 25, true},
+      {300, 300, 2, 1, 3, 0, 16, 64, LF_KV_K8V4, 26, true},
+      {1024, 1024, 3, 3, 3, 4, 32, 64, LF_KV_INT4, 27}, // SmolLM2's heads, layer scope
+      {4500, 4500, 2, 2, 2, 4, 32, 64, LF_KV_INT4, 28}, // workspace
+      {300, 297, 1, 1, 1, 4, 8, 72, LF_KV_BF16, 29, true}, // head_dim 72
+  };
+  for (Case &c : cases) {
+    c.mean = true;
+    run_case(c);
+  }
 }
 
 // Engines in other threads launch the selection with other budgets at the same time (lfbench

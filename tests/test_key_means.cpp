@@ -10,6 +10,8 @@
 //    at every prompt and decode position of a sharp-attention model (a mean missing from one path,
 //    prefill chunk or decode write, or taken from queries too, moves them by whole units). On
 //    int8 pools a mean far from the keys' own must cost precision: the pools store k - mu.
+//  - rkv's selection adds the mean back (it compares the model's keys): with rkv evicting, fp32
+//    pools give the same logits with a mean as without.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -146,9 +148,13 @@ TEST(KeyMeansEngine, RefusesWrongShapeAndNonFinite) {
 /* Teacher-forced logits of one sequence on the cpu backend: a prompt of P tokens in chunks of
  * 128, then n_dec decode steps on fixed tokens; every chunk's logits and each step's. */
 std::vector<float> run_logits(const lf_checkpoint &ck, lf_kv_dtype dt, const float *mu, int P,
-                              int n_dec) {
+                              int n_dec, lf_policy policy = LF_POLICY_FULL, int budget = 0) {
   const int V = ck.cfg.vocab_size;
-  lf_backend_params bp = lf_test_backend_params(LF_POLICY_FULL, P + n_dec, 1);
+  lf_backend_params bp = lf_test_backend_params(policy, budget ? budget : P + n_dec, 1);
+  if (policy == LF_POLICY_RKV) {
+    bp.rkv_stage = 4;
+    bp.rkv_obs = 8;
+  }
   bp.kv_dtype = dt;
   bp.key_means = mu;
   bp.n_threads = 1;
@@ -217,6 +223,40 @@ TEST(KeyMeansEngine, SoftmaxRemovesTheMean) {
   std::printf("[ key means ] int8 pools: max |dlogit| against fp32 %.2e, with the mean %.2e\n", e0,
               e1);
   EXPECT_GT(e1, 2.0 * e0) << "the mean did not reach the int8 pools";
+  lf_checkpoint_close(&ck);
+}
+
+/* rkv's selection compares the model's keys (the stored rows plus the mean: lf_kv_head.k_mean),
+ * so on fp32 pools a mean changes nothing there either: a prompt that overflows the budget in
+ * chunks (decode steps past the first) and decode steps, a selection every 4 steps, the logits
+ * to fp32 rounding. Cosines over the centred keys choose other slots (the mean of 8 std per dim
+ * would otherwise be most of every key), and the logits after them move by whole units. */
+TEST(KeyMeansEngine, RkvComparesTheModelsKeys) {
+  lf_checkpoint ck{};
+  ASSERT_EQ(lf_checkpoint_open(gqa_model().c_str(), &ck), LF_OK) << lf_last_error();
+  const lf_model_config &c = ck.cfg;
+  const size_t n = (size_t)c.n_layers * c.n_kv_heads * c.head_dim;
+  const int P = 300, T = 60, B = 96;
+  std::vector<float> big(n);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto &x : big) x = 8.0f * nd(rng);
+  const std::vector<float> none = run_logits(ck, LF_KV_BF16, nullptr, P, T, LF_POLICY_RKV, B);
+  const std::vector<float> m = run_logits(ck, LF_KV_BF16, big.data(), P, T, LF_POLICY_RKV, B);
+  const std::vector<float> full = run_logits(ck, LF_KV_BF16, nullptr, P, T);
+  ASSERT_EQ(none.size(), (size_t)(P + T) * c.vocab_size);
+  ASSERT_EQ(m.size(), none.size());
+  ASSERT_EQ(full.size(), none.size());
+  double worst = 0, scale = 0, evict = 0;
+  for (size_t i = 0; i < none.size(); i++) {
+    worst = std::max(worst, (double)std::fabs(m[i] - none[i]));
+    evict = std::max(evict, (double)std::fabs(full[i] - none[i]));
+    scale = std::max(scale, (double)std::fabs(none[i]));
+  }
+  std::printf("[ key means ] rkv, budget %d of %d, fp32 pools, mean of 8 std: max |dlogit| %.2e "
+              "(eviction itself moves them %.2e)\n", B, P + T, worst, evict);
+  EXPECT_GT(evict, 1.0) << "the run does not evict enough to tell selections apart";
+  EXPECT_LT(worst, 1e-4 * (1.0 + scale));
   lf_checkpoint_close(&ck);
 }
 

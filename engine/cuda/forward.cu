@@ -150,6 +150,7 @@ static lf_status rkv_due(cuda_backend *c, int l, int nd, cudaStream_t st) {
   a.due_only = 1;
   a.ws = c->rkv_ws;
   a.ws_bytes = c->rkv_ws_bytes;
+  a.k_mean = c->kmu ? c->kmu + (size_t)l * c->kd : NULL; /* cosines over the model's keys */
   return lf_cuda_rkv_select(&a, st);
 }
 
