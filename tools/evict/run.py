@@ -69,7 +69,6 @@ def parse():
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ada-calib", help="h2o-half-adainv: tools/evict/layer_reads.py's JSON")
-    ap.add_argument("--key-means", help="rkv-...-c: a key-means file (tools/evict/key_means.py)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "evict_sim_smollm2.json"))
     ap.add_argument("--bucket", type=int, default=200, help="KL curve bucket (positions)")
     ap.add_argument("--lora", help="PEFT LoRA adapter merged into the model (model.merge_lora)")
@@ -153,7 +152,7 @@ def make_specs(sim, a, budgets, n_kv):
                                       name="%s/B%d" % (p, B)))
             elif p == "h2o-32":
                 specs.append(sim.Spec("h2o", B, sink=a.sink, h2o_recent=32, name="h2o-recent-32/B%d" % B))
-            elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o([0-9]+|half))?(-hist)?(-adainv)?(-c)?", p):
+            elif re.fullmatch(r"rkv(-S[0-9]+)?(-l[0-9.]+)?(-o([0-9]+|half))?(-hist)?(-adainv)?", p):
                 # R-KV: a selection every S steps (default 32) of the S slots to overwrite next,
                 # lam (default 0.1) mixing importance and redundancy, o observation queries (8;
                 # `half`: B/2); -hist: importance is H2O's whole-history mass instead
@@ -165,11 +164,6 @@ def make_specs(sim, a, budgets, n_kv):
                         kw["layer_budgets"] = ada_budgets(a, B)
                     elif part == "ohalf":
                         kw["obs_half"] = True
-                    elif part == "c":  # cosines over centred keys, as the engine with --key-means
-                        if not a.key_means:
-                            raise SystemExit("%s: -c needs --key-means" % p)
-                        from key_means import read_means
-                        kw["key_means"] = read_means(a.key_means)
                     else:
                         kw[{"S": "stage", "l": "lam", "o": "obs"}[part[0]]] = \
                             float(part[1:]) if part[0] == "l" else int(part[1:])

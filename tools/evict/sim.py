@@ -68,8 +68,7 @@ class Spec:
 
     def __init__(self, policy, budget, sink=4, window=32, h2o_recent=None, scope="head", seed=0,
                  tau=None, name=None, gamma=0.0, recent=None, stage=32, obs=8, lam=0.1,
-                 sim_thr=0.5, pool_kernel=7, hist=False, layer_budgets=None, obs_half=False,
-                 key_means=None):
+                 sim_thr=0.5, pool_kernel=7, hist=False, layer_budgets=None, obs_half=False):
         if policy not in POLICIES:
             raise ValueError("policy %s (one of %s)" % (policy, ", ".join(POLICIES)))
         self.policy = policy
@@ -97,9 +96,6 @@ class Spec:
         # lf_rkv_obs_resolve does
         self.obs_half = bool(obs_half)
         self.sim_thr, self.pool_kernel = float(sim_thr), int(pool_kernel)
-        # rkv: [L][H][D] or None: its cosines over k - mu, what the engine's rkv compares when
-        # lf_engine_config.key_means is set (keys stored centred); attention is unchanged
-        self.key_means = None if key_means is None else np.asarray(key_means, np.float64)
         # rkv, a diagnostic (not served): importance = H2O's mass accumulated over the whole
         # history (never reset), normalized to sum 1 over the candidates as redundancy does
         self.hist = bool(hist)
@@ -474,8 +470,6 @@ class Sim:
             pad = np.concatenate([np.full(h, -np.inf), imp, np.full(h, -np.inf)])
             imp = np.max(np.stack([pad[i:i + len(rest)] for i in range(2 * h + 1)]), 0)
         k = self.K[l, r, g, rest].astype(np.float64)
-        if sp.key_means is not None:
-            k = k - sp.key_means[l, g]
         kn = k / (np.linalg.norm(k, axis=1, keepdims=True) + 1e-8)
         cos = kn @ kn.T
         np.fill_diagonal(cos, 0.0)
