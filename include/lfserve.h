@@ -208,9 +208,8 @@ typedef struct lf_engine_config {
                              q.mu, which the softmax removes. What changes is the range a
                              quantized pool's keys span: a calibrated mean (the keys' average
                              over sample text of the workload) cuts int4 keys' error most
-                             (docs/DESIGN.md §3). rkv compares keys as stored, so its
-                             redundancy sees centred keys, which measured worse than the
-                             model's own in the simulator: use h2o with key means for now.
+                             (docs/DESIGN.md §3). rkv's redundancy adds the mean back: it
+                             compares the model's keys, which select better than centred ones.
                              NULL (default): none. lfgen/lfbench/
                              lfserve: --key-means FILE (tools/evict/key_means.py writes one).
                              Read by lf_engine_init only */
