@@ -9,7 +9,7 @@ with key means (`--key-means`: "DTYPE+mu").
 
 A run's bytes are what its pools hold: budget slots x (K and V rows of its dtype) x layers x KV
 heads, over the problem's output tokens; a point is the mean over a (series, fraction)'s
-problems. Row bytes per dtype follow base/kvq.h: bf16 2 x head_dim; fp8 and int8 head_dim and an
+problems; a point a later file measures again is the later file's. Row bytes per dtype follow base/kvq.h: bf16 2 x head_dim; fp8 and int8 head_dim and an
 fp32 scale; int4 head_dim / 2 and a bf16 step and floor per 32 dims; k8v4 an int8 K row and an int4 V row.
 Token error is pooled as
 lfbench eval pools it (wrong positions over all positions); answers are counted right of the
@@ -46,10 +46,12 @@ def load(paths):
 
 
 def series(docs, a):
-    """(policy, scope, dtype) -> {fraction: dict(bytes, err, right, n)}"""
+    """(policy, scope, dtype) -> {fraction: dict(bytes, err, right, n)}; a point measured again
+    in a later file (the same series and fraction) is replaced by the later file's runs."""
     acc = collections.defaultdict(lambda: collections.defaultdict(
         lambda: {"bytes": 0.0, "wrong": 0, "pos": 0, "right": 0, "n": 0}))
-    for d in docs:
+    owner = {}  # (key, fraction) -> the file whose runs it holds
+    for i, d in enumerate(docs):
         dt = d["engine"].get("kv_dtype", "bf16")
         rb = slot_bytes(dt, a.head_dim) * a.layers * a.kv_heads  # K and V
         if d["engine"].get("key_means"):  # --key-means: the same bytes, its own line
@@ -57,6 +59,9 @@ def series(docs, a):
         for r in d["runs"]:
             pol = r["policy"] + ("/layers" if d["engine"].get("layer_weights") else "")
             key = (pol, r.get("scope", "head") if r["policy"] != "full" else "-", dt)
+            if owner.setdefault((key, r["fraction"]), i) != i:  # re-measured: the later file's
+                owner[(key, r["fraction"])] = i
+                del acc[key][r["fraction"]]
             s = acc[key][r["fraction"]]
             s["bytes"] += r["budget"] * rb / r["output_tokens"]
             s["n"] += 1
@@ -92,7 +97,9 @@ def main():
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.6))
     # one colour per series in both panels
-    colours = {k: plt.cm.tab10(i % 10) for i, k in enumerate(sorted(set(tf) | set(free)))}
+    keys = sorted(set(tf) | set(free))  # one colour a series: tab10, then tab20's light shades
+    colours = {k: plt.cm.tab10(i) if i < 10 else plt.cm.tab20((2 * i + 1) % 20)
+               for i, k in enumerate(keys)}
     for key in sorted(tf):
         pts = sorted((v["bytes"] / v["n"] / 1024, 100.0 * v["wrong"] / max(v["pos"], 1))
                      for v in tf[key].values())
