@@ -61,6 +61,20 @@
 #                                 sharing the GPUs (one GPU: all on it); tokens/s, TTFT and TPOT
 #                                 p50/p99 per rate, bench/results-style JSON per run (DP_BACKEND=cpu
 #                                 with a small DP_MODEL and DP_VOCAB: the same on CPU ranks)
+#   bench/run.sh smol             SmolLM2's GGUF from the parts of tools/device_deps.sh --smollm2,
+#                                 carried one .smol/pN per call (with .smol/SHA256SUMS): copies
+#                                 those present to $B/keep (kept while the machine is warm) and,
+#                                 once all are there, joins them into $B/keep/smol.gguf, checked
+#                                 against the sum
+#   bench/run.sh task             SmolLM2 + the trace adapter on the task (docs/TASK.md §10): one
+#                                 `lfbench eval --backend cuda --jobs 8 --budget-round 64` per
+#                                 entry of TASK_RUNS, "TAG:PROBLEMS:POLICIES:FRACTIONS:DTYPE:MODE"
+#                                 with MODE tf (teacher-forced) or free (greedy), optionally
+#                                 +km (the adapter's key means) and +lw (its layer weights), e.g.
+#                                 "tf20:test.jsonl:h2o,rkv:0.2:bf16:tf+km"; PROBLEMS and tok.json
+#                                 from TASK_DATA (default task-data/, git-ignored: name it in a
+#                                 call's carry; gen.py's commands are in bench/RESULTS.md) -> $OUT/task_TAG.{json,log} (TASK_ARGS adds
+#                                 options; TASK_BACKEND=cpu with B=build tries it here)
 #   bench/run.sh targets          the throughput targets of bench/RESULTS.md's table (issue 37),
 #                                 each printed against its target by bench/targets.py: h2o's
 #                                 prompt steps over LongFlow's (512, 2048, 8192), the 16k run's
@@ -490,6 +504,44 @@ run_targets() {
   python3 bench/targets.py "$OUT" --json "$OUT/targets.json" | tee -a "$LOG"
 }
 
+run_smol() {
+  local k=$B/keep f want got
+  mkdir -p "$k"
+  for f in .smol/p*/part-* .smol/SHA256SUMS; do [ -f "$f" ] && cp "$f" "$k/"; done
+  if [ -s "$k/smol.gguf" ]; then say "smol: $k/smol.gguf is there"; return; fi
+  want=$(awk 'NR == 1 { print $1 }' "$k/SHA256SUMS" 2>/dev/null)
+  [ -n "$want" ] || { say "smol: no SHA256SUMS carried yet (.smol/SHA256SUMS)"; return; }
+  if cat "$k"/part-* 2>/dev/null | xz -dc >"$k/smol.tmp" 2>/dev/null &&
+    got=$(sha256sum "$k/smol.tmp" | cut -d' ' -f1) && [ "$got" = "$want" ]; then
+    mv "$k/smol.tmp" "$k/smol.gguf"
+    say "smol: joined $k/smol.gguf (sha256 $got)"
+  else
+    rm -f "$k/smol.tmp"
+    say "smol: parts so far: $(cd "$k" && ls part-* 2>/dev/null | tr '\n' ' ')(not whole yet)"
+  fi
+}
+
+run_task() {
+  local k=$B/keep d=${TASK_DATA:-task-data} spec tag prob pol fr dt mode args t0
+  [ -s "$k/smol.gguf" ] || { say "task: no $k/smol.gguf (bench/run.sh smol)"; rc=1; return; }
+  [ -s "$d/tok.json" ] || { say "task: no $d/tok.json (TASK_DATA)"; rc=1; return; }
+  [ -x "$B/lfbench" ] || build . "$B" lfbench || { rc=1; return; }
+  for spec in ${TASK_RUNS:-}; do
+    IFS=: read -r tag prob pol fr dt mode <<<"$spec"
+    args=(--model "$k/smol.gguf" --lora models/smollm2-trace-lora --tokenizer "$d/tok.json"
+      --backend "${TASK_BACKEND:-cuda}" --jobs 8 --max-concurrent 64 --budget-round 64 --quiet
+      --problems "$d/$prob" --policies "$pol" --scopes head --fractions "$fr" --kv-dtype "$dt")
+    # shellcheck disable=SC2206 # TASK_ARGS: a list
+    args+=(${TASK_ARGS:-})
+    case $mode in tf*) args+=(--teacher-forced) ;; free*) ;; *) say "task $tag: mode $mode?"; rc=1; continue ;; esac
+    case $mode in *+km*) args+=(--key-means models/smollm2-trace-lora/key_means.txt) ;; esac
+    case $mode in *+lw*) args+=(--layer-weights models/smollm2-trace-lora/layer_weights.txt) ;; esac
+    t0=$(date +%s)
+    "$B/lfbench" eval "${args[@]}" --json "$OUT/task_$tag.json" >"$OUT/task_$tag.log" 2>&1 || rc=1
+    say "task $tag ($(($(date +%s) - t0)) s): $(grep -E '^(full|h2o|rkv|longflow|streaming) ' "$OUT/task_$tag.log" | tr -s ' ' | tr '\n' ';')"
+  done
+}
+
 [ $# -ge 1 ] || { sed -n '2,/^# Several may be given/p' "$0"; exit 2; }
 say "machine: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) x $NGPU"
 while [ $# -gt 0 ]; do
@@ -506,6 +558,8 @@ while [ $# -gt 0 ]; do
   dp) run_dp ;;
   attn) run_attn ;;
   targets) run_targets ;;
+  smol) run_smol ;;
+  task) run_task ;;
   *) echo "bench/run.sh: unknown part '$1'"; exit 2 ;;
   esac
   shift
