@@ -25,8 +25,8 @@
 #define RK_KS_MAX (RK_DMAX / 16)  /* k steps of 16 dims */
 #define RK_LDW (RK_KS_MAX * 8 + 4) /* 32-bit words per tile row: the pad staggers the banks */
 /* The scan's cosines come from fp32 sums of exact bf16 products (under int4 or a key mean, of a
- * two-term bf16 split), at most ~1e-5 from the fp64 value; one within RK_BAND of the threshold is decided
- * again in fp64 as the twin computes it. */
+ * two-term bf16 split), at most ~1e-5 from the fp64 value; one within RK_BAND of the threshold
+ * is decided again in fp64 as the twin computes it. */
 #define RK_BAND 5e-4f
 
 static __device__ double rk_block_max(double v, double *red) {
