@@ -63,6 +63,24 @@ static size_t next_token(const char *text, size_t len, size_t *i, int *ln, size_
   return *i - *start;
 }
 
+/* Token text[st, st + tl) as a string in tok[cap]: 0 when it is empty or does not fit. */
+static int token_copy(const char *text, size_t st, size_t tl, char *tok, size_t cap) {
+  if (tl == 0 || tl >= cap) return 0;
+  memcpy(tok, text + st, tl);
+  tok[tl] = 0;
+  return 1;
+}
+
+/* Token text[st, st + tl) as a number: 1 when strtod reads all of it without a range error. */
+static int token_double(const char *text, size_t st, size_t tl, double *v) {
+  char tok[64], *end;
+  *v = 0.0;
+  if (!token_copy(text, st, tl, tok, sizeof tok)) return 0;
+  errno = 0;
+  *v = strtod(tok, &end);
+  return end != tok && !*end && !errno;
+}
+
 int lf_cli_parse_weights(const char *text, size_t len, const char *name, double **out, int *n,
                          char *err, size_t err_len) {
   enum { MAX_W = 4096 };
@@ -76,18 +94,8 @@ int lf_cli_parse_weights(const char *text, size_t len, const char *name, double 
   int k = 0, ln = 1;
   size_t i = 0, st, tl;
   while ((tl = next_token(text, len, &i, &ln, &st)) > 0) {
-    char tok[64];
-    int ok = tl < sizeof tok && k < MAX_W;
     double v = 0.0;
-    if (ok) {
-      memcpy(tok, text + st, tl);
-      tok[tl] = 0;
-      char *end;
-      errno = 0;
-      v = strtod(tok, &end);
-      ok = !*end && !errno && v > 0.0 && isfinite(v);
-    }
-    if (!ok) {
+    if (k >= MAX_W || !token_double(text, st, tl, &v) || !(v > 0.0) || !isfinite(v)) {
       snprintf(err, err_len,
                "%s:%d: '%.*s' is not a layer weight (a finite number > 0, at most %d of them)",
                name, ln, (int)(tl < 32 ? tl : 32), text + st, MAX_W);
@@ -169,11 +177,8 @@ int lf_cli_parse_key_means(const char *text, size_t len, const char *name, float
     if (h == 0) continue;
     tl = next_token(text, len, &i, &ln, &st);
     long v = -1;
-    if (tl > 0 && tl < sizeof tok) {
-      memcpy(tok, text + st, tl);
-      tok[tl] = 0;
-      if (lf_cli_parse_long(tok, 1, MAX_DIM, &v)) v = -1;
-    }
+    if (token_copy(text, st, tl, tok, sizeof tok) && lf_cli_parse_long(tok, 1, MAX_DIM, &v))
+      v = -1;
     if (v < 0) {
       snprintf(err, err_len, "%s:%d: %s wants an integer in [1, %d], found '%.*s'", name, ln,
                keys[h], MAX_DIM, (int)(tl < 32 ? tl : 32), tl ? text + st : "");
@@ -194,18 +199,10 @@ int lf_cli_parse_key_means(const char *text, size_t len, const char *name, float
   }
   long long k = 0;
   while ((tl = next_token(text, len, &i, &ln, &st)) > 0) {
-    int ok = tl < sizeof tok && k < want;
     double v = 0.0;
-    if (ok) {
-      memcpy(tok, text + st, tl);
-      tok[tl] = 0;
-      char *end;
-      errno = 0;
-      v = strtod(tok, &end);
-      /* finite as a float too: the engine subtracts it in fp32 */
-      ok = end != tok && !*end && !errno && isfinite(v) && fabs(v) <= 3.4028234663852886e38;
-    }
-    if (!ok) {
+    /* finite as a float too: the engine subtracts it in fp32 */
+    if (k >= want || !token_double(text, st, tl, &v) || !isfinite(v) ||
+        fabs(v) > 3.4028234663852886e38) {
       if (k >= want)
         snprintf(err, err_len, "%s:%d: more than the %lld values the header announces", name, ln,
                  want);
